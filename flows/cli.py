@@ -1,0 +1,160 @@
+"""`kiln`: run, plan and trace experiments. See `kiln --help`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+EPILOG = """examples:
+  kiln run configs/tiny_cpu.yaml                 raw text to an evaluated model, cached by version
+  kiln run configs/tiny_cpu.yaml --until acquire run only what `acquire` needs
+  kiln plan configs/tiny_cpu.yaml --json         every step's version, path and status
+  kiln lineage kiln_store/acquire/<version>      the tree back to the raw sources
+
+The store is ./kiln_store unless --store or KILN_STORE says otherwise (a path or fsspec URL).
+Runs use Prefect's ephemeral API unless PREFECT_API_URL names a server."""
+
+
+def _prefect_defaults() -> None:
+    """Quiet, offline-safe Prefect settings unless the user set them."""
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    os.environ.setdefault("PREFECT_LOGGING_LOG_PRINTS", "true")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kiln", description="Reproducible LM training: every stage a "
+                                "cached, versioned Prefect step with lineage.", epilog=EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, help: str, example: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=help, epilog=f"example:\n  {example}",
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    run = command("run", "Run the pipeline for a config; cached steps are not recomputed.",
+                  "kiln run configs/tiny_cpu.yaml --until tokenize --force train")
+    run.add_argument("config", help="experiment YAML")
+    run.add_argument("--store", help="artefact store: path or fsspec URL (default ./kiln_store or $KILN_STORE)")
+    run.add_argument("--until", metavar="STAGE", help="stop after this stage (and what it needs)")
+    run.add_argument("--force", metavar="STAGE", nargs="+", default=[], help="recompute these stages even if cached")
+
+    pl = command("plan", "List every step with its version, output path and status; runs nothing.",
+                 "kiln plan configs/tiny_cpu.yaml --json")
+    pl.add_argument("config")
+    pl.add_argument("--store")
+    pl.add_argument("--until", metavar="STAGE")
+    pl.add_argument("--json", action="store_true", help="a JSON list of {stage, version, path, status}")
+
+    li = command("lineage", "Print the tree from an artefact back to its raw inputs.",
+                 "kiln lineage kiln_store/tokenize/3f9c0a1b2c4d --json")
+    li.add_argument("path", help="an artefact folder (one with lineage.json)")
+    li.add_argument("--json", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except KilnUserError as e:
+        print(f"kiln: {e}", file=sys.stderr)
+        return 2
+
+
+class KilnUserError(Exception):
+    """Something the user can fix; printed as one line, exit status 2."""
+
+
+def _config(path: str):
+    from flows.config import ConfigError, load_config
+
+    try:
+        return load_config(path)
+    except ConfigError as e:
+        raise KilnUserError(str(e)) from None
+
+
+def _store(arg: str | None):
+    from tasks.store import Store
+
+    return Store(arg)
+
+
+def cmd_plan(args) -> int:
+    from flows.plan import plan
+
+    config, store = _config(args.config), _store(args.store)
+    try:
+        steps = plan(config, store, args.until)
+    except (ValueError, FileNotFoundError) as e:
+        raise KilnUserError(str(e)) from None
+    if args.json:
+        print(json.dumps([{"stage": s.stage, "version": s.version, "path": s.path, "status": s.status}
+                          for s in steps], indent=2))
+    else:
+        print(table(["stage", "step", "version", "status", "path"],
+                    [[s.stage, s.name, s.version, s.status, s.path] for s in steps]))
+    return 0
+
+
+def cmd_run(args) -> int:
+    _prefect_defaults()
+    config, store = _config(args.config), _store(args.store)
+    from flows.plan import experiment_steps, select
+
+    try:
+        select(experiment_steps(config), args.until)
+    except (ValueError, FileNotFoundError) as e:
+        raise KilnUserError(str(e)) from None
+    from flows.pipeline import pipeline
+    from tasks.runner import StepFailed
+
+    try:
+        runs = pipeline(config=config, store=store.root, until=args.until, force=args.force)
+    except StepFailed as e:
+        print(f"kiln: {e}", file=sys.stderr)
+        return 1
+    print(summary_table(runs))
+    return 0
+
+
+def cmd_lineage(args) -> int:
+    from tasks.lineage import format_tree, lineage_tree
+
+    try:
+        tree = lineage_tree(Path(args.path))
+    except FileNotFoundError as e:
+        raise KilnUserError(str(e)) from None
+    print(json.dumps(tree, indent=2) if args.json else format_tree(tree))
+    return 0
+
+
+COMMANDS = {"run": cmd_run, "plan": cmd_plan, "lineage": cmd_lineage}
+
+KEY_STATS = ["documents", "docs_out", "tokens", "final_loss", "final_val_loss"]
+
+
+def summary_table(runs) -> str:
+    rows = []
+    for r in runs:
+        stats = ", ".join(f"{k}={_fmt(r.stats[k])}" for k in KEY_STATS if k in r.stats)
+        rows.append([r.name, r.version, r.status, f"{r.seconds:.1f}", r.path, stats])
+    return table(["stage", "version", "ran/cached", "seconds", "output", "key stats"], rows)
+
+
+def _fmt(v) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()
+    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

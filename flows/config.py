@@ -1,0 +1,64 @@
+"""The experiment config: one YAML file, one section per stage, validated by pydantic.
+
+The same model is the `pipeline` flow's parameter, so the Prefect UI renders it as a form.
+Each stage's version hashes only its own section (plus the shared fields it reads, like `seed`),
+so editing `eval` never reruns training.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from pydantic import Field, ValidationError
+
+from tasks.acquire import AcquireConfig, SourceConfig
+from training.config import ConfigModel, setting
+
+
+class DataConfig(ConfigModel):
+    sources: list[SourceConfig] = Field(min_length=1)
+    docs_per_shard: int = Field(500, ge=1)
+    max_doc_bytes: int = Field(5_000_000, ge=1)
+    strict: bool = False
+
+    def acquire(self) -> AcquireConfig:
+        return AcquireConfig(sources=self.sources, docs_per_shard=self.docs_per_shard,
+                             max_doc_bytes=self.max_doc_bytes, strict=self.strict)
+
+
+class RunSettings(ConfigModel):
+    """Where and how fast, never what: none of these enter a version."""
+
+    workers: int = setting(1, ge=1, description="Parallel workers for data stages (Ray when > 1).")
+
+
+class ExperimentConfig(ConfigModel):
+    name: str = "experiment"
+    seed: int = 0
+    data: DataConfig
+    run: RunSettings = RunSettings()
+
+
+class ConfigError(ValueError):
+    """A config file that does not validate; the message is one line naming file and field."""
+
+
+def load_config(path: str | Path) -> ExperimentConfig:
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"{path}: no such config file")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections at the top level")
+    try:
+        return ExperimentConfig.model_validate(raw)
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        more = f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else ""
+        got = f"; got {err['input']!r}" if err["type"] != "missing" and not isinstance(err["input"], dict) else ""
+        raise ConfigError(f"{path}: {field}: {err['msg']}{got}{more}") from None

