@@ -119,6 +119,11 @@ def read_shard(
                 if not isinstance(doc, dict) or not isinstance(doc.get("text"), str) or "id" not in doc:
                     reject("missing_fields", lineno, "a document needs a string `text` and an `id`")
                     continue
+                try:  # a JSON escape like "\ud800" decodes to a lone surrogate, which no UTF-8 can hold
+                    doc["text"].encode("utf-8")
+                except UnicodeEncodeError as e:
+                    reject("invalid_utf8", lineno, str(e))
+                    continue
                 doc.setdefault("source", "")
                 doc.setdefault("metadata", {})
                 yield doc

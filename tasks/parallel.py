@@ -17,15 +17,17 @@ def ensure_ray(num_cpus: int | None = None) -> None:
     if ray.is_initialized():
         return
     address = os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, log_to_driver=False, logging_level="ERROR")
-    else:
-        ray.init(
-            num_cpus=num_cpus or os.cpu_count(),
-            include_dashboard=False,
-            log_to_driver=False,
-            logging_level="ERROR",
-        )
+    kwargs = dict(address=address) if address else dict(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False)
+    for attempt in range(3):
+        try:
+            ray.init(log_to_driver=False, logging_level="ERROR", **kwargs)
+            return
+        except Exception:
+            # Ray waits a fixed 30 s for its local node; a loaded machine can miss that. Retry,
+            # then let the error through.
+            ray.shutdown()
+            if address or attempt == 2:
+                raise
 
 
 def map_shards(fn: Callable[[Any], Any], items: Sequence[Any], workers: int = 1,

@@ -21,7 +21,7 @@ from prefect.utilities.annotations import quote
 from tasks.lineage import build_lineage, now, publish_to_prefect
 from tasks.step import Step, StepContext
 from tasks.store import Store
-from tasks.versioning import result_storage, step_cache_policy
+from tasks.caching import result_storage, step_cache_policy
 
 
 class StepFailed(RuntimeError):

@@ -12,21 +12,12 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
-import socket
-from dataclasses import dataclass
 from pathlib import Path, PurePath
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from prefect.cache_policies import CachePolicy
-from prefect.locking.filesystem import FileSystemLockManager
-from prefect.transactions import IsolationLevel
 from pydantic import BaseModel
 
 from training.config import is_identity
-
-if TYPE_CHECKING:
-    from tasks.store import Store
 
 VERSION_CHARS = 12
 
@@ -99,71 +90,14 @@ def step_version(
     return hashlib.sha256(canonical_json(record).encode()).hexdigest()[:VERSION_CHARS]
 
 
-# --- Prefect side -----------------------------------------------------------------------------
+# The Prefect side (cache policy, result storage, locks) lives in tasks/caching.py, so that a
+# Ray worker that imports a stage module (and so this one) does not import Prefect too.
+_PREFECT_SIDE = ("step_cache_policy", "result_storage", "StaleAwareLockManager", "StepVersionPolicy")
 
 
-def result_storage(store: "Store"):
-    """Where Prefect keeps step result records: inside the store, so a copied store keeps its hits."""
-    if store.is_local:
-        return store.local_root / ".prefect-results"
-    from prefect.filesystems import RemoteFileSystem
+def __getattr__(name: str):
+    if name in _PREFECT_SIDE:
+        from tasks import caching
 
-    return RemoteFileSystem(basepath=f"{store.root}/.prefect-results")
-
-
-def step_cache_policy(store: "Store"):
-    """The cache policy for every kiln step: key `<stage>-<version>`, serializable, locked.
-
-    The key is passed in as the task's `cache_key` argument, so Prefect's input hashing (which
-    falls back to cloudpickle and differs per process) is never used.
-    """
-    # No `key_storage`: Prefect then writes metadata and value as one record in the task's
-    # result storage (`result_storage` below), which a copied store carries along whole.
-    return StepVersionPolicy().configure(
-        lock_manager=StaleAwareLockManager(store.local_root / ".prefect-locks"),
-        isolation_level=IsolationLevel.SERIALIZABLE,
-    )
-
-
-@dataclass
-class StepVersionPolicy(CachePolicy):
-    def compute_key(self, task_ctx, inputs, flow_parameters, **kwargs):
-        return inputs["cache_key"]
-
-
-class StaleAwareLockManager(FileSystemLockManager):
-    """Prefect's file lock manager, plus: a lock whose holder process died is released.
-
-    Prefect's lock files have no expiry by default, so a runner killed with SIGKILL would leave
-    every later run of that step waiting forever. We record host and pid beside the holder and
-    treat a lock held by a dead process on this host as free.
-    """
-
-    def acquire_lock(self, key, holder, acquire_timeout=None, hold_timeout=None) -> bool:
-        acquired = super().acquire_lock(key, holder, acquire_timeout, hold_timeout)
-        if acquired:
-            path = self._lock_path_for_key(key)
-            info = json.loads(path.read_bytes())
-            info.update(host=socket.gethostname(), pid=os.getpid())
-            path.write_text(json.dumps(info))
-        return acquired
-
-    def is_locked(self, key: str, use_cache: bool = False) -> bool:
-        info = self._get_lock_info(key, use_cache=use_cache)
-        if info is not None and info.get("host") == socket.gethostname():
-            pid = info.get("pid")
-            if pid is not None and not _alive(pid):
-                Path(info["path"]).unlink(missing_ok=True)
-                self._locks.pop(key, None)
-                return False
-        return super().is_locked(key, use_cache=use_cache)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        return getattr(caching, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

