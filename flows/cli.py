@@ -13,6 +13,8 @@ EPILOG = """examples:
   kiln run configs/tiny_cpu.yaml --until acquire run only what `acquire` needs
   kiln plan configs/tiny_cpu.yaml --json         every step's version, path and status
   kiln lineage kiln_store/acquire/<version>      the tree back to the raw sources
+  kiln why configs/tiny_cpu.yaml kjv/01-001      which data stage kept or dropped a document, and why
+  kiln serve configs/tiny_cpu.yaml               serve deployments on the server at PREFECT_API_URL
 
 The store is ./kiln_store unless --store or KILN_STORE says otherwise (a path or fsspec URL).
 Runs use Prefect's ephemeral API unless PREFECT_API_URL names a server."""
@@ -53,6 +55,21 @@ def parser() -> argparse.ArgumentParser:
                  "kiln lineage kiln_store/tokenize/3f9c0a1b2c4d --json")
     li.add_argument("path", help="an artefact folder (one with lineage.json)")
     li.add_argument("--json", action="store_true")
+
+    why = command("why", "Show which data stage kept or dropped a document, with its scores.",
+                  "kiln why configs/tiny_cpu.yaml chichewa/01-001")
+    why.add_argument("config")
+    why.add_argument("doc_id", help="a document id as acquire wrote it: <source name>/<id>")
+    why.add_argument("--store")
+
+    serve = command("serve", "Register the pipeline, data-refresh and evaluate deployments on the "
+                    "Prefect server at PREFECT_API_URL and run them when triggered or scheduled.",
+                    "PREFECT_API_URL=http://127.0.0.1:4200/api kiln serve configs/tiny_cpu.yaml --cron '0 3 * * *'")
+    serve.add_argument("config", help="experiment YAML: the deployments' default parameters")
+    serve.add_argument("--store", help="the store runs write to (default ./kiln_store or $KILN_STORE)")
+    serve.add_argument("--cron", default="0 3 * * *", help="data-refresh schedule (default: daily at 03:00)")
+    serve.add_argument("--refresh-until", default="tokenize", metavar="STAGE",
+                       help="the last stage data-refresh reruns (default: tokenize)")
     return p
 
 
@@ -92,6 +109,9 @@ def cmd_plan(args) -> int:
         steps = plan(config, store, args.until)
     except (ValueError, FileNotFoundError) as e:
         raise KilnUserError(str(e)) from None
+    for s in steps:
+        if s.warning:
+            print(f"kiln: warning: {s.warning}", file=sys.stderr)
     if args.json:
         print(json.dumps([{"stage": s.stage, "version": s.version, "path": s.path, "status": s.status}
                           for s in steps], indent=2))
@@ -133,9 +153,46 @@ def cmd_lineage(args) -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run, "plan": cmd_plan, "lineage": cmd_lineage}
+def cmd_why(args) -> int:
+    from flows.plan import experiment_steps
+    from tasks.filter import explain
 
-KEY_STATS = ["documents", "docs_out", "tokens", "final_loss", "final_val_loss"]
+    config, store = _config(args.config), _store(args.store)
+    seen = False
+    for step in experiment_steps(config):
+        folder = Path(store.output(step.stage, step.version))
+        if not (folder / "attributes").is_dir():
+            continue
+        record = explain(folder, args.doc_id)
+        if record is None:
+            continue
+        seen = True
+        verdict = "kept" if record["kept"] else f"DROPPED: {record['reason']}"
+        print(f"{step.name} {step.version}: {verdict}  scores={json.dumps(record.get('scores', {}))}")
+        if not record["kept"]:
+            break
+    if not seen:
+        raise KilnUserError(f"no finished data stage in {store.root} has a record of document "
+                            f"{args.doc_id!r}; check the id (`<source>/<id>`) and run the data stages first")
+    return 0
+
+
+def cmd_serve(args) -> int:
+    _prefect_defaults()
+    config, store = _config(args.config), _store(args.store)
+    from deployments.serve import NoServer, serve
+
+    try:
+        serve(config, store.root, cron=args.cron, refresh_until=args.refresh_until)
+    except NoServer as e:
+        raise KilnUserError(str(e)) from None
+    return 0
+
+
+COMMANDS = {"run": cmd_run, "plan": cmd_plan, "lineage": cmd_lineage, "why": cmd_why, "serve": cmd_serve}
+
+KEY_STATS = ["documents", "docs_out", "tokens", "unigram_entropy", "final_loss", "final_val_loss",
+             "next_passage_acc", "next_passage_chance", "last_word_acc", "bits_per_byte"]
 
 
 def summary_table(runs) -> str:

@@ -13,7 +13,25 @@ import yaml
 from pydantic import Field, ValidationError
 
 from tasks.acquire import AcquireConfig, SourceConfig
-from training.config import ConfigModel, setting
+from tasks.dedup import DedupConfig
+from tasks.evaluate import EvalConfig
+from tasks.export import ExportConfig
+from tasks.extract import ExtractConfig
+from tasks.filter import FilterConfig
+from tasks.quality import NegativeExamplesConfig, QualityClassifierConfig, QualityFilterConfig
+from tasks.tokenize import TokenizeConfig
+from tasks.tokenizer import TokenizerConfig
+from training.config import ConfigModel, ModelConfig, ResourcesConfig, TrainConfig, setting
+
+
+class QualityConfig(ConfigModel):
+    """A DCLM-style quality filter: a fastText classifier trained on positives (the documents that
+    passed `filter`, or files) against negatives (those documents with their words shuffled, or
+    files), then used to score every document."""
+
+    classifier: QualityClassifierConfig = QualityClassifierConfig()
+    negatives: NegativeExamplesConfig = NegativeExamplesConfig()
+    filter: QualityFilterConfig = QualityFilterConfig(keep_fraction=0.9)
 
 
 class DataConfig(ConfigModel):
@@ -21,6 +39,10 @@ class DataConfig(ConfigModel):
     docs_per_shard: int = Field(500, ge=1)
     max_doc_bytes: int = Field(5_000_000, ge=1)
     strict: bool = False
+    extract: ExtractConfig | None = Field(None, description="HTML/WARC to main text; leave out for plain-text sources.")
+    filter: FilterConfig = FilterConfig()
+    quality: QualityConfig | None = None
+    dedup: DedupConfig | None = DedupConfig()
 
     def acquire(self) -> AcquireConfig:
         return AcquireConfig(sources=self.sources, docs_per_shard=self.docs_per_shard,
@@ -34,9 +56,15 @@ class RunSettings(ConfigModel):
 
 
 class ExperimentConfig(ConfigModel):
-    name: str = "experiment"
-    seed: int = 0
+    name: str = setting("experiment", description="A label for runs and deployments; enters no version.")
     data: DataConfig
+    tokenizer: TokenizerConfig = TokenizerConfig()
+    tokenize: TokenizeConfig = TokenizeConfig()
+    model: ModelConfig = Field(ModelConfig(), description="`vocab_size` is set from the tokenizer.")
+    train: TrainConfig = TrainConfig()
+    eval: EvalConfig = Field(EvalConfig(), description="`validation_fraction` is set from `tokenize`.")
+    export: ExportConfig = ExportConfig()
+    resources: ResourcesConfig = ResourcesConfig()
     run: RunSettings = RunSettings()
 
 

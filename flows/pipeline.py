@@ -19,4 +19,31 @@ def pipeline(config: ExperimentConfig, store: str | None = None, until: str | No
     for name in FLOWS:
         if name in needed:
             runs += STAGE_FLOWS[name](config=config, store=store, until=until, force=force)
+    if runs and runs[-1].path and "://" not in runs[-1].path:
+        publish_lineage(runs[-1])
     return runs
+
+
+def publish_lineage(final: StepRun) -> None:
+    """A markdown artifact for the pipeline's final artefact: its tree back to the raw sources."""
+    from pathlib import Path
+
+    from prefect.artifacts import create_markdown_artifact
+
+    from tasks.lineage import lineage_tree, tree_markdown
+
+    tree = lineage_tree(Path(final.path))
+    create_markdown_artifact(
+        key=f"lineage-{final.stage.replace('_', '-')}-{final.version}",
+        markdown=f"# Lineage of {final.name} `{final.version}`\n\n{tree_markdown(tree)}\n",
+        description=f"kiln {final.name} {final.version} back to its raw sources")
+
+
+@flow(name="data-refresh", log_prints=True)
+def data_refresh(config: ExperimentConfig, store: str | None = None, until: str = "tokenize") -> list[StepRun]:
+    """Re-read the sources and rerun whatever changed downstream, up to `until`.
+
+    Acquire's version includes a fingerprint of its sources, so when nothing changed every step
+    is a cache hit, and when a source changed exactly the steps downstream of it run.
+    """
+    return pipeline(config=config, store=store, until=until)

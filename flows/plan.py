@@ -11,21 +11,58 @@ from dataclasses import dataclass
 
 from flows.config import ExperimentConfig
 from tasks.acquire import acquire_step
+from tasks.dedup import dedup_step
+from tasks.evaluate import evaluate_step
+from tasks.export import export_step
+from tasks.extract import extract_step
+from tasks.filter import filter_step
+from tasks.quality import negative_examples_step, quality_filter_step, train_quality_classifier_step
+from tasks.tokenize import tokenize_step
+from tasks.tokenizer import GPT2_EOS, TokenizerConfig, tokenizer_step
+from tasks.train import train_step
 from tasks.step import Step, upstream_order
 from tasks.store import Store
-from tasks.versioning import StaleAwareLockManager
+from tasks.caching import StaleAwareLockManager
 
 # Which lifecycle flow runs each stage, in pipeline order.
 FLOW_OF_STAGE = {
-    "acquire": "data",
+    "acquire": "data", "extract": "data", "filter": "data", "negative_examples": "data",
+    "quality_classifier": "data", "quality_filter": "data", "dedup": "data",
+    "tokenizer": "tokenize", "tokenize": "tokenize",
+    "train": "train", "evaluate": "evaluate", "export": "export",
 }
-FLOWS = ["data", "tokenize", "train", "evaluate", "export"]
+FLOWS = ["data", "tokenize", "train", "evaluate", "export", "posttrain"]
 
 
 def experiment_steps(config: ExperimentConfig) -> list[Step]:
     """Every step of the experiment, upstream before downstream."""
-    documents = acquire_step(config.data.acquire())
-    return upstream_order([documents])
+    data = config.data
+    documents = acquire_step(data.acquire())
+    if data.extract is not None:
+        documents = extract_step(data.extract, documents=documents)
+    documents = filter_step(data.filter, documents=documents)
+    if data.quality is not None:
+        negatives = negative_examples_step(data.quality.negatives, documents=documents)
+        classifier = train_quality_classifier_step(data.quality.classifier, positive=documents,
+                                                   negative=negatives)
+        documents = quality_filter_step(data.quality.filter, documents=documents, classifier=classifier)
+    if data.dedup is not None:
+        documents = dedup_step(data.dedup, documents=documents)
+    tokenizer = tokenizer_step(config.tokenizer, documents=documents if config.tokenizer.kind == "bpe" else None)
+    tokens = tokenize_step(config.tokenize, tokenizer=tokenizer, documents=documents)
+    model_cfg = config.model.model_copy(update={"vocab_size": vocab_size(config.tokenizer)})
+    model = train_step(model_cfg, config.train, config.resources, tokens=tokens)
+    eval_cfg = config.eval.model_copy(update={"validation_fraction": config.tokenize.validation_fraction})
+    evaluation = evaluate_step(eval_cfg, model=model, tokenizer=tokenizer, tokens=tokens, documents=documents)
+    exported = export_step(config.export, model=model, tokenizer=tokenizer, evaluation=evaluation)
+    return upstream_order([documents, tokens, exported])
+
+
+def vocab_size(tokenizer: TokenizerConfig) -> int:
+    """The model's vocabulary: GPT-2's 50257 plus any added special tokens, or the BPE's size."""
+    if tokenizer.kind == "bpe":
+        return tokenizer.vocab_size
+    return 50257 + len([t for t in tokenizer.special_tokens if t != GPT2_EOS])
 
 
 def select(steps: list[Step], until: str | None = None) -> list[Step]:
@@ -46,6 +83,7 @@ class PlannedStep:
     version: str
     path: str
     status: str  # done, missing, running, failed
+    warning: str | None = None  # e.g. the stage's code changed since the cached run
 
 
 def step_status(step: Step, store: Store) -> str:
@@ -58,6 +96,25 @@ def step_status(step: Step, store: Store) -> str:
     return "missing"
 
 
+def code_drift(step: Step, store: Store) -> str | None:
+    """A warning when a done step's stage code differs from the code that produced it.
+
+    Code is not part of the version (so comments don't fork artefacts); if the change does
+    alter outputs, bump the stage's STAGE_VERSION or rerun with --force.
+    """
+    from tasks.lineage import source_hash
+
+    recorded = store.read_lineage(step.stage, step.version).get("code", {})
+    if recorded.get("source_sha256") and recorded["source_sha256"] != source_hash(step):
+        return (f"{step.name}: its stage source changed since this output was made (commit "
+                f"{str(recorded.get('commit'))[:10]}); if outputs would differ, bump STAGE_VERSION or --force it")
+    return None
+
+
 def plan(config: ExperimentConfig, store: Store, until: str | None = None) -> list[PlannedStep]:
-    return [PlannedStep(s.stage, s.name, s.version, store.output(s.stage, s.version), step_status(s, store))
-            for s in select(experiment_steps(config), until)]
+    planned = []
+    for s in select(experiment_steps(config), until):
+        status = step_status(s, store)
+        warning = code_drift(s, store) if status == "done" else None
+        planned.append(PlannedStep(s.stage, s.name, s.version, store.output(s.stage, s.version), status, warning))
+    return planned

@@ -1,7 +1,7 @@
-"""One Prefect flow per lifecycle stage. Each runs the experiment's steps that belong to it.
+"""One Prefect flow per lifecycle stage; each runs the experiment's steps that belong to it.
 
-They are subflows of `pipeline`, and each can also be run alone (a deployment can trigger
-`evaluate` on an existing checkpoint): the steps it needs upstream are then cache hits.
+They are the subflows of `pipeline`. Run alone (the `evaluate` deployment does), a stage flow
+runs only its own steps, and a missing upstream output is an error that names it.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from tasks.runner import StepRun, execute
 from tasks.store import Store
 
 
-def run_flow_steps(flow_name: str, config: ExperimentConfig, store: str | None,
-                   until: str | None, force: list[str]) -> list[StepRun]:
+def run_stage_steps(flow_name: str, config: ExperimentConfig, store: str | None,
+                    until: str | None, force: list[str]) -> list[StepRun]:
     steps = [s for s in select(experiment_steps(config), until) if FLOW_OF_STAGE[s.stage] == flow_name]
     return execute(steps, Store(store), workers=config.run.workers, force=frozenset(force))
 
@@ -23,8 +23,37 @@ def run_flow_steps(flow_name: str, config: ExperimentConfig, store: str | None,
 @flow(name="data", log_prints=True)
 def data_flow(config: ExperimentConfig, store: str | None = None, until: str | None = None,
               force: list[str] = []) -> list[StepRun]:
-    """Acquire, extract, filter and deduplicate documents."""
-    return run_flow_steps("data", config, store, until, force)
+    """Acquire, extract, filter, score quality and deduplicate documents."""
+    return run_stage_steps("data", config, store, until, force)
 
 
-STAGE_FLOWS = {"data": data_flow}
+@flow(name="tokenize", log_prints=True)
+def tokenize_flow(config: ExperimentConfig, store: str | None = None, until: str | None = None,
+                  force: list[str] = []) -> list[StepRun]:
+    """Build or load the tokenizer, then write token shards with a held-out split."""
+    return run_stage_steps("tokenize", config, store, until, force)
+
+
+@flow(name="train", log_prints=True)
+def train_flow(config: ExperimentConfig, store: str | None = None, until: str | None = None,
+               force: list[str] = []) -> list[StepRun]:
+    """Pretrain the model on Ray; an unfinished version resumes from its last checkpoint."""
+    return run_stage_steps("train", config, store, until, force)
+
+
+@flow(name="evaluate", log_prints=True)
+def evaluate_flow(config: ExperimentConfig, store: str | None = None, until: str | None = None,
+                  force: list[str] = []) -> list[StepRun]:
+    """lm-eval on kiln's offline suite (and named lm-eval tasks), bits per byte on held-out text."""
+    return run_stage_steps("evaluate", config, store, until, force)
+
+
+@flow(name="export", log_prints=True)
+def export_flow(config: ExperimentConfig, store: str | None = None, until: str | None = None,
+                force: list[str] = []) -> list[StepRun]:
+    """The Hugging Face Llama layout with tokenizer files and a model card."""
+    return run_stage_steps("export", config, store, until, force)
+
+
+STAGE_FLOWS = {"data": data_flow, "tokenize": tokenize_flow, "train": train_flow,
+               "evaluate": evaluate_flow, "export": export_flow}

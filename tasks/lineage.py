@@ -169,6 +169,21 @@ def lineage_tree(path: Path) -> dict:
             "inputs": children}
 
 
+def tree_markdown(node: dict, depth: int = 0) -> str:
+    """The lineage tree as nested markdown bullets, with links to the producing flow runs."""
+    pad = "  " * depth
+    if node.get("missing"):
+        return f"{pad}- `{node['stage']}/{node['version']}` (missing from this store)"
+    record = read_lineage(Path(node["path"]))
+    link = ui_run_link(record.get("prefect", {}).get("flow_run_id"))
+    run = f" — [flow run]({link})" if link else ""
+    lines = [f"{pad}- **{node['name']}** `{node['version']}`{run}"]
+    for src in node.get("sources", []):
+        lines.append(f"{pad}  - source **{src.get('name')}**: {src.get('origin', '')}")
+    lines += [tree_markdown(child, depth + 1) for child in node["inputs"]]
+    return "\n".join(lines)
+
+
 def _sources(record: dict) -> list:
     return record["stats"].get("sources", []) if not record["inputs"] else []
 

@@ -1,0 +1,291 @@
+"""The scaling-law sweep as steps, and the flow that runs it.
+
+Every (budget, size) of the recipe (training/scaling.py) is an ordinary train step and an
+ordinary evaluate step (bits per byte on the tokenize step's held-out split), so a rerun is all
+cache hits, and a sweep with one more budget trains only that budget's runs: a run's config, hence
+its version, depends on its own (budget, size) alone.
+
+    scaling_steps    the runs, `scaling_fit` over all budgets and, for the forecast check, over all
+                     but the largest (`scaling_fit/holdout`)
+    forecast_steps   once the held-out fit exists: the run at the largest budget whose size is
+                     nearest its predicted N_opt (a cache hit when the sweep already trained that
+                     size there), and `scaling_forecast`, which reports the relative error;
+                     `ready_forecast_steps` returns them only when that fit is in the store
+    scaling_flow     runs them: data and tokenize steps (cache hits after the first time), the runs
+                     `parallelism` at a time on one local Ray, the fits, then the forecast.
+
+Parallelism: `scaling.parallelism` runs at once (default 1). On 2 cores one run's XLA step already
+uses both, so two runs side by side mostly trade places; with more cores or hosts, raise it with
+`cpus_per_run` (settings: neither changes a version).
+
+`python -m flows.scaling CONFIG [--store S]` runs the flow from a YAML file whose `scaling:`
+section is a `training.scaling.ScalingConfig`, beside the usual data and tokenizer sections.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+if __name__ == "__main__":  # `python -m flows.scaling`: kiln's Prefect defaults, before Prefect loads
+    from flows.cli import _prefect_defaults
+
+    _prefect_defaults()
+
+from prefect import flow  # noqa: E402
+from prefect.futures import as_completed
+from prefect.utilities.annotations import quote
+
+from flows.config import ConfigError, ExperimentConfig
+from tasks.evaluate import EvalConfig, evaluate_step
+from tasks.runner import StepRun, execute, step_task
+from tasks.scaling import LAW_FILE, FitRun, ForecastConfig, ScalingFitConfig, forecast_step, scaling_fit_step
+from tasks.step import Step, upstream_order
+from tasks.store import Store
+from tasks.tokenizer import TokenizerConfig
+from tasks.train import train_step
+from tasks.versioning import result_storage, step_cache_policy
+from training.config import ResourcesConfig
+from training.scaling import RunPlan, ScalingConfig, budget_label, isoflop_grid, nearest_size
+
+
+class ScalingExperimentConfig(ExperimentConfig):
+    """An experiment with a `scaling:` section (until flows/config.py's ExperimentConfig has one)."""
+
+    scaling: ScalingConfig
+
+
+def planned_vocab_size(tokenizer: TokenizerConfig) -> int:
+    """The vocabulary the runs are planned with, known before the tokenizer exists (N and the
+    FLOPs per token depend on it, and they fix each run's version): the pipeline's own rule."""
+    from flows.plan import vocab_size  # here: flows.plan may import this module to build a sweep
+
+    return vocab_size(tokenizer)
+
+
+def sweep_plans(config) -> dict[float, list[RunPlan]]:
+    """budget -> its runs, smallest budget first."""
+    vocab = planned_vocab_size(config.tokenizer)
+    return {c: isoflop_grid(c, config.scaling, vocab) for c in sorted(config.scaling.budgets)}
+
+
+def sweep_eval_config(config) -> EvalConfig:
+    """Bits per byte on the held-out split only: the loss every run is compared on."""
+    return EvalConfig(tasks=[], bits_per_byte=True, heldout_tokens=config.scaling.heldout_tokens,
+                      validation_fraction=config.tokenize.validation_fraction)
+
+
+def run_steps(plan: RunPlan, config, *, tokens: Step, tokenizer: Step, documents: Step,
+              prefix: str = "") -> tuple[Step, Step]:
+    """The train step and the evaluate step of one run (named `train/1e11/k4`, `evaluate/1e11/k4`)."""
+    resources = ResourcesConfig(cpus_per_host=config.scaling.cpus_per_run)
+    train = dataclasses.replace(train_step(plan.model, plan.train, resources, tokens=tokens),
+                                name=f"train/{prefix}{plan.name}")
+    evaluate = dataclasses.replace(
+        evaluate_step(sweep_eval_config(config), model=train, tokenizer=tokenizer, tokens=tokens, documents=documents),
+        name=f"evaluate/{prefix}{plan.name}")
+    return train, evaluate
+
+
+def fit_config(plans: list[RunPlan], scaling: ScalingConfig, forecast_budget: float | None = None) -> ScalingFitConfig:
+    return ScalingFitConfig(runs=[FitRun(input=p.name, budget=p.budget, size=p.size, params=p.params, tokens=p.tokens,
+                                         flops=p.flops) for p in plans],
+                            min_points=scaling.min_points, forecast_budget=forecast_budget)
+
+
+def scaling_steps(config, *, tokens: Step, tokenizer: Step, documents: Step) -> list[Step]:
+    """The sweep's runs and fits, upstream first (the forecast's steps come from `forecast_steps`)."""
+    plans = sweep_plans(config)
+    evals: dict[str, Step] = {}
+    steps: list[Step] = []
+    for budget_plans in plans.values():
+        for plan in budget_plans:
+            train, evaluate = run_steps(plan, config, tokens=tokens, tokenizer=tokenizer, documents=documents)
+            steps += [train, evaluate]
+            evals[plan.name] = evaluate
+    everything = [p for ps in plans.values() for p in ps]
+    steps.append(scaling_fit_step(fit_config(everything, config.scaling), runs=evals))
+    if config.scaling.forecast:
+        largest = max(plans)
+        held = [p for p in everything if p.budget != largest]
+        steps.append(scaling_fit_step(fit_config(held, config.scaling, forecast_budget=largest),
+                                      runs={p.name: evals[p.name] for p in held}, name="scaling_fit/holdout"))
+    return steps
+
+
+def forecast_steps(config, holdout_law: dict, *, sweep: list[Step], tokens: Step, tokenizer: Step,
+                   documents: Step) -> list[Step]:
+    """The run at the held-out budget nearest the predicted N_opt, its evaluation, and the check.
+
+    `holdout_law` is the held-out fit's law.json; `sweep` is `scaling_steps`' output.
+    """
+    prediction = holdout_law["forecast"]
+    plan = nearest_size(prediction["n_opt"], prediction["budget"], config.scaling, planned_vocab_size(config.tokenizer))
+    train, evaluate = run_steps(plan, config, tokens=tokens, tokenizer=tokenizer, documents=documents,
+                                prefix="forecast/")
+    fits = {s.name: s for s in sweep if s.stage == "scaling_fit"}
+    check = forecast_step(ForecastConfig(budget=plan.budget, size=plan.size, params=plan.params, tokens=plan.tokens,
+                                         flops=plan.flops, goal=config.scaling.forecast_goal),
+                          law=fits["scaling_fit/holdout"], full=fits["scaling_fit"], run=evaluate)
+    return [train, evaluate, check]
+
+
+def ready_forecast_steps(config, store: Store, *, sweep: list[Step], tokens: Step, tokenizer: Step,
+                         documents: Step) -> list[Step]:
+    """`forecast_steps` if the held-out fit is already in the store, else [] (for `kiln plan`)."""
+    holdout = next((s for s in sweep if s.name == "scaling_fit/holdout"), None)
+    if holdout is None or not store.is_done(holdout.stage, holdout.version):
+        return []
+    law = json.loads(Path(store.local_input(holdout.stage, holdout.version), LAW_FILE).read_text())
+    return forecast_steps(config, law, sweep=sweep, tokens=tokens, tokenizer=tokenizer, documents=documents)
+
+
+def sweep_inputs(steps: list[Step]) -> tuple[Step, Step, Step]:
+    """(tokens, tokenizer, documents) of an experiment's step list: what the runs train and score on."""
+    tokens = [s for s in steps if s.stage == "tokenize"]
+    if len(tokens) != 1:
+        raise ValueError(f"a scaling sweep needs exactly one tokenize step upstream, found {len(tokens)}")
+    return tokens[0], tokens[0].inputs["tokenizer"], tokens[0].inputs["documents"]
+
+
+# --- running ------------------------------------------------------------------------------------
+
+
+def execute_parallel(steps: list[Step], store: Store, parallelism: int, workers: int = 1,
+                     force: frozenset[str] = frozenset()) -> list[StepRun]:
+    """`tasks.runner.execute`, but up to `parallelism` steps at once once their inputs are done.
+
+    With parallelism 1 it is `execute` itself. Otherwise each step is the same cached Prefect task,
+    submitted to the flow's thread pool; a train step's body then waits on its own Ray task, so
+    Ray (started once by the flow) decides what runs where.
+    """
+    if parallelism <= 1:
+        return execute(steps, store, workers, force)
+    ids = {id(s) for s in steps}
+    waiting, running, finished = list(steps), {}, {}
+    while waiting or running:
+        for step in list(waiting):
+            if len(running) >= parallelism:
+                break
+            if all(id(u) not in ids or id(u) in finished for u in step.inputs.values()):
+                waiting.remove(step)
+                running[_submit(step, store, workers, step.stage in force or step.name in force)] = (step, time.perf_counter())
+        if not running:
+            raise RuntimeError(f"steps {[s.name for s in waiting]} wait on inputs that are not in this run")
+        future = next(as_completed(list(running)))
+        step, t0 = running.pop(future)
+        record = future.result()  # raises the step's error if it failed
+        state = future.state  # after result(): the engine's final state (Cached or Completed)
+        finished[id(step)] = StepRun(step.name, step.stage, step.version, "cached" if state.name == "Cached" else "ran",
+                                     round(time.perf_counter() - t0, 2), store.output(step.stage, step.version),
+                                     record["stats"])
+    return [finished[id(s)] for s in steps]
+
+
+def _submit(step: Step, store: Store, workers: int, forced: bool):
+    """Submit one step as `tasks.runner.execute` runs it (same task, cache key, storage)."""
+    if forced:
+        store.unpublish(step.stage, step.version)
+    elif not store.is_done(step.stage, step.version) and store.is_local:
+        (store.local_root / ".prefect-results" / step.key).unlink(missing_ok=True)  # stale record: see runner
+    return step_task.with_options(
+        name=step.stage, task_run_name=f"{step.name}-{step.version}", cache_policy=step_cache_policy(store),
+        result_storage=result_storage(store), refresh_cache=forced or None,
+    ).submit(step.key, quote(step), store.root, workers)
+
+
+def _start_ray(scaling: ScalingConfig) -> bool:
+    """One local Ray for the whole sweep (unless one is running or RAY_ADDRESS names a cluster), so
+    each train step reuses it and its warm workers instead of starting its own. True if started."""
+    import training.launch  # noqa: F401  (sets Ray's environment defaults before Ray starts)
+    import ray
+
+    from tasks.parallel import ensure_ray
+
+    if ray.is_initialized():
+        return False
+    ensure_ray(scaling.parallelism * scaling.cpus_per_run)
+    return True
+
+
+@flow(name="scaling", log_prints=True)
+def scaling_flow(config: ScalingExperimentConfig, store: str | None = None, force: list[str] = []) -> list[StepRun]:
+    """Data and tokens (cached), every run of the sweep, the fits, then the forecast check."""
+    import ray
+
+    store_ = Store(store)
+    from flows.plan import experiment_steps
+
+    base = experiment_steps(config)
+    base = [s for s in base if s.stage not in ("train", "evaluate", "scaling_fit", "scaling_forecast")]
+    tokens, tokenizer, documents = sweep_inputs(base)
+    forced = frozenset(force)
+    runs = execute(upstream_order([tokens]), store_, config.run.workers, forced)
+
+    sweep = scaling_steps(config, tokens=tokens, tokenizer=tokenizer, documents=documents)
+    started = _start_ray(config.scaling)
+    try:
+        runs += execute_parallel([s for s in sweep if s.stage != "scaling_fit"], store_, config.scaling.parallelism,
+                                 config.run.workers, forced)
+        runs += execute([s for s in sweep if s.stage == "scaling_fit"], store_, config.run.workers, forced)
+        if config.scaling.forecast:
+            runs += execute(ready_forecast_steps(config, store_, sweep=sweep, tokens=tokens, tokenizer=tokenizer,
+                                                 documents=documents), store_, config.run.workers, forced)
+    finally:
+        if started:
+            ray.shutdown()
+    return runs
+
+
+def load_scaling_config(path: str | Path) -> ScalingExperimentConfig:
+    """A scaling experiment YAML, with the same one-line errors as `kiln run`."""
+    import yaml
+    from pydantic import ValidationError
+
+    path = Path(path)
+    try:
+        return ScalingExperimentConfig.model_validate(yaml.safe_load(path.read_text()))
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(f"{path}: {e}") from None
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise ConfigError(f"{path}: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    from flows.cli import summary_table
+    from tasks.runner import StepFailed
+
+    p = argparse.ArgumentParser(prog="python -m flows.scaling", description=__doc__.split("\n")[0])
+    p.add_argument("config")
+    p.add_argument("--store")
+    p.add_argument("--force", nargs="+", default=[], metavar="STAGE")
+    args = p.parse_args(argv)
+    try:
+        config = load_scaling_config(args.config)
+    except ConfigError as e:
+        print(f"kiln: {e}", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    try:
+        runs = scaling_flow(config=config, store=Store(args.store).root, force=args.force)
+    except StepFailed as e:
+        print(f"kiln: {e}", file=sys.stderr)
+        return 1
+    print(summary_table(runs))
+    forecast = [r for r in runs if r.stage == "scaling_forecast"]
+    if forecast:
+        s = forecast[0].stats
+        print(f"forecast at C={budget_label(s['budget'])}: predicted {s['predicted_loss']:.4f} bits/byte, trained "
+              f"{s['trained_loss']:.4f}: relative error {s['relative_error']:+.2%}")
+    print(f"scaling sweep: {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

@@ -1,0 +1,153 @@
+"""The evaluate step: a trained checkpoint scored on kiln's offline suite, any lm-eval tasks the
+config names, and perplexity / bits per byte on the held-out token shards.
+
+Inputs: `model` (a training output: model.json, params.safetensors), `tokenizer`, `tokens` (the
+tokenize output whose validation split is scored) and `documents` (the documents that were
+tokenized; the suite is cut from the ones in the validation split). Output folder:
+
+    results.json      every metric, the held-out numbers, the suite's size, lm-eval's task versions
+    tasks/            the suite as lm-eval YAML + JSON lines (run `lm_eval --include_path tasks`
+                      from inside this folder to score another model on the same examples)
+
+Stats (into lineage): `<task>_<metric>` for every task and metric (`next_passage_acc`,
+`next_passage_acc_norm`, `next_passage_acc_mutual_info`, `last_word_acc`, ...), `<task>_chance`
+for multiple-choice tasks, `bits_per_byte`, `perplexity`, `heldout_loss`, and `table`: the rows
+of the results table, which is also published as a Prefect table artifact when run in a flow.
+Evaluating the same checkpoint on the same tasks again is a cache hit: same config and inputs,
+same version.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pydantic import Field, field_validator
+
+from evaluation.adapter import KilnLM
+from evaluation.harness import evaluate, metric_table
+from evaluation.perplexity import heldout_metrics
+from evaluation.suite import SUITE_TASKS, TASK_PREFIX, SuiteConfig, build_suite, task_configs
+from tasks.documents import read_documents
+from tasks.step import Step, StepContext
+from tasks.tokenize import is_validation
+from tasks.tokenizer import load_tokenizer, read_tokenizer_meta
+from training.config import ConfigModel, setting
+from training.data import TokenDataset, read_meta
+from training.loop import load_model
+
+STAGE_VERSION = 1
+SUITE_DIR = "tasks"
+RESULTS_FILE = "results.json"
+
+
+class EvalConfig(ConfigModel):
+    """What to evaluate. Everything but `batch_size` changes the results, so it is in the version."""
+
+    tasks: list[str] = Field(default_factory=lambda: list(SUITE_TASKS))  # kiln's offline suite
+    lm_eval_tasks: list[str] = Field(default_factory=list)  # lm-eval task/group names this machine can load
+    limit: int | None = Field(500, ge=1)  # examples per task (a seeded random sample of the suite)
+    num_fewshot: int = Field(0, ge=0)
+    bits_per_byte: bool = True  # also perplexity and bits per byte on the held-out token shards
+    heldout_tokens: int | None = Field(None, ge=2)  # score only the first N held-out tokens
+    # Which documents are held out; must equal the tokenize config's (the pipeline copies it).
+    validation_fraction: float = Field(0.01, ge=0.0, le=1.0)
+    suite: SuiteConfig = SuiteConfig()
+    batch_size: int = setting(16, ge=1)
+
+    @field_validator("tasks")
+    @classmethod
+    def _known(cls, tasks: list[str]) -> list[str]:
+        unknown = [t for t in tasks if t not in SUITE_TASKS]
+        if unknown:
+            raise ValueError(f"unknown kiln suite tasks {unknown}; kiln builds {list(SUITE_TASKS)}. "
+                             "lm-eval's own tasks go under lm_eval_tasks")
+        return tasks
+
+
+def load_kiln_lm(model_dir: Path, tokenizer_dir: Path, **kwargs) -> KilnLM:
+    """The lm-eval adapter over a training output folder and a tokenizer step output folder."""
+    cfg, params = load_model(model_dir)
+    meta = read_tokenizer_meta(tokenizer_dir)
+    return KilnLM(cfg, params, load_tokenizer(tokenizer_dir), meta["eos_id"], meta.get("bos_id"), **kwargs)
+
+
+def _check_inputs(config: EvalConfig, tokens_dir: Path, tokenizer_dir: Path) -> None:
+    tokens_meta, tok_meta = read_meta(tokens_dir), read_tokenizer_meta(tokenizer_dir)
+    if tokens_meta["validation_fraction"] != config.validation_fraction:
+        raise ValueError(f"eval.validation_fraction is {config.validation_fraction} but {tokens_dir} held out "
+                         f"{tokens_meta['validation_fraction']}: set them equal, or the suite would be cut from "
+                         "documents the model was trained on")
+    if tokens_meta["tokenizer_version"] != tok_meta["version"]:
+        raise ValueError(f"{tokens_dir} was tokenized with tokenizer {tokens_meta['tokenizer_version']}, but the "
+                         f"tokenizer input is {tok_meta['version']}: give evaluate the tokenizer of its tokens")
+
+
+def short_name(task: str) -> str:
+    return task[len(TASK_PREFIX):] if task.startswith(TASK_PREFIX) else task
+
+
+def run_evaluate(ctx: StepContext) -> dict:
+    config: EvalConfig = ctx.config
+    model_dir, tokenizer_dir = ctx.inputs["model"], ctx.inputs["tokenizer"]
+    tokens_dir, documents_dir = ctx.inputs["tokens"], ctx.inputs["documents"]
+    _check_inputs(config, tokens_dir, tokenizer_dir)
+    lm = load_kiln_lm(model_dir, tokenizer_dir, batch_size=config.batch_size)
+
+    suite_dir = ctx.out / SUITE_DIR
+    held_out = (d for d in read_documents(documents_dir, strict=True)
+                if is_validation(str(d["id"]), config.validation_fraction))
+    counts = build_suite(held_out, suite_dir, config.tasks, config.suite) if config.tasks else {}
+    ctx.log.info("suite: %s examples from held-out documents", counts)
+    results = evaluate(lm, task_configs(suite_dir, config.tasks), config.lm_eval_tasks, config.limit,
+                       config.num_fewshot)
+
+    table = [{**row, "task": short_name(row["task"])} for row in metric_table(results)]
+    if "next_passage" in config.tasks:  # the chance row right after the task's own rows
+        after = max(i for i, row in enumerate(table) if row["task"] == "next_passage") + 1
+        table.insert(after, {"task": "next_passage", "metric": "chance", "value": 1 / config.suite.num_choices,
+                             "samples": None})
+    heldout = None
+    if config.bits_per_byte:
+        dataset = TokenDataset(tokens_dir, "validation")
+        heldout = heldout_metrics(lm.cfg, lm.params, dataset, lm.tok, config.batch_size,
+                                  config.heldout_tokens, score=lm.scorer)
+        for metric in ("bits_per_byte", "perplexity", "loss"):
+            table.append({"task": "heldout", "metric": metric, "value": float(heldout[metric]),
+                          "samples": heldout["tokens"]})
+    for row in table:
+        ctx.log.info("%s %s = %.4f", row["task"], row["metric"], row["value"])
+
+    record = {"table": table, "suite_examples": counts, "heldout": heldout,
+              **{k: results[k] for k in ("results", "groups", "versions", "n-shot", "n-samples") if k in results}}
+    (ctx.out / RESULTS_FILE).write_text(json.dumps(record, indent=2, sort_keys=True, default=float) + "\n")
+    _publish_table(table, ctx.step.version)
+
+    stats: dict = {f"{r['task']}_{r['metric']}": r["value"] for r in table if r["task"] != "heldout"}
+    if heldout is not None:
+        stats.update({"bits_per_byte": float(heldout["bits_per_byte"]), "perplexity": float(heldout["perplexity"]),
+                      "heldout_loss": float(heldout["loss"]), "heldout_tokens": heldout["tokens"]})
+    stats.update({f"{name}_examples": n for name, n in counts.items()})
+    stats["table"] = table
+    return stats
+
+
+def _publish_table(table: list[dict], version: str) -> None:
+    """The results as a Prefect table artifact, only inside a Prefect run (the step body also runs
+    without one, in tests and notebooks)."""
+    from prefect.context import get_run_context
+    from prefect.exceptions import MissingContextError
+
+    try:
+        get_run_context()
+    except MissingContextError:
+        return
+    from prefect.artifacts import create_table_artifact
+
+    create_table_artifact(key=f"evaluate-results-{version}", table=table,
+                          description=f"kiln evaluation {version}: accuracy per task, held-out bits per byte")
+
+
+def evaluate_step(config: EvalConfig, *, model: Step, tokenizer: Step, tokens: Step, documents: Step) -> Step:
+    return Step(name="evaluate", stage="evaluate", stage_version=STAGE_VERSION, config=config, run=run_evaluate,
+                inputs={"model": model, "tokenizer": tokenizer, "tokens": tokens, "documents": documents})

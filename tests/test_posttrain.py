@@ -1,0 +1,171 @@
+"""Post-training pieces on real components: GPT-2's tokenizer with the chat tokens, the chat
+template (and its Jinja twin, applied by `transformers`), packing, the masked SFT loss and its
+gradient, and the DPO loss."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tasks.tokenizer import GPT2_EOS, build_gpt2
+from training.config import ModelConfig
+from training.model import init_params
+from training.posttrain import (CHAT_SPECIAL_TOKENS, CHAT_TEMPLATE, ChatTemplate, DPOObjective, RowBatches,
+                                dpo_loss, pack, pad_pairs, reference_logprobs, sft_loss)
+
+CONVERSATION = [
+    {"role": "system", "content": "You continue passages of scripture."},
+    {"role": "user", "content": "Continue: In the beginning God created"},
+    {"role": "assistant", "content": " the heaven and the earth."},
+    {"role": "user", "content": "And then? <|assistant|> is just text here"},
+    {"role": "assistant", "content": " And the earth was without form, and void."},
+]
+
+
+@functools.cache
+def tokenizer():
+    return build_gpt2((GPT2_EOS, *CHAT_SPECIAL_TOKENS))
+
+
+def tiny_model() -> tuple[ModelConfig, dict]:
+    cfg = ModelConfig(vocab_size=tokenizer().get_vocab_size(with_added_tokens=True), d_model=32, n_layers=2,
+                      n_heads=2, n_kv_heads=1, d_ff=64, seq_len=64)
+    return cfg, init_params(cfg, jax.random.PRNGKey(0))
+
+
+def test_template_masks_everything_but_the_assistant_turns():
+    chat = ChatTemplate(tokenizer())
+    ids, mask = chat.encode(CONVERSATION)
+    assert len(ids) == len(mask)
+    tok = tokenizer()
+    learned = tok.decode([i for i, m in zip(ids, mask) if m], skip_special_tokens=False)
+    assert learned == " the heaven and the earth.<|end|> And the earth was without form, and void.<|end|>"
+    # role tokens are single special ids, and a special string inside a message stays text
+    assert ids.count(tok.token_to_id("<|assistant|>")) == 2
+    assert tok.decode(ids, skip_special_tokens=False) == chat.render(CONVERSATION)
+    prompt, prompt_mask = chat.encode(CONVERSATION[:2], add_generation_prompt=True)
+    assert prompt[-1] == tok.token_to_id("<|assistant|>") and not any(prompt_mask)
+    with pytest.raises(ValueError, match="special_tokens"):
+        ChatTemplate(build_gpt2((GPT2_EOS,)))
+    with pytest.raises(ValueError, match="role"):
+        chat.encode([{"role": "robot", "content": "hi"}])
+
+
+def test_packing_keeps_conversations_whole_and_masks_padding():
+    chat = ChatTemplate(tokenizer())
+    eos = tokenizer().token_to_id(GPT2_EOS)
+    convs = [chat.encode(CONVERSATION[1:3]), chat.encode(CONVERSATION[3:5]), chat.encode(CONVERSATION)]
+    long = chat.encode([{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "x"}])
+    packed, dropped = pack(convs + [long], seq_len=64, eos_id=eos)
+    assert dropped == 1
+    rows = np.concatenate([packed["inputs"], packed["targets"][:, -1:]], axis=1)
+    assert packed["inputs"].shape == packed["targets"].shape == packed["loss_mask"].shape
+    np.testing.assert_array_equal(packed["inputs"][:, 1:], packed["targets"][:, :-1])
+    # every conversation's learned tokens appear in the packed targets, in order, and nothing else
+    want = [i for ids, m in convs for i, k in zip(ids[1:], m[1:]) if k]
+    got = [int(t) for r in range(len(rows)) for t, k in zip(packed["targets"][r], packed["loss_mask"][r]) if k]
+    assert got == want
+    assert (rows[packed["loss_mask"].sum(1) >= 0] >= 0).all() and len(rows) >= 2
+
+
+def test_changing_a_prompt_label_leaves_sft_loss_and_gradient_unchanged():
+    cfg, params = tiny_model()
+    chat = ChatTemplate(tokenizer())
+    packed, _ = pack([chat.encode(CONVERSATION[:3]), chat.encode(CONVERSATION[3:])], cfg.seq_len,
+                     tokenizer().token_to_id(GPT2_EOS))
+    batch = {k: jnp.asarray(v[:1]) for k, v in packed.items()}
+    value_and_grad = jax.jit(jax.value_and_grad(lambda p, b: sft_loss(p, b, cfg)[0]))
+    loss, grads = value_and_grad(params, batch)
+    mask = np.asarray(batch["loss_mask"][0])
+    prompt_positions, answer_positions = np.flatnonzero(mask == 0), np.flatnonzero(mask == 1)
+    assert len(prompt_positions) > 10 and len(answer_positions) > 10
+
+    def relabelled(position):
+        targets = np.asarray(batch["targets"]).copy()
+        targets[0, position] = (targets[0, position] + 12345) % cfg.vocab_size
+        return {**batch, "targets": jnp.asarray(targets)}
+
+    for position in prompt_positions[[0, len(prompt_positions) // 2, -1]]:
+        loss2, grads2 = value_and_grad(params, relabelled(position))
+        assert float(loss2) == float(loss)
+        assert all(jax.tree_util.tree_leaves(jax.tree_util.tree_map(jnp.array_equal, grads, grads2)))
+    for position in answer_positions[[0, -1]]:
+        loss2, grads2 = value_and_grad(params, relabelled(position))
+        assert float(loss2) != float(loss)
+        assert not all(jax.tree_util.tree_leaves(jax.tree_util.tree_map(jnp.array_equal, grads, grads2)))
+
+
+def test_dpo_loss_is_log2_against_itself_and_rewards_the_chosen_answer():
+    cfg, params = tiny_model()
+    chat = ChatTemplate(tokenizer())
+    prompt = CONVERSATION[1:2]
+    pairs = [(chat.encode(prompt + [{"role": "assistant", "content": c}]),
+              chat.encode(prompt + [{"role": "assistant", "content": r}]))
+             for c, r in [(" the heaven and the earth.", " a fish of the sea."), (" light.", " dark, dark dark.")]]
+    arrays, dropped = pad_pairs(pairs, cfg.seq_len, tokenizer().token_to_id(GPT2_EOS))
+    assert dropped == 0 and arrays["inputs"].shape == (2, 2, cfg.seq_len)
+    arrays["ref_logp"] = reference_logprobs(params, arrays, cfg, batch_size=2)
+    assert arrays["ref_logp"].shape == (2, 2) and (arrays["ref_logp"] < 0).all()
+    batch = {k: jnp.asarray(v) for k, v in arrays.items()}
+    loss_fn = jax.jit(dpo_loss, static_argnums=(2, 3))
+    loss, metrics = loss_fn(params, batch, cfg, 0.1)
+    np.testing.assert_allclose(float(loss), np.log(2), rtol=1e-5)
+    assert abs(float(metrics["margin"])) < 1e-4
+    # a step down the DPO gradient makes the chosen answers relatively likelier than the rejected
+    grads = jax.jit(jax.grad(lambda p: dpo_loss(p, batch, cfg, 0.1)[0]))(params)
+    moved = jax.tree_util.tree_map(lambda p, g: p - 1.0 * g, params, grads)
+    loss2, metrics2 = loss_fn(moved, batch, cfg, 0.1)
+    assert float(loss2) < float(loss) and float(metrics2["margin"]) > 0 and float(metrics2["accuracy"]) == 1.0
+    spec = DPOObjective(0.1).batch_spec(2, cfg.seq_len)
+    assert {k: (v.shape, v.dtype) for k, v in arrays.items()} == {k: (s, np.dtype(d)) for k, (s, d) in spec.items()}
+
+
+def test_row_batches_are_a_pure_function_of_the_step():
+    arrays = {"x": np.arange(10)[:, None].repeat(3, 1)}
+    a, b = RowBatches(arrays, 4, seed=1), RowBatches(arrays, 4, seed=1)
+    first_epoch = np.concatenate([a.batch_at(s)["x"][:, 0] for s in range(2)])
+    assert len(set(first_epoch.tolist())) == 8  # no row twice within an epoch
+    for step in (7, 0, 3):
+        np.testing.assert_array_equal(a.batch_at(step)["x"], b.batch_at(step)["x"])
+
+
+def test_exported_post_trained_model_carries_the_template_transformers_applies(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    import logging
+
+    from safetensors.numpy import save_file
+
+    from tasks.export import ExportConfig, export_step, run_export
+    from tasks.step import StepContext
+    from tasks.tokenizer import TokenizerConfig, run_tokenizer, tokenizer_step
+    from training.loop import _flatten
+
+    def ctx(step, name, inputs):
+        (tmp_path / name).mkdir()
+        return StepContext(step=step, out=tmp_path / name, inputs=inputs, input_stats={}, work_dir=tmp_path / "w",
+                           log=logging.getLogger("t"))
+
+    tok_step = tokenizer_step(TokenizerConfig(special_tokens=(GPT2_EOS, *CHAT_SPECIAL_TOKENS)))
+    run_tokenizer(ctx(tok_step, "tokenizer", {}))
+    cfg, params = tiny_model()
+    model_dir = tmp_path / "sft"  # a post-trained output: the train layout plus its chat template
+    model_dir.mkdir()
+    (model_dir / "model.json").write_text(cfg.model_dump_json())
+    save_file(_flatten(params), str(model_dir / "params.safetensors"))
+    (model_dir / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    run_export(ctx(export_step(ExportConfig(), model=tok_step, tokenizer=tok_step), "export",
+                   {"model": model_dir, "tokenizer": tmp_path / "tokenizer"}))
+
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "export"))
+    assert hf.chat_template == CHAT_TEMPLATE
+    chat = ChatTemplate(tokenizer())
+    clean = [m for m in CONVERSATION if "<|" not in m["content"]]  # HF parses special strings in text
+    for messages, gen in [(clean, False), (clean[:2], True)]:
+        ids = hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=gen)
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        assert list(ids) == chat.encode(messages, add_generation_prompt=gen)[0]
+        assert hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen) == chat.render(messages, gen)

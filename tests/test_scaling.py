@@ -1,0 +1,165 @@
+"""The scaling-law recipe and fitter: known laws in, the same parameters out; bad sweeps refused.
+
+Pure numpy/scipy on synthetic losses (no training), so this file runs in seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+from pydantic import ValidationError
+
+from training.model import flops_per_token
+from training.scaling import (BudgetError, FitError, RunResult, ScalingConfig, fit_isoflop, fit_scaling_law,
+                              isoflop_grid, law_from_json, matmul_params, nearest_size, plan_run, plot_frontier, plot_isoflops,
+                              plot_optimal, shape)
+
+BUDGETS = [1e11, 2e11, 4e11, 8e11, 1.6e12]
+
+
+def isoflop_runs(budget, n_opt, loss_opt, curvature, rng, noise, spread=1.2, points=7):
+    """Runs of one budget on the fitter's own model: a parabola in ln N around a known minimum."""
+    runs = []
+    for u in np.linspace(-spread, spread, points):
+        n = n_opt * math.exp(u)
+        runs.append(RunResult(budget, n, budget / (6 * n), loss_opt + curvature * u * u + rng.normal(0, noise)))
+    return runs
+
+
+def within(estimate, truth, err, sigmas=3.0):
+    return abs(estimate - truth) <= sigmas * err
+
+
+def test_fit_recovers_a_known_law_within_its_uncertainties():
+    # N_opt = 0.08 C^0.5 (so D_opt = C / 6N = 2.08 C^0.5), L_opt = 300 C^-0.25 + 0.9, noise 0.003 bits
+    rng = np.random.default_rng(0)
+    n0, alpha, a, b, e = 0.08, 0.5, 300.0, 0.25, 0.9
+    runs = []
+    for c in BUDGETS:
+        runs += isoflop_runs(c, n0 * c ** alpha, a * c ** -b + e, curvature=0.05, rng=rng, noise=0.003)
+    law = fit_scaling_law(runs)
+
+    assert [f.points for f in law.budgets] == [7] * 5
+    assert within(law.n_opt.exponent, alpha, law.n_opt.exponent_err)
+    assert 0 < law.n_opt.exponent_err < 0.05  # informative, not inflated until anything passes
+    assert within(math.log(law.n_opt.coefficient), math.log(n0), law.n_opt.ln_coefficient_err)
+    assert within(law.d_opt.exponent, 1 - alpha, law.d_opt.exponent_err)
+    assert within(math.log(law.d_opt.coefficient), math.log(1 / (6 * n0)), law.d_opt.ln_coefficient_err)
+    f = law.frontier
+    assert within(f.b, b, f.b_err) and f.b_err < 0.1
+    assert within(f.e, e, f.e_err) and f.e_err < 0.1
+    assert within(math.log(f.a), math.log(a), f.a_rel_err)
+    for fit in law.budgets:  # each minimum where the generating law put it
+        assert within(math.log(fit.n_opt), math.log(n0 * fit.budget ** alpha), fit.ln_n_opt_err, 4)
+        assert within(fit.loss_opt, a * fit.budget ** -b + e, fit.loss_opt_err, 4)
+    # A prediction one budget beyond the fitted ones lands on the true law.
+    pred = law.predict(3.2e12)
+    assert abs(pred["loss"] / (a * 3.2e12 ** -b + e) - 1) < 0.01
+    assert abs(math.log(pred["n_opt"] / (n0 * 3.2e12 ** alpha))) < 3 * pred["ln_n_opt_err"]
+
+
+def test_fit_recovers_chinchilla_exponents_from_its_parametric_loss():
+    # Hoffmann et al. (2022) approach 3's fitted law, sampled on isoFLOP grids like theirs: the
+    # isoFLOP minima follow N_opt ~ C^(beta/(alpha+beta)) and L_opt = E + k C^(-alpha beta/(alpha+beta)).
+    E, A, B, al, be = 1.69, 406.4, 410.7, 0.34, 0.28
+    rng = np.random.default_rng(1)
+    runs = []
+    for c in [1e18, 3e18, 1e19, 3e19, 1e20, 3e20]:
+        g = (al * A / (be * B)) ** (1 / (al + be))  # N_opt = g (C/6)^(be/(al+be))
+        n_opt = g * (c / 6) ** (be / (al + be))
+        for u in np.linspace(-1.5, 1.5, 9):
+            n = n_opt * math.exp(u)
+            d = c / (6 * n)
+            runs.append(RunResult(c, n, d, E + A / n ** al + B / d ** be + rng.normal(0, 0.002)))
+    law = fit_scaling_law(runs)
+    assert abs(law.n_opt.exponent - be / (al + be)) < 0.02
+    assert abs(law.d_opt.exponent - al / (al + be)) < 0.02
+    assert abs(law.frontier.b - al * be / (al + be)) < 0.03
+    assert abs(law.frontier.e - E) < 0.05
+
+
+def test_a_budget_with_too_few_points_is_refused():
+    rng = np.random.default_rng(2)
+    good = isoflop_runs(1e11, 3e4, 2.0, 0.05, rng, 0.0, points=5)
+    few = isoflop_runs(2e11, 4e4, 1.9, 0.05, rng, 0.0, points=3)
+    with pytest.raises(FitError, match=r"budget 2e\+11 has 3 finished runs.*at least 4"):
+        fit_isoflop(few)
+    with pytest.raises(FitError, match=r"budget 2e\+11 has 3"):
+        fit_scaling_law(good + few + isoflop_runs(4e11, 5e4, 1.8, 0.05, rng, 0.0))
+    assert fit_isoflop(few, min_points=3).n_opt == pytest.approx(4e4, rel=1e-6)  # exact with 3, if asked
+    with pytest.raises(FitError, match="needs at least 3 budgets"):
+        fit_scaling_law(good + isoflop_runs(4e11, 5e4, 1.8, 0.05, rng, 0.0))
+
+
+def test_a_budget_without_a_bracketed_minimum_is_refused():
+    rng = np.random.default_rng(3)
+    off_grid = isoflop_runs(1e11, 3e4, 2.0, 0.05, rng, 0.0, spread=1.0)
+    shifted = [RunResult(r.budget, r.params * 10, r.tokens / 10, r.loss - 0.2 * math.log(r.params / 3e4))
+               for r in off_grid]  # loss still falling at the largest size
+    with pytest.raises(FitError, match="does not bracket the optimum|curves downward"):
+        fit_isoflop(shifted)
+    hump = [RunResult(r.budget, r.params, r.tokens, 3 - r.loss) for r in off_grid]
+    with pytest.raises(FitError, match="curves downward"):
+        fit_isoflop(hump)
+
+
+def test_recipe_spends_each_budget_and_refuses_runs_that_cannot():
+    cfg = ScalingConfig(budgets=[1e11, 2e11, 4e11, 8e11], shapes_per_budget=4)
+    for c in cfg.budgets:
+        grid = isoflop_grid(c, cfg, vocab_size=1024)
+        assert len(grid) == 4 and len({p.size for p in grid}) == 4
+        for p in grid:
+            assert p.flops == flops_per_token(p.model) * p.tokens
+            assert abs(p.flops / c - 1) <= cfg.tolerance
+            assert p.tokens == p.train.steps * p.train.batch_size * p.model.seq_len
+            assert p.params == matmul_params(p.model) and p.train.warmup < p.train.steps
+    # a shape too large for the budget: fewer than min_steps whole steps
+    with pytest.raises(BudgetError, match="fewer than min_steps"):
+        plan_run(1e11, 100, cfg.model_copy(update={"max_size": 100}), 1024)
+    # whole steps that miss the budget by more than the tolerance
+    strict = cfg.model_copy(update={"tolerance": 1e-5})
+    with pytest.raises(BudgetError, match="off .tolerance"):
+        plan_run(1e11, 4, strict, 1024)
+
+
+def test_a_run_is_the_same_whichever_other_budgets_the_sweep_has():
+    small = ScalingConfig(budgets=[1e11, 2e11, 4e11, 8e11], shapes_per_budget=4)
+    large = ScalingConfig(budgets=[8e11, 4e11, 1.6e12, 2e11, 3.2e12], shapes_per_budget=4)
+    for c in [2e11, 4e11, 8e11]:
+        a, b = isoflop_grid(c, small, 1024), isoflop_grid(c, large, 1024)
+        assert [(p.model, p.train) for p in a] == [(p.model, p.train) for p in b]
+
+
+def test_shape_rule_and_config_checks():
+    cfg = ScalingConfig(budgets=[1e11, 2e11, 4e11, 8e11])
+    m = shape(16, cfg, 1024)  # d_model 4k, 2 layers until d_model / 48 rounds to more, heads of 4
+    assert (m.d_model, m.n_layers, m.n_heads, m.n_kv_heads, m.d_ff) == (64, 2, 16, 16, 172)
+    assert shape(30, cfg.model_copy(update={"max_size": 30}), 1024).n_layers == 3
+    sizes = [matmul_params(shape(k, cfg, 1024)) for k in range(2, 20)]
+    assert sizes == sorted(sizes)  # the ladder grows
+    assert nearest_size(sizes[6] * 1.05, 8e11, cfg, 1024).size == 8  # sizes[6] is k = 8
+    with pytest.raises(ValueError, match="outside 2"):
+        shape(1, cfg, 1024)
+    with pytest.raises(ValidationError, match="at least 4 budgets"):
+        ScalingConfig(budgets=[1e11, 2e11, 4e11])
+    with pytest.raises(ValidationError, match="distinct"):
+        ScalingConfig(budgets=[1e11, 1e11, 2e11, 4e11])
+
+
+def test_plots_are_written_and_the_law_round_trips_through_json(tmp_path):
+    rng = np.random.default_rng(4)
+    runs = [r for c in BUDGETS[:4] for r in isoflop_runs(c, 0.08 * c ** 0.5, 300 * c ** -0.25 + 0.9, 0.05, rng, 0.003)]
+    law = fit_scaling_law(runs)
+    again = law_from_json(json.loads(json.dumps(law.to_json())))
+    assert again.predict(1.6e12) == law.predict(1.6e12) and again.runs == law.runs
+    plot_isoflops(law, tmp_path / "isoflops.png")
+    plot_optimal(law, tmp_path / "optimal.png", extra=[1.6e12])
+    pred = law.predict(1.6e12)
+    plot_frontier(law, tmp_path / "frontier.png",
+                  forecast={**pred, "actual": pred["loss"] * 1.01, "relative_error": 0.01})
+    for name in ("isoflops", "optimal", "frontier"):
+        data = (tmp_path / f"{name}.png").read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000

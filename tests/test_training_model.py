@@ -1,0 +1,190 @@
+"""The model, optimizer and step: HF Llama conventions, KV-cache decoding, FLOPs, schedules,
+weight-decay mask, gradient accumulation, bf16 compute."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from training.config import PRESETS, ModelConfig, TrainConfig
+from training.model import decode_step, flops_per_token, forward, init_cache, init_params, param_count
+from training.optim import lr_schedule, make_optimizer, matrices_only
+from training.step import init_state, loss_fn, make_train_step
+
+# jitted (configs are hashable, so static): op-by-op dispatch of a Flax model is slow
+forward = jax.jit(forward, static_argnums=2)
+loss_fn = jax.jit(loss_fn, static_argnums=2)
+
+CFG = ModelConfig(vocab_size=97, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96, seq_len=16)
+
+
+def reference_llama(p: dict, tokens: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    """HF LlamaForCausalLM's forward written out in numpy, float64, from the param tree."""
+    p = jax.tree_util.tree_map(lambda a: np.asarray(a, np.float64), p)
+    B, T = tokens.shape
+    H, K, Q = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+
+    def rms(x, w):
+        return w * (x / np.sqrt((x**2).mean(-1, keepdims=True) + cfg.norm_eps))
+
+    inv = 1.0 / cfg.rope_theta ** (np.arange(0, Q, 2) / Q)
+    ang = np.arange(T)[:, None] * inv[None]
+    cos, sin = np.cos(np.concatenate([ang, ang], -1)), np.sin(np.concatenate([ang, ang], -1))
+
+    def rope(x):  # x [B, heads, T, Q]
+        rotated = np.concatenate([-x[..., Q // 2:], x[..., :Q // 2]], -1)  # rotate_half
+        return x * cos + rotated * sin
+
+    x = p["embed_tokens"]["embedding"][tokens]
+    for i in range(cfg.n_layers):
+        lp = p[f"layers_{i}"]
+        a = lp["self_attn"]
+        h = rms(x, lp["input_layernorm"]["weight"])
+        q = (h @ a["q_proj"]["kernel"]).reshape(B, T, H, Q).transpose(0, 2, 1, 3)
+        k = (h @ a["k_proj"]["kernel"]).reshape(B, T, K, Q).transpose(0, 2, 1, 3)
+        v = (h @ a["v_proj"]["kernel"]).reshape(B, T, K, Q).transpose(0, 2, 1, 3)
+        q, k = rope(q), rope(k)
+        k, v = np.repeat(k, H // K, axis=1), np.repeat(v, H // K, axis=1)  # HF repeat_kv
+        s = q @ k.transpose(0, 1, 3, 2) / np.sqrt(Q) + np.triu(np.full((T, T), -np.inf), 1)
+        w = np.exp(s - s.max(-1, keepdims=True))
+        o = (w / w.sum(-1, keepdims=True)) @ v
+        x = x + o.transpose(0, 2, 1, 3).reshape(B, T, H * Q) @ a["o_proj"]["kernel"]
+        m = lp["mlp"]
+        h = rms(x, lp["post_attention_layernorm"]["weight"])
+        g = h @ m["gate_proj"]["kernel"]
+        x = x + ((g / (1 + np.exp(-g))) * (h @ m["up_proj"]["kernel"])) @ m["down_proj"]["kernel"]
+    x = rms(x, p["norm"]["weight"])
+    head = p["embed_tokens"]["embedding"].T if cfg.tie_embeddings else p["lm_head"]["kernel"]
+    return x @ head
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_forward_matches_hf_llama_reference(tie):
+    cfg = CFG.model_copy(update={"tie_embeddings": tie})
+    params = init_params(cfg, jax.random.PRNGKey(0))
+    # Norm weights are 1 at init; perturb them so a wrong norm formula cannot hide.
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, a: a + 0.1 * jnp.arange(a.size).reshape(a.shape) / a.size if a.ndim == 1 else a, params)
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 11))
+    ours = np.asarray(forward(params, jnp.asarray(tokens, jnp.int32), cfg))
+    assert ours.dtype == np.float32 and ours.shape == (2, 11, cfg.vocab_size)
+    np.testing.assert_allclose(ours, reference_llama(params, tokens, cfg), atol=2e-5, rtol=1e-4)
+    assert ("lm_head" in params) != tie
+
+
+def test_param_tree_count_and_init():
+    params = init_params(CFG, jax.random.PRNGKey(0))
+    D, F, V, KQ = 64, 96, 97, 2 * 16
+    per_layer = 2 * D + D * D * 2 + D * KQ * 2 + 3 * D * F
+    assert param_count(params) == V * D + 2 * per_layer + D
+    assert params["layers_1"]["self_attn"]["k_proj"]["kernel"].shape == (D, KQ)
+    assert params["layers_0"]["mlp"]["down_proj"]["kernel"].shape == (F, D)
+    # residual output projections start smaller (std / sqrt(2 L)); norms start at one
+    q_std = float(params["layers_0"]["self_attn"]["q_proj"]["kernel"].std())
+    o_std = float(params["layers_0"]["self_attn"]["o_proj"]["kernel"].std())
+    assert abs(q_std - 0.02) < 0.003 and abs(o_std - 0.01) < 0.002
+    assert np.all(np.asarray(params["norm"]["weight"]) == 1)
+    # the same key gives the same bits; another key does not
+    again = init_params(CFG, jax.random.PRNGKey(0))
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(again)))
+    other = init_params(CFG, jax.random.PRNGKey(1))
+    assert not np.array_equal(params["embed_tokens"]["embedding"], other["embed_tokens"]["embedding"])
+
+
+def test_flops_per_token_formula_and_preset_sizes():
+    D, L, H, Q, T, F, V = 64, 2, 4, 16, 16, 96, 97
+    n_matmul = L * (D * H * Q * 2 + D * 2 * Q * 2 + 3 * D * F) + D * V
+    assert flops_per_token(CFG) == 6 * n_matmul + 12 * L * H * Q * T
+    sizes = {name: param_count(jax.eval_shape(lambda m=m: init_params(m, jax.random.PRNGKey(0))))
+             for name, (m, _) in PRESETS.items()}
+    assert 100e6 < sizes["small_gpu"] < 150e6
+    assert 320e6 < sizes["medium_gpu"] < 380e6
+    assert PRESETS["small_gpu"][0].compute_dtype == "bfloat16"
+
+
+def test_kv_cache_decoding_matches_forward_with_left_padding():
+    params = init_params(CFG, jax.random.PRNGKey(0))
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 12), 0, CFG.vocab_size)
+    full = forward(params, tokens, CFG)
+    step = jax.jit(decode_step, static_argnums=1)
+    positions = jnp.broadcast_to(jnp.arange(12, dtype=jnp.int32), (2, 12))
+    logits, cache = step(params, CFG, tokens[:, :7], init_cache(CFG, 2, 16), positions[:, :7])  # prefill
+    outs = [logits]
+    for i in range(7, 12):  # then one token at a time
+        logits, cache = step(params, CFG, tokens[:, i:i + 1], cache, positions[:, i:i + 1])
+        outs.append(logits)
+    np.testing.assert_allclose(jnp.concatenate(outs, 1), full, atol=1e-5)
+    assert int(cache["index"]) == 12
+
+    # Row 1 is a shorter prompt left-padded by 3 (position -1): it decodes as it would alone.
+    padded = tokens.at[1, :3].set(0)
+    pad_pos = positions.at[1].set(jnp.concatenate([jnp.full(3, -1), jnp.arange(9)]).astype(jnp.int32))
+    logits, _ = step(params, CFG, padded, init_cache(CFG, 2, 16), pad_pos)
+    np.testing.assert_allclose(logits[1, 3:], forward(params, tokens[1:, 3:], CFG)[0], atol=1e-5)
+    np.testing.assert_allclose(logits[0], full[0], atol=1e-5)
+
+
+def test_schedules():
+    cos = lr_schedule(TrainConfig(steps=100, warmup=10, lr=1.0, min_lr_ratio=0.1, schedule="cosine"))
+    assert float(cos(0)) == pytest.approx(0.1) and float(cos(9)) == pytest.approx(1.0)
+    assert float(cos(10)) == pytest.approx(1.0) and float(cos(99)) == pytest.approx(0.1)
+    assert float(cos(30)) > float(cos(60)) > float(cos(90))
+    wsd = lr_schedule(TrainConfig(steps=100, warmup=10, lr=1.0, min_lr_ratio=0.0, schedule="wsd",
+                                  decay_fraction=0.2))
+    assert [float(wsd(s)) for s in (10, 50, 80)] == pytest.approx([1.0, 1.0, 1.0])
+    assert float(wsd(90)) == pytest.approx(0.5, abs=0.03) and float(wsd(99)) == pytest.approx(0.0)
+
+
+def test_weight_decay_only_on_matrices():
+    params = init_params(CFG, jax.random.PRNGKey(0))
+    mask = matrices_only(params)
+    assert mask["layers_0"]["mlp"]["up_proj"]["kernel"] and mask["embed_tokens"]["embedding"]
+    assert not mask["norm"]["weight"] and not mask["layers_0"]["input_layernorm"]["weight"]
+    # With zero gradients only decay moves a parameter: matrices shrink, norm weights stay.
+    opt = make_optimizer(TrainConfig(lr=0.1, weight_decay=0.5, warmup=1, steps=10, grad_clip=0))
+    zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
+    updates, _ = opt.update(zeros, opt.init(params), params)
+    new = optax.apply_updates(params, updates)
+    assert np.array_equal(new["norm"]["weight"], params["norm"]["weight"])
+    assert float(jnp.abs(new["layers_0"]["mlp"]["up_proj"]["kernel"]).sum()) < float(
+        jnp.abs(params["layers_0"]["mlp"]["up_proj"]["kernel"]).sum())
+
+
+def test_gradient_accumulation_matches_full_batch():
+    batch = jax.random.randint(jax.random.PRNGKey(2), (8, CFG.seq_len + 1), 0, CFG.vocab_size)
+    results = []
+    for micro in (1, 4):
+        tcfg = TrainConfig(batch_size=8, microbatches=micro, steps=10, warmup=2)
+        opt = make_optimizer(tcfg)
+        state = init_state(CFG, opt, jax.random.PRNGKey(0))
+        step = jax.jit(make_train_step(CFG, tcfg, opt), donate_argnums=0)
+        state, metrics = step(state, batch)
+        results.append((state, metrics))
+    (s1, m1), (s4, m4) = results
+    assert float(m1["loss"]) == pytest.approx(float(m4["loss"]), rel=1e-6)
+    assert float(m1["grad_norm"]) == pytest.approx(float(m4["grad_norm"]), rel=1e-5)
+    for a, b in zip(jax.tree_util.tree_leaves(s1["params"]), jax.tree_util.tree_leaves(s4["params"])):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    assert int(s4["step"]) == 1 and not np.array_equal(s4["rng"], init_state(CFG, make_optimizer(tcfg),
+                                                                             jax.random.PRNGKey(0))["rng"])
+
+
+def test_bfloat16_compute_keeps_float32_params_and_learns():
+    cfg = CFG.model_copy(update={"compute_dtype": "bfloat16"})
+    tcfg = TrainConfig(batch_size=8, steps=30, warmup=3, lr=1e-2)
+    opt = make_optimizer(tcfg)
+    state = init_state(cfg, opt, jax.random.PRNGKey(0))
+    assert all(p.dtype == jnp.float32 for p in jax.tree_util.tree_leaves(state["params"]))
+    batch = jax.random.randint(jax.random.PRNGKey(3), (8, cfg.seq_len + 1), 0, cfg.vocab_size)
+    first = float(loss_fn(state["params"], batch, cfg))
+    step = jax.jit(make_train_step(cfg, tcfg, opt), donate_argnums=0)
+    for _ in range(20):
+        state, metrics = step(state, batch)
+    assert all(p.dtype == jnp.float32 for p in jax.tree_util.tree_leaves(state["params"]))
+    assert forward(state["params"], batch[:, :-1], cfg).dtype == jnp.float32
+    assert float(metrics["loss"]) < first - 1.0  # memorises the one batch
+    f32 = float(loss_fn(state["params"], batch, CFG))
+    assert float(loss_fn(state["params"], batch, cfg)) == pytest.approx(f32, abs=0.1)

@@ -1,0 +1,190 @@
+"""Export a kiln model to the Hugging Face Llama layout, and write its model card.
+
+kiln's model is `LlamaForCausalLM` with other names (see training/model.py), so the export is a
+renaming: Dense kernels [in, out] become Linear weights [out, in]; everything stays float32. The
+folder holds what `LlamaForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained` read:
+
+    config.json              LlamaConfig (rope_theta written flat, as transformers 4 and 5 read it)
+    model.safetensors        the weights under HF names; lm_head.weight only when untied
+    generation_config.json   greedy by default, EOS from the tokenizer
+    tokenizer.json           the tokenizer step's file, unchanged
+    tokenizer_config.json    PreTrainedTokenizerFast and its special tokens
+    special_tokens_map.json
+    README.md                the model card (`model_card`)
+
+No JAX or torch is needed to read the files back, and nothing here imports Prefect.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import save_file
+
+from training.config import ModelConfig
+from training.model import param_count
+
+WEIGHTS_FILE = "model.safetensors"
+
+
+def hf_state_dict(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """kiln's parameter tree as a flat {HF name: float32 array} dict (Linear weights are [out, in])."""
+    p = {k: v for k, v in params.items()}
+    out = {"model.embed_tokens.weight": p["embed_tokens"]["embedding"], "model.norm.weight": p["norm"]["weight"]}
+    for i in range(cfg.n_layers):
+        layer, prefix = p[f"layers_{i}"], f"model.layers.{i}"
+        out[f"{prefix}.input_layernorm.weight"] = layer["input_layernorm"]["weight"]
+        out[f"{prefix}.post_attention_layernorm.weight"] = layer["post_attention_layernorm"]["weight"]
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            out[f"{prefix}.self_attn.{name}.weight"] = np.asarray(layer["self_attn"][name]["kernel"]).T
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            out[f"{prefix}.mlp.{name}.weight"] = np.asarray(layer["mlp"][name]["kernel"]).T
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = np.asarray(p["lm_head"]["kernel"]).T
+    return {k: np.ascontiguousarray(np.asarray(v, dtype=np.float32)) for k, v in out.items()}
+
+
+def hf_config(cfg: ModelConfig, bos_id: int, eos_id: int) -> dict:
+    """config.json for `LlamaForCausalLM`."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.d_ff,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "initializer_range": cfg.init_std,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "torch_dtype": "float32",  # the weights; a bfloat16-trained model computed its matmuls in bfloat16
+        "use_cache": True,
+    }
+
+
+def tokenizer_files(tokenizer_json: str, eos_token: str, bos_token: str | None, seq_len: int,
+                    chat_template: str | None = None) -> dict[str, str]:
+    """The tokenizer as `PreTrainedTokenizerFast` reads it. Without a BOS token, EOS stands in (as
+    in GPT-2): it is what precedes every document in kiln's training stream. Encoding adds nothing,
+    exactly like kiln's own tokenizer. A chat model's Jinja template goes in as `chat_template`,
+    where `apply_chat_template` finds it."""
+    special = {"bos_token": bos_token or eos_token, "eos_token": eos_token, "unk_token": eos_token}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": seq_len,
+              "clean_up_tokenization_spaces": False, **special}
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    return {"tokenizer.json": tokenizer_json,
+            "tokenizer_config.json": json.dumps(config, indent=2) + "\n",
+            "special_tokens_map.json": json.dumps(special, indent=2) + "\n"}
+
+
+def export_hf(cfg: ModelConfig, params: dict, tokenizer_json: str, tokenizer_meta: dict, out_dir: Path,
+              chat_template: str | None = None) -> dict:
+    """Write the Hugging Face folder (everything but the model card) into `out_dir`; return stats.
+
+    `tokenizer_meta` is the tokenizer step's meta: eos_token, eos_id, bos_token, bos_id, vocab_size.
+    """
+    out_dir = Path(out_dir)
+    if tokenizer_meta["vocab_size"] > cfg.vocab_size:
+        raise ValueError(f"the tokenizer has {tokenizer_meta['vocab_size']} tokens but the model only "
+                         f"{cfg.vocab_size} embeddings: export the model with the tokenizer it was trained with")
+    eos_id = tokenizer_meta["eos_id"]
+    bos_id = tokenizer_meta["bos_id"] if tokenizer_meta.get("bos_id") is not None else eos_id
+    weights = hf_state_dict(params, cfg)
+    save_file(weights, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(hf_config(cfg, bos_id, eos_id), indent=2) + "\n")
+    generation = {"bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": eos_id, "do_sample": False,
+                  "max_length": cfg.seq_len}
+    (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    files = tokenizer_files(tokenizer_json, tokenizer_meta["eos_token"], tokenizer_meta.get("bos_token"), cfg.seq_len,
+                            chat_template)
+    for name, text in files.items():
+        (out_dir / name).write_text(text, encoding="utf-8")
+    return {"param_count": param_count(params), "tensors": len(weights),
+            "weights_bytes": (out_dir / WEIGHTS_FILE).stat().st_size}
+
+
+# --- the model card ----------------------------------------------------------------------------
+
+
+def _stats_brief(stats: dict) -> str:
+    keys = ("documents", "docs_out", "tokens", "vocab_size", "final_loss", "final_val_loss", "steps")
+    return ", ".join(f"{k} {stats[k]:.4g}" if isinstance(stats[k], float) else f"{k} {stats[k]}"
+                     for k in keys if stats.get(k) is not None)
+
+
+def lineage_lines(node: dict, indent: str = "") -> list[str]:
+    """A lineage tree (records with their inputs resolved, see tasks/export.py) as markdown bullets."""
+    if node.get("missing"):
+        return [f"{indent}- {node['stage']} `{node['version']}` (not in this store)"]
+    brief = _stats_brief(node.get("stats", {}))
+    lines = [f"{indent}- **{node['name']}** `{node['version']}`" + (f": {brief}" if brief else "")]
+    for src in node.get("stats", {}).get("sources", []) if not node["inputs"] else []:
+        lines.append(f"{indent}  - source **{src.get('name')}** ({src.get('kind')}): `{src.get('origin', '')}`")
+    for child in node["inputs"]:
+        lines += lineage_lines(child, indent + "  ")
+    return lines
+
+
+def model_card(cfg: ModelConfig, n_params: int, name: str, license_id: str | None, lineage: dict | None,
+               eval_table: list[dict] | None) -> str:
+    """README.md for the export: architecture, data lineage to the raw sources, training config,
+    evaluation results and the kiln commit. `lineage` is the train output's record with its
+    inputs resolved (None when the model did not come from a kiln store)."""
+    header = ["---", "library_name: transformers", "pipeline_tag: text-generation", "tags:", "- kiln", "- llama"]
+    if license_id:
+        header.append(f"license: {license_id}")
+    lines = header + ["---", "", f"# {name}", "",
+                      f"A {n_params / 1e6:.2f}M-parameter Llama-style decoder trained from scratch with kiln "
+                      "(reproducible LM training: every stage a cached, versioned step with lineage).", "",
+                      "## Architecture", "", "| | |", "| --- | --- |"]
+    rows = [("parameters", f"{n_params:,}"), ("layers", cfg.n_layers), ("d_model", cfg.d_model),
+            ("attention heads", cfg.n_heads), ("key/value heads (GQA)", cfg.n_kv_heads),
+            ("head dim", cfg.head_dim), ("MLP (SwiGLU) width", cfg.d_ff), ("vocabulary", cfg.vocab_size),
+            ("context", cfg.seq_len), ("positions", f"RoPE, theta {cfg.rope_theta:g}"),
+            ("norm", f"RMSNorm, eps {cfg.norm_eps:g}"), ("tied embeddings", cfg.tie_embeddings),
+            ("training compute dtype", cfg.compute_dtype)]
+    lines += [f"| {k} | {v} |" for k, v in rows]
+
+    lines += ["", "## Data lineage", ""]
+    if lineage is None:
+        lines.append("Unknown: this model was not exported from a kiln store (no lineage.json beside it).")
+    else:
+        lines += ["Each step's output is named by its version (a hash of its config and its inputs' "
+                  "versions), back to the raw sources:", ""] + lineage_lines(lineage)
+        lines += ["", "## Training", "", "The train step's config (every field that changes the weights):", "",
+                  "```json", json.dumps(lineage.get("config", {}), indent=2, sort_keys=True), "```"]
+        code = lineage.get("code", {})
+        commit = code.get("commit") or "unknown (not run from a git checkout)"
+        dirty = " with uncommitted changes" if code.get("dirty") else ""
+        lines += ["", f"kiln commit: `{commit}`{dirty}; train step version `{lineage['version']}`."]
+
+    lines += ["", "## Evaluation", ""]
+    if not eval_table:
+        lines.append("Not evaluated in this export (no evaluate step given).")
+    else:
+        lines += ["Zero-shot, by kiln's evaluate step (lm-eval in-process; `next_passage` and `last_word` are "
+                  "built from held-out documents never trained on; `heldout` is the validation token split).",
+                  "", "| task | metric | value | examples |", "| --- | --- | --- | --- |"]
+        for r in eval_table:
+            lines.append(f"| {r['task']} | {r['metric']} | {r['value']:.4f} | {r.get('samples') or ''} |")
+
+    lines += ["", "## Usage", "", "```python", "from transformers import AutoTokenizer, LlamaForCausalLM", "",
+              'tokenizer = AutoTokenizer.from_pretrained("path/to/this/folder")',
+              'model = LlamaForCausalLM.from_pretrained("path/to/this/folder")',
+              'ids = tokenizer("In the beginning", return_tensors="pt").input_ids',
+              "print(tokenizer.decode(model.generate(ids, max_new_tokens=20)[0]))", "```", ""]
+    return "\n".join(lines)

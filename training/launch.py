@@ -1,0 +1,217 @@
+"""Run `training.loop.train` inside Ray: one task per host, the whole loop in each.
+
+Never a Ray (or Prefect) task per step: a training loop keeps its compiled step, its device
+buffers and its data position in one long-lived process. With `hosts > 1` the tasks form one JAX
+distributed runtime (as the hosts of a TPU pod do): host 0 runs the coordinator, every host
+computes on its share of each global batch, and only host 0 writes metrics and the output.
+
+Ray: a local Ray started in this process by default (quiet, no dashboard); a cluster when the
+config or RAY_ADDRESS names one. The caller waits here while progress comes back through a
+`ray.util.queue.Queue` to `on_metrics`. Nothing on the Ray side imports Prefect (a Ray worker
+that did would start its own Prefect server).
+
+Determinism on GPU: the tasks run with XLA_FLAGS=--xla_gpu_deterministic_ops=true (unless
+resources.deterministic_gpu is off), which makes XLA pick deterministic implementations of
+scatter and reductions and deterministic autotuning, so the same config on the same GPU type
+gives the same bits, at some cost in speed. CPU is deterministic without flags.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import socket
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import ray
+from ray._private import ray_constants
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.queue import Empty, Queue
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from training.config import ModelConfig, ResourcesConfig, TrainConfig
+from training.data import BatchLoader, TokenDataset, read_meta, validation_batches
+
+# A picklable, zero-argument callable run on each host: returns (batch_at, val_batches). The
+# data is opened where it is used (a memory map does not travel well through pickle).
+DataSource = Callable[[], tuple[Callable[[int], np.ndarray], list[np.ndarray]]]
+
+DETERMINISTIC_GPU_FLAGS = "--xla_gpu_deterministic_ops=true"
+
+
+def launch_training(model_cfg: ModelConfig, train_cfg: TrainConfig, resources: ResourcesConfig,
+                    data: DataSource, work_dir: Path, out_dir: Path,
+                    on_metrics: Callable[[dict], None] | None = None, poll_s: float = 0.5,
+                    objective=None, init_model: Path | None = None) -> dict:
+    """Train in Ray task(s) with the resources asked for; relay metrics; return host 0's stats.
+
+    Post-training passes `objective` (training/posttrain.py) and `init_model`, a training output
+    folder whose parameters each host loads as its starting point."""
+    started_ray = _connect(resources)
+    bundle = _bundle(resources)
+    group = placement_group([bundle] * resources.hosts, strategy="SPREAD")
+    queue = None
+    try:
+        if not _wait_ready(group, timeout_s=120):
+            raise RuntimeError(f"Ray cannot place {resources.hosts} host task(s) of {bundle}: the cluster has "
+                               f"{ray.cluster_resources()}; lower resources.* or add nodes")
+        queue = Queue(actor_options={"num_cpus": 0})
+        coordinator = None
+        if resources.hosts > 1:  # a free port on host 0's node, for JAX's coordinator
+            probe = ray.remote(_free_address).options(num_cpus=0, scheduling_strategy=_in(group, 0))
+            coordinator = ray.get(probe.remote())
+        env = _worker_env(resources)
+        host_main = ray.remote(_host_main)
+        refs = [
+            host_main.options(num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
+                              resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
+                              scheduling_strategy=_in(group, host), runtime_env=env, max_retries=0)
+            .remote(host, resources.hosts, coordinator, model_cfg, train_cfg, data, str(work_dir),
+                    str(out_dir), queue if host == 0 else None, objective,
+                    None if init_model is None else str(init_model))
+            for host in range(resources.hosts)
+        ]
+        results = _wait_relaying(refs, queue, on_metrics, poll_s)
+        return results[0]
+    finally:
+        if queue is not None:
+            queue.shutdown(force=True)
+        remove_placement_group(group)
+        if started_ray:
+            ray.shutdown()
+
+
+def token_data(tokens_dir: Path, model_cfg: ModelConfig, train_cfg: TrainConfig) -> DataSource:
+    """The DataSource of a tokenize output folder (read with training/data.py's loader): batches
+    in the loader's seeded order, and up to `eval_batches` validation batches of the same size."""
+    meta = read_meta(Path(tokens_dir))  # fail here, on the caller's side, not in a Ray worker
+    if meta["vocab_size"] > model_cfg.vocab_size:
+        raise ValueError(f"{tokens_dir} uses a vocabulary of {meta['vocab_size']} tokens but the model has "
+                         f"vocab_size={model_cfg.vocab_size}: set model.vocab_size to at least {meta['vocab_size']}")
+    return functools.partial(_open_tokens, str(tokens_dir), train_cfg.batch_size, model_cfg.seq_len,
+                             train_cfg.seed, train_cfg.eval_batches)
+
+
+def _open_tokens(tokens_dir: str, batch_size: int, seq_len: int, seed: int, eval_batches: int):
+    train = BatchLoader([(TokenDataset(Path(tokens_dir), "train"), 1.0)], batch_size, seq_len, seed)
+    val = validation_batches(TokenDataset(Path(tokens_dir), "validation"), batch_size, seq_len, eval_batches)
+    return train.batch, val
+
+
+def _host_main(host: int, hosts: int, coordinator: str | None, model_cfg: ModelConfig,
+               train_cfg: TrainConfig, data: DataSource, work_dir: str, out_dir: str, queue,
+               objective=None, init_model: str | None = None) -> dict:
+    """The body of one host's Ray task: join the JAX runtime, open the data, run the loop."""
+    import jax
+
+    if hosts > 1:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU hosts only; GPUs use NCCL
+        jax.distributed.initialize(coordinator_address=coordinator, num_processes=hosts, process_id=host)
+    from training.loop import load_model, train
+
+    batch_at, val_batches = data()
+    init_params = None
+    if init_model is not None:
+        init_cfg, init_params = load_model(Path(init_model))
+        if init_cfg != model_cfg:
+            raise ValueError(f"{init_model} holds a model of another config ({init_cfg}); post-train with its own")
+    try:
+        return train(model_cfg, train_cfg, batch_at, val_batches, Path(work_dir), Path(out_dir),
+                     on_metrics=queue.put if queue is not None else None, objective=objective,
+                     init_params=init_params)
+    finally:
+        if hosts > 1:
+            jax.distributed.shutdown()
+
+
+def _connect(resources: ResourcesConfig) -> bool:
+    """Join the configured or RAY_ADDRESS cluster, reuse a Ray already running in this process,
+    or start a local one sized to the request. True if this call started Ray."""
+    if ray.is_initialized():
+        return False
+    address = resources.ray_address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=False, logging_level="ERROR")
+        return False
+    # When this process runs under `uv run`, Ray's uv hook would copy the repository for every
+    # job and start workers through `uv run` in the copy. A local Ray's workers can simply run
+    # this interpreter. (The flag is RAY_ENABLE_UV_RUN_RUNTIME_ENV, read when ray is imported,
+    # which may have happened before this module was; ray.init reads the constant.)
+    hook = ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV
+    ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = False
+    try:
+        ray.init(num_cpus=resources.hosts * resources.cpus_per_host,
+                 num_gpus=resources.hosts * resources.gpus_per_host or None,
+                 include_dashboard=False, log_to_driver=False, logging_level="ERROR",
+                 _node_ip_address="127.0.0.1")
+    finally:
+        ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = hook
+    return True
+
+
+def _bundle(resources: ResourcesConfig) -> dict:
+    bundle = {"CPU": resources.cpus_per_host}
+    if resources.gpus_per_host:
+        bundle["GPU"] = resources.gpus_per_host
+    if resources.tpu_hosts:
+        bundle["TPU"] = resources.tpus_per_host
+    return bundle
+
+
+def _in(group, index: int) -> PlacementGroupSchedulingStrategy:
+    return PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=index)
+
+
+def _wait_ready(group, timeout_s: float) -> bool:
+    ready, _ = ray.wait([group.ready()], timeout=timeout_s)
+    return bool(ready)
+
+
+def _worker_env(resources: ResourcesConfig) -> dict:
+    env: dict[str, str] = {}
+    flags = os.environ.get("XLA_FLAGS", "")
+    if resources.gpus_per_host and resources.deterministic_gpu and DETERMINISTIC_GPU_FLAGS not in flags:
+        flags = f"{flags} {DETERMINISTIC_GPU_FLAGS}".strip()
+    if flags:
+        env["XLA_FLAGS"] = flags
+    if not resources.gpus_per_host and not resources.tpu_hosts:
+        env["JAX_PLATFORMS"] = "cpu"  # no probing for accelerators that were not asked for
+    return {"env_vars": env}
+
+
+def _free_address() -> str:
+    """host:port of a free TCP port on this node (runs on host 0's node)."""
+    ip = ray.util.get_node_ip_address()
+    with socket.socket() as s:
+        s.bind((ip, 0))
+        return f"{ip}:{s.getsockname()[1]}"
+
+
+def _wait_relaying(refs: list, queue, on_metrics, poll_s: float) -> list[dict]:
+    """Wait for every host task, passing queued metrics on as they come. If one host fails, the
+    others would wait forever in a collective: cancel them and raise the failure."""
+    pending, results = list(refs), {}
+
+    def drain():
+        while True:
+            try:
+                record = queue.get(block=False)
+            except Empty:
+                return
+            if on_metrics is not None:
+                on_metrics(record)
+
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1, timeout=poll_s)
+        drain()
+        for ref in done:
+            try:
+                results[ref] = ray.get(ref)
+            except Exception:
+                for other in pending:
+                    ray.cancel(other, force=True)
+                raise
+    drain()
+    return [results[r] for r in refs]

@@ -1,0 +1,290 @@
+"""The training loop: restore or initialise, step, log, evaluate, checkpoint, publish.
+
+`train` is a plain function of two configs, a batch source and two folders; it neither knows nor
+cares whether it runs in a Ray task, a subprocess or a notebook. Data comes through a small
+interface so the loop does not depend on the loader's internals:
+
+    batch_at(step) -> int32 [batch_size, seq_len + 1]   a pure function of the step
+    val_batches    -> list of int32 [b, seq_len + 1]    the first `eval_batches` are used
+
+Resuming is "restore the state and start the loader at step k": the checkpoint records the data
+position (the next step's batch), and because `batch_at` is pure, the resumed run sees exactly
+the batches the uninterrupted one would have. On CPU the same config therefore gives bitwise
+identical parameters, killed or not.
+
+Outputs. `work_dir` (stable per step version, survives a crash): `checkpoints/`,
+`metrics.jsonl`, `loss.png`. `out_dir` (published when complete): `model.json` (ModelConfig),
+`params.safetensors` (flat "layers_0/mlp/up_proj/kernel" names, float32), `metrics.jsonl`,
+`loss.png`. With several processes all of them compute; only process 0 writes files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Callable, NamedTuple
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec as P
+from safetensors.numpy import load_file, save_file
+
+from training.checkpoint import Checkpoints
+from training.config import ModelConfig, TrainConfig, is_identity
+from training.metrics import MetricsLog, device_peak_flops, plot_loss
+from training.model import flops_per_token, param_count
+from training.optim import make_optimizer
+from training.sharding import batch_sharding, make_mesh, put_batch, state_shardings
+from training.step import init_state, make_eval_step, make_train_step
+
+log = logging.getLogger("kiln.training")
+
+
+def train(model_cfg: ModelConfig, train_cfg: TrainConfig, batch_at: Callable[[int], np.ndarray],
+          val_batches: list[np.ndarray], work_dir: Path, out_dir: Path,
+          on_metrics: Callable[[dict], None] | None = None, objective=None, init_params: dict | None = None) -> dict:
+    """Train to `train_cfg.steps`, resuming from the latest checkpoint in `work_dir`; write the
+    model to `out_dir` and return stats (losses, params_sha256, tokens, seconds, MFU, ...).
+
+    Post-training (training/posttrain.py) passes an `objective` (its loss and batch layout: batches
+    are then dicts of arrays) and `init_params` (the pretrained model to start from instead of a
+    fresh initialisation); everything else is this same loop."""
+    t_start = time.perf_counter()
+    work_dir, out_dir = Path(work_dir), Path(out_dir)
+    primary = jax.process_index() == 0
+    if primary:
+        work_dir.mkdir(parents=True, exist_ok=True)
+        out_dir.mkdir(parents=True, exist_ok=True)
+    _warn_if_nondeterministic_gpu()
+
+    # State: restored from the last checkpoint, or made fresh from the seed.
+    program = _program(model_cfg, train_cfg, make_mesh(train_cfg.mesh), objective)
+    checkpoints = Checkpoints(work_dir / "checkpoints")
+    identity = _identity(model_cfg, train_cfg)
+    if objective is not None:
+        identity["objective"] = {"class": type(objective).__name__, **dataclasses.asdict(objective)}
+    start = checkpoints.latest_step()
+    if start is None:
+        start, resumed_loss = 0, None
+        state = program.init(jax.random.PRNGKey(train_cfg.seed))
+        if init_params is not None:  # the optimizer state starts at zero either way
+            state = {**state, "params": _placed(init_params, program)}
+    else:
+        state, meta = checkpoints.restore(start, program.abstract, program.shardings)
+        if meta["identity"] != identity:
+            raise ValueError(f"{work_dir} holds checkpoints of another config ({meta['identity']}); "
+                             "point work_dir at this config's own folder or delete it")
+        start, resumed_loss = meta["data_position"], meta["loss"]
+        log.info("resumed from the checkpoint at step %d", start)
+    train_step, eval_step, data_sharding = program.train_step, program.eval_step, program.data_sharding
+    val = [_put(b, data_sharding) for b in val_batches[:train_cfg.eval_batches]]
+
+    tokens_per_step = train_cfg.batch_size * model_cfg.seq_len
+    if objective is not None:
+        tokens_per_step *= objective.sequences_per_row()
+    step_flops = flops_per_token(model_cfg) * tokens_per_step
+    peak, peak_source = device_peak_flops(train_cfg.peak_flops)
+    metrics_log = MetricsLog(work_dir / "metrics.jsonl", start) if primary else None
+    pending, last_loss, val_loss = [], resumed_loss, None
+    t_interval, interval_steps, train_seconds = time.perf_counter(), 0, 0.0
+
+    for step in range(start, train_cfg.steps):
+        batch = _put(_checked(batch_at(step), model_cfg, train_cfg, objective), data_sharding)
+        state, metrics = train_step(state, batch)  # dispatched; runs while Python fetches the next batch
+        pending.append(metrics)
+        done, interval_steps = step + 1, interval_steps + 1
+        last = done == train_cfg.steps
+        if done % train_cfg.log_every == 0 or last:
+            fetched = jax.device_get(pending)  # waits for the steps in flight
+            seconds = time.perf_counter() - t_interval
+            train_seconds += seconds
+            last_loss = float(fetched[-1]["loss"])
+            record = {
+                "step": done,
+                "loss": float(np.mean([m["loss"] for m in fetched])),  # mean over the interval
+                "lr": float(fetched[-1]["lr"]),
+                "grad_norm": float(fetched[-1]["grad_norm"]),
+                "tokens": done * tokens_per_step,
+                "tokens_per_s": interval_steps * tokens_per_step / seconds,
+                "mfu": interval_steps * step_flops / seconds / peak if peak else None,
+            }
+            for name in fetched[-1]:  # an objective's own metrics (DPO's margin, accuracy), interval means
+                if name not in ("loss", "lr", "grad_norm"):
+                    record[name] = float(np.mean([m[name] for m in fetched]))
+            if val and (done % train_cfg.eval_every == 0 or last):
+                val_loss = record["val_loss"] = _evaluate(eval_step, state["params"], val)
+            if primary:
+                metrics_log.write(record)
+                if on_metrics is not None:
+                    on_metrics(record)
+            log.info("step %d loss %.4f lr %.2e %.0f tok/s", done, record["loss"], record["lr"],
+                     record["tokens_per_s"])
+            pending, interval_steps = [], 0
+        if done % train_cfg.checkpoint_every == 0 or last:
+            last_loss = float(metrics["loss"])  # waits for the step: its time is train time
+            paused = time.perf_counter()
+            checkpoints.save(done, state, {"step": done, "data_position": done, "loss": last_loss,
+                                           "identity": identity})
+            if primary:
+                plot_loss(metrics_log.records, work_dir / "loss.png", title=f"step {done}")
+            t_interval += time.perf_counter() - paused
+        if interval_steps == 0:
+            t_interval = time.perf_counter()  # logging and evaluation are not train time either
+    checkpoints.close()
+
+    # Publish: parameters gathered to host memory (a collective with several processes).
+    params = jax.device_get(multihost_utils.process_allgather(state["params"], tiled=True)
+                            if jax.process_count() > 1 else state["params"])
+    if val and val_loss is None:  # resumed at the end: the last evaluation died with the old run
+        val_loss = _evaluate(eval_step, state["params"], val)
+    flat = _flatten(params)
+    trained = train_cfg.steps - start
+    stats = {
+        "final_loss": last_loss,
+        "final_val_loss": val_loss,
+        "params_sha256": params_sha256(flat),
+        "param_count": param_count(params),
+        "steps": train_cfg.steps,
+        "resumed_from_step": start,
+        "tokens": train_cfg.steps * tokens_per_step,
+        "seconds": time.perf_counter() - t_start,
+        "tokens_per_s": trained * tokens_per_step / train_seconds if train_seconds else None,
+        "mfu": trained * step_flops / train_seconds / peak if peak and train_seconds else None,
+        "peak_flops": peak,
+        "peak_source": peak_source,
+        "devices": jax.device_count(),
+        "processes": jax.process_count(),
+        "platform": jax.devices()[0].platform,
+    }
+    if primary:
+        (out_dir / "model.json").write_text(model_cfg.model_dump_json(indent=2) + "\n")
+        save_file(flat, str(out_dir / "params.safetensors"))
+        shutil.copyfile(work_dir / "metrics.jsonl", out_dir / "metrics.jsonl")
+        plot_loss(metrics_log.records, out_dir / "loss.png", title=f"{param_count(params) / 1e6:.1f}M params")
+        shutil.copyfile(out_dir / "loss.png", work_dir / "loss.png")
+    return stats
+
+
+class _Program(NamedTuple):
+    abstract: dict  # the state's shapes and dtypes
+    shardings: dict  # the state's layout on the mesh
+    data_sharding: jax.sharding.NamedSharding
+    init: Callable  # key -> state, placed on the mesh
+    train_step: Callable  # (state, batch) -> (state, metrics); compiled, state donated
+    eval_step: Callable  # (params, batch) -> loss
+
+
+@functools.lru_cache(maxsize=2)
+def _program(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: jax.sharding.Mesh, objective=None) -> _Program:
+    """Everything compiled for one config on one mesh, compiled before the clock starts and
+    kept, so a second run of the same config in this process (a test, a sweep) compiles nothing."""
+    if train_cfg.batch_size % mesh.shape["data"]:
+        raise ValueError(f"batch_size={train_cfg.batch_size} does not split over the mesh's {mesh.shape['data']} "
+                         "data-parallel devices: make it a multiple of that")
+    optimizer = make_optimizer(train_cfg)
+    make_state = lambda key: init_state(model_cfg, optimizer, key)  # noqa: E731
+    abstract = jax.eval_shape(make_state, jax.random.PRNGKey(0))
+    shardings = state_shardings(abstract, mesh, train_cfg.mesh.strategy)
+    if objective is None:
+        data_sharding = batch_sharding(mesh)
+        batch = jax.ShapeDtypeStruct((train_cfg.batch_size, model_cfg.seq_len + 1), np.int32, sharding=data_sharding)
+    else:  # a dict batch: every array split on `data` along its first (batch) axis
+        spec = objective.batch_spec(train_cfg.batch_size, model_cfg.seq_len)
+        data_sharding = {k: NamedSharding(mesh, P("data", *[None] * (len(shape) - 1))) for k, (shape, _) in spec.items()}
+        batch = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=data_sharding[k]) for k, (shape, dtype) in spec.items()}
+    train_step = jax.jit(make_train_step(model_cfg, train_cfg, optimizer, objective), donate_argnums=0,
+                         in_shardings=(shardings, data_sharding), out_shardings=(shardings, None))
+    return _Program(
+        abstract, shardings, data_sharding,
+        init=jax.jit(make_state, out_shardings=shardings),
+        train_step=train_step.lower(abstract, batch).compile(),
+        eval_step=jax.jit(make_eval_step(model_cfg, objective), in_shardings=(shardings["params"], data_sharding)),
+    )
+
+
+def _evaluate(eval_step, params, val_batches) -> float:
+    """Mean validation loss over the batches (all the same size, so the mean of means)."""
+    return float(np.mean([jax.device_get(eval_step(params, b)) for b in val_batches]))
+
+
+def load_model(out_dir: Path) -> tuple[ModelConfig, dict]:
+    """The ModelConfig and float32 parameter tree of a published training output."""
+    out_dir = Path(out_dir)
+    cfg = ModelConfig.model_validate_json((out_dir / "model.json").read_text())
+    params: dict = {}
+    for name, array in load_file(str(out_dir / "params.safetensors")).items():
+        *parents, leaf = name.split("/")
+        node = params
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = jax.numpy.asarray(array)
+    return cfg, params
+
+
+def params_sha256(flat: dict[str, np.ndarray]) -> str:
+    """sha256 over every parameter's name, shape, dtype and bytes, in name order."""
+    h = hashlib.sha256()
+    for name in sorted(flat):
+        a = np.ascontiguousarray(flat[name])
+        h.update(f"{name}:{a.shape}:{a.dtype}\n".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+
+def _flatten(params) -> dict[str, np.ndarray]:
+    out = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        out["/".join(str(k.key) for k in path)] = np.asarray(leaf)
+    return out
+
+
+def _identity(model_cfg: ModelConfig, train_cfg: TrainConfig) -> dict:
+    """What a checkpoint must agree with to be resumed: the identity fields of both configs."""
+    train = {k: v for k, v in train_cfg.model_dump(mode="json").items() if is_identity(TrainConfig, k)}
+    return {"model": model_cfg.model_dump(mode="json"), "train": train}
+
+
+def _put(batch, sharding):
+    """A batch (an array, or a dict of arrays for an objective) placed on the mesh."""
+    if isinstance(batch, dict):
+        return {k: put_batch(v, sharding[k]) for k, v in batch.items()}
+    return put_batch(batch, sharding)
+
+
+def _placed(init_params: dict, program: _Program) -> dict:
+    """Pretrained parameters laid out like a fresh state's; their shapes must be the model's."""
+    want = jax.tree_util.tree_map(lambda a: (a.shape, str(a.dtype)), program.abstract["params"])
+    got = jax.tree_util.tree_map(lambda a: (tuple(a.shape), str(a.dtype)), init_params)
+    if want != got:
+        raise ValueError("init_params do not match the model config's parameter shapes: start from a model "
+                         "trained with the same ModelConfig (its model.json)")
+    return jax.tree_util.tree_map(lambda a, s: jax.device_put(np.asarray(a), s), init_params,
+                                  program.shardings["params"])
+
+
+def _checked(batch, model_cfg: ModelConfig, train_cfg: TrainConfig, objective=None):
+    if objective is not None:
+        spec = objective.batch_spec(train_cfg.batch_size, model_cfg.seq_len)
+        got = {k: (tuple(v.shape), np.dtype(v.dtype)) for k, v in batch.items()} if isinstance(batch, dict) else batch
+        if got != {k: (shape, np.dtype(dtype)) for k, (shape, dtype) in spec.items()}:
+            raise ValueError(f"batch_at returned {got}; the {objective.name} objective expects {spec}")
+        return batch
+    expected = (train_cfg.batch_size, model_cfg.seq_len + 1)
+    if batch.shape != expected or batch.dtype != np.int32:
+        raise ValueError(f"batch_at returned {batch.dtype} {batch.shape}; expected int32 {expected} "
+                         "(batch_size sequences of seq_len + 1 tokens)")
+    return batch
+
+
+def _warn_if_nondeterministic_gpu() -> None:
+    if jax.devices()[0].platform == "gpu" and "--xla_gpu_deterministic_ops=true" not in os.environ.get("XLA_FLAGS", ""):
+        log.warning("GPU training without XLA_FLAGS=--xla_gpu_deterministic_ops=true: runs of the same "
+                    "config may differ in the last bits (launch_training sets it unless told not to)")

@@ -1,0 +1,227 @@
+"""The Llama-style decoder kiln trains: embedding, RMSNorm, rotary positions, grouped-query
+causal attention, SwiGLU MLP, optionally tied embeddings. Flax Linen, no device logic.
+
+It follows Hugging Face's `LlamaForCausalLM` exactly, so an export is a renaming:
+RMSNorm is `weight * (x * rsqrt(mean(x^2) + eps))`, RoPE uses `rotate_half` on the two halves of
+each head (not interleaved pairs), the MLP is `down(silu(gate(x)) * up(x))`, and nothing has a bias.
+
+Parameter tree (`params` of `init_params`), HF names in brackets; a Dense `kernel` is stored
+[in, out], the transpose of a torch `Linear.weight`:
+
+    embed_tokens/embedding            [V, D]        (model.embed_tokens.weight)
+    layers_{i}/input_layernorm/weight [D]           (model.layers.{i}.input_layernorm.weight)
+    layers_{i}/self_attn/q_proj/kernel [D, H*Q]     (...self_attn.q_proj.weight, transposed)
+    layers_{i}/self_attn/k_proj/kernel [D, K*Q]     (k_proj)
+    layers_{i}/self_attn/v_proj/kernel [D, K*Q]     (v_proj)
+    layers_{i}/self_attn/o_proj/kernel [H*Q, D]     (o_proj)
+    layers_{i}/post_attention_layernorm/weight [D]
+    layers_{i}/mlp/gate_proj/kernel    [D, F]       (mlp.gate_proj)
+    layers_{i}/mlp/up_proj/kernel      [D, F]       (mlp.up_proj)
+    layers_{i}/mlp/down_proj/kernel    [F, D]       (mlp.down_proj)
+    norm/weight                        [D]          (model.norm.weight)
+    lm_head/kernel                     [D, V]       (lm_head.weight; absent when tied)
+
+V vocab, D d_model, H query heads, K key/value heads, Q head_dim = D / H, F d_ff.
+
+Inference: `forward` gives float32 logits for a batch; `init_cache` and `decode_step` run
+prefill and token-by-token decoding with a key/value cache, all usable under `jax.jit`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import linen as nn
+
+from training.config import ModelConfig
+
+_MASKED = -1e30  # finite, so a row with nothing visible (padding) gives no NaN
+
+
+def _dtype(cfg: ModelConfig):
+    return jnp.dtype(cfg.compute_dtype)
+
+
+class RMSNorm(nn.Module):
+    eps: float
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x):
+        weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), jnp.float32)
+        x32 = x.astype(jnp.float32)  # the statistics in float32, as HF does
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return weight.astype(self.dtype) * x32.astype(self.dtype)
+
+
+def rotary(x, positions, theta: float):
+    """HF's RoPE: x [B, T, heads, Q] rotated by angle position * theta^(-2i/Q), halves layout."""
+    half = x.shape[-1] // 2
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, half, dtype=jnp.float32) * 2 / x.shape[-1]))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, Q/2]
+    cos = jnp.cos(angles)[:, :, None, :].astype(x.dtype)
+    sin = jnp.sin(angles)[:, :, None, :].astype(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:]
+    # x * cat(cos, cos) + rotate_half(x) * cat(sin, sin), with rotate_half(x) = cat(-x2, x1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def _dense(features: int, std: float, dtype, name: str) -> nn.Dense:
+    return nn.Dense(features, use_bias=False, dtype=dtype, param_dtype=jnp.float32,
+                    kernel_init=nn.initializers.normal(std), name=name)
+
+
+class Attention(nn.Module):
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x, positions, layer_cache=None, cache_pos=None, index=None):
+        cfg, dt = self.cfg, _dtype(self.cfg)
+        B, T, _ = x.shape
+        H, K, Q = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)  # residual projections scaled by depth
+        q = _dense(H * Q, cfg.init_std, dt, "q_proj")(x).reshape(B, T, H, Q)
+        k = _dense(K * Q, cfg.init_std, dt, "k_proj")(x).reshape(B, T, K, Q)
+        v = _dense(K * Q, cfg.init_std, dt, "v_proj")(x).reshape(B, T, K, Q)
+        q, k = rotary(q, positions, cfg.rope_theta), rotary(k, positions, cfg.rope_theta)
+
+        if layer_cache is None:  # training / full forward: keys are this sequence
+            kv_pos = positions
+        else:  # decoding: write this chunk at slot `index`, attend over the whole cache
+            k = jax.lax.dynamic_update_slice(layer_cache["k"], k.astype(layer_cache["k"].dtype), (0, index, 0, 0))
+            v = jax.lax.dynamic_update_slice(layer_cache["v"], v.astype(layer_cache["v"].dtype), (0, index, 0, 0))
+            layer_cache = {"k": k, "v": v}
+            kv_pos = cache_pos
+        # A key is visible to a query if it is not later (causal) and not padding (position -1).
+        visible = (kv_pos[:, None, :] <= positions[:, :, None]) & (kv_pos[:, None, :] >= 0)  # [B, T, S]
+
+        q = q.reshape(B, T, K, H // K, Q)  # query head h uses kv head h // (H/K), as HF's repeat_kv
+        scores = jnp.einsum("btkgq,bskq->bkgts", q, k).astype(jnp.float32) / math.sqrt(Q)
+        scores = jnp.where(visible[:, None, None], scores, _MASKED)
+        probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+        out = jnp.einsum("bkgts,bskq->btkgq", probs, v).reshape(B, T, H * Q)
+        return _dense(cfg.d_model, out_std, dt, "o_proj")(out), layer_cache
+
+
+class MLP(nn.Module):
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x):
+        cfg, dt = self.cfg, _dtype(self.cfg)
+        out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        gate = _dense(cfg.d_ff, cfg.init_std, dt, "gate_proj")(x)
+        up = _dense(cfg.d_ff, cfg.init_std, dt, "up_proj")(x)
+        return _dense(cfg.d_model, out_std, dt, "down_proj")(nn.silu(gate) * up)
+
+
+class Block(nn.Module):
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x, positions, layer_cache=None, cache_pos=None, index=None):
+        cfg, dt = self.cfg, _dtype(self.cfg)
+        h, layer_cache = Attention(cfg, name="self_attn")(
+            RMSNorm(cfg.norm_eps, dt, name="input_layernorm")(x), positions, layer_cache, cache_pos, index)
+        x = x + h
+        x = x + MLP(cfg, name="mlp")(RMSNorm(cfg.norm_eps, dt, name="post_attention_layernorm")(x))
+        return x, layer_cache
+
+
+class Llama(nn.Module):
+    """tokens [B, T] int32, positions [B, T] int32 -> float32 logits [B, T, V] (and the cache)."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, tokens, positions, cache=None):
+        cfg, dt = self.cfg, _dtype(self.cfg)
+        embed = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=dt, param_dtype=jnp.float32,
+                         embedding_init=nn.initializers.normal(cfg.init_std), name="embed_tokens")
+        x = embed(tokens)
+        new_layers = []
+        for i in range(cfg.n_layers):
+            layer_cache = None if cache is None else cache["layers"][i]
+            x, layer_cache = Block(cfg, name=f"layers_{i}")(
+                x, positions, layer_cache,
+                None if cache is None else cache["pos"], None if cache is None else cache["index"])
+            new_layers.append(layer_cache)
+        x = RMSNorm(cfg.norm_eps, dt, name="norm")(x)
+        if cfg.tie_embeddings:
+            logits = embed.attend(x)
+        else:
+            logits = _dense(cfg.vocab_size, cfg.init_std, dt, "lm_head")(x)
+        return logits.astype(jnp.float32), new_layers
+
+
+# --- functions the rest of kiln calls ------------------------------------------------------------
+
+
+def init_params(cfg: ModelConfig, key: jax.Array) -> dict:
+    """Fresh float32 parameters from `key`: matrices N(0, init_std), the residual output
+    projections (o_proj, down_proj) N(0, init_std / sqrt(2 * n_layers)) as in GPT-2, norms 1."""
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    return Llama(cfg).init(key, tokens, tokens)["params"]
+
+
+def param_count(params) -> int:
+    return int(sum(np.prod(p.shape) for p in jax.tree_util.tree_leaves(params)))
+
+
+def flops_per_token(cfg: ModelConfig) -> float:
+    """Training FLOPs per token (forward + backward), PaLM's convention (Chowdhery et al. 2022,
+    appendix B):
+
+        6 * N  +  12 * L * H * Q * T
+
+    N counts the parameters that multiply activations in matmuls: every projection in every
+    layer plus the output projection V*D (also when tied to the embedding); the input embedding
+    lookup and the norm weights do no matmul and are left out. The second term is attention's
+    QK^T and AV (2 * 2 * T * H * Q per token per layer forward, x3 for forward + backward), with
+    L layers, H query heads, Q head dim and T = seq_len; it is not halved for the causal mask.
+    """
+    D, F, Q = cfg.d_model, cfg.d_ff, cfg.head_dim
+    per_layer = D * cfg.n_heads * Q * 2 + D * cfg.n_kv_heads * Q * 2 + 3 * D * F
+    n_matmul = cfg.n_layers * per_layer + D * cfg.vocab_size
+    return 6.0 * n_matmul + 12.0 * cfg.n_layers * cfg.n_heads * Q * cfg.seq_len
+
+
+def forward(params, tokens, cfg: ModelConfig):
+    """tokens [B, T] int32 -> float32 logits [B, T, V], positions 0..T-1."""
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    logits, _ = Llama(cfg).apply({"params": params}, tokens, positions)
+    return logits
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> dict:
+    """An empty key/value cache for `batch` sequences of up to `max_len` tokens.
+
+    `index` is the next slot to write; `pos` holds each slot's position, -1 while empty, so the
+    mask needs no other state. Keys and values are stored in the compute dtype.
+    """
+    shape = (batch, max_len, cfg.n_kv_heads, cfg.head_dim)
+    dt = _dtype(cfg)
+    return {
+        "index": jnp.zeros((), jnp.int32),
+        "pos": jnp.full((batch, max_len), -1, jnp.int32),
+        "layers": [{"k": jnp.zeros(shape, dt), "v": jnp.zeros(shape, dt)} for _ in range(cfg.n_layers)],
+    }
+
+
+def decode_step(params, cfg: ModelConfig, tokens, cache: dict, positions):
+    """Run tokens [B, t] through the model, appending them to the cache; returns float32 logits
+    [B, t, V] and the new cache. Prefill with t > 1, then call with t = 1.
+
+    `positions` [B, t] are the tokens' positions within their own sequence (for RoPE and the
+    causal mask). Left-padded prompts pass position -1 for padding: padded slots are never
+    attended to, so a batch of prompts of different lengths decodes as each would alone.
+    """
+    t = tokens.shape[1]
+    index = cache["index"]
+    pos = jax.lax.dynamic_update_slice(cache["pos"], positions.astype(jnp.int32), (0, index))
+    run_cache = {"index": index, "pos": pos, "layers": cache["layers"]}
+    logits, layers = Llama(cfg).apply({"params": params}, tokens, positions.astype(jnp.int32), run_cache)
+    return logits, {"index": index + t, "pos": pos, "layers": layers}

@@ -1,0 +1,303 @@
+"""Post-training: the chat template, packing with loss masks, and the SFT and DPO objectives.
+
+Conversations are lists of messages `{"role": "system" | "user" | "assistant", "content": str}`.
+The template puts a role token before each message and an end-of-turn token after it:
+
+    <|user|>Continue this passage: ...<|end|><|assistant|>And God said ...<|end|>
+
+The role and end tokens are special tokens of the tokenizer (added after GPT-2's 50256 through
+`TokenizerConfig.special_tokens`), so text can never produce them. Message text is encoded as
+ordinary text, the way the tokenize step encodes documents. `CHAT_TEMPLATE` is the same template
+in Jinja, the form Hugging Face keeps in tokenizer_config.json, and it gives the same ids.
+
+SFT learns only the assistant's words: every token carries a loss mask, 1 on the assistant's
+content and its end-of-turn token, 0 on everything else (role tokens, system and user turns,
+padding). Conversations are packed whole into rows of `seq_len + 1` tokens, EOS between them as
+between pretraining documents; attention is not cut at conversation boundaries (as in
+pretraining, where documents share a window too).
+
+DPO (Rafailov et al. 2023) compares a chosen and a rejected answer to the same prompt:
+
+    loss = -log sigmoid(beta * ((log pi(c) - log ref(c)) - (log pi(r) - log ref(r))))
+
+The reference model is frozen, so its log-probabilities are a property of the data: they are
+computed once, before training (`reference_logprobs`), and travel in the batch. The jitted step
+therefore stays `train_step(state, batch)`, the same one pretraining uses.
+
+The objectives are small frozen dataclasses that `training.loop.train` takes as `objective`:
+the loop asks them for the batch layout and the loss; everything else (sharding, checkpoints,
+resume, Ray) is the pretraining machinery unchanged. No Prefect, no Ray here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from tokenizers import Tokenizer
+
+from training.config import ModelConfig
+from training.model import forward
+
+ROLES = ("system", "user", "assistant")
+ROLE_TOKENS = {role: f"<|{role}|>" for role in ROLES}
+END_OF_TURN = "<|end|>"
+CHAT_SPECIAL_TOKENS = (*ROLE_TOKENS.values(), END_OF_TURN)  # add these to TokenizerConfig.special_tokens
+# The same template for Hugging Face's `apply_chat_template` (tokenizer_config.json `chat_template`).
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+
+# --- the chat template -----------------------------------------------------------------------
+
+
+class ChatTemplate:
+    """Conversations to token ids and loss masks, with a tokenizer that has the chat tokens."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        missing = [t for t in CHAT_SPECIAL_TOKENS if tokenizer.token_to_id(t) is None]
+        if missing:
+            raise ValueError(f"the tokenizer has no {missing}: add {list(CHAT_SPECIAL_TOKENS)} to the tokenizer "
+                             "config's special_tokens (and retrain from a model with that vocabulary)")
+        self.tok = Tokenizer.from_str(tokenizer.to_str())  # a copy: special strings in text stay text
+        self.tok.encode_special_tokens = True
+        self.role_ids = {role: tokenizer.token_to_id(t) for role, t in ROLE_TOKENS.items()}
+        self.end_id = tokenizer.token_to_id(END_OF_TURN)
+
+    def encode(self, messages: list[dict], add_generation_prompt: bool = False) -> tuple[list[int], list[int]]:
+        """(ids, loss mask): the mask is 1 on each assistant message's content and end token."""
+        ids: list[int] = []
+        mask: list[int] = []
+        for m in check_messages(messages):
+            content = self.tok.encode(m["content"], add_special_tokens=False).ids
+            learn = int(m["role"] == "assistant")
+            ids += [self.role_ids[m["role"]], *content, self.end_id]
+            mask += [0] + [learn] * (len(content) + 1)
+        if add_generation_prompt:
+            ids.append(self.role_ids["assistant"])
+            mask.append(0)
+        return ids, mask
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        """The template as text (what CHAT_TEMPLATE renders), for prompts given to lm-eval."""
+        text = "".join(f"{ROLE_TOKENS[m['role']]}{m['content']}{END_OF_TURN}" for m in check_messages(messages))
+        return text + (ROLE_TOKENS["assistant"] if add_generation_prompt else "")
+
+
+def check_messages(messages: list[dict]) -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"a conversation is a non-empty list of messages, got {messages!r:.200}")
+    for m in messages:
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            raise ValueError(f"a message is {{'role': one of {list(ROLES)}, 'content': str}}, got {m!r:.200}")
+    return messages
+
+
+# --- packing ---------------------------------------------------------------------------------
+
+
+def pack(examples: list[tuple[list[int], list[int]]], seq_len: int, eos_id: int) -> tuple[dict, int]:
+    """Pack (ids, mask) conversations whole, in order, into rows of seq_len + 1 tokens.
+
+    Each conversation is followed by EOS (mask 0). A conversation that does not fit in what is
+    left of a row starts the next one; the rest of the row is EOS padding with mask 0. A
+    conversation longer than a whole row is left out. Returns ({"inputs", "targets",
+    "loss_mask"}: [N, seq_len] arrays; the mask is over targets) and the number left out.
+    """
+    width = seq_len + 1
+    rows: list[tuple[list[int], list[int]]] = []
+    ids_row: list[int] = []
+    mask_row: list[int] = []
+    dropped = 0
+    for ids, mask in examples:
+        ids, mask = list(ids) + [eos_id], list(mask) + [0]
+        if len(ids) > width:
+            dropped += 1
+            continue
+        if len(ids_row) + len(ids) > width:
+            rows.append((ids_row, mask_row))
+            ids_row, mask_row = [], []
+        ids_row += ids
+        mask_row += mask
+    if ids_row:
+        rows.append((ids_row, mask_row))
+    if not rows:
+        raise ValueError(f"no conversation fits in seq_len + 1 = {width} tokens ({dropped} left out): "
+                         "shorten the conversations or use a model with a longer context")
+    tokens = np.full((len(rows), width), eos_id, np.int32)
+    masks = np.zeros((len(rows), width), np.int32)
+    for r, (ids, mask) in enumerate(rows):
+        tokens[r, :len(ids)], masks[r, :len(mask)] = ids, mask
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "loss_mask": masks[:, 1:]}, dropped
+
+
+def pad_pairs(pairs: list[tuple[tuple[list[int], list[int]], tuple[list[int], list[int]]]], seq_len: int,
+              eos_id: int) -> tuple[dict, int]:
+    """(chosen, rejected) encoded conversations to {"inputs", "targets", "loss_mask"} [N, 2, seq_len],
+    one row per side, EOS-padded. Pairs where either side exceeds seq_len + 1 tokens are left out."""
+    width = seq_len + 1
+    kept = [p for p in pairs if all(len(ids) + 1 <= width for ids, _ in p)]
+    tokens = np.full((len(kept), 2, width), eos_id, np.int32)
+    masks = np.zeros((len(kept), 2, width), np.int32)
+    for i, pair in enumerate(kept):
+        for side, (ids, mask) in enumerate(pair):
+            tokens[i, side, :len(ids)], masks[i, side, :len(mask)] = ids, mask
+    return {"inputs": tokens[..., :-1], "targets": tokens[..., 1:], "loss_mask": masks[..., 1:]}, len(pairs) - len(kept)
+
+
+class RowBatches:
+    """Batches of rows of a dict of arrays, in an order fixed by (seed, step), like the pretraining
+    loader: batch `step` holds global rows step*B .. step*B + B - 1; global row g is row
+    perm_e[g % N] of epoch e = g // N, perm_e seeded with (seed, e). `batch_at` is pure, so
+    resuming at step k sees exactly the batches an uninterrupted run would."""
+
+    def __init__(self, arrays: dict[str, np.ndarray], batch_size: int, seed: int):
+        self.arrays, self.batch_size, self.seed = arrays, batch_size, seed
+        self.n = len(next(iter(arrays.values())))
+        if self.n == 0:
+            raise ValueError("no rows to train on")
+        self._perms: dict[int, np.ndarray] = {}
+
+    def _perm(self, epoch: int) -> np.ndarray:
+        if epoch not in self._perms:
+            self._perms = {epoch: np.random.default_rng([self.seed, epoch]).permutation(self.n)}
+        return self._perms[epoch]
+
+    def batch_at(self, step: int) -> dict[str, np.ndarray]:
+        g = np.arange(step * self.batch_size, (step + 1) * self.batch_size)
+        rows = np.array([self._perm(int(e))[int(i)] for e, i in zip(*np.divmod(g, self.n))])
+        return {k: v[rows] for k, v in self.arrays.items()}
+
+
+def fixed_batches(arrays: dict[str, np.ndarray], batch_size: int, max_batches: int) -> list[dict]:
+    """The first `max_batches` full batches of rows in order (validation); a partial batch is left out."""
+    n = len(next(iter(arrays.values())))
+    return [{k: v[b * batch_size:(b + 1) * batch_size] for k, v in arrays.items()}
+            for b in range(min(max_batches, n // batch_size))]
+
+
+# --- losses ----------------------------------------------------------------------------------
+
+
+def token_logprobs(params, inputs, targets, cfg: ModelConfig):
+    """log p(target) at every position: inputs, targets [..., T] -> float32 [..., T]."""
+    lead = inputs.shape[:-1]
+    logits = forward(params, inputs.reshape(-1, inputs.shape[-1]), cfg)
+    logp = -optax.softmax_cross_entropy_with_integer_labels(logits, targets.reshape(-1, targets.shape[-1]))
+    return logp.reshape(*lead, -1)
+
+
+def sft_loss(params, batch: dict, cfg: ModelConfig):
+    """Mean cross-entropy over the target tokens with loss_mask 1 (the assistant's), and their count.
+
+    `where`, not a product: a masked position contributes an exact zero and no gradient whatever
+    its label, even if its log-probability were -inf."""
+    mask = batch["loss_mask"] > 0
+    logp = token_logprobs(params, batch["inputs"], batch["targets"], cfg)
+    n = jnp.maximum(mask.sum(), 1)
+    return -jnp.where(mask, logp, 0.0).sum() / n, {"loss_tokens": mask.sum().astype(jnp.float32)}
+
+
+def sequence_logprobs(params, batch: dict, cfg: ModelConfig):
+    """Sum of log p over the masked (answer) tokens of each sequence: [..., T] -> [...]."""
+    logp = token_logprobs(params, batch["inputs"], batch["targets"], cfg)
+    return jnp.where(batch["loss_mask"] > 0, logp, 0.0).sum(-1)
+
+
+def dpo_loss(params, batch: dict, cfg: ModelConfig, beta: float):
+    """The DPO loss over [B, 2] (chosen, rejected) sequences against the reference log-probs in
+    the batch; metrics: the reward margin beta * (chosen - rejected log-ratio) and accuracy."""
+    logp = sequence_logprobs(params, batch, cfg)  # [B, 2]
+    ratio = logp - batch["ref_logp"]
+    margin = beta * (ratio[:, 0] - ratio[:, 1])
+    loss = -jax.nn.log_sigmoid(margin).mean()
+    return loss, {"margin": margin.mean(), "accuracy": (margin > 0).mean().astype(jnp.float32),
+                  "chosen_reward": beta * ratio[:, 0].mean(), "rejected_reward": beta * ratio[:, 1].mean()}
+
+
+def reference_logprobs(params, pairs: dict, cfg: ModelConfig, batch_size: int) -> np.ndarray:
+    """[N, 2] float32 sequence log-probs of every pair under the frozen reference `params`."""
+    score = jax.jit(sequence_logprobs, static_argnums=2)
+    n = len(pairs["inputs"])
+    out = []
+    for start in range(0, n, batch_size):
+        chunk = {k: pairs[k][start:start + batch_size] for k in ("inputs", "targets", "loss_mask")}
+        short = batch_size - len(chunk["inputs"])
+        if short:  # pad the last chunk so one compiled shape serves every call
+            chunk = {k: np.concatenate([v, np.repeat(v[-1:], short, 0)]) for k, v in chunk.items()}
+        out.append(np.asarray(score(params, chunk, cfg))[:batch_size - short])
+    return np.concatenate(out).astype(np.float32)
+
+
+# --- the objectives the loop takes -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SFTObjective:
+    """Masked next-token loss on packed conversations; batches {"inputs", "targets", "loss_mask"}."""
+
+    name: str = "sft"
+
+    def batch_spec(self, batch_size: int, seq_len: int) -> dict:
+        return {k: ((batch_size, seq_len), np.int32) for k in ("inputs", "targets", "loss_mask")}
+
+    def loss(self, params, batch, cfg: ModelConfig):
+        return sft_loss(params, batch, cfg)
+
+    def sequences_per_row(self) -> int:
+        return 1
+
+
+@dataclass(frozen=True)
+class DPOObjective:
+    """DPO on (chosen, rejected) rows; batches {"inputs", "targets", "loss_mask"} [B, 2, T] and
+    "ref_logp" [B, 2] (the frozen reference model's, from `reference_logprobs`)."""
+
+    beta: float = 0.1
+    name: str = "dpo"
+
+    def batch_spec(self, batch_size: int, seq_len: int) -> dict:
+        spec = {k: ((batch_size, 2, seq_len), np.int32) for k in ("inputs", "targets", "loss_mask")}
+        return {**spec, "ref_logp": ((batch_size, 2), np.float32)}
+
+    def loss(self, params, batch, cfg: ModelConfig):
+        return dpo_loss(params, batch, cfg, self.beta)
+
+    def sequences_per_row(self) -> int:
+        return 2
+
+
+# --- data sources for training.launch (picklable; opened on each host) -----------------------
+
+
+def save_rows(path, arrays: dict[str, np.ndarray]) -> None:
+    """Rows for training, as an uncompressed .npz (the same arrays give the same file)."""
+    with open(path, "wb") as f:
+        np.savez(f, **arrays)
+
+
+def open_rows(train_path: str, eval_path: str, batch_size: int, seed: int, eval_batches: int,
+              reference_model: str | None = None):
+    """A `training.launch.DataSource` body: (batch_at, val_batches) over saved rows. With
+    `reference_model` (a training output folder; DPO), the frozen model's log-probs of every
+    pair are computed here, once, and added to the rows as "ref_logp"."""
+    from pathlib import Path
+
+    from training.loop import load_model  # here: training.loop imports this module's users
+
+    train, held = (dict(np.load(p)) for p in (train_path, eval_path))
+    if reference_model is not None:
+        cfg, params = load_model(Path(reference_model))
+        for rows in (train, held):
+            if len(rows["inputs"]):
+                rows["ref_logp"] = reference_logprobs(params, rows, cfg, batch_size)
+            else:
+                rows["ref_logp"] = np.zeros((0, 2), np.float32)
+    return RowBatches(train, batch_size, seed).batch_at, fixed_batches(held, batch_size, eval_batches)

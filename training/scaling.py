@@ -1,0 +1,591 @@
+"""Scaling laws on a FLOP budget: the recipe that plans a sweep, the fits that read it, the plots.
+
+Recipe. A budget C (training FLOPs) and a size index k = 1, 2, ... give exactly one run:
+
+    shape    d_model = width_step * k, n_layers = max(min_layers, floor(d_model / aspect + 1/2)),
+             heads of head_dim (n_heads = d_model / head_dim, no GQA), d_ff = 8/3 d_model rounded up
+             to a multiple of head_dim (Llama's ratio), untied input and output embeddings. One
+             ladder of shapes that every budget shares; at least two layers, since one layer cannot
+             form induction heads and would put a kink in the curve that is about architecture, not
+             scale. Untied, because with tied embeddings the direct path E E^T is symmetric and
+             cannot learn bigrams: these tiny models then sat on the unigram plateau for a number
+             of steps that varied from run to run, and the isoFLOP curves had outliers of +0.3
+             bits per byte (measured on KJV; untied, the same runs fell in line).
+    tokens   D = C / flops_per_token(shape), with `training.model.flops_per_token`: PaLM's
+             6N + 12*L*H*Q*T, attention included, in whole steps of batch_size * seq_len tokens.
+    batch    batch_size = batch_ref * (C / budget_ref) ** batch_exponent, rounded to a multiple of
+             batch_multiple (DeepSeek LLM, 2024, fits the optimal batch as ~C^0.33). Not to a power
+             of two: a batch that jumps 2x between neighbouring budgets moved their optima apart.
+    lr       min(lr_max, lr_ref * width_ref / d_model): Adam's best rate falls as 1/width in the
+             standard parameterisation (Yang et al., 2021); warmup_fraction of the steps, then cosine.
+
+N is the parameter count of that FLOP formula: every matmul weight, the output projection
+included, the input embedding (a lookup) and the norms not. A run whose whole steps miss C by
+more than `tolerance` is refused (`BudgetError`), never trained off-budget.
+
+Sizes start at k = 2 (k = 1 would be a single head of head_dim).
+Each budget trains the `shapes_per_budget` consecutive sizes whose geometric-mean N is nearest
+N_prior(C) = sqrt(C_ref / (6 r)) * (C / C_ref)^prior_exponent, r = tokens_per_param at C_ref =
+budget_ref (Chinchilla's shape when the exponent is 1/2): the prior only says where to look, the fit
+finds the optimum. A run depends on (C, k) and the rules alone, never on the other budgets, so its
+version is the same in every sweep that contains it.
+
+Fits (Hoffmann et al., 2022, approach 2), all in natural logs:
+
+    per budget   L = c2 x^2 + c1 x + c0, x = ln N. Minimum x* = -c1 / (2 c2): N_opt(C), L_opt(C),
+                 and D_opt(C) from ln D interpolated linearly in ln N among that budget's runs (so
+                 attention FLOPs count as the runs counted them). Errors by the delta method.
+    across       N_opt = n0 * C^alpha and D_opt = d0 * C^beta: weighted least squares in log-log.
+    frontier     L_opt(C) = a * C^(-b) + e: weighted nonlinear least squares (scipy).
+
+Uncertainties are one standard error. Where the fit has degrees of freedom left, the covariance is
+scaled up by the reduced chi-square when that exceeds 1 (the points scatter more than their own
+errors say); with none left it is the errors of the inputs propagated.
+
+No Prefect, no Ray: numpy, scipy and matplotlib.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+from pydantic import Field, model_validator
+
+from training.config import ConfigModel, ModelConfig, TrainConfig, setting
+from training.model import flops_per_token
+
+
+class BudgetError(ValueError):
+    """A (budget, shape) whose run cannot spend the budget within the tolerance."""
+
+
+class FitError(ValueError):
+    """Runs that cannot support the fit asked for (too few, or no minimum among them)."""
+
+
+# --- recipe -------------------------------------------------------------------------------------
+
+
+class ScalingConfig(ConfigModel):
+    """The sweep: budgets, and the rules that turn a (budget, size) into a model and a recipe."""
+
+    budgets: list[float] = Field(min_length=1, description="Training FLOP budgets C, e.g. [1e11, 2e11].")
+    shapes_per_budget: int = Field(5, ge=3, description="Sizes trained per budget (the isoFLOP curve).")
+    # Where to look, not what to find: Hoffmann et al. had D/N ~ 20 and N_opt ~ C^0.5 at 1e18+ FLOPs.
+    # The defaults centre the CPU sweep (pilot runs on KJV put N_opt near 2e4 at 3.5e10-1.4e11 FLOPs).
+    tokens_per_param: float = Field(94.0, gt=0, description="Prior D/N at budget_ref.")
+    prior_exponent: float = Field(0.28, gt=0, lt=1, description="Prior N_opt ~ C^prior_exponent.")
+    tolerance: float = Field(0.03, gt=0, lt=0.5, description="Largest relative miss of a run's FLOPs.")
+    min_steps: int = Field(20, ge=2)
+    max_size: int = Field(24, ge=2, description="Largest size index k on the ladder.")
+    # shape rule
+    width_step: int = 4
+    aspect: float = 48.0  # d_model / n_layers, once past min_layers
+    min_layers: int = 2
+    head_dim: int = 4
+    tie_embeddings: bool = False
+    seq_len: int = 64
+    # batch rule
+    batch_ref: int = 32
+    budget_ref: float = 1e12
+    batch_exponent: float = 0.33
+    batch_multiple: int = Field(1, ge=1, description="e.g. the number of data-parallel devices")
+    # learning-rate rule
+    lr_ref: float = 5e-3
+    width_ref: int = 128
+    lr_max: float = 2e-2
+    warmup_fraction: float = 0.05
+    weight_decay: float = 0.1
+    beta2: float = 0.95
+    seed: int = 0
+    # fit
+    min_points: int = Field(4, ge=3, description="Runs a budget needs to be fitted (3 fit a parabola "
+                                                  "exactly; the 4th gives its uncertainty).")
+    forecast: bool = Field(True, description="Fit without the largest budget, train its predicted "
+                                             "optimum, and report the error.")
+    forecast_goal: float = Field(0.03, gt=0, description="Relative error of the forecast reported as met.")
+    heldout_tokens: int | None = Field(32768, ge=2, description="Held-out tokens each run is scored on "
+                                                                 "(None: the whole validation split).")
+    parallelism: int = setting(1, ge=1, description="Runs trained at once (one Ray task each).")
+    cpus_per_run: int = setting(2, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> "ScalingConfig":
+        if len(set(self.budgets)) != len(self.budgets) or any(c <= 0 for c in self.budgets):
+            raise ValueError(f"budgets must be distinct and positive, got {self.budgets}")
+        if self.width_step % self.head_dim:
+            raise ValueError(f"width_step={self.width_step} must be a multiple of head_dim={self.head_dim}")
+        if self.forecast and len(self.budgets) < 4:
+            raise ValueError(f"the forecast check fits the law without the largest budget, and the frontier "
+                             f"L = a*C^-b + e needs 3 budgets for that: give at least 4 budgets (got "
+                             f"{len(self.budgets)}) or set forecast: false")
+        if self.shapes_per_budget < self.min_points:
+            raise ValueError(f"shapes_per_budget={self.shapes_per_budget} is below min_points={self.min_points}: "
+                             "no budget could be fitted")
+        return self
+
+
+def shape(k: int, cfg: ScalingConfig, vocab_size: int) -> ModelConfig:
+    """The model of size index k under the shape rule (module docstring)."""
+    if not 2 <= k <= cfg.max_size:
+        raise ValueError(f"size index {k} is outside 2..{cfg.max_size} (scaling.max_size)")
+    d = cfg.width_step * k
+    layers = max(cfg.min_layers, math.floor(d / cfg.aspect + 0.5))
+    d_ff = -(-8 * d // (3 * cfg.head_dim)) * cfg.head_dim  # ceil(8d/3) to a multiple of head_dim
+    heads = d // cfg.head_dim
+    return ModelConfig(vocab_size=vocab_size, d_model=d, n_layers=layers, n_heads=heads, n_kv_heads=heads,
+                       d_ff=d_ff, seq_len=cfg.seq_len, tie_embeddings=cfg.tie_embeddings)
+
+
+def matmul_params(model: ModelConfig) -> int:
+    """N of C = 6ND + attention: `flops_per_token` less its attention term, over 6."""
+    attention = 12 * model.n_layers * model.n_heads * model.head_dim * model.seq_len
+    return round((flops_per_token(model) - attention) / 6)
+
+
+def batch_size(budget: float, cfg: ScalingConfig) -> int:
+    raw = cfg.batch_ref * (budget / cfg.budget_ref) ** cfg.batch_exponent
+    return cfg.batch_multiple * max(1, round(raw / cfg.batch_multiple))
+
+
+def learning_rate(model: ModelConfig, cfg: ScalingConfig) -> float:
+    return min(cfg.lr_max, cfg.lr_ref * cfg.width_ref / model.d_model)
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """One (budget, size) run: what to train and what it costs."""
+
+    budget: float
+    size: int
+    model: ModelConfig
+    train: TrainConfig
+    params: int  # N (matmul parameters)
+    tokens: int  # D, whole steps
+    flops: float  # flops_per_token * D: within `tolerance` of the budget
+
+    @property
+    def name(self) -> str:
+        return f"{budget_label(self.budget)}/k{self.size}"
+
+
+def budget_label(budget: float) -> str:
+    """1e11 -> "1e11", 2.5e11 -> "2.5e11": for step names and plot legends."""
+    return f"{budget:.3g}".replace("e+", "e")
+
+
+def plan_run(budget: float, k: int, cfg: ScalingConfig, vocab_size: int) -> RunPlan:
+    """The run of size k that spends `budget`; BudgetError if whole steps cannot come close enough."""
+    model = shape(k, cfg, vocab_size)
+    per_token = flops_per_token(model)
+    batch = batch_size(budget, cfg)
+    tokens_per_step = batch * model.seq_len
+    steps = round(budget / per_token / tokens_per_step)
+    if steps < cfg.min_steps:
+        raise BudgetError(f"budget {budget:.3g} buys {budget / per_token / tokens_per_step:.1f} steps of size k={k} "
+                          f"({matmul_params(model):,} params, batch {batch}x{model.seq_len}); fewer than "
+                          f"min_steps={cfg.min_steps}: use a larger budget or smaller sizes")
+    flops = per_token * steps * tokens_per_step
+    miss = flops / budget - 1
+    if abs(miss) > cfg.tolerance:
+        raise BudgetError(f"size k={k} at budget {budget:.3g}: {steps} whole steps spend {flops:.4g} FLOPs, "
+                          f"{miss:+.1%} off (tolerance {cfg.tolerance:.0%}); raise the budget or lower batch_ref")
+    train = TrainConfig(batch_size=batch, steps=steps, lr=learning_rate(model, cfg),
+                        warmup=max(1, round(cfg.warmup_fraction * steps)), schedule="cosine",
+                        weight_decay=cfg.weight_decay, beta2=cfg.beta2, seed=cfg.seed, eval_batches=1,
+                        checkpoint_every=max(steps // 2, 1), log_every=max(1, min(10, steps // 10)),
+                        eval_every=steps)
+    return RunPlan(budget, k, model, train, matmul_params(model), steps * tokens_per_step, flops)
+
+
+def ladder(cfg: ScalingConfig, vocab_size: int) -> list[tuple[int, int]]:
+    """(k, N) for every size on the ladder."""
+    return [(k, matmul_params(shape(k, cfg, vocab_size))) for k in range(2, cfg.max_size + 1)]
+
+
+def prior_params(budget: float, cfg: ScalingConfig) -> float:
+    """N_prior(C): the size each budget's window of sizes is centred on."""
+    return math.sqrt(cfg.budget_ref / (6 * cfg.tokens_per_param)) * (budget / cfg.budget_ref) ** cfg.prior_exponent
+
+
+def isoflop_sizes(budget: float, cfg: ScalingConfig, vocab_size: int) -> list[int]:
+    """The consecutive sizes trained at `budget`: the window whose mean ln N is nearest ln N_prior."""
+    n_prior = prior_params(budget, cfg)
+    sizes = ladder(cfg, vocab_size)
+    s = cfg.shapes_per_budget
+    if len(sizes) < s:
+        raise ValueError(f"the ladder has {len(sizes)} sizes, fewer than shapes_per_budget={s}: raise max_size")
+    windows = [sizes[i:i + s] for i in range(len(sizes) - s + 1)]
+    best = min(windows, key=lambda w: abs(np.mean([math.log(n) for _, n in w]) - math.log(n_prior)))
+    return [k for k, _ in best]
+
+
+def isoflop_grid(budget: float, cfg: ScalingConfig, vocab_size: int) -> list[RunPlan]:
+    """Every run of one budget; BudgetError names the first run that would miss it."""
+    return [plan_run(budget, k, cfg, vocab_size) for k in isoflop_sizes(budget, cfg, vocab_size)]
+
+
+def nearest_size(n: float, budget: float, cfg: ScalingConfig, vocab_size: int) -> RunPlan:
+    """The run at `budget` of the ladder size nearest N = n in log (e.g. a predicted N_opt)."""
+    k = min(ladder(cfg, vocab_size), key=lambda kn: abs(math.log(kn[1]) - math.log(n)))[0]
+    return plan_run(budget, k, cfg, vocab_size)
+
+
+# --- fits ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """A finished run: its budget, N, D and held-out loss."""
+
+    budget: float
+    params: float
+    tokens: float
+    loss: float
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class IsoFlopFit:
+    budget: float
+    points: int
+    coeffs: tuple[float, float, float]  # c2, c1, c0 of L = c2 x^2 + c1 x + c0, x = ln N
+    n_opt: float
+    ln_n_opt_err: float  # standard error of ln N_opt (a relative error of N_opt)
+    d_opt: float
+    ln_d_opt_err: float
+    loss_opt: float
+    loss_opt_err: float
+    residual_rms: float
+
+    def curve(self, n: np.ndarray) -> np.ndarray:
+        x = np.log(n)
+        c2, c1, c0 = self.coeffs
+        return c2 * x * x + c1 * x + c0
+
+
+@dataclass(frozen=True)
+class PowerLaw:
+    """y = coefficient * C^exponent; `ln_coefficient_at_ref` is ln y at C = ref (better conditioned)."""
+
+    coefficient: float
+    exponent: float
+    exponent_err: float
+    ln_coefficient_err: float  # of ln(coefficient)
+    ref: float
+    ln_y_at_ref: float
+    ln_y_at_ref_err: float
+    cov: tuple[tuple[float, float], tuple[float, float]]  # of (ln y at ref, exponent)
+
+    def __call__(self, c) -> np.ndarray:
+        return np.exp(self.ln_y_at_ref + self.exponent * np.log(np.asarray(c, float) / self.ref))
+
+    def ln_err(self, c) -> np.ndarray:
+        """Standard error of ln y at C (the relative error of y)."""
+        g = np.log(np.asarray(c, float) / self.ref)
+        (v00, v01), (_, v11) = self.cov
+        return np.sqrt(v00 + 2 * g * v01 + g * g * v11)
+
+
+@dataclass(frozen=True)
+class Frontier:
+    """L(C) = a * C^(-b) + e, fitted as L = exp(ln_a_ref - b ln(C/ref)) + e."""
+
+    a: float
+    a_rel_err: float  # standard error of ln a
+    b: float
+    b_err: float
+    e: float
+    e_err: float
+    ref: float
+    cov: tuple  # 3x3 of (ln L-part at ref, b, e)
+    params_ref: tuple[float, float, float]
+
+    def __call__(self, c) -> np.ndarray:
+        ln_a_ref, b, e = self.params_ref
+        return np.exp(ln_a_ref - b * np.log(np.asarray(c, float) / self.ref)) + e
+
+    def err(self, c) -> np.ndarray:
+        """Standard error of the predicted loss at C (delta method)."""
+        ln_a_ref, b, e = self.params_ref
+        c = np.asarray(c, float)
+        g = np.log(c / self.ref)
+        term = np.exp(ln_a_ref - b * g)
+        grad = np.stack([term, -g * term, np.ones_like(term)])
+        cov = np.asarray(self.cov)
+        return np.sqrt(np.einsum("i...,ij,j...->...", grad, cov, grad))
+
+
+@dataclass(frozen=True)
+class ScalingLaw:
+    budgets: list[IsoFlopFit]
+    n_opt: PowerLaw
+    d_opt: PowerLaw
+    frontier: Frontier
+    runs: list[RunResult] = field(default_factory=list)
+
+    def predict(self, budget: float) -> dict:
+        return {"budget": budget,
+                "n_opt": float(self.n_opt(budget)), "ln_n_opt_err": float(self.n_opt.ln_err(budget)),
+                "d_opt": float(self.d_opt(budget)), "ln_d_opt_err": float(self.d_opt.ln_err(budget)),
+                "loss": float(self.frontier(budget)), "loss_err": float(self.frontier.err(budget))}
+
+    def to_json(self) -> dict:
+        """Everything fitted, as JSON: a readable summary, and the full state for `law_from_json`."""
+        f = self.frontier
+        return {
+            "convention": "C in FLOPs (6N + attention per token, PaLM); N matmul parameters; D tokens; "
+                          "loss held-out bits per byte; errors are one standard error; ln_*_err and a_rel_err "
+                          "are errors of the natural log (relative errors)",
+            "n_opt": _law_json(self.n_opt, "N_opt = coefficient * C^exponent"),
+            "d_opt": _law_json(self.d_opt, "D_opt = coefficient * C^exponent"),
+            "frontier": {"formula": "L(C) = a * C^(-b) + e", "a": f.a, "a_rel_err": f.a_rel_err, "b": f.b,
+                         "b_err": f.b_err, "e": f.e, "e_err": f.e_err},
+            "budgets": [asdict(b) for b in self.budgets],
+            "runs": [asdict(r) for r in self.runs],
+            "state": {"n_opt": asdict(self.n_opt), "d_opt": asdict(self.d_opt), "frontier": asdict(f)},
+        }
+
+
+def law_from_json(data: dict) -> ScalingLaw:
+    """The ScalingLaw that `to_json` wrote (to predict or plot from a fit step's output)."""
+    def nested(value):
+        return tuple(nested(v) for v in value) if isinstance(value, list) else value
+
+    state = data["state"]
+    return ScalingLaw(
+        budgets=[IsoFlopFit(**{k: nested(v) for k, v in b.items()}) for b in data["budgets"]],
+        n_opt=PowerLaw(**{k: nested(v) for k, v in state["n_opt"].items()}),
+        d_opt=PowerLaw(**{k: nested(v) for k, v in state["d_opt"].items()}),
+        frontier=Frontier(**{k: nested(v) for k, v in state["frontier"].items()}),
+        runs=[RunResult(**r) for r in data["runs"]])
+
+
+def _law_json(law: PowerLaw, formula: str) -> dict:
+    return {"formula": formula, "coefficient": law.coefficient, "ln_coefficient_err": law.ln_coefficient_err,
+            "exponent": law.exponent, "exponent_err": law.exponent_err}
+
+
+def fit_isoflop(runs: list[RunResult], min_points: int = 4) -> IsoFlopFit:
+    """The parabola in ln N through one budget's runs, and its minimum with standard errors."""
+    budgets = {r.budget for r in runs}
+    if len(budgets) != 1:
+        raise ValueError(f"fit_isoflop takes the runs of one budget, got budgets {sorted(budgets)}")
+    budget = budgets.pop()
+    if len(runs) < min_points:
+        raise FitError(f"budget {budget:.3g} has {len(runs)} finished runs; fitting its isoFLOP parabola with an "
+                       f"uncertainty needs at least {min_points}: train more sizes there (shapes_per_budget) "
+                       "or drop the budget")
+    x = np.log([r.params for r in runs])
+    y = np.array([r.loss for r in runs])
+    if len(np.unique(x)) < 3:
+        raise FitError(f"budget {budget:.3g}: its runs have {len(np.unique(x))} distinct sizes; a parabola needs 3")
+    x0 = x.mean()  # centred, so the normal equations are well conditioned
+    X = np.stack([(x - x0) ** 2, x - x0, np.ones_like(x)], axis=1)
+    beta, *_ = np.linalg.lstsq(X, y, rcond=None)
+    resid = y - X @ beta
+    dof = len(x) - 3
+    s2 = float(resid @ resid) / dof if dof > 0 else 0.0
+    cov = s2 * np.linalg.inv(X.T @ X)
+    q2, q1, q0 = beta
+    if q2 <= 0:
+        raise FitError(f"budget {budget:.3g}: loss against ln N curves downward (c2={q2:.3g}), so its runs show no "
+                       f"minimum: add sizes on both sides of the best one ({_best(runs)})")
+    u = -q1 / (2 * q2)  # minimum, in centred coordinates
+    if not x.min() <= u + x0 <= x.max():
+        side = "below the smallest" if u + x0 < x.min() else "above the largest"
+        raise FitError(f"budget {budget:.3g}: the parabola's minimum N={math.exp(u + x0):,.0f} lies {side} size "
+                       f"trained ({_best(runs)} is best); the grid does not bracket the optimum: shift it "
+                       "with tokens_per_param")
+    g_u = np.array([q1 / (2 * q2 ** 2), -1 / (2 * q2), 0.0])
+    loss_opt = q0 - q1 ** 2 / (4 * q2)
+    g_l = np.array([q1 ** 2 / (4 * q2 ** 2), -q1 / (2 * q2), 1.0])
+    ln_n_err = math.sqrt(max(float(g_u @ cov @ g_u), 0.0))
+    # D at N_opt: ln D is (very nearly) linear in ln N along one budget, since D = C / flops_per_token(N)
+    ln_d = np.log([r.tokens for r in runs])
+    slope, icpt = np.polyfit(x - x0, ln_d, 1)
+    c2 = q2
+    c1 = q1 - 2 * q2 * x0
+    c0 = q0 - q1 * x0 + q2 * x0 * x0
+    return IsoFlopFit(budget=budget, points=len(runs), coeffs=(float(c2), float(c1), float(c0)),
+                      n_opt=math.exp(u + x0), ln_n_opt_err=ln_n_err,
+                      d_opt=math.exp(icpt + slope * u), ln_d_opt_err=abs(slope) * ln_n_err,
+                      loss_opt=float(loss_opt), loss_opt_err=math.sqrt(max(float(g_l @ cov @ g_l), 0.0)),
+                      residual_rms=float(np.sqrt(np.mean(resid ** 2))))
+
+
+def _best(runs: list[RunResult]) -> str:
+    r = min(runs, key=lambda r: r.loss)
+    return f"N={r.params:,.0f} at loss {r.loss:.4f}"
+
+
+def _weighted_line(x: np.ndarray, y: np.ndarray, err: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """y = p0 + p1 x by weighted least squares; covariance scaled by reduced chi-square if > 1."""
+    w = 1 / np.maximum(err, 1e-12) ** 2
+    X = np.stack([np.ones_like(x), x], axis=1)
+    A = X.T @ (w[:, None] * X)
+    p = np.linalg.solve(A, X.T @ (w * y))
+    cov = np.linalg.inv(A)
+    dof = len(x) - 2
+    if dof > 0:
+        chi2 = float(np.sum(w * (y - X @ p) ** 2)) / dof
+        cov = cov * max(1.0, chi2)
+    return p, cov
+
+
+def fit_power_law(budgets: np.ndarray, values: np.ndarray, ln_errs: np.ndarray) -> PowerLaw:
+    """value = coefficient * C^exponent, from ln value with standard errors `ln_errs`."""
+    if len(budgets) < 2:
+        raise FitError(f"a power law in C needs at least 2 budgets, got {len(budgets)}")
+    ref = float(np.exp(np.mean(np.log(budgets))))
+    g = np.log(budgets / ref)
+    p, cov = _weighted_line(g, np.log(values), ln_errs)
+    ln_coef = p[0] - p[1] * math.log(ref)
+    ln_coef_var = cov[0, 0] - 2 * math.log(ref) * cov[0, 1] + math.log(ref) ** 2 * cov[1, 1]
+    return PowerLaw(coefficient=math.exp(ln_coef), exponent=float(p[1]), exponent_err=math.sqrt(cov[1, 1]),
+                    ln_coefficient_err=math.sqrt(max(ln_coef_var, 0.0)), ref=ref, ln_y_at_ref=float(p[0]),
+                    ln_y_at_ref_err=math.sqrt(cov[0, 0]),
+                    cov=((float(cov[0, 0]), float(cov[0, 1])), (float(cov[1, 0]), float(cov[1, 1]))))
+
+
+def fit_frontier(budgets: np.ndarray, losses: np.ndarray, errs: np.ndarray) -> Frontier:
+    """L = a * C^-b + e through the per-budget minima (3 parameters: at least 3 budgets)."""
+    from scipy.optimize import curve_fit
+
+    if len(budgets) < 3:
+        raise FitError(f"the frontier L = a*C^-b + e has 3 parameters and needs at least 3 budgets, got "
+                       f"{len(budgets)}: add budgets")
+    ref = float(np.exp(np.mean(np.log(budgets))))
+    g = np.log(budgets / ref)
+    errs = np.maximum(errs, 1e-4 * np.abs(losses))
+
+    def model(g, ln_a_ref, b, e):
+        return np.exp(ln_a_ref - b * g) + e
+
+    # Start from a straight line in log-log through L - e0 with e0 a little below the best loss.
+    e0 = 0.8 * float(losses.min())
+    slope, icpt = np.polyfit(g, np.log(losses - e0), 1)
+    p0 = [icpt, max(-slope, 1e-3), e0]
+    bounds = ([-np.inf, 0.0, 0.0], [np.inf, 5.0, float(losses.min())])
+    p, cov = curve_fit(model, g, losses, p0=p0, sigma=errs, absolute_sigma=True, bounds=bounds, maxfev=20000)
+    dof = len(g) - 3
+    if dof > 0:
+        chi2 = float(np.sum(((losses - model(g, *p)) / errs) ** 2)) / dof
+        cov = cov * max(1.0, chi2)
+    ln_a_ref, b, e = (float(v) for v in p)
+    # a in the original units: ln a = ln_a_ref + b ln ref
+    lr = math.log(ref)
+    ln_a_var = cov[0, 0] + 2 * lr * cov[0, 1] + lr * lr * cov[1, 1]
+    return Frontier(a=math.exp(ln_a_ref + b * lr), a_rel_err=math.sqrt(max(ln_a_var, 0.0)), b=b,
+                    b_err=math.sqrt(max(cov[1, 1], 0.0)), e=e, e_err=math.sqrt(max(cov[2, 2], 0.0)), ref=ref,
+                    cov=tuple(tuple(float(v) for v in row) for row in cov), params_ref=(ln_a_ref, b, e))
+
+
+def fit_scaling_law(runs: list[RunResult], min_points: int = 4) -> ScalingLaw:
+    """Every budget's parabola, the two power laws and the frontier, from finished runs."""
+    by_budget: dict[float, list[RunResult]] = {}
+    for r in runs:
+        by_budget.setdefault(r.budget, []).append(r)
+    fits = [fit_isoflop(rs, min_points) for _, rs in sorted(by_budget.items())]
+    c = np.array([f.budget for f in fits])
+    n_opt = fit_power_law(c, np.array([f.n_opt for f in fits]), np.array([f.ln_n_opt_err for f in fits]))
+    d_opt = fit_power_law(c, np.array([f.d_opt for f in fits]), np.array([f.ln_d_opt_err for f in fits]))
+    frontier = fit_frontier(c, np.array([f.loss_opt for f in fits]), np.array([f.loss_opt_err for f in fits]))
+    return ScalingLaw(fits, n_opt, d_opt, frontier, sorted(runs, key=lambda r: (r.budget, r.params)))
+
+
+# --- plots --------------------------------------------------------------------------------------
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_isoflops(law: ScalingLaw, path: Path) -> None:
+    """Loss against N for each budget: the runs, the fitted parabola and its minimum (with error)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
+    colors = plt.cm.viridis(np.linspace(0, 0.9, len(law.budgets)))
+    for fit, color in zip(law.budgets, colors):
+        pts = [r for r in law.runs if r.budget == fit.budget]
+        n = np.array([r.params for r in pts])
+        ax.plot(n, [r.loss for r in pts], "o", color=color, label=f"C = {budget_label(fit.budget)}")
+        grid = np.exp(np.linspace(np.log(n.min()) - 0.15, np.log(n.max()) + 0.15, 100))
+        ax.plot(grid, fit.curve(grid), "-", color=color, alpha=0.7)
+        lo, hi = fit.n_opt * math.exp(-fit.ln_n_opt_err), fit.n_opt * math.exp(fit.ln_n_opt_err)
+        ax.errorbar([fit.n_opt], [fit.loss_opt], xerr=[[fit.n_opt - lo], [hi - fit.n_opt]],
+                    yerr=[fit.loss_opt_err], fmt="*", ms=13, color=color, mec="k", capsize=3)
+    ax.set_xscale("log")
+    ax.set_xlabel("parameters N")
+    ax.set_ylabel("held-out bits per byte")
+    ax.set_title("IsoFLOP curves (stars: fitted minima, 1 s.e.)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_optimal(law: ScalingLaw, path: Path, extra: list[float] = ()) -> None:
+    """N_opt and D_opt against C on log-log axes, with the fitted power laws."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), dpi=110)
+    c = np.array([f.budget for f in law.budgets])
+    span = np.exp(np.linspace(np.log(min([*c, *extra])) - 0.2, np.log(max([*c, *extra])) + 0.2, 50))
+    for ax, key, law_fit, label in ((axes[0], "n_opt", law.n_opt, "N_opt (parameters)"),
+                                    (axes[1], "d_opt", law.d_opt, "D_opt (tokens)")):
+        y = np.array([getattr(f, key) for f in law.budgets])
+        err = np.array([getattr(f, f"ln_{key}_err") for f in law.budgets])
+        ax.errorbar(c, y, yerr=[y - y * np.exp(-err), y * np.exp(err) - y], fmt="o", capsize=3, label="isoFLOP minima")
+        ax.plot(span, law_fit(span), "-",
+                label=f"{law_fit.coefficient:.3g} C^({law_fit.exponent:.3f} ± {law_fit.exponent_err:.3f})")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("budget C (FLOPs)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8)
+    fig.suptitle("Compute-optimal size and data")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_frontier(law: ScalingLaw, path: Path, forecast: dict | None = None) -> None:
+    """Every run's loss against its budget, the minima, and L(C) = a C^-b + e; with `forecast`
+    ({budget, loss, loss_err, actual}), the held-out budget's predicted and measured loss."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
+    ax.plot([r.budget for r in law.runs], [r.loss for r in law.runs], "o", color="0.6", ms=4, label="runs")
+    c = np.array([f.budget for f in law.budgets])
+    ax.errorbar(c, [f.loss_opt for f in law.budgets], yerr=[f.loss_opt_err for f in law.budgets], fmt="*",
+                ms=11, color="C0", capsize=3, label="isoFLOP minima")
+    hi = max(c.max(), forecast["budget"]) if forecast else c.max()
+    span = np.exp(np.linspace(np.log(c.min()) - 0.2, np.log(hi) + 0.2, 100))
+    f = law.frontier
+    ax.plot(span, f(span), "-", color="C0",
+            label=f"L = {f.a:.3g} C^-{f.b:.3f} + {f.e:.3f}")
+    band = f.err(span)
+    ax.fill_between(span, f(span) - band, f(span) + band, color="C0", alpha=0.15)
+    if forecast:
+        ax.errorbar([forecast["budget"]], [forecast["loss"]], yerr=[forecast["loss_err"]], fmt="D", color="C3",
+                    capsize=3, label=f"forecast at {budget_label(forecast['budget'])}")
+        ax.plot([forecast["budget"]], [forecast["actual"]], "X", color="k", ms=10,
+                label=f"trained: {forecast['actual']:.4f} ({forecast['relative_error']:+.2%})")
+    ax.set_xscale("log")
+    ax.set_xlabel("budget C (FLOPs)")
+    ax.set_ylabel("held-out bits per byte")
+    ax.set_title("Loss frontier")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
