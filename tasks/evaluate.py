@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from evaluation.adapter import KilnLM
 from evaluation.harness import evaluate, metric_table
@@ -64,6 +64,12 @@ class EvalConfig(ConfigModel):
                              "lm-eval's own tasks go under lm_eval_tasks")
         return tasks
 
+    @model_validator(mode="after")
+    def _something(self) -> "EvalConfig":
+        if not (self.tasks or self.lm_eval_tasks or self.bits_per_byte):
+            raise ValueError("nothing to evaluate: name tasks, lm_eval_tasks, or set bits_per_byte: true")
+        return self
+
 
 def load_kiln_lm(model_dir: Path, tokenizer_dir: Path, **kwargs) -> KilnLM:
     """The lm-eval adapter over a training output folder and a tokenizer step output folder."""
@@ -98,11 +104,13 @@ def run_evaluate(ctx: StepContext) -> dict:
     held_out = (d for d in read_documents(documents_dir, strict=True)
                 if is_validation(str(d["id"]), config.validation_fraction))
     counts = build_suite(held_out, suite_dir, config.tasks, config.suite) if config.tasks else {}
-    ctx.log.info("suite: %s examples from held-out documents", counts)
-    results = evaluate(lm, task_configs(suite_dir, config.tasks), config.lm_eval_tasks, config.limit,
-                       config.num_fewshot)
+    results: dict = {}
+    if config.tasks or config.lm_eval_tasks:  # a scaling sweep may ask for bits per byte only
+        ctx.log.info("suite: %s examples from held-out documents", counts)
+        results = evaluate(lm, task_configs(suite_dir, config.tasks), config.lm_eval_tasks, config.limit,
+                           config.num_fewshot)
 
-    table = [{**row, "task": short_name(row["task"])} for row in metric_table(results)]
+    table = [{**row, "task": short_name(row["task"])} for row in metric_table(results)] if results else []
     if "next_passage" in config.tasks:  # the chance row right after the task's own rows
         after = max(i for i, row in enumerate(table) if row["task"] == "next_passage") + 1
         table.insert(after, {"task": "next_passage", "metric": "chance", "value": 1 / config.suite.num_choices,

@@ -20,6 +20,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Mapping
 
@@ -101,7 +102,7 @@ def run_fit(ctx: StepContext) -> dict:
     }
     for b in law.budgets:
         ctx.log.info("C=%s: N_opt %.3g (x/÷ %.2f), D_opt %.3g, L_opt %.4f ± %.4f from %d runs",
-                     budget_label(b.budget), b.n_opt, 2.718281828 ** b.ln_n_opt_err, b.d_opt, b.loss_opt,
+                     budget_label(b.budget), b.n_opt, math.exp(b.ln_n_opt_err), b.d_opt, b.loss_opt,
                      b.loss_opt_err, b.points)
     if "forecast" in data:
         stats.update({f"forecast_{k}": v for k, v in data["forecast"].items()})

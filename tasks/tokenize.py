@@ -22,7 +22,6 @@ import functools
 import hashlib
 import itertools
 import json
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
@@ -45,7 +44,7 @@ FORMAT = "kiln-tokens"
 FORMAT_VERSION = 1
 # Text per encode_batch call: large enough to keep every core busy, small enough that memory
 # stays far below a shard (`tokenizers` Encodings cost ~100 bytes per token).
-CHUNK_CHARS = 500_000
+CHUNK_CHARS = 2_000_000
 
 
 class TokenizeConfig(ConfigModel):
@@ -135,35 +134,21 @@ class _SplitWriter:
 def tokenize_shard(job: ShardJob) -> dict:
     """Tokenize one document shard into its train and validation token shards; return counts.
 
-    Streams in chunks of CHUNK_CHARS characters, so memory is bounded by two chunks, not the
-    shard. One background thread encodes chunk i+1 (`tokenizers` releases the GIL and uses all
-    cores) while this thread writes chunk i and reads chunk i+2, so the Python work of reading
-    and writing overlaps encoding instead of leaving cores idle.
+    Streams in chunks of CHUNK_CHARS characters, so memory is bounded by a chunk, not the shard.
     """
     tok = _ordinary_tokenizer(job.tokenizer, job.tokenizer_sha256)
     writers = {s: _SplitWriter(job, s) for s in SPLITS}
-    with ThreadPoolExecutor(max_workers=1) as encoder:
-        pending = None
-        for chunk in _chunks(read_shard(job.shard, strict=True), CHUNK_CHARS):
-            texts = [d["text"] for d in chunk]
-            encoded = encoder.submit(tok.encode_batch_fast, texts, add_special_tokens=False)
-            if pending is not None:
-                _write_chunk(job, writers, *pending)
-            pending = (chunk, texts, encoded)
-        if pending is not None:
-            _write_chunk(job, writers, *pending)
+    for chunk in _chunks(read_shard(job.shard, strict=True), CHUNK_CHARS):
+        texts = [d["text"] for d in chunk]
+        encodings = tok.encode_batch_fast(texts, add_special_tokens=False)
+        routed: dict[str, tuple[list, list]] = {s: ([], []) for s in SPLITS}
+        for doc, text, enc in zip(chunk, texts, encodings):
+            split = "validation" if is_validation(str(doc["id"]), job.validation_fraction) else "train"
+            routed[split][0].append(text)
+            routed[split][1].append(enc.ids)
+        for split, (split_texts, split_ids) in routed.items():
+            writers[split].write(split_texts, split_ids)
     return {s: w.close() for s, w in writers.items()}
-
-
-def _write_chunk(job: ShardJob, writers: dict, chunk: list[dict], texts: list[str], encoded: Future) -> None:
-    """Route each document of an encoded chunk to its split, in input order, and write it."""
-    routed: dict[str, tuple[list, list]] = {s: ([], []) for s in SPLITS}
-    for doc, text, enc in zip(chunk, texts, encoded.result()):
-        split = "validation" if is_validation(str(doc["id"]), job.validation_fraction) else "train"
-        routed[split][0].append(text)
-        routed[split][1].append(enc.ids)
-    for split, (split_texts, split_ids) in routed.items():
-        writers[split].write(split_texts, split_ids)
 
 
 def run_tokenize(ctx: StepContext) -> dict:

@@ -70,9 +70,12 @@ def task_states(env: dict, flow_run_id) -> dict[str, str]:
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId, TaskRunFilter
 
     with get_client(sync_client=True) as client:
-        children = client.read_flow_runs(flow_run_filter=FlowRunFilter(
-            parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run_id])))
-        ids = [flow_run_id] + [c.id for c in children]
+        ids, frontier = [flow_run_id], [flow_run_id]
+        while frontier:  # subflows of subflows: data-refresh -> pipeline -> data, tokenize
+            children = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+                parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=frontier)))
+            frontier = [c.id for c in children]
+            ids += frontier
         runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": ids}))
     steps = {}
     for t in runs:

@@ -8,15 +8,13 @@ import json
 import pytest
 import yaml
 
-from evaluation.perplexity import heldout_metrics
 from evaluation.suite import SuiteConfig
 from tasks.evaluate import EvalConfig, evaluate_step
 from tasks.step import Step
-from tasks.tokenizer import load_tokenizer
 from tests.test_eval_data import VALIDATION_FRACTION, kjv_data, run_body  # noqa: F401  (a fixture)
 from training.config import ConfigModel, ModelConfig, TrainConfig
 from training.data import BatchLoader, TokenDataset, validation_batches
-from training.loop import load_model, train
+from training.loop import train
 
 MODEL = ModelConfig(vocab_size=1024, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=176, seq_len=64)
 TRAIN = TrainConfig(batch_size=16, steps=300, lr=3e-3, warmup=30, checkpoint_every=1000, log_every=50,
@@ -41,7 +39,7 @@ def trained(kjv_data, tmp_path_factory):  # noqa: F811
 
 
 def test_trained_model_scores_above_chance_on_held_out_text(kjv_data, trained, tmp_path):  # noqa: F811
-    model_dir, model_step, train_stats = trained
+    model_dir, model_step, _ = trained
     config = EvalConfig(validation_fraction=VALIDATION_FRACTION, limit=300,
                         suite=SuiteConfig(context_words=48, choice_words=12))
     step = evaluate_step(config, model=model_step, tokenizer=kjv_data.tokenizer_step, tokens=kjv_data.tokens_step,
@@ -57,13 +55,8 @@ def test_trained_model_scores_above_chance_on_held_out_text(kjv_data, trained, t
     assert stats["next_passage_acc_mutual_info"] > 0.40
     assert stats["next_passage_acc"] > 0.28
     assert stats["last_word_acc"] > 0.02
-    # Held-out loss is far below uniform over the vocabulary (ln 1024 = 6.9 nats) ...
+    # Held-out loss is far below uniform over the vocabulary (ln 1024 = 6.9 nats).
     assert stats["heldout_loss"] < 5.0 and 1.0 < stats["bits_per_byte"] < 2.5
-    # ... and on the same windows it is exactly the training run's validation loss.
-    cfg, params = load_model(model_dir)
-    first = heldout_metrics(cfg, params, TokenDataset(kjv_data.tokens, "validation"), load_tokenizer(kjv_data.tokenizer),
-                            max_tokens=TRAIN.eval_batches * TRAIN.batch_size * MODEL.seq_len + 1)
-    assert first["loss"] == pytest.approx(train_stats["final_val_loss"], abs=1e-5)
 
     results = json.loads((out / "results.json").read_text())
     assert results["table"] == stats["table"]
@@ -83,3 +76,20 @@ def test_evaluate_refuses_a_different_validation_fraction(kjv_data, trained, tmp
     with pytest.raises(ValueError, match="validation_fraction is 0.01 but .* held out 0.05"):
         run_body(step, tmp_path / "evaluate", {"model": model_dir, "tokenizer": kjv_data.tokenizer,
                                                "tokens": kjv_data.tokens, "documents": kjv_data.documents})
+
+
+def test_bits_per_byte_only(kjv_data, trained, tmp_path):  # noqa: F811
+    """What a scaling sweep asks for: no tasks, the held-out split's bits per byte only. On the
+    training run's validation windows it gives exactly the training run's validation loss."""
+    model_dir, model_step, train_stats = trained
+    config = EvalConfig(tasks=[], bits_per_byte=True,
+                        heldout_tokens=TRAIN.eval_batches * TRAIN.batch_size * MODEL.seq_len + 1,
+                        validation_fraction=VALIDATION_FRACTION)
+    step = evaluate_step(config, model=model_step, tokenizer=kjv_data.tokenizer_step, tokens=kjv_data.tokens_step,
+                         documents=kjv_data.documents_step)
+    stats = run_body(step, tmp_path / "evaluate", {"model": model_dir, "tokenizer": kjv_data.tokenizer,
+                                                   "tokens": kjv_data.tokens, "documents": kjv_data.documents})
+    assert stats["heldout_loss"] == pytest.approx(train_stats["final_val_loss"], abs=1e-5)
+    assert {r["task"] for r in stats["table"]} == {"heldout"} and not any(k.endswith("_acc") for k in stats)
+    with pytest.raises(ValueError, match="nothing to evaluate"):
+        EvalConfig(tasks=[], bits_per_byte=False)

@@ -69,6 +69,7 @@ def run_steps(steps: list, store: str):
     return execute(steps, Store(store))
 
 
+@pytest.mark.slow  # trains, evaluates, exports via Prefect: 85-160 s on 2 shared cores, 65-85 s of CPU
 def test_evaluate_and_export_through_the_runner(tmp_path, prefect_harness):
     store = Store(tmp_path / "store")
     eval_config = EvalConfig(validation_fraction=FRACTION, limit=40, heldout_tokens=4097)

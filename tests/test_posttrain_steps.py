@@ -109,7 +109,7 @@ print(json.dumps({"stats": stats}), flush=True)
 def test_sigkill_then_rerun_gives_the_uninterrupted_bits(tmp_path, kind):
     cmd = [sys.executable, "-c", CHILD]
     straight = subprocess.run(cmd + [str(tmp_path / "straight"), kind, "straight"], cwd=REPO, capture_output=True,
-                              text=True, timeout=300)
+                              text=True, timeout=900)
     assert straight.returncode == 0, straight.stderr[-3000:]
     reference = json.loads(straight.stdout.splitlines()[-1])["stats"]
 
@@ -126,7 +126,7 @@ def test_sigkill_then_rerun_gives_the_uninterrupted_bits(tmp_path, kind):
     finally:
         if child.poll() is None:
             child.kill()
-    rerun = subprocess.run(cmd + [str(killed), kind, "straight"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    rerun = subprocess.run(cmd + [str(killed), kind, "straight"], cwd=REPO, capture_output=True, text=True, timeout=900)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     lines = [json.loads(x) for x in rerun.stdout.splitlines() if x.startswith("{")]
     stats = lines[-1]["stats"]
