@@ -11,23 +11,18 @@ from typing import Any, Callable, Sequence
 
 import ray
 
+from training.launch import start_local_ray
+
 
 def ensure_ray(num_cpus: int | None = None) -> None:
     """Start a quiet local Ray in-process, or join the cluster named by RAY_ADDRESS; once."""
     if ray.is_initialized():
         return
     address = os.environ.get("RAY_ADDRESS")
-    kwargs = dict(address=address) if address else dict(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False)
-    for attempt in range(3):
-        try:
-            ray.init(log_to_driver=False, logging_level="ERROR", **kwargs)
-            return
-        except Exception:
-            # Ray waits a fixed 30 s for its local node; a loaded machine can miss that. Retry,
-            # then let the error through.
-            ray.shutdown()
-            if address or attempt == 2:
-                raise
+    if address:
+        ray.init(address=address, log_to_driver=False, logging_level="ERROR")
+    else:
+        start_local_ray(num_cpus=num_cpus or os.cpu_count())
 
 
 def map_shards(fn: Callable[[Any], Any], items: Sequence[Any], workers: int = 1,

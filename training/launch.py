@@ -135,6 +135,13 @@ def _connect(resources: ResourcesConfig) -> bool:
     if address:
         ray.init(address=address, log_to_driver=False, logging_level="ERROR")
         return False
+    start_local_ray(num_cpus=resources.hosts * resources.cpus_per_host,
+                    num_gpus=resources.hosts * resources.gpus_per_host or None)
+    return True
+
+
+def start_local_ray(num_cpus: int, num_gpus: int | None = None, attempts: int = 3) -> None:
+    """Start a quiet Ray on 127.0.0.1 in this process (kiln's data stages use it too)."""
     # When this process runs under `uv run`, Ray's uv hook would copy the repository for every
     # job and start workers through `uv run` in the copy. A local Ray's workers can simply run
     # this interpreter. (The flag is RAY_ENABLE_UV_RUN_RUNTIME_ENV, read when ray is imported,
@@ -142,13 +149,19 @@ def _connect(resources: ResourcesConfig) -> bool:
     hook = ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV
     ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = False
     try:
-        ray.init(num_cpus=resources.hosts * resources.cpus_per_host,
-                 num_gpus=resources.hosts * resources.gpus_per_host or None,
-                 include_dashboard=False, log_to_driver=False, logging_level="ERROR",
-                 _node_ip_address="127.0.0.1")
+        for attempt in range(attempts):
+            try:
+                ray.init(num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
+                         log_to_driver=False, logging_level="ERROR", _node_ip_address="127.0.0.1")
+                return
+            except Exception:
+                # Ray gives its node a fixed 30 s to register; an overloaded machine can miss
+                # that. Start again; the last failure propagates.
+                ray.shutdown()
+                if attempt == attempts - 1:
+                    raise
     finally:
         ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = hook
-    return True
 
 
 def _bundle(resources: ResourcesConfig) -> dict:
