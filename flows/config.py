@@ -13,7 +13,10 @@ import yaml
 from pydantic import Field, ValidationError
 
 from tasks.acquire import AcquireConfig, SourceConfig
+from tasks.chat_data import ChatDataConfig
 from tasks.dedup import DedupConfig
+from tasks.dpo import DPOConfig
+from tasks.sft import SFTConfig
 from tasks.evaluate import EvalConfig
 from tasks.export import ExportConfig
 from tasks.extract import ExtractConfig
@@ -49,6 +52,17 @@ class DataConfig(ConfigModel):
                              max_doc_bytes=self.max_doc_bytes, strict=self.strict)
 
 
+class PosttrainConfig(ConfigModel):
+    """SFT on conversations built from held-out text, then DPO against the SFT model.
+
+    The tokenizer's `special_tokens` must include the chat tokens
+    (`<|user|>`, `<|assistant|>`, `<|system|>`, `<|end|>`: training.posttrain.CHAT_SPECIAL_TOKENS)."""
+
+    chat: ChatDataConfig = ChatDataConfig()
+    sft: SFTConfig = SFTConfig()
+    dpo: DPOConfig | None = DPOConfig()
+
+
 class RunSettings(ConfigModel):
     """Where and how fast, never what: none of these enter a version."""
 
@@ -64,6 +78,7 @@ class ExperimentConfig(ConfigModel):
     train: TrainConfig = TrainConfig()
     eval: EvalConfig = Field(EvalConfig(), description="`validation_fraction` is set from `tokenize`.")
     export: ExportConfig = ExportConfig()
+    posttrain: PosttrainConfig | None = Field(None, description="Optional SFT and DPO after pretraining.")
     resources: ResourcesConfig = ResourcesConfig()
     run: RunSettings = RunSettings()
 

@@ -11,7 +11,10 @@ from dataclasses import dataclass
 
 from flows.config import ExperimentConfig
 from tasks.acquire import acquire_step
+from tasks.chat_data import chat_data_step
 from tasks.dedup import dedup_step
+from tasks.dpo import dpo_step
+from tasks.sft import sft_step
 from tasks.evaluate import evaluate_step
 from tasks.export import export_step
 from tasks.extract import extract_step
@@ -30,8 +33,9 @@ FLOW_OF_STAGE = {
     "quality_classifier": "data", "quality_filter": "data", "dedup": "data",
     "tokenizer": "tokenize", "tokenize": "tokenize",
     "train": "train", "evaluate": "evaluate", "export": "export",
+    "chat_data": "posttrain", "sft": "posttrain", "dpo": "posttrain",
 }
-FLOWS = ["data", "tokenize", "train", "evaluate", "export", "posttrain"]
+FLOWS = ["data", "tokenize", "train", "evaluate", "posttrain", "export"]
 
 
 def experiment_steps(config: ExperimentConfig) -> list[Step]:
@@ -54,8 +58,16 @@ def experiment_steps(config: ExperimentConfig) -> list[Step]:
     model = train_step(model_cfg, config.train, config.resources, tokens=tokens)
     eval_cfg = config.eval.model_copy(update={"validation_fraction": config.tokenize.validation_fraction})
     evaluation = evaluate_step(eval_cfg, model=model, tokenizer=tokenizer, tokens=tokens, documents=documents)
-    exported = export_step(config.export, model=model, tokenizer=tokenizer, evaluation=evaluation)
-    return upstream_order([documents, tokens, exported])
+    final = model
+    if config.posttrain is not None:
+        pt = config.posttrain
+        chat = chat_data_step(pt.chat.model_copy(update={"validation_fraction": config.tokenize.validation_fraction}),
+                              documents=documents)
+        final = sft_step(pt.sft, model=model, tokenizer=tokenizer, chat=chat)
+        if pt.dpo is not None:
+            final = dpo_step(pt.dpo, model=final, tokenizer=tokenizer, pairs=chat)
+    exported = export_step(config.export, model=final, tokenizer=tokenizer, evaluation=evaluation)
+    return upstream_order([documents, tokens, evaluation, final, exported])
 
 
 def vocab_size(tokenizer: TokenizerConfig) -> int:

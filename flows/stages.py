@@ -55,5 +55,12 @@ def export_flow(config: ExperimentConfig, store: str | None = None, until: str |
     return run_stage_steps("export", config, store, until, force)
 
 
-STAGE_FLOWS = {"data": data_flow, "tokenize": tokenize_flow, "train": train_flow,
+@flow(name="posttrain", log_prints=True)
+def posttrain_flow(config: ExperimentConfig, store: str | None = None, until: str | None = None,
+                   force: list[str] = []) -> list[StepRun]:
+    """Chat data from held-out text, SFT with loss masking, then DPO; each evaluated before and after."""
+    return run_stage_steps("posttrain", config, store, until, force)
+
+
+STAGE_FLOWS = {"posttrain": posttrain_flow, "data": data_flow, "tokenize": tokenize_flow, "train": train_flow,
                "evaluate": evaluate_flow, "export": export_flow}
