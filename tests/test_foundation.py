@@ -257,3 +257,16 @@ def test_remote_fsspec_store(tmp_path, prefect_harness, monkeypatch):
     shutil.rmtree(tmp_path / "cache")  # a fresh machine: no local copies, still all hits
     assert [r.status for r in run_steps(steps, root)] == ["cached"] * 3
     assert Store(root).output("two", steps[1].version) == f"{root}/two/{steps[1].version}"
+
+
+def test_configuration_reference_matches_the_models():
+    from flows.reference import reference
+
+    committed = (REPO / "docs" / "configuration.md").read_text()
+    assert reference() == committed, "run: uv run python -m flows.reference > docs/configuration.md"
+
+
+def test_help_shows_examples():
+    assert "examples:" in kiln("--help").stdout
+    for command in ("run", "plan", "lineage", "why", "serve"):
+        assert "example:" in kiln(command, "--help").stdout
