@@ -4,6 +4,8 @@ evaluation with lm-eval), and an export of the DPO model that carries the chat t
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import logging
 
@@ -23,6 +25,8 @@ from training.config import ModelConfig, TrainConfig
 from training.loop import _flatten
 from training.model import init_params
 from training.posttrain import CHAT_SPECIAL_TOKENS, CHAT_TEMPLATE
+
+pytestmark = pytest.mark.slow  # minutes of training; run with `uv run pytest -m slow`
 
 
 def _ctx(step: Step, root, inputs: dict, input_stats: dict | None = None) -> StepContext:

@@ -17,6 +17,9 @@ import jax
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.slow  # minutes of training; run with `uv run pytest -m slow`
+
+
 from tasks.chat_data import ChatDataConfig, heldout_records
 from tasks.dpo import encode_pairs
 from tests.test_training_kjv_data import kjv_text
