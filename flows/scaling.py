@@ -227,7 +227,8 @@ def scaling_flow(config: ScalingExperimentConfig, store: str | None = None, forc
     runs = execute(upstream_order([tokens]), store_, config.run.workers, forced)
 
     sweep = scaling_steps(config, tokens=tokens, tokenizer=tokenizer, documents=documents)
-    started = _start_ray(config.scaling)
+    to_train = [s for s in sweep if s.stage == "train" and not store_.is_done(s.stage, s.version)]
+    started = _start_ray(config.scaling) if to_train else False  # ~30 s on a busy 2-core machine
     try:
         runs += execute_parallel([s for s in sweep if s.stage != "scaling_fit"], store_, config.scaling.parallelism,
                                  config.run.workers, forced)
