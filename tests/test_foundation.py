@@ -84,7 +84,11 @@ def test_config_edits_through_the_cli(tmp_path):
     edited = json.loads(json.dumps(SMALL))
     edited["data"]["sources"][0]["limit"] = 41
     identity = plan_json(write_config(tmp_path / "b.yaml", edited), store)
-    assert all(x["version"] != y["version"] for x, y in zip(base, identity))
+    for x, y in zip(base, identity):
+        if x["stage"] == "tokenizer":  # GPT-2's tokenizer reads no documents: not downstream
+            assert x["version"] == y["version"]
+        else:
+            assert x["version"] != y["version"], x["stage"]
     setting_only = json.loads(json.dumps(SMALL))
     setting_only["run"] = {"workers": 2}
     same = plan_json(write_config(tmp_path / "c.yaml", setting_only), store)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -68,6 +69,7 @@ def test_local_ray_task_trains_same_bits_as_in_process(one_host, tmp_path):
     assert local["params_sha256"] == stats["params_sha256"]
 
 
+@pytest.mark.slow  # two JAX processes in Ray tasks: a minute on 2 quiet cores
 def test_two_hosts_join_one_jax_runtime_and_match_one_host(one_host, tmp_path):
     single, single_seen, _ = one_host
     stats, seen = launch(tmp_path, hosts=2)
@@ -100,6 +102,7 @@ def _wait_for_port(port: int, head: subprocess.Popen, timeout_s: float = 120) ->
     raise TimeoutError(f"Ray head on port {port} not up after {timeout_s} s")
 
 
+@pytest.mark.slow  # starts a Ray cluster with `ray start`: ~10 s before any training
 def test_training_on_a_started_ray_head_via_ray_address(tmp_path, monkeypatch):
     port = _free_port()
     ray_bin = str(Path(sys.executable).parent / "ray")
@@ -129,3 +132,4 @@ def test_training_on_a_started_ray_head_via_ray_address(tmp_path, monkeypatch):
             os.killpg(head.pid, signal.SIGKILL)  # anything of this session still alive
         except ProcessLookupError:
             pass
+        shutil.rmtree(temp_dir, ignore_errors=True)
