@@ -36,7 +36,7 @@ if __name__ == "__main__":  # `python -m flows.scaling`: kiln's Prefect defaults
 
     _prefect_defaults()
 
-from prefect import flow  # noqa: E402
+from prefect import flow
 from prefect.futures import as_completed
 from prefect.utilities.annotations import quote
 
@@ -201,16 +201,14 @@ def _submit(step: Step, store: Store, workers: int, forced: bool):
 def _start_ray(scaling: ScalingConfig) -> bool:
     """One local Ray for the whole sweep (unless one is running or RAY_ADDRESS names a cluster), so
     each train step reuses it and its warm workers instead of starting its own. True if started."""
-    import os
-
-    import training.launch  # noqa: F401  (sets Ray's environment defaults before Ray starts)
     import ray
 
-    if ray.is_initialized() or os.environ.get("RAY_ADDRESS"):
-        return False  # launch_training joins the running Ray or the cluster itself
-    # the same local Ray that training.launch starts for a single run, sized for `parallelism` runs
-    ray.init(num_cpus=scaling.parallelism * scaling.cpus_per_run, include_dashboard=False, log_to_driver=False,
-             logging_level="ERROR", _node_ip_address="127.0.0.1")
+    import training.launch  # noqa: F401  (sets Ray's environment defaults before Ray starts)
+    from tasks.parallel import ensure_ray
+
+    if ray.is_initialized():
+        return False
+    ensure_ray(scaling.parallelism * scaling.cpus_per_run)  # or joins RAY_ADDRESS's cluster
     return True
 
 

@@ -21,15 +21,22 @@ import base64
 import dataclasses
 import json
 import math
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 from pydantic import Field, model_validator
 
 from tasks.step import Step, StepContext
 from training.config import ConfigModel
-from training.scaling import (RunResult, budget_label, fit_scaling_law, law_from_json, plot_frontier, plot_isoflops,
-                              plot_optimal)
+from training.scaling import (
+    RunResult,
+    budget_label,
+    fit_scaling_law,
+    law_from_json,
+    plot_frontier,
+    plot_isoflops,
+    plot_optimal,
+)
 
 STAGE_VERSION = 1
 LAW_FILE = "law.json"
@@ -55,7 +62,7 @@ class ScalingFitConfig(ConfigModel):
     forecast_budget: float | None = None
 
     @model_validator(mode="after")
-    def _check(self) -> "ScalingFitConfig":
+    def _check(self) -> ScalingFitConfig:
         names = [r.input for r in self.runs]
         if len(set(names)) != len(names):
             raise ValueError(f"run input names repeat: {names}")
@@ -160,8 +167,8 @@ def _fit_markdown(data: dict) -> str:
                      f"{b['loss_opt']:.4f} ± {b['loss_opt_err']:.4f} |")
     if "forecast" in data:
         p = data["forecast"]
-        lines += ["", f"Forecast at C = {budget_label(p['budget'])}: N_opt {p['n_opt']:,.0f}, "
-                      f"D_opt {p['d_opt']:,.0f}, L {p['loss']:.4f} ± {p['loss_err']:.4f}"]
+        lines += ["", (f"Forecast at C = {budget_label(p['budget'])}: N_opt {p['n_opt']:,.0f}, "
+                       f"D_opt {p['d_opt']:,.0f}, L {p['loss']:.4f} ± {p['loss_err']:.4f}")]
     return "\n".join(lines)
 
 

@@ -14,8 +14,8 @@ from pydantic import ValidationError
 
 from training.model import flops_per_token
 from training.scaling import (BudgetError, FitError, RunResult, ScalingConfig, fit_isoflop, fit_scaling_law,
-                              isoflop_grid, law_from_json, matmul_params, nearest_size, plan_run, plot_frontier, plot_isoflops,
-                              plot_optimal, shape)
+                              isoflop_grid, law_from_json, matmul_params, nearest_size, plan_run, plot_frontier,
+                              plot_isoflops, plot_optimal, shape)
 
 BUDGETS = [1e11, 2e11, 4e11, 8e11, 1.6e12]
 

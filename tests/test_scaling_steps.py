@@ -11,10 +11,9 @@ import threading
 
 import numpy as np
 import pytest
-
-from flows.plan import experiment_steps
 from prefect import flow
 
+from flows.plan import experiment_steps
 from flows.scaling import (ScalingExperimentConfig, execute_parallel, forecast_steps, scaling_steps, sweep_inputs,
                            sweep_plans)
 from tasks.scaling import LAW_FILE, run_fit, run_forecast
@@ -123,8 +122,8 @@ def test_fit_and_forecast_steps_write_the_law_plots_and_the_error(tmp_path):
     held = json.loads((outs["scaling_fit/holdout"] / LAW_FILE).read_text())
     assert held["forecast"]["budget"] == 8e11 and len(held["budgets"]) == 3
 
-    train, evaluate, check = forecast_steps(config, held, sweep=steps, tokens=tokens, tokenizer=tokenizer,
-                                            documents=documents)
+    train, _, check = forecast_steps(config, held, sweep=steps, tokens=tokens, tokenizer=tokenizer,
+                                     documents=documents)
     grid = {s.version: s.name for s in steps if s.stage == "train"}
     assert train.version in grid  # the predicted size is one the sweep trained at 8e11: a cache hit
     assert grid[train.version].startswith("train/8e11/")

@@ -119,7 +119,7 @@ class ScalingConfig(ConfigModel):
     cpus_per_run: int = setting(2, ge=1)
 
     @model_validator(mode="after")
-    def _check(self) -> "ScalingConfig":
+    def _check(self) -> ScalingConfig:
         if len(set(self.budgets)) != len(self.budgets) or any(c <= 0 for c in self.budgets):
             raise ValueError(f"budgets must be distinct and positive, got {self.budgets}")
         if self.width_step % self.head_dim:
@@ -318,7 +318,7 @@ class Frontier:
 
     def err(self, c) -> np.ndarray:
         """Standard error of the predicted loss at C (delta method)."""
-        ln_a_ref, b, e = self.params_ref
+        ln_a_ref, b, _ = self.params_ref
         c = np.asarray(c, float)
         g = np.log(c / self.ref)
         term = np.exp(ln_a_ref - b * g)
