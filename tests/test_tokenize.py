@@ -16,9 +16,8 @@ import pytest
 
 from tasks.documents import ShardWriter, list_shards, read_shard
 from tasks.step import Step, StepContext
-from tasks.tokenize import TokenizeConfig, is_validation, run_tokenize, shard_files, tokenize_step
-from tasks.tokenizer import (TokenizerConfig, load_tokenizer, read_tokenizer_meta, run_tokenizer,
-                             tokenizer_step)
+from tasks.tokenize import TokenizeConfig, is_validation, shard_files, tokenize_step
+from tasks.tokenizer import TokenizerConfig, load_tokenizer, read_tokenizer_meta, tokenizer_step
 
 REPO = Path(__file__).resolve().parents[1]
 
