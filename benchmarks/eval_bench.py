@@ -33,7 +33,7 @@ from evaluation.adapter import KilnLM
 from evaluation.suite import SuiteConfig, next_passage_examples
 from tasks.acquire import read_kjv
 from tasks.tokenizer import build_gpt2
-from training.config import PRESETS
+from training.config import ModelConfig
 from training.model import forward, init_params
 
 
@@ -60,7 +60,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     args = parser.parse_args()
 
-    cfg = PRESETS["tiny_cpu"][0]
+    cfg = ModelConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=192, seq_len=128)  # GPT-2 vocab
     params = jax.jit(init_params, static_argnums=0)(cfg, jax.random.PRNGKey(0))
     tokenizer = build_gpt2(("<|endoftext|>",))
     lm = KilnLM(cfg, params, tokenizer, eos_id=50256, batch_size=args.batch_size)

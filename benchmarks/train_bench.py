@@ -7,11 +7,11 @@
 
 and MFU: model FLOPs per token (training/model.py's `flops_per_token`) times tokens/s, over the
 float32 matmul peak measured here (CPU) or the device's data-sheet peak (--device gpu, bfloat16
-compute, the small_gpu and medium_gpu presets). Each contender runs `--rounds` times, interleaved
+compute, configs/small_gpu.yaml and configs/medium_gpu.yaml). Each contender runs `--rounds` times, interleaved
 so that a change in machine load hits all of them; the best round counts.
 
     uv run python benchmarks/train_bench.py                 # CPU, ~10M parameters
-    uv run python benchmarks/train_bench.py --device gpu    # 125M and 350M presets, bf16
+    uv run python benchmarks/train_bench.py --device gpu    # configs/small_gpu.yaml and medium_gpu.yaml, bf16
 
 Imports only training/, jax, flax, optax, numpy (and torch for the twin): no Prefect, no Ray.
 """
@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from training.config import PRESETS, ModelConfig, TrainConfig
+from training.config import ModelConfig, TrainConfig, model_and_train
 from training.loop import train
 from training.metrics import DECLARED_PEAK, measured_matmul_peak
 from training.model import flops_per_token, init_params, param_count
@@ -250,7 +250,7 @@ def gpu(args) -> None:
         raise SystemExit(f"no declared peak for {kind!r}; add it to training.metrics.DECLARED_PEAK")
     print(f"device: {jax.device_count()} x {kind}, bf16 peak {peak / 1e12:.0f} TFLOP/s each")
     for preset in ("small_gpu", "medium_gpu"):
-        model, base = PRESETS[preset]
+        model, base = model_and_train(str(Path(__file__).parents[1] / "configs" / f"{preset}.yaml"))
         cfg = train_config(args.steps, base.batch_size, base.microbatches)
         batches = make_batches(model, cfg, 4)
         n_params = param_count(jax.eval_shape(lambda: init_params(model, jax.random.PRNGKey(0))))

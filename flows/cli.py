@@ -25,6 +25,11 @@ def _prefect_defaults() -> None:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     os.environ.setdefault("PREFECT_LOGGING_LOG_PRINTS", "true")
+    # Prefect's console format before anything else logs: absl (imported by orbax) otherwise puts
+    # Python's bare `INFO:name:` handler on the root logger first, and Prefect keeps it.
+    from prefect.logging.configuration import setup_logging
+
+    setup_logging()
 
 
 def parser() -> argparse.ArgumentParser:
@@ -139,6 +144,11 @@ def cmd_run(args) -> int:
         print(f"kiln: {e}", file=sys.stderr)
         return 1
     print(summary_table(runs))
+    if config.scaling is not None:
+        from flows.scaling import forecast_line
+
+        line = forecast_line(runs)
+        print(line or "forecast: not run (scaling.forecast is off, or --until stopped before it)")
     return 0
 
 
@@ -195,10 +205,18 @@ KEY_STATS = ["documents", "docs_out", "tokens", "unigram_entropy", "final_loss",
              "next_passage_acc", "next_passage_chance", "last_word_acc", "bits_per_byte"]
 
 
+# Post-training steps report a chat evaluation per model (base, sft, dpo) under eval_<model>.
+CHAT_STATS = ["generation_exact_match", "generation_chrf", "preference_acc"]
+
+
 def summary_table(runs) -> str:
     rows = []
     for r in runs:
-        stats = ", ".join(f"{k}={_fmt(r.stats[k])}" for k in KEY_STATS if k in r.stats)
+        pairs = [(k, r.stats[k]) for k in KEY_STATS if k in r.stats]
+        for model in ("base", "sft", "dpo"):
+            scores = r.stats.get(f"eval_{model}") or {}
+            pairs += [(f"{model}.{m}", scores[m]) for m in CHAT_STATS if m in scores]
+        stats = ", ".join(f"{k}={_fmt(v)}" for k, v in pairs)
         rows.append([r.name, r.version, r.status, f"{r.seconds:.1f}", r.path, stats])
     return table(["stage", "version", "ran/cached", "seconds", "output", "key stats"], rows)
 

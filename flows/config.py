@@ -25,6 +25,7 @@ from tasks.quality import NegativeExamplesConfig, QualityClassifierConfig, Quali
 from tasks.tokenize import TokenizeConfig
 from tasks.tokenizer import TokenizerConfig
 from training.config import ConfigModel, ModelConfig, ResourcesConfig, TrainConfig, setting
+from training.scaling import ScalingConfig
 
 
 class QualityConfig(ConfigModel):
@@ -79,6 +80,9 @@ class ExperimentConfig(ConfigModel):
     eval: EvalConfig = Field(EvalConfig(), description="`validation_fraction` is set from `tokenize`.")
     export: ExportConfig = ExportConfig()
     posttrain: PosttrainConfig | None = Field(None, description="Optional SFT and DPO after pretraining.")
+    scaling: ScalingConfig | None = Field(
+        None, description="An isoFLOP sweep instead of one model: its runs replace `model`, `train`, `eval`, "
+        "`export` and `posttrain`, and the fits and forecast check follow (docs/scaling.md).")
     resources: ResourcesConfig = ResourcesConfig()
     run: RunSettings = RunSettings()
 

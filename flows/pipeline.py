@@ -5,20 +5,20 @@ from __future__ import annotations
 from prefect import flow
 
 from flows.config import ExperimentConfig
-from flows.plan import FLOW_OF_STAGE, FLOWS, experiment_steps, select
-from flows.stages import STAGE_FLOWS
+from flows.plan import flows_needed
+from flows.stages import stage_flows
 from tasks.runner import StepRun
 
 
 @flow(name="pipeline", log_prints=True)
 def pipeline(config: ExperimentConfig, store: str | None = None, until: str | None = None,
              force: list[str] = []) -> list[StepRun]:
-    """Raw text to an evaluated, exported model. Stages whose version exists are cache hits."""
-    needed = {FLOW_OF_STAGE[s.stage] for s in select(experiment_steps(config), until)}
+    """Raw text to an evaluated, exported model (or, with `scaling`, to a fitted scaling law).
+    Stages whose version exists are cache hits."""
+    flows = stage_flows()
     runs: list[StepRun] = []
-    for name in FLOWS:
-        if name in needed:
-            runs += STAGE_FLOWS[name](config=config, store=store, until=until, force=force)
+    for name in flows_needed(config, until):
+        runs += flows[name](config=config, store=store, until=until, force=force)
     if runs and runs[-1].path and "://" not in runs[-1].path:
         publish_lineage(runs[-1])
     return runs

@@ -34,8 +34,9 @@ FLOW_OF_STAGE = {
     "tokenizer": "tokenize", "tokenize": "tokenize",
     "train": "train", "evaluate": "evaluate", "export": "export",
     "chat_data": "posttrain", "sft": "posttrain", "dpo": "posttrain",
+    "scaling_fit": "scaling", "scaling_forecast": "scaling",
 }
-FLOWS = ["data", "tokenize", "train", "evaluate", "posttrain", "export"]
+FLOWS = ["data", "tokenize", "train", "evaluate", "posttrain", "export", "scaling"]
 
 
 def experiment_steps(config: ExperimentConfig) -> list[Step]:
@@ -54,6 +55,11 @@ def experiment_steps(config: ExperimentConfig) -> list[Step]:
         documents = dedup_step(data.dedup, documents=documents)
     tokenizer = tokenizer_step(config.tokenizer, documents=documents if config.tokenizer.kind == "bpe" else None)
     tokens = tokenize_step(config.tokenize, tokenizer=tokenizer, documents=documents)
+    if config.scaling is not None:  # a sweep of many models in place of one
+        from flows.scaling import scaling_steps
+
+        return upstream_order([documents, tokens,
+                               *scaling_steps(config, tokens=tokens, tokenizer=tokenizer, documents=documents)])
     model_cfg = config.model.model_copy(update={"vocab_size": vocab_size(config.tokenizer)})
     model = train_step(model_cfg, config.train, config.resources, tokens=tokens)
     eval_cfg = config.eval.model_copy(update={"validation_fraction": config.tokenize.validation_fraction})
@@ -75,6 +81,26 @@ def vocab_size(tokenizer: TokenizerConfig) -> int:
     if tokenizer.kind == "bpe":
         return tokenizer.vocab_size
     return 50257 + len([t for t in tokenizer.special_tokens if t != GPT2_EOS])
+
+
+def flows_needed(config: ExperimentConfig, until: str | None = None) -> list[str]:
+    """The lifecycle flows that run for `config` up to `until`, in pipeline order.
+
+    A scaling sweep's train and evaluate steps belong to the `scaling` flow, which runs them
+    side by side on one Ray and then fits the law."""
+    needed = {FLOW_OF_STAGE[s.stage] for s in select(experiment_steps(config), until)}
+    if config.scaling is not None and needed & {"train", "evaluate", "scaling"}:
+        needed = (needed - {"train", "evaluate"}) | {"scaling"}
+    return [name for name in FLOWS if name in needed]
+
+
+def steps_of_flow(name: str, config: ExperimentConfig, until: str | None = None) -> list[Step]:
+    """The steps that flow `name` runs for `config`, upstream first."""
+    sweep = config.scaling is not None and name in ("train", "evaluate", "scaling")
+    flows = {"train", "evaluate", "scaling"} if sweep else {name}
+    if sweep and name != "scaling":
+        return []
+    return [s for s in select(experiment_steps(config), until) if FLOW_OF_STAGE[s.stage] in flows]
 
 
 def select(steps: list[Step], until: str | None = None) -> list[Step]:
@@ -125,7 +151,14 @@ def code_drift(step: Step, store: Store) -> str | None:
 
 def plan(config: ExperimentConfig, store: Store, until: str | None = None) -> list[PlannedStep]:
     planned = []
-    for s in select(experiment_steps(config), until):
+    steps = select(experiment_steps(config), until)
+    if config.scaling is not None and config.scaling.forecast and until is None:
+        from flows.scaling import ready_forecast_steps, sweep_inputs
+
+        tokens, tokenizer, documents = sweep_inputs(steps)
+        steps += ready_forecast_steps(config, store, sweep=steps, tokens=tokens, tokenizer=tokenizer,
+                                      documents=documents)
+    for s in steps:
         status = step_status(s, store)
         warning = code_drift(s, store) if status == "done" else None
         planned.append(PlannedStep(s.stage, s.name, s.version, store.output(s.stage, s.version), status, warning))

@@ -11,52 +11,39 @@ its version, depends on its own (budget, size) alone.
                      nearest its predicted N_opt (a cache hit when the sweep already trained that
                      size there), and `scaling_forecast`, which reports the relative error;
                      `ready_forecast_steps` returns them only when that fit is in the store
-    scaling_flow     runs them: data and tokenize steps (cache hits after the first time), the runs
-                     `parallelism` at a time on one local Ray, the fits, then the forecast.
+    scaling_flow     runs them after the pipeline's data and tokenize flows: the runs `parallelism` at a
+                     time on one local Ray, the fits, then the forecast.
 
 Parallelism: `scaling.parallelism` runs at once (default 1). On 2 cores one run's XLA step already
 uses both, so two runs side by side mostly trade places; with more cores or hosts, raise it with
 `cpus_per_run` (settings: neither changes a version).
 
-`python -m flows.scaling CONFIG [--store S]` runs the flow from a YAML file whose `scaling:`
-section is a `training.scaling.ScalingConfig`, beside the usual data and tokenizer sections.
+`kiln run CONFIG` runs it when the config has a `scaling:` section (a `training.scaling.ScalingConfig`)
+beside the usual data and tokenizer sections; `kiln plan CONFIG` lists every run.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
-import sys
 import time
 from pathlib import Path
-
-if __name__ == "__main__":  # `python -m flows.scaling`: kiln's Prefect defaults, before Prefect loads
-    from flows.cli import _prefect_defaults
-
-    _prefect_defaults()
 
 from prefect import flow
 from prefect.futures import as_completed
 from prefect.utilities.annotations import quote
 
-from flows.config import ConfigError, ExperimentConfig
+from flows.config import ExperimentConfig
 from tasks.evaluate import EvalConfig, evaluate_step
 from tasks.runner import StepRun, execute, step_task
 from tasks.scaling import LAW_FILE, FitRun, ForecastConfig, ScalingFitConfig, forecast_step, scaling_fit_step
-from tasks.step import Step, upstream_order
+from tasks.step import Step
 from tasks.store import Store
 from tasks.tokenizer import TokenizerConfig
 from tasks.train import train_step
 from tasks.versioning import result_storage, step_cache_policy
 from training.config import ResourcesConfig
 from training.scaling import RunPlan, ScalingConfig, budget_label, isoflop_grid, nearest_size
-
-
-class ScalingExperimentConfig(ExperimentConfig):
-    """An experiment with a `scaling:` section (until flows/config.py's ExperimentConfig has one)."""
-
-    scaling: ScalingConfig
 
 
 def planned_vocab_size(tokenizer: TokenizerConfig) -> int:
@@ -213,80 +200,43 @@ def _start_ray(scaling: ScalingConfig) -> bool:
 
 
 @flow(name="scaling", log_prints=True)
-def scaling_flow(config: ScalingExperimentConfig, store: str | None = None, force: list[str] = []) -> list[StepRun]:
-    """Data and tokens (cached), every run of the sweep, the fits, then the forecast check."""
+def scaling_flow(config: ExperimentConfig, store: str | None = None, until: str | None = None,
+                 force: list[str] = []) -> list[StepRun]:
+    """Every run of the sweep (on one Ray, `parallelism` at a time), the fits, then the forecast check.
+
+    The pipeline runs it after the data and tokenize flows, whose outputs the runs read."""
     import ray
 
+    from flows.plan import steps_of_flow
+
+    if config.scaling is None:
+        raise ValueError("the scaling flow needs a config with a `scaling:` section")
     store_ = Store(store)
-    from flows.plan import experiment_steps
-
-    base = experiment_steps(config)
-    base = [s for s in base if s.stage not in ("train", "evaluate", "scaling_fit", "scaling_forecast")]
-    tokens, tokenizer, documents = sweep_inputs(base)
     forced = frozenset(force)
-    runs = execute(upstream_order([tokens]), store_, config.run.workers, forced)
-
-    sweep = scaling_steps(config, tokens=tokens, tokenizer=tokenizer, documents=documents)
+    sweep = steps_of_flow("scaling", config, until)
+    runs_and_evals = [s for s in sweep if s.stage != "scaling_fit"]
     to_train = [s for s in sweep if s.stage == "train" and not store_.is_done(s.stage, s.version)]
-    started = _start_ray(config.scaling) if to_train else False  # ~30 s on a busy 2-core machine
+    started = _start_ray(config.scaling) if to_train else False
     try:
-        runs += execute_parallel([s for s in sweep if s.stage != "scaling_fit"], store_, config.scaling.parallelism,
-                                 config.run.workers, forced)
+        runs = execute_parallel(runs_and_evals, store_, config.scaling.parallelism, config.run.workers, forced)
         runs += execute([s for s in sweep if s.stage == "scaling_fit"], store_, config.run.workers, forced)
-        if config.scaling.forecast:
-            runs += execute(ready_forecast_steps(config, store_, sweep=sweep, tokens=tokens, tokenizer=tokenizer,
-                                                 documents=documents), store_, config.run.workers, forced)
+        if config.scaling.forecast and until is None:
+            tokens = next(s.inputs["tokens"] for s in sweep if s.stage == "train")
+            runs += execute(ready_forecast_steps(config, store_, sweep=sweep, tokens=tokens,
+                                                 tokenizer=tokens.inputs["tokenizer"],
+                                                 documents=tokens.inputs["documents"]),
+                            store_, config.run.workers, forced)
     finally:
         if started:
             ray.shutdown()
     return runs
 
 
-def load_scaling_config(path: str | Path) -> ScalingExperimentConfig:
-    """A scaling experiment YAML, with the same one-line errors as `kiln run`."""
-    import yaml
-    from pydantic import ValidationError
-
-    path = Path(path)
-    try:
-        return ScalingExperimentConfig.model_validate(yaml.safe_load(path.read_text()))
-    except (OSError, yaml.YAMLError) as e:
-        raise ConfigError(f"{path}: {e}") from None
-    except ValidationError as e:
-        err = e.errors()[0]
-        raise ConfigError(f"{path}: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
-
-
-def main(argv: list[str] | None = None) -> int:
-    from flows.cli import summary_table
-    from tasks.runner import StepFailed
-
-    p = argparse.ArgumentParser(prog="python -m flows.scaling", description=__doc__.split("\n")[0])
-    p.add_argument("config")
-    p.add_argument("--store")
-    p.add_argument("--force", nargs="+", default=[], metavar="STAGE")
-    args = p.parse_args(argv)
-    try:
-        config = load_scaling_config(args.config)
-    except ConfigError as e:
-        print(f"kiln: {e}", file=sys.stderr)
-        return 2
-    t0 = time.perf_counter()
-    try:
-        runs = scaling_flow(config=config, store=Store(args.store).root, force=args.force)
-    except StepFailed as e:
-        print(f"kiln: {e}", file=sys.stderr)
-        return 1
-    print(summary_table(runs))
+def forecast_line(runs: list[StepRun]) -> str | None:
+    """One line for the summary: the held-out budget's predicted against trained loss."""
     forecast = [r for r in runs if r.stage == "scaling_forecast"]
-    if forecast:
-        s = forecast[0].stats
-        print(f"forecast at C={budget_label(s['budget'])}: predicted {s['predicted_loss']:.4f} bits/byte, trained "
-              f"{s['trained_loss']:.4f}: relative error {s['relative_error']:+.2%}")
-    print(f"scaling sweep: {time.perf_counter() - t0:.0f} s")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
-
+    if not forecast:
+        return None
+    s = forecast[0].stats
+    return (f"forecast at C={budget_label(s['budget'])}: predicted {s['predicted_loss']:.4f} bits/byte, trained "
+            f"{s['trained_loss']:.4f}: relative error {s['relative_error']:+.2%} (goal met: {s['within_goal']})")

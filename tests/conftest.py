@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -44,3 +48,42 @@ def kiln(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: 
         raise AssertionError(f"kiln {' '.join(args)} exited {proc.returncode}\n"
                              f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}")
     return proc
+
+
+def _wait_for_port(port: int, proc: subprocess.Popen, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"ray start exited {proc.returncode}: {proc.stdout.read()[-3000:]}")
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.5)
+    raise TimeoutError(f"Ray head on port {port} not up after {timeout_s} s")
+
+
+@contextlib.contextmanager
+def ray_head(num_cpus: int = 2):
+    """A Ray cluster as an operator starts one (`ray start --head`), on a free port of 127.0.0.1;
+    yields its address and stops every process it started."""
+    port = free_port()
+    ray_bin = str(Path(sys.executable).parent / "ray")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"}
+    temp_dir = f"/tmp/kiln-ray-{port}"  # its own session folder: other Rays on this machine untouched
+    head = subprocess.Popen(
+        [ray_bin, "start", "--head", "--port", str(port), "--node-ip-address", "127.0.0.1",
+         "--num-cpus", str(num_cpus), "--include-dashboard=false", "--disable-usage-stats",
+         f"--temp-dir={temp_dir}", "--block"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        _wait_for_port(port, head)
+        yield f"127.0.0.1:{port}"
+    finally:
+        head.send_signal(signal.SIGTERM)  # `ray start --block` stops the processes it started
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(head.pid, signal.SIGKILL)  # anything of this session still alive
+        shutil.rmtree(temp_dir, ignore_errors=True)

@@ -263,6 +263,18 @@ def test_remote_fsspec_store(tmp_path, prefect_harness, monkeypatch):
     assert Store(root).output("two", steps[1].version) == f"{root}/two/{steps[1].version}"
 
 
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_validates_and_plans(path):
+    from flows.config import load_config
+    from flows.plan import experiment_steps, flows_needed
+
+    config = load_config(path)
+    steps = experiment_steps(config)
+    assert len({s.version for s in steps}) == len(steps)  # no two steps share a version
+    expected = {"data", "tokenize", "scaling"} if config.scaling else {"data", "tokenize", "train", "evaluate", "export"}
+    assert expected <= set(flows_needed(config))
+
+
 def test_configuration_reference_matches_the_models():
     from flows.reference import reference
 

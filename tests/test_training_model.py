@@ -3,16 +3,20 @@ weight-decay mask, gradient accumulation, bf16 compute."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
-from training.config import PRESETS, ModelConfig, TrainConfig
+from training.config import ModelConfig, TrainConfig, model_and_train
 from training.model import decode_step, flops_per_token, forward, init_cache, init_params, param_count
 from training.optim import lr_schedule, make_optimizer, matrices_only
 from training.step import init_state, loss_fn, make_train_step
+
+CONFIGS = Path(__file__).parents[1] / "configs"
 
 # jitted (configs are hashable, so static): op-by-op dispatch of a Flax model is slow
 forward = jax.jit(forward, static_argnums=2)
@@ -98,11 +102,12 @@ def test_flops_per_token_formula_and_preset_sizes():
     D, L, H, Q, T, F, V = 64, 2, 4, 16, 16, 96, 97
     n_matmul = L * (D * H * Q * 2 + D * 2 * Q * 2 + 3 * D * F) + D * V
     assert flops_per_token(CFG) == 6 * n_matmul + 12 * L * H * Q * T
+    gpu = {name: model_and_train(str(CONFIGS / f"{name}.yaml"))[0] for name in ("small_gpu", "medium_gpu")}
     sizes = {name: param_count(jax.eval_shape(lambda m=m: init_params(m, jax.random.PRNGKey(0))))
-             for name, (m, _) in PRESETS.items()}
+             for name, m in gpu.items()}
     assert 100e6 < sizes["small_gpu"] < 150e6
     assert 320e6 < sizes["medium_gpu"] < 380e6
-    assert PRESETS["small_gpu"][0].compute_dtype == "bfloat16"
+    assert {m.compute_dtype for m in gpu.values()} == {"bfloat16"}
 
 
 def test_kv_cache_decoding_matches_forward_with_left_padding():

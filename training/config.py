@@ -139,28 +139,14 @@ class ResourcesConfig(ConfigModel):
     deterministic_gpu: bool = setting(True)
 
 
-# Named presets. The lead's YAML files carry the same numbers; these keep benchmarks and tests
-# from depending on the YAML. Parameter counts are with the GPT-2 vocabulary (50257), tied.
-PRESETS: dict[str, tuple[ModelConfig, TrainConfig]] = {
-    # About a minute on 2 quiet CPU cores (~3k tokens/s, 200 x 8 x 128 tokens). With GPT-2's
-    # 50257-token vocabulary the output layer is ~97% of the FLOPs, so the body stays small; with
-    # a trained BPE of ~8k tokens, d_model=128 and n_layers=4 fit in the same minute.
-    "tiny_cpu": (
-        ModelConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=192, seq_len=128),
-        TrainConfig(batch_size=8, steps=200, lr=1e-2, warmup=20, checkpoint_every=100, eval_every=50),
-    ),
-    # ~124M parameters, bfloat16 compute (GPT-2 small's shape with GQA and SwiGLU).
-    "small_gpu": (
-        ModelConfig(d_model=768, n_layers=12, n_heads=12, n_kv_heads=4, d_ff=2560, seq_len=1024,
-                    compute_dtype="bfloat16"),
-        TrainConfig(batch_size=256, microbatches=4, steps=10000, lr=6e-4, warmup=500,
-                    checkpoint_every=1000, eval_every=500, eval_batches=20),
-    ),
-    # ~350M parameters, bfloat16 compute (GPT-2 medium's shape with GQA and SwiGLU).
-    "medium_gpu": (
-        ModelConfig(d_model=1024, n_layers=24, n_heads=16, n_kv_heads=8, d_ff=3072, seq_len=1024,
-                    compute_dtype="bfloat16"),
-        TrainConfig(batch_size=256, microbatches=8, steps=20000, lr=3e-4, warmup=1000,
-                    checkpoint_every=1000, eval_every=1000, eval_batches=20),
-    ),
-}
+def model_and_train(path: str) -> tuple[ModelConfig, TrainConfig]:
+    """The `model` and `train` sections of an experiment YAML (e.g. configs/small_gpu.yaml).
+
+    For benchmarks and tests that run the training engine alone, without Prefect or the rest of
+    the experiment config; `vocab_size` stays at its default (GPT-2's) unless the file sets it.
+    """
+    import yaml
+
+    with open(path) as f:
+        raw = yaml.safe_load(f)
+    return ModelConfig.model_validate(raw.get("model", {})), TrainConfig.model_validate(raw.get("train", {}))

@@ -123,6 +123,15 @@ class TokenDataset:
         return self.tokens(i * seq_len, i * seq_len + seq_len + 1)
 
 
+def unigram_entropy(counts: np.ndarray) -> float:
+    """Entropy in nats of a token-count histogram: the loss of the best model that ignores context."""
+    total = counts.sum()
+    if total == 0:
+        return 0.0
+    p = counts[counts > 0] / total
+    return float(-(p * np.log(p)).sum())
+
+
 def read_meta(folder: Path) -> dict:
     path = Path(folder) / META_FILE
     if not path.is_file():

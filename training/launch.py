@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import os
 import socket
+import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -74,7 +75,8 @@ def launch_training(model_cfg: ModelConfig, train_cfg: TrainConfig, resources: R
             for host in range(resources.hosts)
         ]
         results = _wait_relaying(refs, queue, on_metrics, poll_s)
-        return results[0]
+        # Where it ran (a setting, never identity): the Ray cluster's address, for the lineage.
+        return {**results[0], "ray_cluster": ray.get_runtime_context().gcs_address}
     finally:
         if queue is not None:
             queue.shutdown(force=True)
@@ -151,8 +153,12 @@ def start_local_ray(num_cpus: int, num_gpus: int | None = None, attempts: int = 
     try:
         for attempt in range(attempts):
             try:
-                ray.init(num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
-                         log_to_driver=False, logging_level="ERROR", _node_ip_address="127.0.0.1")
+                with warnings.catch_warnings():
+                    # Ray starts its node processes with fork + exec, which is safe next to JAX's
+                    # threads; Python warns about every such fork once JAX is imported.
+                    warnings.filterwarnings("ignore", r"os\.fork\(\) was called", RuntimeWarning)
+                    ray.init(num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
+                             log_to_driver=False, logging_level="ERROR", _node_ip_address="127.0.0.1")
                 return
             except Exception:
                 # Ray gives its node a fixed 30 s to register; an overloaded machine can miss
