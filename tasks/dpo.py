@@ -8,15 +8,25 @@ loop with the DPO objective (beta from the config): same step, checkpoints, resu
 and output layout. Its metrics add the reward margin (beta times the chosen-minus-rejected log
 ratio) and the accuracy (margin > 0) per log interval.
 
+Rejected answers: `rejected: pairs` takes the chat data's pairs as they are (the default run's:
+a continuation from another held-out document). `rejected: generated` keeps their prompts and
+chosen answers but makes each rejected answer the SFT model's own greedy answer to the prompt
+(as SPIN, Chen et al. 2024, does): the pairs then teach what the SFT model gets wrong, and the
+held-out pairs are made the same way, once, by the same frozen model. They are written to
+`pairs/` in the output; drawn answers equal to the chosen one are left out and counted.
+
 Stats: the train stats, the final margin and accuracy, the chat evaluation of the DPO model, and
-`table`: base, SFT (from the sft step's stats) and DPO side by side.
+`table`: base, SFT (from the sft step's stats, or measured here on generated pairs) and DPO side
+by side.
 """
 
 from __future__ import annotations
 
 import functools
+import json
+import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 
@@ -33,11 +43,15 @@ from training.posttrain import CHAT_TEMPLATE, ChatTemplate, DPOObjective, open_r
 if TYPE_CHECKING:
     from tasks.step import Step, StepContext
 
-STAGE_VERSION = 1
+STAGE_VERSION = 2  # 2: rejected answers may be generated
 
 
 class DPOConfig(ConfigModel):
     beta: float = Field(0.1, gt=0.0)
+    rejected: Literal["pairs", "generated"] = Field(
+        "pairs", description="pairs: the chat data's rejected answers; generated: the SFT model's own "
+        "greedy answers (SPIN), for the training and the held-out pairs alike.")
+    max_gen_toks: int = Field(32, ge=1, description="Length limit of generated rejected answers.")
     train: TrainConfig = TrainConfig(batch_size=8, steps=40, lr=3e-4, warmup=4, weight_decay=0.0,
                                      checkpoint_every=20, eval_every=20, eval_batches=2)
     evaluation: ChatEvalConfig = ChatEvalConfig()
@@ -50,12 +64,45 @@ def encode_pairs(pairs: list[dict], template: ChatTemplate) -> list:
     return [(side(p, p["chosen"]), side(p, p["rejected"])) for p in pairs]
 
 
+def generated_pairs(model_dir: Path, tokenizer_dir: Path, chat_dir: Path, out: Path, max_gen_toks: int,
+                    batch_size: int, log) -> tuple[Path, dict]:
+    """A copy of the chat data's pairs whose rejected answers are the model's greedy answers."""
+    from evaluation.adapter import KilnLM
+    from training.loop import load_model
+    from training.posttrain import END_OF_TURN
+
+    model_cfg, params = load_model(Path(model_dir))
+    tokenizer = load_tokenizer(tokenizer_dir)
+    template = ChatTemplate(tokenizer)
+    lm = KilnLM(model_cfg, params, tokenizer, read_tokenizer_meta(tokenizer_dir)["eos_id"], batch_size=batch_size,
+                max_gen_toks=max_gen_toks, parse_special_tokens=True)
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copy(Path(chat_dir) / "sft_eval.jsonl", out / "sft_eval.jsonl")  # the generation task's data
+    counts = {}
+    for split in ("train", "eval"):
+        pairs = read_records(Path(chat_dir) / f"pairs_{split}.jsonl")
+        prompts = [lm.tok_encode(template.render(p["prompt"], add_generation_prompt=True)) for p in pairs]
+        answers = []
+        for start in range(0, len(prompts), batch_size):
+            answers += lm.generate(prompts[start:start + batch_size], max_gen_toks, [END_OF_TURN])
+            log.info("generating rejected answers (%s): %d/%d", split, len(answers), len(prompts))
+        kept = [{**p, "rejected": a.strip()} for p, a in zip(pairs, answers) if a.strip() != p["chosen"].strip()]
+        with open(out / f"pairs_{split}.jsonl", "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n" for r in kept)
+        counts[split] = {"pairs": len(kept), "rejected_equal_to_chosen": len(pairs) - len(kept)}
+    return out, counts
+
+
 def run_dpo(ctx: StepContext) -> dict:
     cfg: DPOConfig = ctx.config
     model_dir, tokenizer_dir, pairs_dir = ctx.inputs["model"], ctx.inputs["tokenizer"], ctx.inputs["pairs"]
     model_cfg = read_model_config(model_dir)
     template = ChatTemplate(load_tokenizer(tokenizer_dir))
     eos_id = read_tokenizer_meta(tokenizer_dir)["eos_id"]
+    generated = None
+    if cfg.rejected == "generated":
+        pairs_dir, generated = generated_pairs(model_dir, tokenizer_dir, pairs_dir, ctx.out / "pairs", cfg.max_gen_toks,
+                                               cfg.evaluation.batch_size, ctx.log)
     dropped = {}
     for split in ("train", "eval"):
         pairs = read_records(Path(pairs_dir) / f"pairs_{split}.jsonl")
@@ -72,7 +119,7 @@ def run_dpo(ctx: StepContext) -> dict:
     last = read_metrics(ctx.out / "metrics.jsonl")[-1]
 
     evaluations = {}
-    upstream = ctx.input_stats.get("model", {})
+    upstream = ctx.input_stats.get("model", {}) if generated is None else {}  # other pairs: not comparable
     for name in ("base", "sft"):  # the sft step evaluated both on the same held-out data
         if f"eval_{name}" in upstream:
             evaluations[name] = upstream[f"eval_{name}"]
@@ -85,6 +132,7 @@ def run_dpo(ctx: StepContext) -> dict:
     table = comparison(evaluations)
     publish_table(table, ctx.step.version, "dpo")
     return {**stats, "final_margin": last.get("margin"), "final_accuracy": last.get("accuracy"), "left_out": dropped,
+            **({"generated_rejected": generated} if generated is not None else {}),
             "eval_sft": evaluations["sft"], "eval_dpo": evaluations["dpo"], "table": table}
 
 

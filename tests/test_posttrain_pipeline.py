@@ -77,6 +77,25 @@ def test_chat_data_sft_dpo_export(tmp_path):
     assert dpo_stats["final_margin"] is not None and 0 <= dpo_stats["final_accuracy"] <= 1
     assert {r["model"] for r in dpo_stats["table"]} == {"base", "sft", "dpo"}
 
+    # SPIN-style pairs: the rejected answers are the SFT model's own greedy answers, made here
+    spin = dpo_step(DPOConfig(beta=0.1, rejected="generated", max_gen_toks=8,
+                              train=TrainConfig(steps=4, lr=1e-3, **small), evaluation=evaluation),
+                    model=sft, tokenizer=tokenizer, pairs=chat)
+    assert spin.version != dpo.version
+    root = tmp_path / "spin"
+    root.mkdir()
+    for name in ("sft", "tokenizer", "chat_data"):
+        (root / name).symlink_to(tmp_path / name)
+    spin_stats = run_dpo(_ctx(spin, root, {"model": sft, "tokenizer": tokenizer, "pairs": chat}, {"model": sft_stats}))
+    made = [json.loads(line) for line in (root / "dpo" / "pairs" / "pairs_train.jsonl").read_text().splitlines()]
+    given = [json.loads(line) for line in (tmp_path / "chat_data" / "pairs_train.jsonl").read_text().splitlines()]
+    assert made and {p["id"] for p in made} <= {p["id"] for p in given}
+    by_id = {p["id"]: p for p in given}
+    assert all(p["chosen"] == by_id[p["id"]]["chosen"] and p["rejected"] != p["chosen"] for p in made)
+    counts = spin_stats["generated_rejected"]
+    assert counts["train"]["pairs"] + counts["train"]["rejected_equal_to_chosen"] == len(given)
+    assert {r["model"] for r in spin_stats["table"]} == {"sft", "dpo"}  # base was scored on other pairs
+
     exported = export_step(ExportConfig(), model=dpo, tokenizer=tokenizer)
     run_export(_ctx(exported, tmp_path, {"model": dpo, "tokenizer": tokenizer}))
     config = json.loads((tmp_path / "export" / "tokenizer_config.json").read_text())
