@@ -18,6 +18,9 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "120"
+# Ray rewrites a 127.0.0.1 cluster address to the machine's own IP before connecting; off, it keeps
+# every node and connection on the loopback address (tests start single-node clusters only).
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 os.environ.setdefault("HF_HOME", str(Path(os.environ.get("TMPDIR", "/tmp")) / "kiln-test-hf"))
 
 REPO = Path(__file__).resolve().parent.parent
@@ -65,10 +68,14 @@ def _wait_for_port(port: int, proc: subprocess.Popen, timeout_s: float = 120) ->
 @contextlib.contextmanager
 def ray_head(num_cpus: int = 2):
     """A Ray cluster as an operator starts one (`ray start --head`), on a free port of 127.0.0.1;
-    yields its address and stops every process it started."""
+    yields its address and stops every process it started.
+
+    Without token authentication (RAY_AUTH_MODE=disabled): `ray start` turns it on whenever
+    ~/.ray/auth_token exists, which any earlier local Ray on the machine creates; clients must then
+    set RAY_AUTH_MODE=token. Tests connect with RAY_AUTH_MODE=disabled, so both sides agree."""
     port = free_port()
     ray_bin = str(Path(sys.executable).parent / "ray")
-    env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "RAY_AUTH_MODE": "disabled"}
     temp_dir = f"/tmp/kiln-ray-{port}"  # its own session folder: other Rays on this machine untouched
     head = subprocess.Popen(
         [ray_bin, "start", "--head", "--port", str(port), "--node-ip-address", "127.0.0.1",

@@ -31,7 +31,7 @@ def test_pipeline_trains_on_the_ray_cluster_named_by_ray_address(tmp_path):
     config.write_text(yaml.safe_dump(CONFIG))
     store = tmp_path / "store"
     with ray_head(num_cpus=2) as address:
-        proc = kiln("run", str(config), "--store", str(store), "--until", "train", env={"RAY_ADDRESS": address})
+        proc = kiln("run", str(config), "--store", str(store), "--until", "train", env={"RAY_ADDRESS": address, "RAY_AUTH_MODE": "disabled"})
     assert "train" in proc.stdout
     (train_dir,) = (store / "train").iterdir()
     lineage = json.loads((train_dir / "lineage.json").read_text())

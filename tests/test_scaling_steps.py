@@ -23,7 +23,7 @@ from tasks.store import Store
 from training.config import ConfigModel
 from training.scaling import prior_params
 
-pytestmark = pytest.mark.slow  # minutes of training; run with `uv run pytest -m slow`
+
 
 BUDGETS = [1e11, 2e11, 4e11, 8e11]
 

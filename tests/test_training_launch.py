@@ -62,7 +62,7 @@ def test_local_ray_task_trains_same_bits_as_in_process(one_host, tmp_path):
     assert local["params_sha256"] == stats["params_sha256"]
 
 
-@pytest.mark.slow  # two JAX processes in Ray tasks: a minute on 2 quiet cores
+# two JAX processes in Ray tasks: a minute on 2 quiet cores
 def test_two_hosts_join_one_jax_runtime_and_match_one_host(one_host, tmp_path):
     single, single_seen, _ = one_host
     stats, seen = launch(tmp_path, hosts=2)
@@ -81,6 +81,7 @@ def test_two_hosts_join_one_jax_runtime_and_match_one_host(one_host, tmp_path):
 def test_training_on_a_started_ray_head_via_ray_address(tmp_path, monkeypatch):
     with ray_head(num_cpus=2) as address:
         monkeypatch.setenv("RAY_ADDRESS", address)
+        monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # as the head (see conftest.ray_head)
         try:
             stats, seen = launch(tmp_path, hosts=1, steps=6)
             assert ray.is_initialized()  # connected to the cluster, not a Ray of our own

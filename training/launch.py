@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import os
 import socket
+import traceback
 import warnings
 from pathlib import Path
 from typing import Callable
@@ -50,7 +51,7 @@ def launch_training(model_cfg: ModelConfig, train_cfg: TrainConfig, resources: R
 
     Post-training passes `objective` (training/posttrain.py) and `init_model`, a training output
     folder whose parameters each host loads as its starting point."""
-    started_ray = _connect(resources)
+    started_ray, address = _connect(resources)
     bundle = _bundle(resources)
     group = placement_group([bundle] * resources.hosts, strategy="SPREAD")
     queue = None
@@ -75,8 +76,9 @@ def launch_training(model_cfg: ModelConfig, train_cfg: TrainConfig, resources: R
             for host in range(resources.hosts)
         ]
         results = _wait_relaying(refs, queue, on_metrics, poll_s)
-        # Where it ran (a setting, never identity): the Ray cluster's address, for the lineage.
-        return {**results[0], "ray_cluster": ray.get_runtime_context().gcs_address}
+        # Where it ran (never identity), for the lineage: the cluster's address as given, or the
+        # Ray running in this process.
+        return {**results[0], "ray_cluster": address or f"in-process ({ray.get_runtime_context().gcs_address})"}
     finally:
         if queue is not None:
             queue.shutdown(force=True)
@@ -128,18 +130,27 @@ def _host_main(host: int, hosts: int, coordinator: str | None, model_cfg: ModelC
             jax.distributed.shutdown()
 
 
-def _connect(resources: ResourcesConfig) -> bool:
+def _connect(resources: ResourcesConfig) -> tuple[bool, str | None]:
     """Join the configured or RAY_ADDRESS cluster, reuse a Ray already running in this process,
-    or start a local one sized to the request. True if this call started Ray."""
-    if ray.is_initialized():
-        return False
+    or start a local one sized to the request. Returns (whether this call started Ray, the
+    cluster address joined, if any)."""
     address = resources.ray_address or os.environ.get("RAY_ADDRESS")
+    if ray.is_initialized():  # the caller's Ray: a cluster if an address is set, else in-process
+        return False, address
     if address:
-        ray.init(address=address, log_to_driver=False, logging_level="ERROR")
-        return False
+        try:
+            ray.init(address=address, log_to_driver=False, logging_level="ERROR")
+        except ConnectionError as e:
+            if "InvalidAuthToken" in "".join(traceback.format_exception(e)):
+                raise ConnectionError(
+                    f"the Ray cluster at {address} requires token authentication (`ray start` turns it on when "
+                    "~/.ray/auth_token exists): set RAY_AUTH_MODE=token where kiln runs, with the cluster's "
+                    "token in ~/.ray/auth_token") from e
+            raise
+        return False, address
     start_local_ray(num_cpus=resources.hosts * resources.cpus_per_host,
                     num_gpus=resources.hosts * resources.gpus_per_host or None)
-    return True
+    return True, None
 
 
 def start_local_ray(num_cpus: int, num_gpus: int | None = None, attempts: int = 3) -> None:
