@@ -52,6 +52,8 @@ class DPOConfig(ConfigModel):
         "pairs", description="pairs: the chat data's rejected answers; generated: the SFT model's own "
         "greedy answers (SPIN), for the training and the held-out pairs alike.")
     max_gen_toks: int = Field(32, ge=1, description="Length limit of generated rejected answers.")
+    sft_weight: float = Field(0.0, ge=0.0, description="Adds this times the chosen answers' token NLL to the "
+                              "DPO loss (RPO), so that they stay likely.")
     train: TrainConfig = TrainConfig(batch_size=8, steps=40, lr=3e-4, warmup=4, weight_decay=0.0,
                                      checkpoint_every=20, eval_every=20, eval_batches=2)
     evaluation: ChatEvalConfig = ChatEvalConfig()
@@ -113,7 +115,7 @@ def run_dpo(ctx: StepContext) -> dict:
     data = functools.partial(open_rows, str(ctx.work_dir / "pairs_train.npz"), str(ctx.work_dir / "pairs_eval.npz"),
                              cfg.train.batch_size, cfg.train.seed, cfg.train.eval_batches, str(model_dir))
     stats = launch_training(model_cfg, cfg.train, cfg.resources, data, ctx.work_dir, ctx.out,
-                            on_metrics=relay_to(ctx, cfg.train.steps), objective=DPOObjective(cfg.beta),
+                            on_metrics=relay_to(ctx, cfg.train.steps), objective=DPOObjective(cfg.beta, cfg.sft_weight),
                             init_model=model_dir)
     (ctx.out / TEMPLATE_FILE).write_text(CHAT_TEMPLATE, encoding="utf-8")
     last = read_metrics(ctx.out / "metrics.jsonl")[-1]

@@ -120,6 +120,12 @@ def test_dpo_loss_is_log2_against_itself_and_rewards_the_chosen_answer():
     moved = jax.tree_util.tree_map(lambda p, g: p - 1.0 * g, params, grads)
     loss2, metrics2 = loss_fn(moved, batch, cfg, 0.1)
     assert float(loss2) < float(loss) and float(metrics2["margin"]) > 0 and float(metrics2["accuracy"]) == 1.0
+    # with an SFT term the loss adds exactly sft_weight x the chosen answers' mean token NLL
+    with_sft, m = jax.jit(dpo_loss, static_argnums=(2, 3, 4))(params, batch, cfg, 0.1, 0.5)
+    chosen = {k: batch[k][:, 0] for k in ("inputs", "targets", "loss_mask")}
+    nll = float(sft_loss(params, chosen, cfg)[0])
+    np.testing.assert_allclose(float(m["chosen_nll"]), nll, rtol=1e-5)
+    np.testing.assert_allclose(float(with_sft), float(loss) + 0.5 * nll, rtol=1e-5)
     spec = DPOObjective(0.1).batch_spec(2, cfg.seq_len)
     assert {k: (v.shape, v.dtype) for k, v in arrays.items()} == {k: (s, np.dtype(d)) for k, (s, d) in spec.items()}
 

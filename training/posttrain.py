@@ -211,15 +211,22 @@ def sequence_logprobs(params, batch: dict, cfg: ModelConfig):
     return jnp.where(batch["loss_mask"] > 0, logp, 0.0).sum(-1)
 
 
-def dpo_loss(params, batch: dict, cfg: ModelConfig, beta: float):
+def dpo_loss(params, batch: dict, cfg: ModelConfig, beta: float, sft_weight: float = 0.0):
     """The DPO loss over [B, 2] (chosen, rejected) sequences against the reference log-probs in
-    the batch; metrics: the reward margin beta * (chosen - rejected log-ratio) and accuracy."""
-    logp = sequence_logprobs(params, batch, cfg)  # [B, 2]
+    the batch; metrics: the reward margin beta * (chosen - rejected log-ratio) and accuracy.
+
+    `sft_weight` > 0 adds that times the chosen answers' mean token NLL (RPO, Pang et al. 2024):
+    DPO alone may lower the chosen answers' likelihood too, as long as the rejected fall faster."""
+    mask = batch["loss_mask"] > 0
+    token_logp = jnp.where(mask, token_logprobs(params, batch["inputs"], batch["targets"], cfg), 0.0)
+    logp = token_logp.sum(-1)  # [B, 2], as sequence_logprobs
     ratio = logp - batch["ref_logp"]
     margin = beta * (ratio[:, 0] - ratio[:, 1])
-    loss = -jax.nn.log_sigmoid(margin).mean()
+    chosen_nll = -token_logp[:, 0].sum() / jnp.maximum(mask[:, 0].sum(), 1)
+    loss = -jax.nn.log_sigmoid(margin).mean() + sft_weight * chosen_nll
     return loss, {"margin": margin.mean(), "accuracy": (margin > 0).mean().astype(jnp.float32),
-                  "chosen_reward": beta * ratio[:, 0].mean(), "rejected_reward": beta * ratio[:, 1].mean()}
+                  "chosen_reward": beta * ratio[:, 0].mean(), "rejected_reward": beta * ratio[:, 1].mean(),
+                  "chosen_nll": chosen_nll}
 
 
 def reference_logprobs(params, pairs: dict, cfg: ModelConfig, batch_size: int) -> np.ndarray:
@@ -261,6 +268,7 @@ class DPOObjective:
     "ref_logp" [B, 2] (the frozen reference model's, from `reference_logprobs`)."""
 
     beta: float = 0.1
+    sft_weight: float = 0.0
     name: str = "dpo"
 
     def batch_spec(self, batch_size: int, seq_len: int) -> dict:
@@ -268,7 +276,7 @@ class DPOObjective:
         return {**spec, "ref_logp": ((batch_size, 2), np.float32)}
 
     def loss(self, params, batch, cfg: ModelConfig):
-        return dpo_loss(params, batch, cfg, self.beta)
+        return dpo_loss(params, batch, cfg, self.beta, self.sft_weight)
 
     def sequences_per_row(self) -> int:
         return 2
