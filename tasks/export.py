@@ -15,6 +15,7 @@ from pathlib import Path
 from pydantic import Field
 
 from tasks.evaluate import RESULTS_FILE
+from tasks.lineage import lineage_tree, read_lineage
 from tasks.step import Step, StepContext
 from tasks.store import LINEAGE
 from tasks.tokenizer import TOKENIZER_FILE, load_tokenizer, read_tokenizer_meta
@@ -34,19 +35,13 @@ class ExportConfig(ConfigModel):
     license: str | None = Field(None, description="License id for the card's metadata, e.g. apache-2.0.")
 
 
-def lineage_tree(folder: Path) -> dict | None:
-    """The lineage record in `folder` with its inputs resolved recursively from the same store
-    (the parent of the stage folder); None when `folder` has no lineage.json."""
-    path = Path(folder) / LINEAGE
-    if not path.is_file():
+def model_lineage(model_dir: Path) -> dict | None:
+    """The model's lineage tree (tasks.lineage) with its own step's config and code, for the model
+    card; None when `model_dir` has no lineage.json (a model not made in a kiln store)."""
+    if not (Path(model_dir) / LINEAGE).is_file():
         return None
-    record = json.loads(path.read_text())
-    store_root = Path(folder).resolve().parent.parent
-    inputs = []
-    for inp in record.get("inputs", []):
-        child = lineage_tree(store_root / inp["path"])
-        inputs.append(child if child is not None else {**inp, "missing": True})
-    return {**record, "inputs": inputs}
+    record = read_lineage(model_dir)
+    return {**lineage_tree(model_dir), "config": record.get("config", {}), "code": record.get("code", {})}
 
 
 def run_export(ctx: StepContext) -> dict:
@@ -64,7 +59,7 @@ def run_export(ctx: StepContext) -> dict:
     eval_table = None
     if "evaluation" in ctx.inputs:
         eval_table = json.loads((Path(ctx.inputs["evaluation"]) / RESULTS_FILE).read_text())["table"]
-    lineage = lineage_tree(model_dir)
+    lineage = model_lineage(model_dir)
     if lineage is None:
         ctx.log.warning("%s has no %s: the model card cannot trace the data", model_dir, LINEAGE)
     card = model_card(cfg, param_count(params), config.name, config.license, lineage, eval_table)

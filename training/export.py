@@ -127,12 +127,12 @@ def _stats_brief(stats: dict) -> str:
 
 
 def lineage_lines(node: dict, indent: str = "") -> list[str]:
-    """A lineage tree (records with their inputs resolved, see tasks/export.py) as markdown bullets."""
+    """A lineage tree (tasks.lineage.lineage_tree's nodes) as markdown bullets."""
     if node.get("missing"):
         return [f"{indent}- {node['stage']} `{node['version']}` (not in this store)"]
     brief = _stats_brief(node.get("stats", {}))
     lines = [f"{indent}- **{node['name']}** `{node['version']}`" + (f": {brief}" if brief else "")]
-    for src in node.get("stats", {}).get("sources", []) if not node["inputs"] else []:
+    for src in node.get("sources", []):
         lines.append(f"{indent}  - source **{src.get('name')}** ({src.get('kind')}): `{src.get('origin', '')}`")
     for child in node["inputs"]:
         lines += lineage_lines(child, indent + "  ")
@@ -142,8 +142,9 @@ def lineage_lines(node: dict, indent: str = "") -> list[str]:
 def model_card(cfg: ModelConfig, n_params: int, name: str, license_id: str | None, lineage: dict | None,
                eval_table: list[dict] | None) -> str:
     """README.md for the export: architecture, data lineage to the raw sources, training config,
-    evaluation results and the kiln commit. `lineage` is the train output's record with its
-    inputs resolved (None when the model did not come from a kiln store)."""
+    evaluation results and the kiln commit. `lineage` is the model's lineage tree with its step's
+    `config` and `code` (tasks.export.model_lineage; None when the model did not come from a kiln
+    store)."""
     header = ["---", "library_name: transformers", "pipeline_tag: text-generation", "tags:", "- kiln", "- llama"]
     if license_id:
         header.append(f"license: {license_id}")
