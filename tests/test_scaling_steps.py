@@ -15,8 +15,7 @@ from prefect import flow
 
 from flows.plan import experiment_steps
 from flows.config import ExperimentConfig
-from flows.scaling import (execute_parallel, forecast_steps, scaling_steps, sweep_inputs,
-                           sweep_plans)
+from flows.scaling import execute_parallel, forecast_steps, scaling_steps, sweep_plans
 from tasks.scaling import LAW_FILE, run_fit, run_forecast
 from tasks.step import Step, StepContext
 from tasks.store import Store
@@ -35,6 +34,12 @@ def experiment(budgets: list[float], **scaling) -> ExperimentConfig:
         "tokenize": {"validation_fraction": 0.05},
         "scaling": {"budgets": budgets, "shapes_per_budget": 4, **scaling},
     })
+
+
+def sweep_inputs(steps: list[Step]) -> tuple[Step, Step, Step]:
+    """(tokens, tokenizer, documents) of an experiment's steps: what the sweep's runs read."""
+    (tokens,) = [s for s in steps if s.stage == "tokenize"]
+    return tokens, tokens.inputs["tokenizer"], tokens.inputs["documents"]
 
 
 def sweep(config: ExperimentConfig):

@@ -217,12 +217,10 @@ def dpo_loss(params, batch: dict, cfg: ModelConfig, beta: float, sft_weight: flo
 
     `sft_weight` > 0 adds that times the chosen answers' mean token NLL (RPO, Pang et al. 2024):
     DPO alone may lower the chosen answers' likelihood too, as long as the rejected fall faster."""
-    mask = batch["loss_mask"] > 0
-    token_logp = jnp.where(mask, token_logprobs(params, batch["inputs"], batch["targets"], cfg), 0.0)
-    logp = token_logp.sum(-1)  # [B, 2], as sequence_logprobs
+    logp = sequence_logprobs(params, batch, cfg)  # [B, 2]
     ratio = logp - batch["ref_logp"]
     margin = beta * (ratio[:, 0] - ratio[:, 1])
-    chosen_nll = -token_logp[:, 0].sum() / jnp.maximum(mask[:, 0].sum(), 1)
+    chosen_nll = -logp[:, 0].sum() / jnp.maximum((batch["loss_mask"][:, 0] > 0).sum(), 1)
     loss = -jax.nn.log_sigmoid(margin).mean() + sft_weight * chosen_nll
     return loss, {"margin": margin.mean(), "accuracy": (margin > 0).mean().astype(jnp.float32),
                   "chosen_reward": beta * ratio[:, 0].mean(), "rejected_reward": beta * ratio[:, 1].mean(),
