@@ -101,7 +101,7 @@ def _config(path: str):
 
 
 def _store(arg: str | None):
-    from tasks.store import Store
+    from tasks.engine.store import Store
 
     return Store(arg)
 
@@ -136,7 +136,7 @@ def cmd_run(args) -> int:
     except (ValueError, FileNotFoundError) as e:
         raise KilnUserError(str(e)) from None
     from flows.pipeline import pipeline
-    from tasks.runner import StepFailed
+    from tasks.engine.runner import StepFailed
 
     try:
         runs = pipeline(config=config, store=store.root, until=args.until, force=args.force)
@@ -153,7 +153,7 @@ def cmd_run(args) -> int:
 
 
 def cmd_lineage(args) -> int:
-    from tasks.lineage import format_tree, lineage_tree
+    from tasks.engine.lineage import format_tree, lineage_tree
 
     try:
         tree = lineage_tree(Path(args.path))
@@ -165,7 +165,7 @@ def cmd_lineage(args) -> int:
 
 def cmd_why(args) -> int:
     from flows.plan import experiment_steps
-    from tasks.filter import explain
+    from tasks.engine.judging import explain
 
     config, store = _config(args.config), _store(args.store)
     seen = False

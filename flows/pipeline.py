@@ -7,7 +7,7 @@ from prefect import flow
 from flows.config import ExperimentConfig
 from flows.plan import flows_needed
 from flows.stages import stage_flows
-from tasks.runner import StepRun
+from tasks.engine.runner import StepRun
 
 
 @flow(name="pipeline", log_prints=True)
@@ -30,7 +30,7 @@ def publish_lineage(final: StepRun) -> None:
 
     from prefect.artifacts import create_markdown_artifact
 
-    from tasks.lineage import lineage_tree, tree_markdown
+    from tasks.engine.lineage import lineage_tree, tree_markdown
 
     tree = lineage_tree(Path(final.path))
     create_markdown_artifact(

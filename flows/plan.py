@@ -23,9 +23,9 @@ from tasks.quality import negative_examples_step, quality_filter_step, train_qua
 from tasks.tokenize import tokenize_step
 from tasks.tokenizer import GPT2_EOS, TokenizerConfig, tokenizer_step
 from tasks.train import train_step
-from tasks.step import Step, upstream_order
-from tasks.store import Store
-from tasks.caching import StaleAwareLockManager
+from tasks.engine.step import Step, upstream_order
+from tasks.engine.store import Store
+from tasks.engine.caching import StaleAwareLockManager
 
 # Which lifecycle flow runs each stage, in pipeline order.
 FLOW_OF_STAGE = {
@@ -138,7 +138,7 @@ def code_drift(step: Step, store: Store) -> str | None:
     Code is not part of the version (so comments don't fork artefacts); if the change does
     alter outputs, bump the stage's STAGE_VERSION or rerun with --force.
     """
-    from tasks.lineage import source_hash
+    from tasks.engine.lineage import source_hash
 
     recorded = store.read_lineage(step.stage, step.version).get("code", {})
     if recorded.get("source_sha256") and recorded["source_sha256"] != source_hash(step):

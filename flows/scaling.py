@@ -35,13 +35,13 @@ from prefect.utilities.annotations import quote
 
 from flows.config import ExperimentConfig
 from tasks.evaluate import EvalConfig, evaluate_step
-from tasks.runner import StepRun, execute, step_task
+from tasks.engine.runner import StepRun, execute, step_task
 from tasks.scaling import LAW_FILE, FitRun, ForecastConfig, ScalingFitConfig, forecast_step, scaling_fit_step
-from tasks.step import Step
-from tasks.store import Store
+from tasks.engine.step import Step
+from tasks.engine.store import Store
 from tasks.tokenizer import TokenizerConfig
 from tasks.train import train_step
-from tasks.versioning import result_storage, step_cache_policy
+from tasks.engine.caching import result_storage, step_cache_policy
 from training.config import ResourcesConfig
 from training.scaling import RunPlan, ScalingConfig, budget_label, isoflop_grid, nearest_size
 
@@ -138,7 +138,7 @@ def ready_forecast_steps(config, store: Store, sweep: list[Step]) -> list[Step]:
 
 def execute_parallel(steps: list[Step], store: Store, parallelism: int, workers: int = 1,
                      force: frozenset[str] = frozenset()) -> list[StepRun]:
-    """`tasks.runner.execute`, but up to `parallelism` steps at once once their inputs are done.
+    """`tasks.engine.runner.execute`, but up to `parallelism` steps at once once their inputs are done.
 
     With parallelism 1 it is `execute` itself. Otherwise each step is the same cached Prefect task,
     submitted to the flow's thread pool; a train step's body then waits on its own Ray task, so
@@ -168,7 +168,7 @@ def execute_parallel(steps: list[Step], store: Store, parallelism: int, workers:
 
 
 def _submit(step: Step, store: Store, workers: int, forced: bool):
-    """Submit one step as `tasks.runner.execute` runs it (same task, cache key, storage)."""
+    """Submit one step as `tasks.engine.runner.execute` runs it (same task, cache key, storage)."""
     if forced:
         store.unpublish(step.stage, step.version)
     elif not store.is_done(step.stage, step.version) and store.is_local:
@@ -185,7 +185,7 @@ def _start_ray(scaling: ScalingConfig) -> bool:
     import ray
 
     import training.launch  # noqa: F401  (sets Ray's environment defaults before Ray starts)
-    from tasks.parallel import ensure_ray
+    from tasks.engine.parallel import ensure_ray
 
     if ray.is_initialized():
         return False

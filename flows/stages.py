@@ -10,8 +10,8 @@ from prefect import flow
 
 from flows.config import ExperimentConfig
 from flows.plan import steps_of_flow
-from tasks.runner import StepRun, execute
-from tasks.store import Store
+from tasks.engine.runner import StepRun, execute
+from tasks.engine.store import Store
 
 
 def run_stage_steps(flow_name: str, config: ExperimentConfig, store: str | None,

@@ -23,8 +23,8 @@ from typing import Iterator, Literal
 
 from pydantic import Field, model_validator
 
-from tasks.documents import BadRecord, ShardWriter, read_shard
-from tasks.step import Step, StepContext
+from tasks.engine.documents import BadRecord, ShardWriter, read_shard
+from tasks.engine.step import Step, StepContext
 from training.config import ConfigModel, setting
 
 STAGE_VERSION = 2  # 2: documents of the Bible corpora carry their book's title

@@ -40,13 +40,13 @@ from typing import TYPE_CHECKING, Iterator, Literal
 import numpy as np
 from pydantic import Field, model_validator
 
-from tasks.documents import read_documents
+from tasks.engine.documents import read_documents
 from tasks.tokenize import is_validation
 from training.config import ConfigModel
 from training.posttrain import check_messages
 
 if TYPE_CHECKING:
-    from tasks.step import Step, StepContext
+    from tasks.engine.step import Step, StepContext
 
 STAGE_VERSION = 2  # 2: label questions
 FILES = {"sft": ("sft_train.jsonl", "sft_eval.jsonl"), "pairs": ("pairs_train.jsonl", "pairs_eval.jsonl")}
@@ -205,7 +205,7 @@ def run_chat_data(ctx: StepContext) -> dict:
 
 
 def chat_data_step(config: ChatDataConfig, *, documents: Step | None = None) -> Step:
-    from tasks.step import Step
+    from tasks.engine.step import Step
 
     if config.source == "heldout":
         if documents is None:

@@ -33,13 +33,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 from pydantic import model_validator
 
-from tasks.documents import list_shards, read_shard
-from tasks.filter import (DEFAULT_MAX_DOC_BYTES, Judge, ShardJob, Verdict, bad_document, judge_shard,
-                          merge_stats, run_map)
+from tasks.engine.documents import list_shards, read_shard
+from tasks.engine.judging import (DEFAULT_MAX_DOC_BYTES, Judge, ShardJob, Verdict, bad_document, judge_shard,
+                                  merge_stats, run_map)
 from training.config import ConfigModel, setting
 
-if TYPE_CHECKING:  # tasks.step loads Prefect (seconds), which Ray workers running this module never need
-    from tasks.step import Step, StepContext
+if TYPE_CHECKING:  # tasks.engine.step loads Prefect (seconds), which Ray workers running this module never need
+    from tasks.engine.step import Step, StepContext
 
 STAGE_VERSION = 1
 WORD = re.compile(r"\w+")
@@ -425,7 +425,7 @@ def run_dedup(ctx: StepContext) -> dict:
 
 
 def dedup_step(config: DedupConfig, *, documents: Step) -> Step:
-    from tasks.step import Step
+    from tasks.engine.step import Step
 
     return Step(name="dedup", stage="dedup", stage_version=STAGE_VERSION, config=config,
                 run=run_dedup, inputs={"documents": documents})

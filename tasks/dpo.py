@@ -41,7 +41,7 @@ from training.metrics import read_metrics
 from training.posttrain import CHAT_TEMPLATE, ChatTemplate, DPOObjective, open_rows, pad_pairs, save_rows
 
 if TYPE_CHECKING:
-    from tasks.step import Step, StepContext
+    from tasks.engine.step import Step, StepContext
 
 STAGE_VERSION = 2  # 2: rejected answers may be generated
 
@@ -139,7 +139,7 @@ def run_dpo(ctx: StepContext) -> dict:
 
 
 def dpo_step(config: DPOConfig, *, model: Step, tokenizer: Step, pairs: Step) -> Step:
-    from tasks.step import Step
+    from tasks.engine.step import Step
 
     return Step(name="dpo", stage="dpo", stage_version=STAGE_VERSION, config=config, run=run_dpo,
                 inputs={"model": model, "tokenizer": tokenizer, "pairs": pairs})

@@ -28,8 +28,8 @@ from evaluation.adapter import KilnLM
 from evaluation.harness import evaluate, metric_table
 from evaluation.perplexity import heldout_metrics
 from evaluation.suite import SUITE_TASKS, TASK_PREFIX, SuiteConfig, build_suite, task_configs
-from tasks.documents import read_documents
-from tasks.step import Step, StepContext
+from tasks.engine.documents import read_documents
+from tasks.engine.step import Step, StepContext
 from tasks.tokenize import is_validation
 from tasks.tokenizer import load_tokenizer, read_tokenizer_meta
 from training.config import ConfigModel, setting

@@ -15,9 +15,9 @@ from pathlib import Path
 from pydantic import Field
 
 from tasks.evaluate import RESULTS_FILE
-from tasks.lineage import lineage_tree, read_lineage
-from tasks.step import Step, StepContext
-from tasks.store import LINEAGE
+from tasks.engine.lineage import lineage_tree, read_lineage
+from tasks.engine.step import Step, StepContext
+from tasks.engine.store import LINEAGE
 from tasks.tokenizer import TOKENIZER_FILE, load_tokenizer, read_tokenizer_meta
 from training.config import ConfigModel
 from training.export import export_hf, model_card
@@ -36,7 +36,7 @@ class ExportConfig(ConfigModel):
 
 
 def model_lineage(model_dir: Path) -> dict | None:
-    """The model's lineage tree (tasks.lineage) with its own step's config and code, for the model
+    """The model's lineage tree (tasks.engine.lineage) with its own step's config and code, for the model
     card; None when `model_dir` has no lineage.json (a model not made in a kiln store)."""
     if not (Path(model_dir) / LINEAGE).is_file():
         return None

@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING
 from resiliparse.extract.html2text import extract_plain_text
 from resiliparse.parse.html import HTMLParserException
 
-from tasks.filter import DEFAULT_MAX_DOC_BYTES, Judge, Verdict, run_judged
+from tasks.engine.judging import DEFAULT_MAX_DOC_BYTES, Judge, Verdict, run_judged
 from training.config import ConfigModel, setting
 
-if TYPE_CHECKING:  # tasks.step loads Prefect (seconds), which Ray workers running this module never need
-    from tasks.step import Step, StepContext
+if TYPE_CHECKING:  # tasks.engine.step loads Prefect (seconds), which Ray workers running this module never need
+    from tasks.engine.step import Step, StepContext
 
 STAGE_VERSION = 1
 HTML_TYPES = ("text/html", "application/xhtml+xml")
@@ -103,7 +103,7 @@ def run_extract(ctx: StepContext) -> dict:
 
 
 def extract_step(config: ExtractConfig, *, documents: Step) -> Step:
-    from tasks.step import Step
+    from tasks.engine.step import Step
 
     return Step(name="extract", stage="extract", stage_version=STAGE_VERSION, config=config,
                 run=run_extract, inputs={"documents": documents})

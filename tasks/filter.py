@@ -3,177 +3,28 @@
 One pass per shard: each document gets a language prediction from fastText's `lid.176.ftz`,
 then (if its language is kept) every heuristic score. Beside each output shard of kept documents goes an
 `attributes/` shard with one record per input document, `{"id", "kept", "reason", "scores"}`,
-so `explain` (the `kiln why` command) can say why any document was dropped.
-
-This module also holds what every filter-type stage (extract, quality_filter, dedup) shares:
-`judge_shard` streams one shard through a per-document judge and writes both shards, and
-`run_judged` spreads that over the shards with Ray and sums the stats. Bad input (a malformed
-line, invalid UTF-8, an empty or oversized document, a truncated shard) is counted under its
-reason like any other drop, or with `strict: true` is an error naming the file.
+so `explain` (the `kiln why` command) can say why any document was dropped. The shard-judging
+machinery it shares with the other filter-type stages is in `tasks/engine/judging.py`.
 """
 
 from __future__ import annotations
 
-import gzip
 import importlib.util
-import json
 import re
-from collections import Counter
-from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 from pydantic import field_validator
 
-from tasks.documents import SHARD_GLOB, BadRecord, dumps, list_shards, read_shard, write_shard
-from tasks.parallel import map_shards
+from tasks.engine.judging import DEFAULT_MAX_DOC_BYTES, Judge, Verdict, run_judged
 from training.config import ConfigModel, setting
 
-if TYPE_CHECKING:  # tasks.step loads Prefect (seconds), which Ray workers running this module never need
-    from tasks.step import Step, StepContext
+if TYPE_CHECKING:  # tasks.engine.step loads Prefect (seconds), which Ray workers running this module never need
+    from tasks.engine.step import Step, StepContext
 
 STAGE_VERSION = 1
-ATTRIBUTES = "attributes"
-DEFAULT_MAX_DOC_BYTES = 5_000_000  # larger lines are counted as `too_large`, never parsed
-
-# A judge decides one document: (document to keep, possibly rewritten, or None; the reason it
-# was dropped, or None; scores for the attribute record).
-Verdict = tuple[dict | None, str | None, dict]
-Judge = Callable[[dict], Verdict]
-
-
-# --- shared machinery for filter-type stages -------------------------------------------------
-
-
-def bad_document(doc: dict) -> tuple[str, str] | None:
-    """(reason, detail) when a parsed document still cannot be processed, else None."""
-    text = doc["text"]
-    if not text.strip():
-        return "empty_text", "the text is empty or only white space"
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:  # lone surrogates from a JSON "\ud800" escape
-        return "invalid_utf8", f"the text cannot be encoded as UTF-8: {e}"
-    return None
-
-
-@dataclass(frozen=True)
-class ShardJob:
-    """One shard for a worker. For `judge_shard`, `make_judge(config)` builds the judge inside
-    the worker (a module-level function: Ray pickles it by reference)."""
-
-    shard: Path
-    out: Path
-    config: Any
-    make_judge: Callable[[Any], Judge] | None = None
-    strict: bool = False
-    max_doc_bytes: int = DEFAULT_MAX_DOC_BYTES
-
-
-def judge_shard(job: ShardJob) -> dict:
-    """Stream one shard through its judge: kept documents to `out/<shard>`, one attribute
-    record per document to `out/attributes/<shard>`. Returns the shard's stats."""
-    judge = job.make_judge(job.config)
-    bad: Counter = Counter()
-    dropped: Counter = Counter()
-    repaired: Counter = Counter()  # kept after a fix, e.g. extract's charset repair
-    seen = {"docs": 0, "bytes": 0}
-    (job.out / ATTRIBUTES).mkdir(parents=True, exist_ok=True)
-
-    with open(job.out / ATTRIBUTES / job.shard.name, "wb") as raw, \
-            gzip.GzipFile(fileobj=raw, mode="wb", mtime=0, compresslevel=6) as attributes:
-
-        def kept():
-            for doc in read_shard(job.shard, bad=bad, strict=job.strict, max_doc_bytes=job.max_doc_bytes):
-                seen["docs"] += 1
-                problem = bad_document(doc)
-                if problem is not None:
-                    if job.strict:
-                        raise BadRecord(f"{job.shard}: document {doc['id']!r}: {problem[0]}: {problem[1]} "
-                                        "(set strict: false to skip and count)")
-                    out, reason, scores = None, problem[0], {}
-                else:
-                    seen["bytes"] += len(doc["text"].encode())
-                    out, reason, scores = judge(doc)
-                record = {"id": doc["id"], "kept": reason is None, "reason": reason, "scores": scores}
-                attributes.write((dumps(record) + "\n").encode())
-                if "repaired" in scores:
-                    repaired[scores["repaired"]] += 1
-                if reason is None:
-                    yield out
-                else:
-                    dropped[reason] += 1
-
-        written = write_shard(job.out / job.shard.name, kept())
-    dropped.update(bad)
-    stats = {"docs_in": seen["docs"] + sum(bad.values()), "docs_out": written["docs"],
-             "bytes_in": seen["bytes"], "bytes_out": written["bytes"], "dropped": dict(dropped)}
-    if repaired:
-        stats["repaired"] = dict(repaired)
-    return stats
-
-
-def merge_stats(parts: list[dict]) -> dict:
-    """Sum shard stats; `dropped` (and `repaired`, when any) are summed per reason."""
-    total: dict = {k: sum(p[k] for p in parts) for k in ("docs_in", "docs_out", "bytes_in", "bytes_out")}
-    for key in ("dropped", "repaired"):
-        counts: Counter = Counter()
-        for p in parts:
-            counts.update(p.get(key, {}))
-        if counts or key == "dropped":
-            total[key] = dict(sorted(counts.items()))
-    return total
-
-
-def stage_workers(config: Any, ctx: StepContext) -> int:
-    """The config's `workers` when set, else the runner's."""
-    return getattr(config, "workers", None) or ctx.workers
-
-
-def run_map(ctx: StepContext, fn: Callable[[ShardJob], Any], items: list[ShardJob], what: str) -> list:
-    """`map_shards` with a progress line per finished shard."""
-    done = [0]
-
-    def progress(i: int, result: Any) -> None:
-        done[0] += 1
-        docs = f", {result['docs_in']} documents" if isinstance(result, dict) and "docs_in" in result else ""
-        ctx.log.info("%s: %d/%d shards done (%s%s)", what, done[0], len(items), items[i].shard.name, docs)
-
-    return map_shards(fn, items, stage_workers(ctx.config, ctx), on_result=progress)
-
-
-def run_judged(ctx: StepContext, make_judge: Callable[[Any], Judge], judge_config: Any) -> dict:
-    """Run a judge over every input shard, same shard names out; returns the summed stats."""
-    config = ctx.config
-    jobs = [ShardJob(shard, ctx.out, judge_config, make_judge, config.strict, config.max_doc_bytes)
-            for shard in list_shards(ctx.inputs["documents"])]
-    stats = merge_stats(run_map(ctx, judge_shard, jobs, ctx.step.name))
-    ctx.log.info("%s: kept %d of %d documents; dropped %s", ctx.step.name, stats["docs_out"],
-                 stats["docs_in"], stats["dropped"])
-    return stats
-
-
-def explain(folder: Path, doc_id: str) -> dict | None:
-    """The attribute record of `doc_id` in the output of a filter-type step, or None.
-
-    `folder` is the step's output folder (the one holding `attributes/`).
-    """
-    shards = sorted((Path(folder) / ATTRIBUTES).glob(SHARD_GLOB))
-    if not shards:
-        raise FileNotFoundError(f"no {ATTRIBUTES}/ shards in {folder}: give the output folder of a "
-                                "filter-type step (extract, filter, quality_filter, dedup)")
-    needle = json.dumps(doc_id, ensure_ascii=False)
-    for shard in shards:
-        with gzip.open(shard, "rt", encoding="utf-8") as f:
-            for line in f:
-                if needle in line:  # cheap test before parsing
-                    record = json.loads(line)
-                    if record["id"] == doc_id:
-                        return record
-    return None
-
 
 # --- heuristic rules --------------------------------------------------------------------------
 
@@ -419,7 +270,7 @@ def run_filter(ctx: StepContext) -> dict:
 
 
 def filter_step(config: FilterConfig, *, documents: Step) -> Step:
-    from tasks.step import Step
+    from tasks.engine.step import Step
 
     return Step(name="filter", stage="filter", stage_version=STAGE_VERSION, config=config,
                 run=run_filter, inputs={"documents": documents})

@@ -34,13 +34,14 @@ from typing import TYPE_CHECKING, Iterator
 import numpy as np
 from pydantic import model_validator
 
-from tasks.documents import list_shards, read_documents, read_shard, write_shard
-from tasks.filter import (DEFAULT_MAX_DOC_BYTES, Judge, ShardJob, Verdict, bad_document, judge_shard,
-                          load_fasttext, merge_stats, run_map)
+from tasks.engine.documents import list_shards, read_documents, read_shard, write_shard
+from tasks.engine.judging import (DEFAULT_MAX_DOC_BYTES, Judge, ShardJob, Verdict, bad_document, judge_shard,
+                                  merge_stats, run_map)
+from tasks.filter import load_fasttext
 from training.config import ConfigModel, setting
 
-if TYPE_CHECKING:  # tasks.step loads Prefect (seconds), which Ray workers running this module never need
-    from tasks.step import Step, StepContext
+if TYPE_CHECKING:  # tasks.engine.step loads Prefect (seconds), which Ray workers running this module never need
+    from tasks.engine.step import Step, StepContext
 
 STAGE_VERSION = 1
 MODEL_FILE = "quality_classifier.bin"
@@ -199,7 +200,7 @@ def run_train_quality_classifier(ctx: StepContext) -> dict:
 
 def train_quality_classifier_step(config: QualityClassifierConfig, *, positive: Step | None = None,
                                   negative: Step | None = None) -> Step:
-    from tasks.step import Step
+    from tasks.engine.step import Step
 
     inputs = {name: s for name, s in (("positive", positive), ("negative", negative)) if s is not None}
     paths = list(config.positive_paths) + list(config.negative_paths)
@@ -281,7 +282,7 @@ def run_quality_filter(ctx: StepContext) -> dict:
 
 
 def quality_filter_step(config: QualityFilterConfig, *, documents: Step, classifier: Step) -> Step:
-    from tasks.step import Step
+    from tasks.engine.step import Step
 
     return Step(name="quality_filter", stage="quality_filter", stage_version=STAGE_VERSION, config=config,
                 run=run_quality_filter, inputs={"documents": documents, "classifier": classifier})
@@ -331,7 +332,7 @@ def run_negative_examples(ctx: StepContext) -> dict:
 
 
 def negative_examples_step(config: NegativeExamplesConfig, *, documents: Step) -> Step:
-    from tasks.step import Step
+    from tasks.engine.step import Step
 
     return Step(name="negative_examples", stage="negative_examples", stage_version=STAGE_VERSION,
                 config=config, run=run_negative_examples, inputs={"documents": documents})

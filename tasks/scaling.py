@@ -26,7 +26,7 @@ from pathlib import Path
 
 from pydantic import Field, model_validator
 
-from tasks.step import Step, StepContext
+from tasks.engine.step import Step, StepContext
 from training.config import ConfigModel
 from training.scaling import (
     RunResult,

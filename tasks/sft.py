@@ -29,7 +29,7 @@ from training.loop import load_model
 from training.posttrain import CHAT_TEMPLATE, ChatTemplate, SFTObjective, open_rows, pack, save_rows
 
 if TYPE_CHECKING:
-    from tasks.step import Step, StepContext
+    from tasks.engine.step import Step, StepContext
 
 STAGE_VERSION = 1
 TEMPLATE_FILE = "chat_template.jinja"
@@ -122,7 +122,7 @@ def publish_table(table: list[dict], version: str, stage: str) -> None:
 
 
 def sft_step(config: SFTConfig, *, model: Step, tokenizer: Step, chat: Step) -> Step:
-    from tasks.step import Step
+    from tasks.engine.step import Step
 
     return Step(name="sft", stage="sft", stage_version=STAGE_VERSION, config=config, run=run_sft,
                 inputs={"model": model, "tokenizer": tokenizer, "chat": chat})

@@ -30,14 +30,14 @@ import numpy as np
 from pydantic import Field
 from tokenizers import Tokenizer
 
-from tasks.documents import list_shards, read_shard
-from tasks.parallel import map_shards
+from tasks.engine.documents import list_shards, read_shard
+from tasks.engine.parallel import map_shards
 from tasks.tokenizer import load_tokenizer, read_tokenizer_meta
 from training.config import ConfigModel, setting
 from training.data import unigram_entropy
 
-if TYPE_CHECKING:  # tasks.step imports Prefect (seconds); Ray workers that import this module skip it
-    from tasks.step import Step, StepContext
+if TYPE_CHECKING:  # tasks.engine.step imports Prefect (seconds); Ray workers that import this module skip it
+    from tasks.engine.step import Step, StepContext
 
 STAGE_VERSION = 1
 SPLITS = ("train", "validation")
@@ -219,7 +219,7 @@ def sum_counts(counts: list[np.ndarray]) -> np.ndarray:
 
 
 def tokenize_step(config: TokenizeConfig, *, tokenizer: Step, documents: Step) -> Step:
-    from tasks.step import Step  # here, not at the top: see the TYPE_CHECKING import
+    from tasks.engine.step import Step  # here, not at the top: see the TYPE_CHECKING import
 
     return Step(name="tokenize", stage="tokenize", stage_version=STAGE_VERSION, config=config,
                 run=run_tokenize, inputs={"tokenizer": tokenizer, "documents": documents})

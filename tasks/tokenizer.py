@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING, Iterator, Literal
 from pydantic import model_validator
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from tasks.documents import read_documents
+from tasks.engine.documents import read_documents
 from training.config import ConfigModel
 
-if TYPE_CHECKING:  # tasks.step imports Prefect (seconds); Ray workers that import this module skip it
-    from tasks.step import Step, StepContext
+if TYPE_CHECKING:  # tasks.engine.step imports Prefect (seconds); Ray workers that import this module skip it
+    from tasks.engine.step import Step, StepContext
 
 STAGE_VERSION = 1
 TOKENIZER_FILE = "tokenizer.json"
@@ -163,7 +163,7 @@ def run_tokenizer(ctx: StepContext) -> dict:
 
 def tokenizer_step(config: TokenizerConfig, *, documents: Step | None = None) -> Step:
     """The tokenizer step. GPT-2 ignores `documents` (its version must not depend on them)."""
-    from tasks.step import Step  # here, not at the top: see the TYPE_CHECKING import
+    from tasks.engine.step import Step  # here, not at the top: see the TYPE_CHECKING import
 
     if config.kind == "bpe":
         if documents is None:

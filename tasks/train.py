@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 from training.config import ConfigModel, ModelConfig, ResourcesConfig, TrainConfig, setting
 from training.launch import launch_training, token_data
 
-if TYPE_CHECKING:  # tasks.step imports Prefect; Ray workers that import this module skip it
-    from tasks.step import Step, StepContext
+if TYPE_CHECKING:  # tasks.engine.step imports Prefect; Ray workers that import this module skip it
+    from tasks.engine.step import Step, StepContext
 
 STAGE_VERSION = 1
 
@@ -45,7 +45,7 @@ def run_train(ctx: StepContext) -> dict:
 
 def train_step(model_cfg: ModelConfig, train_cfg: TrainConfig, resources: ResourcesConfig, *,
                tokens: Step) -> Step:
-    from tasks.step import Step  # here, not at the top: see the TYPE_CHECKING import
+    from tasks.engine.step import Step  # here, not at the top: see the TYPE_CHECKING import
 
     config = TrainStepConfig(model=model_cfg, train=train_cfg, resources=resources)
     return Step(name="train", stage="train", stage_version=STAGE_VERSION, config=config, run=run_train,

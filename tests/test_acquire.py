@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from tasks.acquire import AcquireConfig, SourceConfig, acquire_step, run_acquire, source_fingerprint
-from tasks.documents import BadRecord, read_documents
-from tasks.step import StepContext
+from tasks.engine.documents import BadRecord, read_documents
+from tasks.engine.step import StepContext
 
 
 def run(tmp_path: Path, **config) -> tuple[dict, list[dict]]:

@@ -17,7 +17,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from tasks.export import ExportConfig, export_step
-from tasks.step import Step, StepContext
+from tasks.engine.step import Step, StepContext
 from tasks.tokenizer import TokenizerConfig, load_tokenizer, tokenizer_step
 from training.config import ModelConfig
 from training.model import forward, init_params

@@ -17,10 +17,10 @@ from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 from tasks.acquire import AcquireConfig, SourceConfig, acquire_step
 from tasks.evaluate import EvalConfig, evaluate_step
 from tasks.export import ExportConfig, export_step
-from tasks.lineage import git_state
-from tasks.runner import execute
-from tasks.step import Step, StepContext
-from tasks.store import Store
+from tasks.engine.lineage import git_state
+from tasks.engine.runner import execute
+from tasks.engine.step import Step, StepContext
+from tasks.engine.store import Store
 from tasks.tokenize import TokenizeConfig, tokenize_step
 from tasks.tokenizer import TokenizerConfig, tokenizer_step
 from training.config import ConfigModel, ModelConfig, TrainConfig

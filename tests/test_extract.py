@@ -10,10 +10,10 @@ import json
 import logging
 from pathlib import Path
 
-from tasks.documents import ShardWriter, list_shards, read_shard
+from tasks.engine.documents import ShardWriter, list_shards, read_shard
 from tasks.extract import ExtractConfig, extract_step, repair_mojibake
-from tasks.filter import explain
-from tasks.step import Step, StepContext
+from tasks.engine.judging import explain
+from tasks.engine.step import Step, StepContext
 
 ARTICLE = ("The town council met on Tuesday evening to discuss the new library. Members agreed that "
            "the old building on Main Street would be repaired and opened again next spring, with longer "

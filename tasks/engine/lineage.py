@@ -17,13 +17,13 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from tasks.step import Step
-from tasks.store import LINEAGE, Store
-from tasks.versioning import identity_fields
+from tasks.engine.step import Step
+from tasks.engine.store import LINEAGE, Store
+from tasks.engine.versioning import identity_fields
 
 PACKAGES = ["kiln", "prefect", "ray", "jax", "jaxlib", "flax", "optax", "numpy", "tokenizers",
             "fasttext-numpy2-wheel", "lm-eval", "pydantic"]
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def now() -> str:

@@ -18,7 +18,7 @@ from prefect.locking.filesystem import FileSystemLockManager
 from prefect.transactions import IsolationLevel
 
 if TYPE_CHECKING:
-    from tasks.store import Store
+    from tasks.engine.store import Store
 
 
 

@@ -2,7 +2,7 @@
 
 Steps are plain data (Marin's `ExecutorStep` without the executor): a pipeline is a list of them,
 so `kiln plan` can compute every version and status without running anything, and the Prefect
-side (`tasks/runner.py`) only has to execute them in order.
+side (`tasks/engine/scheduler.py`) only has to run each once its inputs are done.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping
 
 from pydantic import BaseModel
 
-from tasks.versioning import step_version
+from tasks.engine.versioning import step_version
 
 
 @dataclass(frozen=True)

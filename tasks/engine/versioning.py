@@ -1,4 +1,4 @@
-"""Step versions, and the Prefect cache policy that makes the version the cache key.
+"""Step versions: the hash that names every output, and the Prefect cache key (tasks/engine/caching.py).
 
 A version is `sha256(canonical_json({stage, stage_version, config identity fields, upstream
 versions}))[:12]` (DESIGN.md section 2). Everything that can change an output's bytes enters
@@ -89,15 +89,3 @@ def step_version(
         record["fingerprint"] = fingerprint
     return hashlib.sha256(canonical_json(record).encode()).hexdigest()[:VERSION_CHARS]
 
-
-# The Prefect side (cache policy, result storage, locks) lives in tasks/caching.py, so that a
-# Ray worker that imports a stage module (and so this one) does not import Prefect too.
-_PREFECT_SIDE = ("step_cache_policy", "result_storage", "StaleAwareLockManager", "StepVersionPolicy")
-
-
-def __getattr__(name: str):
-    if name in _PREFECT_SIDE:
-        from tasks import caching
-
-        return getattr(caching, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
