@@ -21,6 +21,11 @@ from __future__ import annotations
 import functools
 import os
 import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
 import traceback
 import warnings
 from pathlib import Path
@@ -65,6 +70,7 @@ def launch_training(model_cfg: ModelConfig, train_cfg: TrainConfig, resources: R
             probe = ray.remote(_free_address).options(num_cpus=0, scheduling_strategy=_in(group, 0))
             coordinator = ray.get(probe.remote())
         env = _worker_env(resources)
+        driver = (ray.get_runtime_context().get_node_id(), os.getpid())
         host_main = ray.remote(_host_main)
         refs = [
             host_main.options(num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
@@ -72,7 +78,7 @@ def launch_training(model_cfg: ModelConfig, train_cfg: TrainConfig, resources: R
                               scheduling_strategy=_in(group, host), runtime_env=env, max_retries=0)
             .remote(host, resources.hosts, coordinator, model_cfg, train_cfg, data, str(work_dir),
                     str(out_dir), queue if host == 0 else None, objective,
-                    None if init_model is None else str(init_model))
+                    None if init_model is None else str(init_model), driver)
             for host in range(resources.hosts)
         ]
         results = _wait_relaying(refs, queue, on_metrics, poll_s)
@@ -106,8 +112,10 @@ def _open_tokens(tokens_dir: str, batch_size: int, seq_len: int, seed: int, eval
 
 def _host_main(host: int, hosts: int, coordinator: str | None, model_cfg: ModelConfig,
                train_cfg: TrainConfig, data: DataSource, work_dir: str, out_dir: str, queue,
-               objective=None, init_model: str | None = None) -> dict:
+               objective=None, init_model: str | None = None, driver: tuple[str, int] | None = None) -> dict:
     """The body of one host's Ray task: join the JAX runtime, open the data, run the loop."""
+    if driver is not None:
+        _exit_with_driver(*driver)
     import jax
 
     if hosts > 1:
@@ -130,37 +138,91 @@ def _host_main(host: int, hosts: int, coordinator: str | None, model_cfg: ModelC
             jax.distributed.shutdown()
 
 
+def _exit_with_driver(node_id: str, pid: int, poll_s: float = 0.5) -> None:
+    """End this host process as soon as the driver that launched it is gone.
+
+    Ray would end it too, but only once it notices the job died, and a host busy in XLA was seen
+    still running seconds after its driver was SIGKILLed. A host on the driver's own node can see
+    the driver's pid; one on another node is left to Ray's job cleanup."""
+    if ray.get_runtime_context().get_node_id() != node_id:
+        return
+
+    started = _process_start(pid)
+
+    def watch() -> None:
+        while started is not None and _process_start(pid) == started:
+            time.sleep(poll_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="kiln-driver-watch", daemon=True).start()
+
+
+def _process_start(pid: int) -> str | None:
+    """The start time of a live (not zombie) process from /proc, None when it is gone: a pid
+    that was reused by a newer process gives a different value."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()
+    return None if fields[0] in ("Z", "X") else fields[19]
+
+
 def _connect(resources: ResourcesConfig) -> tuple[bool, str | None]:
     """Join the configured or RAY_ADDRESS cluster, reuse a Ray already running in this process,
-    or start a local one sized to the request. Returns (whether this call started Ray, the
-    cluster address joined, if any)."""
+    or start a private local one sized to the request. Returns (whether this call started Ray,
+    the cluster address joined, if any)."""
     address = resources.ray_address or os.environ.get("RAY_ADDRESS")
     if ray.is_initialized():  # the caller's Ray: a cluster if an address is set, else in-process
         return False, address
     if address:
-        try:
-            ray.init(address=address, log_to_driver=False, logging_level="ERROR")
-        except ConnectionError as e:
-            if "InvalidAuthToken" in "".join(traceback.format_exception(e)):
-                raise ConnectionError(
-                    f"the Ray cluster at {address} requires token authentication (`ray start` turns it on when "
-                    "~/.ray/auth_token exists): set RAY_AUTH_MODE=token where kiln runs, with the cluster's "
-                    "token in ~/.ray/auth_token") from e
-            raise
+        join_ray(address)
         return False, address
     start_local_ray(num_cpus=resources.hosts * resources.cpus_per_host,
                     num_gpus=resources.hosts * resources.gpus_per_host or None)
     return True, None
 
 
+def join_ray(address: str) -> None:
+    """Connect to the Ray cluster at `address` (from the config or RAY_ADDRESS) and say so."""
+    try:
+        ray.init(address=address, log_to_driver=False, logging_level="ERROR")
+    except ConnectionError as e:
+        if "InvalidAuthToken" in "".join(traceback.format_exception(e)):
+            raise ConnectionError(
+                f"the Ray cluster at {address} requires token authentication (`ray start` turns it on when "
+                "~/.ray/auth_token exists): set RAY_AUTH_MODE=token where kiln runs, with the cluster's "
+                "token in ~/.ray/auth_token") from e
+        raise
+    print(f"kiln: joined the Ray cluster at {address} (GCS {ray.get_runtime_context().gcs_address})",
+          file=sys.stderr, flush=True)
+
+
+def local_ray_dir() -> str:
+    """kiln's own Ray session folder: never /tmp/ray, so a Ray the user started there (and its
+    ray_current_cluster file, live or stale) is neither read nor touched."""
+    return os.path.join(tempfile.gettempdir(), f"kiln-ray-{os.getuid()}")
+
+
 def start_local_ray(num_cpus: int, num_gpus: int | None = None, attempts: int = 3) -> None:
-    """Start a quiet Ray on 127.0.0.1 in this process (kiln's data stages use it too)."""
+    """Start kiln's private Ray in this process: every service on 127.0.0.1, quiet, no dashboard.
+
+    `address="local"` always starts a new instance: without it Ray attaches to any other Ray on
+    the machine (a `ray start --head`, or only the ray_current_cluster file a killed one left),
+    and then refuses num_cpus. Ray rewrites 127.0.0.1 to the machine's address unless
+    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (read at import into ray_constants, and by the node
+    processes Ray spawns), so both are set while the node starts; a single-node Ray needs no
+    other address. The node's processes die with this one (Ray's fate sharing), and each host
+    task watches its driver (_exit_with_driver)."""
     # When this process runs under `uv run`, Ray's uv hook would copy the repository for every
     # job and start workers through `uv run` in the copy. A local Ray's workers can simply run
     # this interpreter. (The flag is RAY_ENABLE_UV_RUN_RUNTIME_ENV, read when ray is imported,
     # which may have happened before this module was; ray.init reads the constant.)
-    hook = ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV
+    saved = ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV, ray_constants.ENABLE_RAY_CLUSTER
+    saved_env = os.environ.get(ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR)
     ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = False
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    os.environ[ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR] = "0"
     try:
         for attempt in range(attempts):
             try:
@@ -168,8 +230,10 @@ def start_local_ray(num_cpus: int, num_gpus: int | None = None, attempts: int = 
                     # Ray starts its node processes with fork + exec, which is safe next to JAX's
                     # threads; Python warns about every such fork once JAX is imported.
                     warnings.filterwarnings("ignore", r"os\.fork\(\) was called", RuntimeWarning)
-                    ray.init(num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
-                             log_to_driver=False, logging_level="ERROR", _node_ip_address="127.0.0.1")
+                    ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
+                             log_to_driver=False, logging_level="ERROR", _node_ip_address="127.0.0.1",
+                             _temp_dir=local_ray_dir())
+                _start_reaper()
                 return
             except Exception:
                 # Ray gives its node a fixed 30 s to register; an overloaded machine can miss
@@ -178,7 +242,25 @@ def start_local_ray(num_cpus: int, num_gpus: int | None = None, attempts: int = 
                 if attempt == attempts - 1:
                     raise
     finally:
-        ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = hook
+        ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV, ray_constants.ENABLE_RAY_CLUSTER = saved
+        if saved_env is None:
+            os.environ.pop(ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR, None)
+        else:
+            os.environ[ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR] = saved_env
+
+
+_reaper: subprocess.Popen | None = None
+
+
+def _start_reaper() -> None:
+    """Once per process: a watcher (training/reaper.py) that kills this process's Ray node and
+    workers if it dies without shutting Ray down, e.g. by SIGKILL."""
+    global _reaper
+    if _reaper is not None and _reaper.poll() is None:
+        return
+    _reaper = subprocess.Popen([sys.executable, "-m", "training.reaper", str(os.getpid()), local_ray_dir()],
+                               cwd=Path(__file__).resolve().parent.parent, stdin=subprocess.DEVNULL,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
 
 def _bundle(resources: ResourcesConfig) -> dict:

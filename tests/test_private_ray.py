@@ -1,0 +1,140 @@
+"""kiln's local Ray is its own: beside a Ray someone else started on the machine (or only the
+ray_current_cluster file a killed one left), kiln starts a private instance on 127.0.0.1 and
+leaves the other alone; nothing it starts listens outside loopback; and when a kiln driver is
+SIGKILLed, no Ray process of its run outlives it by 10 s."""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.conftest import REPO, _wait_for_port, free_port
+
+
+@pytest.fixture
+def ray_tmp():
+    """A short RAY_TMPDIR (Ray's unix sockets live under it): where `ray start` and a bare
+    `ray.init()` look for ray_current_cluster, so the machine's /tmp/ray stays out of it."""
+    folder = tempfile.mkdtemp(prefix="kr-", dir="/tmp")
+    yield Path(folder)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def probe_env(ray_tmp: Path) -> dict:
+    env = {**os.environ, "RAY_TMPDIR": str(ray_tmp), "PYTHONPATH": str(REPO)}
+    # kiln must keep its Ray on loopback by itself (conftest sets this for the other tests)
+    env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
+    env.pop("RAY_ADDRESS", None)
+    return env
+
+
+def start_probe(out: Path, steps: int, env: dict) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "tests.ray_probe", str(out), str(steps)], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def wait_for_line(proc: subprocess.Popen, word: str, timeout_s: float = 240) -> list[str]:
+    lines, deadline = [], time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line and proc.poll() is not None:
+            break
+        lines.append(line)
+        if line.strip() == word:
+            return lines
+    raise AssertionError(f"no {word!r} from the probe (exit {proc.poll()}):\n{''.join(lines)[-4000:]}")
+
+
+def assert_loopback_only(live: dict) -> None:
+    outside = []
+    for entry in live["listening"]:
+        ip = ipaddress.ip_address(entry.split()[0].rsplit(":", 1)[0])  # "ADDRESS:PORT NAME"
+        ip = getattr(ip, "ipv4_mapped", None) or ip
+        if not ip.is_loopback:
+            outside.append(entry)
+    assert live["listening"] and not outside, f"listening outside 127.0.0.0/8: {outside}"
+    assert live["gcs"].startswith("127.0.0.1:")
+
+
+@contextlib.contextmanager
+def stopped_on_exit(proc: subprocess.Popen):
+    try:
+        yield proc
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+
+
+def test_beside_a_foreign_ray_head_kiln_starts_its_own_on_loopback(ray_tmp, tmp_path):
+    port = free_port()
+    env = probe_env(ray_tmp)
+    head = subprocess.Popen(
+        [str(Path(sys.executable).parent / "ray"), "start", "--head", "--port", str(port),
+         "--node-ip-address", "127.0.0.1", "--num-cpus", "1", "--include-dashboard=false",
+         "--disable-usage-stats", "--block"],
+        cwd=REPO, env={**env, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    with stopped_on_exit(head):
+        _wait_for_port(port, head)
+        address_file = ray_tmp / "ray" / "ray_current_cluster"
+        for _ in range(360):  # written once the node is up (half a minute on a busy machine)
+            if address_file.exists():
+                break
+            time.sleep(0.5)
+        recorded = address_file.read_text()
+        assert recorded.strip() == f"127.0.0.1:{port}"  # what a bare ray.init() would attach to
+        foreign = {p.pid: p.create_time() for p in [psutil.Process(head.pid), *psutil.Process(head.pid).children(recursive=True)]}
+
+        with stopped_on_exit(start_probe(tmp_path, 3, env)) as probe:
+            wait_for_line(probe, "done")
+            assert probe.wait(timeout=120) == 0
+        live = json.loads((tmp_path / "live.json").read_text())
+        assert_loopback_only(live)
+        assert live["gcs"] != f"127.0.0.1:{port}"
+        assert json.loads((tmp_path / "stats.json").read_text()) == {
+            "ray_cluster": f"in-process ({live['gcs']})", "steps": 3}
+        # the foreign instance: every process alive, its address file as it was
+        assert all(psutil.pid_exists(pid) and psutil.Process(pid).create_time() == t for pid, t in foreign.items())
+        assert address_file.read_text() == recorded
+        assert head.poll() is None
+
+
+def test_beside_a_stale_ray_address_file_and_nothing_outlives_a_sigkill(ray_tmp, tmp_path):
+    """A Ray head killed without `ray stop` leaves ray_current_cluster behind. kiln ignores it;
+    then the kiln driver's process group is SIGKILLed mid-training (as a user's Ctrl-\\ or the
+    OOM killer would), and 10 s later none of the processes of its run is alive."""
+    (ray_tmp / "ray").mkdir()
+    (ray_tmp / "ray" / "ray_current_cluster").write_text(f"127.0.0.1:{free_port()}")
+    with stopped_on_exit(start_probe(tmp_path, 100_000, probe_env(ray_tmp))) as probe:
+        wait_for_line(probe, "live")
+        live = json.loads((tmp_path / "live.json").read_text())
+        started = {pid: psutil.Process(pid).create_time() for pid in live["tree"] if psutil.pid_exists(pid)}
+        names = {pid: psutil.Process(pid).name() for pid in started}
+        assert "ray::_host_main" in names.values(), names
+        os.killpg(probe.pid, signal.SIGKILL)
+        probe.wait(timeout=30)
+    assert_loopback_only(live)
+    time.sleep(10)
+
+    def alive(pid: int, t: float) -> bool:
+        try:
+            proc = psutil.Process(pid)
+            return proc.create_time() == t and proc.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    survivors = {pid: names[pid] for pid, t in started.items() if alive(pid, t)}
+    assert not survivors, f"alive 10 s after the kill: {survivors}"
