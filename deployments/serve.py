@@ -41,8 +41,7 @@ def check_server() -> str:
 def deployments(config: ExperimentConfig, store: str, cron: str, refresh_until: str):
     from prefect.deployments.runner import EntrypointType
 
-    from flows.pipeline import data_refresh, pipeline
-    from flows.stages import evaluate_flow
+    from flows.pipeline import data_refresh, evaluate_flow, pipeline
 
     common = dict(entrypoint_type=EntrypointType.MODULE_PATH, tags=["kiln", config.name])
     params = {"config": config.model_dump(mode="json"), "store": store}

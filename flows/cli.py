@@ -11,8 +11,12 @@ from pathlib import Path
 EPILOG = """examples:
   kiln run configs/tiny_cpu.yaml                 raw text to an evaluated model, cached by version
   kiln run configs/tiny_cpu.yaml --until acquire run only what `acquire` needs
-  kiln plan configs/tiny_cpu.yaml --json         every step's version, path and status
+  kiln run configs/ablation_cpu.yaml             every variant; shared steps run once
+  kiln run experiments/two_widths.py             a Python experiment file, like a YAML one
+  kiln plan configs/tiny_cpu.yaml --json         every step's name, version, path, status, variants
+  kiln compare configs/ablation_cpu.yaml         one row per variant: what it changed, its results
   kiln lineage kiln_store/acquire/<version>      the tree back to the raw sources
+  kiln generate kiln_store/sft/<version> --prompt "Who made the light?" --chat   sample from a model
   kiln why configs/tiny_cpu.yaml kjv/01-001      which data stage kept or dropped a document, and why
   kiln serve configs/tiny_cpu.yaml               serve deployments on the server at PREFECT_API_URL
 
@@ -42,24 +46,46 @@ def parser() -> argparse.ArgumentParser:
         return sub.add_parser(name, help=help, description=help, epilog=f"example:\n  {example}",
                               formatter_class=argparse.RawDescriptionHelpFormatter)
 
-    run = command("run", "Run the pipeline for a config; cached steps are not recomputed.",
+    run = command("run", "Run the pipeline for a config or Python experiment; cached steps are not "
+                  "recomputed; exits 1 naming every step that failed.",
                   "kiln run configs/tiny_cpu.yaml --until tokenize --force train")
-    run.add_argument("config", help="experiment YAML")
+    run.add_argument("config", help="experiment YAML, or a Python experiment file (.py)")
     run.add_argument("--store", help="artefact store: path or fsspec URL (default ./kiln_store or $KILN_STORE)")
     run.add_argument("--until", metavar="STAGE", help="stop after this stage (and what it needs)")
     run.add_argument("--force", metavar="STAGE", nargs="+", default=[], help="recompute these stages even if cached")
 
-    pl = command("plan", "List every step with its version, output path and status; runs nothing.",
-                 "kiln plan configs/tiny_cpu.yaml --json")
-    pl.add_argument("config")
+    pl = command("plan", "List every step once with its version, output path, status and the variants "
+                 "that use it; runs nothing.", "kiln plan configs/ablation_cpu.yaml --json")
+    pl.add_argument("config", help="experiment YAML, or a Python experiment file (.py)")
     pl.add_argument("--store")
     pl.add_argument("--until", metavar="STAGE")
-    pl.add_argument("--json", action="store_true", help="a JSON list of {stage, version, path, status}")
+    pl.add_argument("--json", action="store_true",
+                    help="a JSON list of {name, stage, version, path, status, variants}")
+
+    co = command("compare", "One row per variant (or sweep run): its overrides, losses, eval metrics, "
+                 "bits per byte, parameters, tokens and seconds, read from the store.",
+                 "kiln compare configs/ablation_cpu.yaml --json")
+    co.add_argument("config", help="experiment YAML, or a Python experiment file (.py)")
+    co.add_argument("--store")
+    co.add_argument("--json", action="store_true", help="the rows as a JSON list (null: not run yet)")
 
     li = command("lineage", "Print the tree from an artefact back to its raw inputs.",
                  "kiln lineage kiln_store/tokenize/3f9c0a1b2c4d --json")
     li.add_argument("path", help="an artefact folder (one with lineage.json)")
     li.add_argument("--json", action="store_true")
+
+    gen = command("generate", "Sample text from a trained, post-trained or exported model (KV-cached "
+                  "decoding; the same seed gives the same text; temperature 0 is greedy).",
+                  'kiln generate kiln_store/train/<version> --prompt "In the beginning" --max-tokens 40 --seed 1')
+    gen.add_argument("path", help="a train, sft or dpo output folder, or an export folder")
+    gen.add_argument("--prompt", required=True, help="the text to continue (with --chat: the user's message)")
+    gen.add_argument("--max-tokens", type=int, default=64, help="new tokens at most (default 64)")
+    gen.add_argument("--temperature", type=float, default=0.8, help="0: greedy (default 0.8)")
+    gen.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (default 0.95; 1: off)")
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    gen.add_argument("--chat", action="store_true", help="apply the chat template (post-trained models); "
+                     "the answer ends at the end-of-turn token")
+    gen.add_argument("--tokenizer", help="tokenizer step output folder (default: found through lineage)")
 
     why = command("why", "Show which data stage kept or dropped a document, with its scores.",
                   "kiln why configs/tiny_cpu.yaml chichewa/01-001")
@@ -100,6 +126,16 @@ def _config(path: str):
         raise KilnUserError(str(e)) from None
 
 
+def _experiment(path: str):
+    from flows.config import ConfigError
+    from flows.experiment import load_experiment
+
+    try:
+        return load_experiment(path)
+    except ConfigError as e:
+        raise KilnUserError(str(e)) from None
+
+
 def _store(arg: str | None):
     from tasks.engine.store import Store
 
@@ -109,42 +145,59 @@ def _store(arg: str | None):
 def cmd_plan(args) -> int:
     from flows.plan import plan
 
-    config, store = _config(args.config), _store(args.store)
+    experiment, store = _experiment(args.config), _store(args.store)
     try:
-        steps = plan(config, store, args.until)
+        steps = plan(experiment, store, args.until)
     except (ValueError, FileNotFoundError) as e:
         raise KilnUserError(str(e)) from None
     for s in steps:
         if s.warning:
             print(f"kiln: warning: {s.warning}", file=sys.stderr)
     if args.json:
-        print(json.dumps([{"stage": s.stage, "version": s.version, "path": s.path, "status": s.status}
-                          for s in steps], indent=2))
+        print(json.dumps([{"name": s.name, "stage": s.stage, "version": s.version, "path": s.path,
+                           "status": s.status, "variants": s.variants} for s in steps], indent=2))
     else:
-        print(table(["stage", "step", "version", "status", "path"],
-                    [[s.stage, s.name, s.version, s.status, s.path] for s in steps]))
+        rows = [[s.name, s.version, s.status, ",".join(s.variants) or "-", s.path] for s in steps]
+        print(table(["step", "version", "status", "variants", "path"], rows))
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from flows.compare import cells, columns, comparison
+
+    experiment, store = _experiment(args.config), _store(args.store)
+    rows = comparison(experiment, store)
+    print(json.dumps(rows, indent=2) if args.json else table(columns(rows), cells(rows)))
     return 0
 
 
 def cmd_run(args) -> int:
     _prefect_defaults()
-    config, store = _config(args.config), _store(args.store)
-    from flows.plan import experiment_steps, select
+    experiment, store = _experiment(args.config), _store(args.store)
+    from flows.plan import select
 
     try:
-        select(experiment_steps(config), args.until)
+        select(experiment.steps, args.until)
     except (ValueError, FileNotFoundError) as e:
         raise KilnUserError(str(e)) from None
-    from flows.pipeline import pipeline
-    from tasks.engine.runner import StepFailed
+    from flows.pipeline import StepsFailed, experiment_flow, pipeline
+    from tasks.engine.scheduler import MissingInput
 
     try:
-        runs = pipeline(config=config, store=store.root, until=args.until, force=args.force)
-    except StepFailed as e:
-        print(f"kiln: {e}", file=sys.stderr)
+        if experiment.config is None:  # a Python experiment file
+            runs = experiment_flow(path=args.config, store=store.root, until=args.until, force=args.force)
+        else:
+            runs = pipeline(config=experiment.config, store=store.root, until=args.until, force=args.force)
+    except StepsFailed as e:
+        print(summary_table(e.runs))
+        for r in e.runs:
+            if r.error:
+                print(f"kiln: {r.name} {r.status}: {r.error}", file=sys.stderr)
         return 1
+    except MissingInput as e:
+        raise KilnUserError(str(e)) from None
     print(summary_table(runs))
-    if config.scaling is not None:
+    if any(b.config is not None and b.config.scaling is not None for b in experiment.branches.values()):
         from flows.scaling import forecast_line
 
         line = forecast_line(runs)
@@ -163,13 +216,24 @@ def cmd_lineage(args) -> int:
     return 0
 
 
+def cmd_generate(args) -> int:
+    from evaluation.generate import generate, load
+
+    try:
+        model = load(Path(args.path), None if args.tokenizer is None else Path(args.tokenizer))
+        text = generate(model, args.prompt, args.max_tokens, args.temperature, args.top_p, args.seed, args.chat)
+    except (ValueError, FileNotFoundError) as e:
+        raise KilnUserError(str(e)) from None
+    print(text)
+    return 0
+
+
 def cmd_why(args) -> int:
-    from flows.plan import experiment_steps
     from tasks.engine.judging import explain
 
-    config, store = _config(args.config), _store(args.store)
+    experiment, store = _experiment(args.config), _store(args.store)
     seen = False
-    for step in experiment_steps(config):
+    for step in experiment.steps:
         folder = Path(store.output(step.stage, step.version))
         if not (folder / "attributes").is_dir():
             continue
@@ -199,7 +263,7 @@ def cmd_serve(args) -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run, "plan": cmd_plan, "lineage": cmd_lineage, "why": cmd_why, "serve": cmd_serve}
+COMMANDS = {"run": cmd_run, "plan": cmd_plan, "compare": cmd_compare, "lineage": cmd_lineage, "generate": cmd_generate, "why": cmd_why, "serve": cmd_serve}
 
 KEY_STATS = ["documents", "docs_out", "tokens", "unigram_entropy", "final_loss", "final_val_loss",
              "next_passage_acc", "next_passage_chance", "last_word_acc", "bits_per_byte"]
@@ -216,7 +280,7 @@ def summary_table(runs) -> str:
         for model in ("base", "sft", "dpo"):
             scores = r.stats.get(f"eval_{model}") or {}
             pairs += [(f"{model}.{m}", scores[m]) for m in CHAT_STATS if m in scores]
-        stats = ", ".join(f"{k}={_fmt(v)}" for k, v in pairs)
+        stats = r.error if r.error else ", ".join(f"{k}={_fmt(v)}" for k, v in pairs)
         rows.append([r.name, r.version, r.status, f"{r.seconds:.1f}", r.path, stats])
     return table(["stage", "version", "ran/cached", "seconds", "output", "key stats"], rows)
 

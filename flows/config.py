@@ -8,6 +8,7 @@ so editing `eval` never reruns training.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import yaml
 from pydantic import Field, ValidationError
@@ -26,6 +27,7 @@ from tasks.tokenize import TokenizeConfig
 from tasks.tokenizer import TokenizerConfig
 from training.config import ConfigModel, ModelConfig, ResourcesConfig, TrainConfig, setting
 from training.scaling import ScalingConfig
+from training.tracking import TrackingConfig
 
 
 class QualityConfig(ConfigModel):
@@ -68,6 +70,10 @@ class RunSettings(ConfigModel):
     """Where and how fast, never what: none of these enter a version."""
 
     workers: int = setting(1, ge=1, description="Parallel workers for data stages (Ray when > 1).")
+    max_concurrent: int = setting(1, ge=1, description="Steps run at once, each as soon as its inputs are done; "
+                                  "raise it when Ray has room for several trainings (a cluster, or more cores).")
+    compare_metric: str = setting("bits_per_byte", description="The metric `kiln compare` and the pipeline's "
+                                  "comparison plot show per variant (any key of the compare table).")
 
 
 class ExperimentConfig(ConfigModel):
@@ -85,6 +91,16 @@ class ExperimentConfig(ConfigModel):
         "`export` and `posttrain`, and the fits and forecast check follow (docs/scaling.md).")
     resources: ResourcesConfig = ResourcesConfig()
     run: RunSettings = RunSettings()
+    variants: dict[str, dict[str, Any]] = setting(
+        {}, description="Named partial overrides of this config (nested, or by dotted path such as "
+        "`train.lr`), deep-merged; each variant is a branch of steps, and steps whose versions agree are shared. "
+        "List `base: {}` to run the config itself too.")
+    grid: dict[str, list[Any]] = setting(
+        {}, description="Dotted path -> values: one branch per point of their cartesian product (crossed with "
+        "`variants` when both are given).")
+    tracking: TrackingConfig = setting(
+        TrackingConfig(), description="Training metrics beyond metrics.jsonl and TensorBoard (always written): "
+        "`wandb` logs every train, SFT and DPO step to Weights & Biases. Enters no version.")
 
 
 class ConfigError(ValueError):
@@ -102,10 +118,14 @@ def load_config(path: str | Path) -> ExperimentConfig:
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping of sections at the top level")
     try:
-        return ExperimentConfig.model_validate(raw)
+        config = ExperimentConfig.model_validate(raw)
     except ValidationError as e:
         err = e.errors()[0]
         field = ".".join(str(p) for p in err["loc"]) or "(top level)"
         more = f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else ""
         got = f"; got {err['input']!r}" if err["type"] != "missing" and not isinstance(err["input"], dict) else ""
         raise ConfigError(f"{path}: {field}: {err['msg']}{got}{more}") from None
+    from flows.experiment import branch_configs  # here: that module builds on this one
+
+    branch_configs(config, str(path))  # every variant must validate too
+    return config

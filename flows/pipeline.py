@@ -1,26 +1,88 @@
-"""The end-to-end flow: each lifecycle stage as a subflow, each step cached by its version."""
+"""The flows: the end-to-end pipeline of a config (all its variants), a Python experiment file,
+the scheduled data refresh, and evaluation alone. Each runs its steps on the one scheduler
+(tasks/engine/scheduler.py), so the flow-run page shows every step as a task with arrows to its
+inputs, and shared steps run once."""
 
 from __future__ import annotations
+
+import base64
 
 from prefect import flow
 
 from flows.config import ExperimentConfig
-from flows.plan import flows_needed
-from flows.stages import stage_flows
+from flows.experiment import Experiment, from_config, load_experiment
+from flows.plan import select, with_followups
 from tasks.engine.runner import StepRun
+from tasks.engine.scheduler import execute, failures
+from tasks.engine.store import Store
+
+
+class StepsFailed(RuntimeError):
+    """Some steps failed (and their dependents did not run); `runs` has how every step went."""
+
+    def __init__(self, runs: list[StepRun]):
+        self.runs = runs
+        bad = failures(runs)
+        super().__init__(f"{len(bad)} step(s) failed or did not run: "
+                         + "; ".join(f"{r.name} {r.status}: {r.error}" for r in bad))
+
+
+def run_experiment(experiment: Experiment, store: Store, until: str | None = None,
+                   force: list[str] = ()) -> list[StepRun]:
+    """Every step up to `until`, then the steps that can only be built from their outputs (the
+    scaling forecast), then the comparison of the variants; raises StepsFailed if any step failed."""
+    settings = experiment.run
+    runs = execute(select(experiment.steps, until), store, max_concurrent=settings.max_concurrent,
+                   workers=settings.workers, force=frozenset(force))
+    if until is None and not failures(runs):
+        seen = {(r.stage, r.version) for r in runs}
+        more = [s for s in with_followups(experiment, store).steps if (s.stage, s.version) not in seen]
+        runs += execute(more, store, max_concurrent=settings.max_concurrent, workers=settings.workers,
+                        force=frozenset(force))
+    if len(experiment.branches) > 1:
+        publish_comparison(experiment, store)
+    if failures(runs):
+        raise StepsFailed(runs)
+    if runs and "://" not in runs[-1].path:
+        publish_lineage(runs[-1])
+    return runs
 
 
 @flow(name="pipeline", log_prints=True)
 def pipeline(config: ExperimentConfig, store: str | None = None, until: str | None = None,
              force: list[str] = []) -> list[StepRun]:
-    """Raw text to an evaluated, exported model (or, with `scaling`, to a fitted scaling law).
-    Stages whose version exists are cache hits."""
-    flows = stage_flows()
-    runs: list[StepRun] = []
-    for name in flows_needed(config, until):
-        runs += flows[name](config=config, store=store, until=until, force=force)
-    if runs and runs[-1].path and "://" not in runs[-1].path:
-        publish_lineage(runs[-1])
+    """Raw text to an evaluated, exported model (or, with `scaling`, to a fitted scaling law), for
+    every variant of the config. Steps whose version exists are cache hits."""
+    return run_experiment(from_config(config), Store(store), until, force)
+
+
+@flow(name="experiment", log_prints=True)
+def experiment_flow(path: str, store: str | None = None, until: str | None = None,
+                    force: list[str] = []) -> list[StepRun]:
+    """The steps a Python experiment file builds (its `experiment()` function)."""
+    return run_experiment(load_experiment(path), Store(store), until, force)
+
+
+@flow(name="data-refresh", log_prints=True)
+def data_refresh(config: ExperimentConfig, store: str | None = None, until: str = "tokenize") -> list[StepRun]:
+    """Re-read the sources and rerun whatever changed downstream, up to `until`.
+
+    Acquire's version includes a fingerprint of its sources, so when nothing changed every step
+    is a cache hit, and when a source changed exactly the steps downstream of it run.
+    """
+    return pipeline(config=config, store=store, until=until)
+
+
+@flow(name="evaluate", log_prints=True)
+def evaluate_flow(config: ExperimentConfig, store: str | None = None, force: list[str] = []) -> list[StepRun]:
+    """Evaluate the config's trained model(s): only the evaluate steps run, and a model that is not
+    in the store yet is an error that names it."""
+    experiment = from_config(config)
+    steps = [s for s in experiment.steps if s.stage == "evaluate"]
+    runs = execute(steps, Store(store), max_concurrent=experiment.run.max_concurrent,
+                   workers=experiment.run.workers, force=frozenset(force))
+    if failures(runs):
+        raise StepsFailed(runs)
     return runs
 
 
@@ -39,11 +101,19 @@ def publish_lineage(final: StepRun) -> None:
         description=f"kiln {final.name} {final.version} back to its raw sources")
 
 
-@flow(name="data-refresh", log_prints=True)
-def data_refresh(config: ExperimentConfig, store: str | None = None, until: str = "tokenize") -> list[StepRun]:
-    """Re-read the sources and rerun whatever changed downstream, up to `until`.
+def publish_comparison(experiment: Experiment, store: Store) -> None:
+    """The `kiln compare` table, and a bar chart of `run.compare_metric` per variant, as artifacts."""
+    from prefect.artifacts import create_image_artifact, create_table_artifact
 
-    Acquire's version includes a fingerprint of its sources, so when nothing changed every step
-    is a cache hit, and when a source changed exactly the steps downstream of it run.
-    """
-    return pipeline(config=config, store=store, until=until)
+    from flows.compare import comparison, metric_plot
+
+    rows = comparison(experiment, store)
+    key = "".join(c if c.isalnum() else "-" for c in experiment.name.lower())
+    create_table_artifact(key=f"compare-{key}", table=rows,
+                          description=f"kiln compare {experiment.name}: one row per variant ('None': not run yet)")
+    metric = experiment.run.compare_metric
+    png = metric_plot(rows, metric)
+    if png is not None:
+        create_image_artifact(image_url=f"data:image/png;base64,{base64.b64encode(png).decode('ascii')}",
+                              key=f"compare-{key}-{metric.replace('_', '-')}",
+                              description=f"kiln compare {experiment.name}: {metric} per variant")

@@ -1,13 +1,17 @@
-"""The experiment as a list of steps (Marin's `experiments/defaults.py`, on Prefect).
+"""The recipe: one config as a list of steps (Marin's `experiments/defaults.py`, on Prefect).
 
-`experiment_steps` reads like the recipe it is: each line makes one step from its config
-section and the steps it consumes. Nothing here runs anything: `kiln plan` prints these steps
-with their versions and statuses, and the stage flows execute them.
+`recipe` reads like what it is: each line makes one step from its config section and the steps
+it consumes; a new stage is one module in tasks/ and one line here. Nothing here runs anything:
+`kiln plan` prints an experiment's steps (flows/experiment.py: one recipe per variant, shared
+steps once) with their versions and statuses, and the scheduler (tasks/engine/scheduler.py)
+runs them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from flows.config import ExperimentConfig
 from tasks.acquire import acquire_step
@@ -27,20 +31,12 @@ from tasks.engine.step import Step, upstream_order
 from tasks.engine.store import Store
 from tasks.engine.caching import StaleAwareLockManager
 
-# Which lifecycle flow runs each stage, in pipeline order.
-FLOW_OF_STAGE = {
-    "acquire": "data", "extract": "data", "filter": "data", "negative_examples": "data",
-    "quality_classifier": "data", "quality_filter": "data", "dedup": "data",
-    "tokenizer": "tokenize", "tokenize": "tokenize",
-    "train": "train", "evaluate": "evaluate", "export": "export",
-    "chat_data": "posttrain", "sft": "posttrain", "dpo": "posttrain",
-    "scaling_fit": "scaling", "scaling_forecast": "scaling",
-}
-FLOWS = ["data", "tokenize", "train", "evaluate", "posttrain", "export", "scaling"]
+if TYPE_CHECKING:
+    from flows.experiment import Experiment
 
 
-def experiment_steps(config: ExperimentConfig) -> list[Step]:
-    """Every step of the experiment, upstream before downstream."""
+def recipe(config: ExperimentConfig) -> list[Step]:
+    """Every step of one config, upstream before downstream."""
     data = config.data
     documents = acquire_step(data.acquire())
     if data.extract is not None:
@@ -83,24 +79,6 @@ def vocab_size(tokenizer: TokenizerConfig) -> int:
     return 50257 + len([t for t in tokenizer.special_tokens if t != GPT2_EOS])
 
 
-def flow_of(step: Step, config: ExperimentConfig) -> str:
-    """The lifecycle flow that runs `step`. A scaling sweep's train and evaluate steps belong to
-    the `scaling` flow, which runs them side by side on one Ray and then fits the law."""
-    flow = FLOW_OF_STAGE[step.stage]
-    return "scaling" if config.scaling is not None and flow in ("train", "evaluate") else flow
-
-
-def flows_needed(config: ExperimentConfig, until: str | None = None) -> list[str]:
-    """The lifecycle flows that run for `config` up to `until`, in pipeline order."""
-    needed = {flow_of(s, config) for s in select(experiment_steps(config), until)}
-    return [name for name in FLOWS if name in needed]
-
-
-def steps_of_flow(name: str, config: ExperimentConfig, until: str | None = None) -> list[Step]:
-    """The steps that flow `name` runs for `config`, upstream first."""
-    return [s for s in select(experiment_steps(config), until) if flow_of(s, config) == name]
-
-
 def select(steps: list[Step], until: str | None = None) -> list[Step]:
     """The steps needed to produce stage `until` (all of them when None)."""
     if until is None:
@@ -119,6 +97,7 @@ class PlannedStep:
     version: str
     path: str
     status: str  # done, missing, running, failed
+    variants: list[str]  # the variants whose branch holds this step ([] without variants)
     warning: str | None = None  # e.g. the stage's code changed since the cached run
 
 
@@ -147,15 +126,32 @@ def code_drift(step: Step, store: Store) -> str | None:
     return None
 
 
-def plan(config: ExperimentConfig, store: Store, until: str | None = None) -> list[PlannedStep]:
+def plan(experiment: Experiment, store: Store, until: str | None = None) -> list[PlannedStep]:
+    """Every step of the experiment once, with its status; the scaling forecast's steps too once
+    the fit they depend on is in the store."""
     planned = []
-    steps = select(experiment_steps(config), until)
-    if config.scaling is not None and config.scaling.forecast and until is None:
-        from flows.scaling import ready_forecast_steps
-
-        steps += ready_forecast_steps(config, store, steps)
+    steps = select(experiment.steps, until)
+    if until is None:
+        experiment = with_followups(experiment, store)
+        steps = experiment.steps
     for s in steps:
         status = step_status(s, store)
         warning = code_drift(s, store) if status == "done" else None
-        planned.append(PlannedStep(s.stage, s.name, s.version, store.output(s.stage, s.version), status, warning))
+        planned.append(PlannedStep(s.stage, s.name, s.version, store.output(s.stage, s.version), status,
+                                   [v for v in experiment.variants_of[s.key] if v], warning))
     return planned
+
+
+def with_followups(experiment: Experiment, store: Store) -> Experiment:
+    """The experiment plus the steps that can only be built from another step's output: a scaling
+    sweep's forecast check, once its held-out fit is in the store (flows/scaling.py)."""
+    from flows.experiment import Branch
+    from flows.scaling import ready_forecast_steps
+
+    branches = {}
+    for variant, branch in experiment.branches.items():
+        extra = []
+        if branch.config is not None and branch.config.scaling is not None and branch.config.scaling.forecast:
+            extra = ready_forecast_steps(branch.config, store, upstream_order(branch.steps))
+        branches[variant] = dataclasses.replace(branch, steps=[*branch.steps, *extra]) if extra else branch
+    return dataclasses.replace(experiment, branches=branches)

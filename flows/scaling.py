@@ -1,4 +1,4 @@
-"""The scaling-law sweep as steps, and the flow that runs it.
+"""The scaling-law sweep as steps.
 
 Every (budget, size) of the recipe (training/scaling.py) is an ordinary train step and an
 ordinary evaluate step (bits per byte on the tokenize step's held-out split), so a rerun is all
@@ -11,12 +11,13 @@ its version, depends on its own (budget, size) alone.
                      nearest its predicted N_opt (a cache hit when the sweep already trained that
                      size there), and `scaling_forecast`, which reports the relative error;
                      `ready_forecast_steps` returns them only when that fit is in the store
-    scaling_flow     runs them after the pipeline's data and tokenize flows: the runs `parallelism` at a
-                     time on one local Ray, the fits, then the forecast.
 
-Parallelism: `scaling.parallelism` runs at once (default 1). On 2 cores one run's XLA step already
-uses both, so two runs side by side mostly trade places; with more cores or hosts, raise it with
-`cpus_per_run` (settings: neither changes a version).
+The scheduler (tasks/engine/scheduler.py) runs them like any other steps: each run as soon as the
+tokens exist, `run.max_concurrent` at a time on one shared Ray, each fit once its runs are
+evaluated, and the forecast steps once the held-out fit is in the store (flows/plan.py
+`with_followups`). On 2 cores one run's XLA step already uses both, so two runs side by side mostly
+trade places; with more cores or hosts, raise `run.max_concurrent` with `scaling.cpus_per_run`
+(settings: neither changes a version).
 
 `kiln run CONFIG` runs it when the config has a `scaling:` section (a `training.scaling.ScalingConfig`)
 beside the usual data and tokenizer sections; `kiln plan CONFIG` lists every run.
@@ -26,22 +27,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
 from pathlib import Path
 
-from prefect import flow
-from prefect.futures import as_completed
-from prefect.utilities.annotations import quote
-
-from flows.config import ExperimentConfig
 from tasks.evaluate import EvalConfig, evaluate_step
-from tasks.engine.runner import StepRun, execute, step_task
+from tasks.engine.runner import StepRun
 from tasks.scaling import LAW_FILE, FitRun, ForecastConfig, ScalingFitConfig, forecast_step, scaling_fit_step
 from tasks.engine.step import Step
 from tasks.engine.store import Store
 from tasks.tokenizer import TokenizerConfig
 from tasks.train import train_step
-from tasks.engine.caching import result_storage, step_cache_policy
 from training.config import ResourcesConfig
 from training.scaling import RunPlan, ScalingConfig, budget_label, isoflop_grid, nearest_size
 
@@ -131,95 +125,6 @@ def ready_forecast_steps(config, store: Store, sweep: list[Step]) -> list[Step]:
     tokens = next(s.inputs["tokens"] for s in sweep if s.stage == "train")
     return forecast_steps(config, law, sweep=sweep, tokens=tokens, tokenizer=tokens.inputs["tokenizer"],
                           documents=tokens.inputs["documents"])
-
-
-# --- running ------------------------------------------------------------------------------------
-
-
-def execute_parallel(steps: list[Step], store: Store, parallelism: int, workers: int = 1,
-                     force: frozenset[str] = frozenset()) -> list[StepRun]:
-    """`tasks.engine.runner.execute`, but up to `parallelism` steps at once once their inputs are done.
-
-    With parallelism 1 it is `execute` itself. Otherwise each step is the same cached Prefect task,
-    submitted to the flow's thread pool; a train step's body then waits on its own Ray task, so
-    Ray (started once by the flow) decides what runs where.
-    """
-    if parallelism <= 1:
-        return execute(steps, store, workers, force)
-    ids = {id(s) for s in steps}
-    waiting, running, finished = list(steps), {}, {}
-    while waiting or running:
-        for step in list(waiting):
-            if len(running) >= parallelism:
-                break
-            if all(id(u) not in ids or id(u) in finished for u in step.inputs.values()):
-                waiting.remove(step)
-                running[_submit(step, store, workers, step.stage in force or step.name in force)] = (step, time.perf_counter())
-        if not running:
-            raise RuntimeError(f"steps {[s.name for s in waiting]} wait on inputs that are not in this run")
-        future = next(as_completed(list(running)))
-        step, t0 = running.pop(future)
-        record = future.result()  # raises the step's error if it failed
-        state = future.state  # after result(): the engine's final state (Cached or Completed)
-        finished[id(step)] = StepRun(step.name, step.stage, step.version, "cached" if state.name == "Cached" else "ran",
-                                     round(time.perf_counter() - t0, 2), store.output(step.stage, step.version),
-                                     record["stats"])
-    return [finished[id(s)] for s in steps]
-
-
-def _submit(step: Step, store: Store, workers: int, forced: bool):
-    """Submit one step as `tasks.engine.runner.execute` runs it (same task, cache key, storage)."""
-    if forced:
-        store.unpublish(step.stage, step.version)
-    elif not store.is_done(step.stage, step.version) and store.is_local:
-        (store.local_root / ".prefect-results" / step.key).unlink(missing_ok=True)  # stale record: see runner
-    return step_task.with_options(
-        name=step.stage, task_run_name=f"{step.name}-{step.version}", cache_policy=step_cache_policy(store),
-        result_storage=result_storage(store), refresh_cache=forced or None,
-    ).submit(step.key, quote(step), store.root, workers)
-
-
-def _start_ray(scaling: ScalingConfig) -> bool:
-    """One local Ray for the whole sweep (unless one is running or RAY_ADDRESS names a cluster), so
-    each train step reuses it and its warm workers instead of starting its own. True if started."""
-    import ray
-
-    import training.launch  # noqa: F401  (sets Ray's environment defaults before Ray starts)
-    from tasks.engine.parallel import ensure_ray
-
-    if ray.is_initialized():
-        return False
-    ensure_ray(scaling.parallelism * scaling.cpus_per_run)  # or joins RAY_ADDRESS's cluster
-    return True
-
-
-@flow(name="scaling", log_prints=True)
-def scaling_flow(config: ExperimentConfig, store: str | None = None, until: str | None = None,
-                 force: list[str] = []) -> list[StepRun]:
-    """Every run of the sweep (on one Ray, `parallelism` at a time), the fits, then the forecast check.
-
-    The pipeline runs it after the data and tokenize flows, whose outputs the runs read."""
-    import ray
-
-    from flows.plan import steps_of_flow
-
-    if config.scaling is None:
-        raise ValueError("the scaling flow needs a config with a `scaling:` section")
-    store_ = Store(store)
-    forced = frozenset(force)
-    sweep = steps_of_flow("scaling", config, until)
-    runs_and_evals = [s for s in sweep if s.stage != "scaling_fit"]
-    to_train = [s for s in sweep if s.stage == "train" and not store_.is_done(s.stage, s.version)]
-    started = _start_ray(config.scaling) if to_train else False
-    try:
-        runs = execute_parallel(runs_and_evals, store_, config.scaling.parallelism, config.run.workers, forced)
-        runs += execute([s for s in sweep if s.stage == "scaling_fit"], store_, config.run.workers, forced)
-        if config.scaling.forecast and until is None:
-            runs += execute(ready_forecast_steps(config, store_, sweep), store_, config.run.workers, forced)
-    finally:
-        if started:
-            ray.shutdown()
-    return runs
 
 
 def forecast_line(runs: list[StepRun]) -> str | None:

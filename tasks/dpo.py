@@ -32,13 +32,14 @@ from pydantic import Field
 
 from evaluation.chat import ChatEvalConfig
 from tasks.chat_data import read_records
-from tasks.sft import (EVAL_DIR, TEMPLATE_FILE, comparison, evaluate_model, publish_table, read_model_config,
+from tasks.sft import (EVAL_DIR, TEMPLATE_FILE, comparison, evaluate_model, read_model_config,
                        relay_to)
 from tasks.tokenizer import load_tokenizer, read_tokenizer_meta
 from training.config import ConfigModel, ResourcesConfig, TrainConfig, setting
 from training.launch import launch_training
 from training.metrics import read_metrics
 from training.posttrain import CHAT_TEMPLATE, ChatTemplate, DPOObjective, open_rows, pad_pairs, save_rows
+from training.tracking import TrackingConfig, tracked
 
 if TYPE_CHECKING:
     from tasks.engine.step import Step, StepContext
@@ -58,6 +59,7 @@ class DPOConfig(ConfigModel):
                                      checkpoint_every=20, eval_every=20, eval_batches=2)
     evaluation: ChatEvalConfig = ChatEvalConfig()
     resources: ResourcesConfig = setting(ResourcesConfig())
+    tracking: TrackingConfig = setting(TrackingConfig(), description="Set from the experiment's `tracking`.")
 
 
 def encode_pairs(pairs: list[dict], template: ChatTemplate) -> list:
@@ -114,9 +116,11 @@ def run_dpo(ctx: StepContext) -> dict:
         save_rows(ctx.work_dir / f"pairs_{split}.npz", rows)
     data = functools.partial(open_rows, str(ctx.work_dir / "pairs_train.npz"), str(ctx.work_dir / "pairs_eval.npz"),
                              cfg.train.batch_size, cfg.train.seed, cfg.train.eval_batches, str(model_dir))
-    stats = launch_training(model_cfg, cfg.train, cfg.resources, data, ctx.work_dir, ctx.out,
-                            on_metrics=relay_to(ctx, cfg.train.steps), objective=DPOObjective(cfg.beta, cfg.sft_weight),
-                            init_model=model_dir)
+    with tracked(relay_to(ctx, cfg.train.steps), cfg.tracking, f"dpo-{ctx.step.version}",
+                 cfg.model_dump(mode="json")) as on_metrics:
+        stats = launch_training(model_cfg, cfg.train, cfg.resources, data, ctx.work_dir, ctx.out,
+                                on_metrics=on_metrics, objective=DPOObjective(cfg.beta, cfg.sft_weight),
+                                init_model=model_dir)
     (ctx.out / TEMPLATE_FILE).write_text(CHAT_TEMPLATE, encoding="utf-8")
     last = read_metrics(ctx.out / "metrics.jsonl")[-1]
 
@@ -132,14 +136,18 @@ def run_dpo(ctx: StepContext) -> dict:
     for name, scores in evaluations.items():
         ctx.log.info("%s: %s", name, scores)
     table = comparison(evaluations)
-    publish_table(table, ctx.step.version, "dpo")
+    ctx.show("table", "chat-eval", table, f"kiln dpo {ctx.step.version}: chat generation and preference accuracy by model")
     return {**stats, "final_margin": last.get("margin"), "final_accuracy": last.get("accuracy"), "left_out": dropped,
             **({"generated_rejected": generated} if generated is not None else {}),
             "eval_sft": evaluations["sft"], "eval_dpo": evaluations["dpo"], "table": table}
 
 
-def dpo_step(config: DPOConfig, *, model: Step, tokenizer: Step, pairs: Step) -> Step:
+def dpo_step(config: DPOConfig, *, model: Step, tokenizer: Step, pairs: Step,
+             tracking: TrackingConfig | None = None) -> Step:
     from tasks.engine.step import Step
+
+    if tracking is not None:
+        config = config.model_copy(update={"tracking": tracking})
 
     return Step(name="dpo", stage="dpo", stage_version=STAGE_VERSION, config=config, run=run_dpo,
                 inputs={"model": model, "tokenizer": tokenizer, "pairs": pairs})

@@ -129,7 +129,7 @@ def run_evaluate(ctx: StepContext) -> dict:
     record = {"table": table, "suite_examples": counts, "heldout": heldout,
               **{k: results[k] for k in ("results", "groups", "versions", "n-shot", "n-samples") if k in results}}
     (ctx.out / RESULTS_FILE).write_text(json.dumps(record, indent=2, sort_keys=True, default=float) + "\n")
-    _publish_table(table, ctx.step.version)
+    ctx.show("table", "results", table, f"kiln evaluation {ctx.step.version}: accuracy per task, held-out bits per byte")
 
     stats: dict = {f"{r['task']}_{r['metric']}": r["value"] for r in table if r["task"] != "heldout"}
     if heldout is not None:
@@ -138,22 +138,6 @@ def run_evaluate(ctx: StepContext) -> dict:
     stats.update({f"{name}_examples": n for name, n in counts.items()})
     stats["table"] = table
     return stats
-
-
-def _publish_table(table: list[dict], version: str) -> None:
-    """The results as a Prefect table artifact, only inside a Prefect run (the step body also runs
-    without one, in tests and notebooks)."""
-    from prefect.context import get_run_context
-    from prefect.exceptions import MissingContextError
-
-    try:
-        get_run_context()
-    except MissingContextError:
-        return
-    from prefect.artifacts import create_table_artifact
-
-    create_table_artifact(key=f"evaluate-results-{version}", table=table,
-                          description=f"kiln evaluation {version}: accuracy per task, held-out bits per byte")
 
 
 def evaluate_step(config: EvalConfig, *, model: Step, tokenizer: Step, tokens: Step, documents: Step) -> Step:

@@ -17,7 +17,6 @@ only write files.
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import json
 import math
@@ -113,7 +112,7 @@ def run_fit(ctx: StepContext) -> dict:
                      b.loss_opt_err, b.points)
     if "forecast" in data:
         stats.update({f"forecast_{k}": v for k, v in data["forecast"].items()})
-    _publish(ctx, "scaling-fit", _fit_markdown(data), ["isoflops.png", "optimal.png", "frontier.png"])
+    show(ctx, _fit_markdown(data), ["isoflops.png", "optimal.png", "frontier.png"])
     return stats
 
 
@@ -151,7 +150,7 @@ def run_forecast(ctx: StepContext) -> dict:
     md = (f"# Forecast at C = {budget_label(cfg.budget)}\n\npredicted {pred['loss']:.4f} ± {pred['loss_err']:.4f} "
           f"bits/byte at N_opt = {pred['n_opt']:,.0f}; trained N = {cfg.params:,} (size {cfg.size}): "
           f"{actual:.4f}\n\n**relative error {error:+.2%}** (goal {cfg.goal:.0%})\n")
-    _publish(ctx, "scaling-forecast", md, ["forecast.png"])
+    show(ctx, md, ["forecast.png"])
     return stats
 
 
@@ -172,23 +171,11 @@ def _fit_markdown(data: dict) -> str:
     return "\n".join(lines)
 
 
-def _publish(ctx: StepContext, kind: str, markdown: str, images: list[str]) -> None:
-    """A markdown summary and the plots as Prefect artifacts, only inside a Prefect run."""
-    from prefect.context import get_run_context
-    from prefect.exceptions import MissingContextError
-
-    try:
-        get_run_context()
-    except MissingContextError:
-        return
-    from prefect.artifacts import create_image_artifact, create_markdown_artifact
-
-    key = f"{kind}-{ctx.step.version}"
-    create_markdown_artifact(key=f"{key}-summary", markdown=markdown, description=f"kiln {kind} {ctx.step.version}")
+def show(ctx: StepContext, markdown: str, images: list[str]) -> None:
+    """A markdown summary and the plots beside the step in the Prefect UI."""
+    ctx.show("markdown", "summary", markdown)
     for name in images:
-        png = base64.b64encode(Path(ctx.out / name).read_bytes()).decode("ascii")
-        create_image_artifact(image_url=f"data:image/png;base64,{png}", key=f"{key}-{Path(name).stem}",
-                              description=f"kiln {kind} {ctx.step.version}: {name}")
+        ctx.show("image", Path(name).stem, name)
 
 
 # --- steps --------------------------------------------------------------------------------------

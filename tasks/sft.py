@@ -27,6 +27,7 @@ from training.config import ConfigModel, ModelConfig, ResourcesConfig, TrainConf
 from training.launch import launch_training
 from training.loop import load_model
 from training.posttrain import CHAT_TEMPLATE, ChatTemplate, SFTObjective, open_rows, pack, save_rows
+from training.tracking import TrackingConfig, tracked
 
 if TYPE_CHECKING:
     from tasks.engine.step import Step, StepContext
@@ -43,6 +44,7 @@ class SFTConfig(ConfigModel):
                                      checkpoint_every=20, eval_every=20, eval_batches=2)
     evaluation: ChatEvalConfig = ChatEvalConfig()
     resources: ResourcesConfig = setting(ResourcesConfig())
+    tracking: TrackingConfig = setting(TrackingConfig(), description="Set from the experiment's `tracking`.")
 
 
 def read_model_config(model_dir: Path) -> ModelConfig:
@@ -71,6 +73,7 @@ def relay_to(ctx: StepContext, steps: int):
         extra = "".join(f" {k} {record[k]:.4f}" for k in ("val_loss", "margin", "accuracy") if k in record)
         ctx.log.info("step %d/%d loss %.4f%s lr %.2e %.0f tok/s", record["step"], steps, record["loss"], extra,
                      record["lr"], record["tokens_per_s"])
+        ctx.progress(record["step"], steps)
     return relay
 
 
@@ -94,35 +97,26 @@ def run_sft(ctx: StepContext) -> dict:
     base = evaluate_model(model_dir, tokenizer_dir, chat_dir, ctx.out / EVAL_DIR / "base", cfg.evaluation)
     data = functools.partial(open_rows, str(ctx.work_dir / "sft_train.npz"), str(ctx.work_dir / "sft_eval.npz"),
                              cfg.train.batch_size, cfg.train.seed, cfg.train.eval_batches)
-    stats = launch_training(model_cfg, cfg.train, cfg.resources, data, ctx.work_dir, ctx.out,
-                            on_metrics=relay_to(ctx, cfg.train.steps), objective=SFTObjective(), init_model=model_dir)
+    with tracked(relay_to(ctx, cfg.train.steps), cfg.tracking, f"sft-{ctx.step.version}",
+                 cfg.model_dump(mode="json")) as on_metrics:
+        stats = launch_training(model_cfg, cfg.train, cfg.resources, data, ctx.work_dir, ctx.out,
+                                on_metrics=on_metrics, objective=SFTObjective(), init_model=model_dir)
     (ctx.out / TEMPLATE_FILE).write_text(CHAT_TEMPLATE, encoding="utf-8")
     tuned = evaluate_model(ctx.out, tokenizer_dir, chat_dir, ctx.out / EVAL_DIR / "sft", cfg.evaluation)
     for name, scores in (("base", base), ("sft", tuned)):
         ctx.log.info("%s: %s", name, scores)
     table = comparison({"base": base, "sft": tuned})
-    publish_table(table, ctx.step.version, "sft")
+    ctx.show("table", "chat-eval", table, f"kiln sft {ctx.step.version}: chat generation and preference accuracy by model")
     return {**stats, "packed_rows": len(packed["train"]["inputs"]), "left_out": dropped,
             "eval_base": base, "eval_sft": tuned, "table": table}
 
 
-def publish_table(table: list[dict], version: str, stage: str) -> None:
-    """The comparison as a Prefect table artifact, only inside a Prefect run."""
-    from prefect.context import get_run_context
-    from prefect.exceptions import MissingContextError
-
-    try:
-        get_run_context()
-    except MissingContextError:
-        return
-    from prefect.artifacts import create_table_artifact
-
-    create_table_artifact(key=f"{stage}-chat-eval-{version}", table=table,
-                          description=f"kiln {stage} {version}: chat generation and preference accuracy by model")
-
-
-def sft_step(config: SFTConfig, *, model: Step, tokenizer: Step, chat: Step) -> Step:
+def sft_step(config: SFTConfig, *, model: Step, tokenizer: Step, chat: Step,
+             tracking: TrackingConfig | None = None) -> Step:
     from tasks.engine.step import Step
+
+    if tracking is not None:
+        config = config.model_copy(update={"tracking": tracking})
 
     return Step(name="sft", stage="sft", stage_version=STAGE_VERSION, config=config, run=run_sft,
                 inputs={"model": model, "tokenizer": tokenizer, "chat": chat})

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from training.config import ConfigModel, ModelConfig, ResourcesConfig, TrainConfig, setting
 from training.launch import launch_training, token_data
+from training.tracking import TrackingConfig, tracked
 
 if TYPE_CHECKING:  # tasks.engine.step imports Prefect; Ray workers that import this module skip it
     from tasks.engine.step import Step, StepContext
@@ -25,6 +26,7 @@ class TrainStepConfig(ConfigModel):
     model: ModelConfig = ModelConfig()
     train: TrainConfig = TrainConfig()
     resources: ResourcesConfig = setting(ResourcesConfig())
+    tracking: TrackingConfig = setting(TrackingConfig())  # W&B and the like: watched, not learned
 
 
 def run_train(ctx: StepContext) -> dict:
@@ -39,14 +41,17 @@ def run_train(ctx: StepContext) -> dict:
         ctx.log.info("step %d/%d loss %.4f%s lr %.2e grad_norm %.3f %.0f tok/s%s", record["step"],
                      cfg.train.steps, record["loss"], val, record["lr"], record["grad_norm"],
                      record["tokens_per_s"], mfu)
+        ctx.progress(record["step"], cfg.train.steps)
 
-    return launch_training(cfg.model, cfg.train, cfg.resources, data, ctx.work_dir, ctx.out, on_metrics=relay)
+    with tracked(relay, cfg.tracking, f"train-{ctx.step.version}", cfg.model_dump(mode="json")) as on_metrics:
+        return launch_training(cfg.model, cfg.train, cfg.resources, data, ctx.work_dir, ctx.out,
+                               on_metrics=on_metrics)
 
 
 def train_step(model_cfg: ModelConfig, train_cfg: TrainConfig, resources: ResourcesConfig, *,
-               tokens: Step) -> Step:
+               tokens: Step, tracking: TrackingConfig = TrackingConfig()) -> Step:
     from tasks.engine.step import Step  # here, not at the top: see the TYPE_CHECKING import
 
-    config = TrainStepConfig(model=model_cfg, train=train_cfg, resources=resources)
+    config = TrainStepConfig(model=model_cfg, train=train_cfg, resources=resources, tracking=tracking)
     return Step(name="train", stage="train", stage_version=STAGE_VERSION, config=config, run=run_train,
                 inputs={"tokens": tokens})

@@ -18,7 +18,7 @@ from tasks.acquire import AcquireConfig, SourceConfig, acquire_step
 from tasks.evaluate import EvalConfig, evaluate_step
 from tasks.export import ExportConfig, export_step
 from tasks.engine.lineage import git_state
-from tasks.engine.runner import execute
+from tasks.engine.scheduler import execute
 from tasks.engine.step import Step, StepContext
 from tasks.engine.store import Store
 from tasks.tokenize import TokenizeConfig, tokenize_step

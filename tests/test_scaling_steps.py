@@ -7,19 +7,15 @@ from __future__ import annotations
 import json
 import logging
 import math
-import threading
 
 import numpy as np
 import pytest
-from prefect import flow
 
-from flows.plan import experiment_steps
+from flows.plan import recipe
 from flows.config import ExperimentConfig
-from flows.scaling import execute_parallel, forecast_steps, scaling_steps, sweep_plans
+from flows.scaling import forecast_steps, scaling_steps, sweep_plans
 from tasks.scaling import LAW_FILE, run_fit, run_forecast
 from tasks.engine.step import Step, StepContext
-from tasks.engine.store import Store
-from training.config import ConfigModel
 from training.scaling import prior_params
 
 
@@ -43,7 +39,7 @@ def sweep_inputs(steps: list[Step]) -> tuple[Step, Step, Step]:
 
 
 def sweep(config: ExperimentConfig):
-    tokens, tokenizer, documents = sweep_inputs(experiment_steps(config))
+    tokens, tokenizer, documents = sweep_inputs(recipe(config))
     return scaling_steps(config, tokens=tokens, tokenizer=tokenizer, documents=documents)
 
 
@@ -71,7 +67,7 @@ def test_adding_a_budget_adds_only_its_runs_and_new_fits(added):
 def test_every_run_is_an_ordinary_train_and_evaluate_step_on_the_same_held_out_data():
     config = experiment(BUDGETS)
     steps = sweep(config)
-    tokens, _, _ = sweep_inputs(experiment_steps(config))
+    tokens, _, _ = sweep_inputs(recipe(config))
     trains = [s for s in steps if s.stage == "train"]
     evals = [s for s in steps if s.stage == "evaluate"]
     assert len(trains) == len(evals) == 16
@@ -81,8 +77,8 @@ def test_every_run_is_an_ordinary_train_and_evaluate_step_on_the_same_held_out_d
     assert ev.bits_per_byte and ev.tasks == [] and ev.validation_fraction == 0.05
     for s in evals:
         assert s.inputs["model"].name == s.name.replace("evaluate/", "train/")
-    # resources are settings: a sweep run with other parallelism has the same versions
-    other = sweep(experiment(BUDGETS, parallelism=2, cpus_per_run=1))
+    # resources are settings: a sweep run with other CPUs per run has the same versions
+    other = sweep(experiment(BUDGETS, cpus_per_run=1))
     assert versions(other, "train") == versions(steps, "train")
 
 
@@ -110,7 +106,7 @@ def context(step, tmp_path, inputs, input_stats):
 def test_fit_and_forecast_steps_write_the_law_plots_and_the_error(tmp_path):
     config = experiment(BUDGETS)
     steps = sweep(config)
-    tokens, tokenizer, documents = sweep_inputs(experiment_steps(config))
+    tokens, tokenizer, documents = sweep_inputs(recipe(config))
     stats = synthetic_stats(config, np.random.default_rng(0))
     fits = {s.name: s for s in steps if s.stage == "scaling_fit"}
 
@@ -156,39 +152,3 @@ def test_a_fit_input_without_bits_per_byte_is_an_error(tmp_path):
 
 
 # --- running runs side by side ------------------------------------------------------------------
-
-class Toy(ConfigModel):
-    name: str
-
-
-MET = {"a": threading.Event(), "b": threading.Event()}
-
-
-def _meet(ctx):
-    """Finishes only if the other of a/b runs at the same time (each waits for the other)."""
-    me = ctx.config.name
-    MET[me].set()
-    if not MET["b" if me == "a" else "a"].wait(timeout=60):
-        raise RuntimeError(f"{me} ran alone: the steps were not run side by side")
-    (ctx.out / "done").write_text(me)
-    return {"name": me}
-
-
-def _join(ctx):
-    assert sorted(ctx.inputs) == ["a", "b"] and all((p / "done").exists() for p in ctx.inputs.values())
-    return {"inputs": 2}
-
-
-@flow
-def run_parallel(steps: list, store: str, parallelism: int):
-    return execute_parallel(steps, Store(store), parallelism)
-
-
-def test_execute_parallel_runs_independent_steps_at_once_and_in_input_order(tmp_path, prefect_harness):
-    a = Step("a", "toy_meet", 1, Toy(name="a"), _meet)
-    b = Step("b", "toy_meet", 1, Toy(name="b"), _meet)
-    joined = Step("join", "toy_join", 1, Toy(name="join"), _join, inputs={"a": a, "b": b})
-    runs = run_parallel([a, b, joined], str(tmp_path / "store"), 2)
-    assert [r.name for r in runs] == ["a", "b", "join"] and {r.status for r in runs} == {"ran"}
-    again = run_parallel([a, b, joined], str(tmp_path / "store"), 2)
-    assert {r.status for r in again} == {"cached"}

@@ -115,8 +115,7 @@ class ScalingConfig(ConfigModel):
     forecast_goal: float = Field(0.03, gt=0, description="Relative error of the forecast reported as met.")
     heldout_tokens: int | None = Field(32768, ge=2, description="Held-out tokens each run is scored on "
                                                                  "(None: the whole validation split).")
-    parallelism: int = setting(1, ge=1, description="Runs trained at once (one Ray task each).")
-    cpus_per_run: int = setting(2, ge=1)
+    cpus_per_run: int = setting(2, ge=1, description="Ray CPUs each run asks for (with `run.max_concurrent` runs at once).")
 
     @model_validator(mode="after")
     def _check(self) -> ScalingConfig:

@@ -126,6 +126,7 @@ def run_map(ctx: StepContext, fn: Callable[[ShardJob], Any], items: list[ShardJo
         done[0] += 1
         docs = f", {result['docs_in']} documents" if isinstance(result, dict) and "docs_in" in result else ""
         ctx.log.info("%s: %d/%d shards done (%s%s)", what, done[0], len(items), items[i].shard.name, docs)
+        ctx.progress(done[0], len(items))
 
     return map_shards(fn, items, stage_workers(ctx.config, ctx), on_result=progress)
 

@@ -1,27 +1,29 @@
-"""Execute steps as Prefect tasks: cached by version, published atomically, traced.
+"""Run one step as a Prefect task: cached by version, published atomically, traced.
 
-This is the whole executor: one task function that runs any step, and `execute`, which runs a
-list of steps in order and reports for each whether it ran or was a cache hit.
+`step_task` is the one Prefect task every step runs as; `run_step_body` computes and publishes an
+output; `prepare` decides, before submission, whether what the store holds may be a cache hit;
+`publish_shown` turns what a body asked to show (tables, markdown, images, progress) into Prefect
+artifacts. The scheduler (tasks/engine/scheduler.py) decides when each step runs.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import shutil
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from prefect import get_run_logger, task
 from prefect.context import get_run_context
-from prefect.utilities.annotations import quote
 
-from tasks.engine.lineage import build_lineage, now, publish_to_prefect
-from tasks.engine.step import Step, StepContext
-from tasks.engine.store import Store
 from tasks.engine.caching import result_storage, step_cache_policy
+from tasks.engine.lineage import build_lineage, now, publish_to_prefect
+from tasks.engine.step import Shown, Step, StepContext
+from tasks.engine.store import Store
 
 
 class StepFailed(RuntimeError):
@@ -35,10 +37,11 @@ class StepRun:
     name: str
     stage: str
     version: str
-    status: str  # "ran" or "cached"
+    status: str  # "ran", "cached", "failed" or "not run" (an input failed)
     seconds: float
     path: str
-    stats: dict
+    stats: dict = field(default_factory=dict)
+    error: str | None = None  # why it failed or did not run
 
 
 def _run_ids() -> dict:
@@ -60,9 +63,10 @@ def run_step_body(step: Step, store: Store, workers: int, log: logging.Logger) -
     tmp = store.begin(step.stage, step.version)
     work = store.work_dir(step.stage, step.version)
     work.mkdir(parents=True, exist_ok=True)
+    progress = ProgressArtifact(step)
     ctx = StepContext(step=step, out=tmp, inputs=inputs,
                       input_stats={n: lin["stats"] for n, lin in upstream.items()},
-                      work_dir=work, log=log, workers=workers)
+                      work_dir=work, log=log, workers=workers, on_progress=progress)
     started, t0 = now(), time.perf_counter()
     try:
         stats = step.run(ctx)
@@ -78,11 +82,15 @@ def run_step_body(step: Step, store: Store, workers: int, log: logging.Logger) -
                              f"{type(e).__name__}: {e}") from e
         raise
     stats = {**(stats or {}), "seconds": round(time.perf_counter() - t0, 3)}
+    images = {s.content: base64.b64encode((tmp / s.content).read_bytes()).decode("ascii")
+              for s in ctx.shown if s.kind == "image"}  # read before the folder moves (or uploads)
     lineage = build_lineage(step, store, stats, started, now(), _run_ids(), upstream)
     store.publish(tmp, step.stage, step.version, lineage)
     store.failure_record(step.stage, step.version).unlink(missing_ok=True)
     shutil.rmtree(work, ignore_errors=True)
     publish_to_prefect(lineage, store)
+    publish_shown(step, ctx.shown, images)
+    progress.finish()
     return _record(step, lineage)
 
 
@@ -98,43 +106,87 @@ def _record(step: Step, lineage: dict) -> dict:
             "path": f"{step.stage}/{step.version}", "stats": lineage["stats"]}
 
 
+def artifact_key(step: Step, name: str) -> str:
+    """Prefect artifact keys allow lowercase letters, digits and dashes."""
+    return f"{step.stage}-{name}-{step.version}".replace("_", "-").lower()
+
+
+def publish_shown(step: Step, shown: list[Shown], images: dict[str, str]) -> None:
+    """The tables, markdown and images a step body asked for, as Prefect artifacts."""
+    from prefect.artifacts import create_image_artifact, create_markdown_artifact, create_table_artifact
+
+    for item in shown:
+        key = artifact_key(step, item.name)
+        description = item.description or f"kiln {step.name} {step.version}: {item.name}"
+        if item.kind == "table":
+            create_table_artifact(key=key, table=item.content, description=description)
+        elif item.kind == "markdown":
+            create_markdown_artifact(key=key, markdown=item.content, description=description)
+        else:
+            create_image_artifact(image_url=f"data:image/png;base64,{images[item.content]}", key=key,
+                                  description=description)
+
+
+class ProgressArtifact:
+    """`StepContext.progress` inside a Prefect task: one progress artifact per step, updated at
+    most every couple of seconds (and always at the end) so a long step does not flood the API."""
+
+    def __init__(self, step: Step, every_s: float = 2.0):
+        self.step, self.every_s = step, every_s
+        self.artifact_id = None
+        self.last = 0.0
+
+    def __call__(self, done: int, total: int) -> None:
+        from prefect.artifacts import create_progress_artifact, update_progress_artifact
+
+        percent = 100.0 * done / max(total, 1)
+        if self.artifact_id is None:
+            self.artifact_id = create_progress_artifact(
+                progress=percent, key=artifact_key(self.step, "progress"),
+                description=f"kiln {self.step.name} {self.step.version}: progress")
+        elif done >= total or time.monotonic() - self.last >= self.every_s:
+            update_progress_artifact(self.artifact_id, progress=percent)
+        else:
+            return
+        self.last = time.monotonic()
+
+    def finish(self) -> None:
+        """100% once the output is published (a step that reported progress at all)."""
+        if self.artifact_id is not None:
+            from prefect.artifacts import update_progress_artifact
+
+            update_progress_artifact(self.artifact_id, progress=100.0)
+
+
 @task(persist_result=True, result_serializer="json")
 def step_task(cache_key: str, step: Step, store_root: str, workers: int) -> dict:
     """The Prefect task every step runs as; `cache_key` is `<stage>-<version>`."""
     return run_step_body(step, Store(store_root), workers, get_run_logger())
 
 
-def execute(steps: list[Step], store: Store, workers: int = 1,
-            force: frozenset[str] = frozenset()) -> list[StepRun]:
-    """Run `steps` in order (upstream first). A step whose version is cached is not run.
-
-    `force` names stages (or step names) to recompute even if their version exists.
-    """
-    runs = []
-    for step in steps:
-        forced = step.stage in force or step.name in force
-        if forced:
-            store.unpublish(step.stage, step.version)
-        elif not store.is_done(step.stage, step.version):
-            _drop_stale_record(store, step)
-        t0 = time.perf_counter()
-        state = step_task.with_options(
-            name=step.stage,
-            task_run_name=f"{step.name}-{step.version}",
-            cache_policy=step_cache_policy(store),
-            result_storage=result_storage(store),
-            refresh_cache=forced or None,
-        )(step.key, quote(step), store.root, workers, return_state=True)
-        record = state.result()  # raises the step's error if it failed
-        runs.append(StepRun(step.name, step.stage, step.version,
-                            "cached" if state.name == "Cached" else "ran",
-                            round(time.perf_counter() - t0, 2),
-                            store.output(step.stage, step.version), record["stats"]))
-    return runs
+def configured_task(step: Step, store: Store, forced: bool):
+    """`step_task` with the step's name, its cache policy (key, lock, isolation) and result storage."""
+    return step_task.with_options(
+        name=step.stage,
+        task_run_name=f"{step.name}-{step.version}",
+        cache_policy=step_cache_policy(store),
+        result_storage=result_storage(store),
+        refresh_cache=forced or None,
+    )
 
 
-def _drop_stale_record(store: Store, step: Step) -> None:
-    """A Prefect result record whose output folder was deleted must not count as a cache hit."""
+def prepare(step: Step, store: Store, forced: bool) -> None:
+    """Before a step is submitted: what the store holds for it may only be a hit if it is whole.
+
+    A forced step loses its output; a Prefect record whose output folder is gone is dropped, so it
+    cannot count as a cache hit."""
+    if forced:
+        store.unpublish(step.stage, step.version)
+    if forced or not store.is_done(step.stage, step.version):
+        drop_result_record(store, step)
+
+
+def drop_result_record(store: Store, step: Step) -> None:
     if store.is_local:
         (store.local_root / ".prefect-results" / step.key).unlink(missing_ok=True)
     else:

@@ -19,6 +19,17 @@ from tasks.engine.versioning import step_version
 
 
 @dataclass(frozen=True)
+class Shown:
+    """Something a step wants shown beside its task in the Prefect UI, as plain data: the runner
+    publishes it once the output is in the store (stage bodies never talk to Prefect)."""
+
+    kind: str  # "table" (content: list of row dicts), "markdown" (text), "image" (a PNG file in the output)
+    name: str  # short, e.g. "results"; the artifact key is `<stage>-<name>-<version>`
+    content: Any
+    description: str = ""
+
+
+@dataclass(frozen=True)
 class StepContext:
     """What a stage body gets: where to write, where its inputs are, and how to report."""
 
@@ -29,10 +40,23 @@ class StepContext:
     work_dir: Path  # stable per version, survives a crash (checkpoints); removed once published
     log: logging.Logger
     workers: int = 1  # parallelism for this run; never changes the bytes of the output
+    shown: list[Shown] = field(default_factory=list)  # filled by `show`, published by the runner
+    on_progress: Callable[[int, int], None] | None = None  # installed by the runner
 
     @property
     def config(self) -> Any:
         return self.step.config
+
+    def show(self, kind: str, name: str, content: Any, description: str = "") -> None:
+        """Ask for a table, markdown text or image (a file name in `out`) beside the step's task."""
+        if kind not in ("table", "markdown", "image"):
+            raise ValueError(f"cannot show a {kind!r}: use table, markdown or image")
+        self.shown.append(Shown(kind, name, content, description))
+
+    def progress(self, done: int, total: int) -> None:
+        """Report `done` of `total` units (training steps, shards): a progress artifact in the UI."""
+        if self.on_progress is not None:
+            self.on_progress(done, total)
 
 
 StageBody = Callable[[StepContext], dict]

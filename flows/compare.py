@@ -1,0 +1,99 @@
+"""`kiln compare`: one row per variant (or sweep run) with its key results, read from the store.
+
+A row is a train step of the experiment with what its variant changed, the train step's numbers
+(final losses, parameters, tokens, seconds), every metric of the evaluate step that scored it, and
+the seconds of every step in the variant's branch. A variant whose steps are not in the store
+yet shows `missing`, never zeros.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+
+from flows.experiment import Experiment
+from tasks.engine.step import Step
+from tasks.engine.store import Store
+
+TRAIN_KEYS = ["final_loss", "final_val_loss", "params", "tokens"]
+NOT_METRICS = {"seconds", "table", "heldout_tokens", "suite_examples"}
+MISSING = "missing"
+
+
+def comparison(experiment: Experiment, store: Store) -> list[dict]:
+    """The compare table as rows of plain values (None where a variant has no such result)."""
+    rows = []
+    for variant, branch in experiment.branches.items():
+        steps = experiment.branch_steps(variant)
+        trains = [s for s in steps if s.stage == "train"]
+        for train in trains:
+            label = variant or experiment.name
+            if len(trains) > 1:  # a sweep: one row per run
+                label = f"{label}:{train.name.split('/', 1)[-1]}" if variant else train.name.split("/", 1)[-1]
+            rows.append(_row(label, branch.overrides, train, _evaluation_of(train, steps), steps, store))
+    return rows
+
+
+def _evaluation_of(train: Step, steps: list[Step]) -> Step | None:
+    return next((s for s in steps if s.stage == "evaluate" and s.inputs["model"].key == train.key), None)
+
+
+def _row(label: str, overrides: dict, train: Step, evaluation: Step | None, steps: list[Step], store: Store) -> dict:
+    row: dict = {"variant": label, "overrides": ", ".join(f"{k}={json.dumps(v)}" for k, v in overrides.items()),
+                 "train_version": train.version}
+    done = store.is_done(train.stage, train.version)
+    stats = store.read_lineage(train.stage, train.version)["stats"] if done else {}
+    row.update({k: stats.get(k) for k in TRAIN_KEYS})
+    row["train_seconds"] = stats.get("seconds")
+    if evaluation is not None and store.is_done(evaluation.stage, evaluation.version):
+        scores = store.read_lineage(evaluation.stage, evaluation.version)["stats"]
+        row.update({k: v for k, v in scores.items() if _is_metric(k, v)})
+    seconds = [store.read_lineage(s.stage, s.version)["stats"].get("seconds", 0.0)
+               for s in steps if store.is_done(s.stage, s.version)]
+    row["branch_seconds"] = round(sum(seconds), 1) if len(seconds) == len(steps) else None
+    row["status"] = "done" if done and (evaluation is None or store.is_done(evaluation.stage, evaluation.version)) \
+        else MISSING
+    return row
+
+
+def _is_metric(key: str, value) -> bool:
+    return (key not in NOT_METRICS and not key.endswith("_examples") and isinstance(value, (int, float))
+            and not isinstance(value, bool))
+
+
+def columns(rows: list[dict]) -> list[str]:
+    """Every key any row has, in first-seen order (rows of missing variants have fewer)."""
+    return list(dict.fromkeys(k for r in rows for k in r))
+
+
+def cells(rows: list[dict]) -> list[list[str]]:
+    cols = columns(rows)
+    return [[_cell(r.get(c)) for c in cols] for r in rows]
+
+
+def _cell(value) -> str:
+    if value is None:
+        return MISSING
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def metric_plot(rows: list[dict], metric: str) -> bytes | None:
+    """A bar chart (PNG) of one metric per variant; None when no variant has it yet."""
+    points = [(r["variant"], r[metric]) for r in rows if isinstance(r.get(metric), (int, float))]
+    if not points:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(4, 1.2 * len(points)), 3.2))
+    ax.bar([p[0] for p in points], [p[1] for p in points], color="#4a7ab0")
+    ax.set_ylabel(metric)
+    ax.set_title(f"{metric} per variant")
+    ax.tick_params(axis="x", labelrotation=30)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    return buf.getvalue()

@@ -1,0 +1,121 @@
+"""The one executor: run a graph of steps, each as soon as its inputs are done.
+
+Every step whose inputs have finished is submitted, up to `max_concurrent` at once, as the same
+cached Prefect task (tasks/engine/runner.py), with its inputs' futures as `wait_for`, so the
+flow-run page draws each step with arrows to its inputs. Heavy work runs in Ray (training) or in
+Ray workers (data stages with workers > 1), so the flow's threads only wait. A failed step fails
+the steps that depend on it (reported `not run`, with the reason) and independent branches go on;
+the caller decides what a failure means for the run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+from prefect.futures import as_completed
+from prefect.utilities.annotations import quote
+
+from tasks.engine.runner import StepRun, configured_task, prepare
+from tasks.engine.step import Step
+from tasks.engine.store import Store
+
+
+class MissingInput(RuntimeError):
+    """A step needs an output that is neither in this run nor in the store."""
+
+
+def execute(steps: list[Step], store: Store, *, max_concurrent: int = 1, workers: int = 1,
+            force: frozenset[str] = frozenset()) -> list[StepRun]:
+    """Run `steps` (upstream first; a step's inputs outside the list must already be in the store),
+    each once per version. Returns how each went, in the order given.
+
+    `force` names stages (or step names) to recompute even if their version exists.
+    """
+    graph = {s.key: s for s in steps}  # one step per version, whichever variant named it first
+    order = list(graph.values())
+    needs = {k: [u.key for u in s.inputs.values() if u.key in graph] for k, s in graph.items()}
+    for step in order:
+        for name, upstream in step.inputs.items():
+            if upstream.key not in graph and not store.is_done(upstream.stage, upstream.version):
+                raise MissingInput(f"{step.name} needs its input {name!r} ({upstream.stage}/{upstream.version}), "
+                                   f"which is neither in this run nor in the store {store.root}: run it first")
+
+    finished: dict[str, StepRun] = {}
+    futures: dict[str, object] = {}  # key -> future, for wait_for edges
+    running: dict[object, tuple[Step, float]] = {}
+    waiting = list(order)
+    with _shared_ray(order, store, max_concurrent, workers):
+        while waiting or running:
+            for step in list(waiting):
+                failed = next((k for k in needs[step.key] if finished.get(k) and finished[k].status in
+                               ("failed", "not run")), None)
+                if failed is not None:
+                    waiting.remove(step)
+                    finished[step.key] = StepRun(step.name, step.stage, step.version, "not run", 0.0,
+                                                 store.output(step.stage, step.version),
+                                                 error=f"its input {graph[failed].name} {finished[failed].status}")
+            for step in list(waiting):
+                if len(running) >= max_concurrent:
+                    break
+                if all(k in finished for k in needs[step.key]):
+                    waiting.remove(step)
+                    future = _submit(step, store, workers, [futures[k] for k in needs[step.key]], force)
+                    futures[step.key] = future
+                    running[future] = (step, time.perf_counter())
+            if not running:
+                break
+            future = next(as_completed(list(running)))
+            step, t0 = running.pop(future)
+            finished[step.key] = _outcome(step, future, store, round(time.perf_counter() - t0, 2))
+    return [finished[s.key] for s in order]
+
+
+def _submit(step: Step, store: Store, workers: int, wait_for: list, force: frozenset[str]):
+    forced = step.stage in force or step.name in force
+    prepare(step, store, forced)
+    return configured_task(step, store, forced).submit(step.key, quote(step), store.root, workers,
+                                                       wait_for=wait_for)
+
+
+def _outcome(step: Step, future, store: Store, seconds: float) -> StepRun:
+    path = store.output(step.stage, step.version)
+    try:
+        record = future.result()  # raises the step's error if it failed
+    except Exception as e:
+        return StepRun(step.name, step.stage, step.version, "failed", seconds, path, error=str(e))
+    status = "cached" if future.state.name == "Cached" else "ran"  # after result(): the final state
+    return StepRun(step.name, step.stage, step.version, status, seconds, path, record["stats"])
+
+
+def failures(runs: list[StepRun]) -> list[StepRun]:
+    return [r for r in runs if r.status in ("failed", "not run")]
+
+
+@contextlib.contextmanager
+def _shared_ray(steps: list[Step], store: Store, max_concurrent: int, workers: int):
+    """With several steps at once, one Ray for all of them, started before any: a step that
+    started its own would shut it down under the others when it finishes. Sized so that
+    `max_concurrent` of the largest Ray request fit (logical CPUs: Ray shares out, it does not pin)."""
+    to_run = [s for s in steps if not store.is_done(s.stage, s.version)]
+    cpus = [_ray_cpus(s) for s in to_run]
+    if max_concurrent <= 1 or not (any(cpus) or (workers > 1 and to_run)):
+        yield
+        return
+    import ray
+
+    from tasks.engine.parallel import ensure_ray
+
+    started = not ray.is_initialized()
+    ensure_ray(max_concurrent * max([*cpus, workers, 1]))
+    try:
+        yield
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def _ray_cpus(step: Step) -> int:
+    """The CPUs a step asks Ray for: its hosts x CPUs per host, if it trains (0 if it does not)."""
+    resources = getattr(step.config, "resources", None)
+    return resources.hosts * resources.cpus_per_host if resources is not None else 0
