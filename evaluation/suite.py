@@ -28,7 +28,7 @@ import numpy as np
 import yaml
 from pydantic import Field, model_validator
 
-from training.config import ConfigModel
+from training.config import ConfigModel, Seed
 
 SUITE_TASKS = ("next_passage", "last_word")
 TASK_PREFIX = "kiln_"  # lm-eval task names; keeps clear of lm-eval's own task names
@@ -44,7 +44,7 @@ class SuiteConfig(ConfigModel):
     choice_words: int = Field(16, ge=1)
     num_choices: int = Field(4, ge=2)
     min_target_chars: int = Field(3, ge=1)  # last_word: shorter target words are skipped
-    seed: int = 0
+    seed: Seed = 0
 
     @model_validator(mode="after")
     def _check(self) -> "SuiteConfig":

@@ -42,7 +42,7 @@ from pydantic import Field, model_validator
 
 from tasks.engine.documents import read_documents
 from tasks.tokenize import is_validation
-from training.config import ConfigModel
+from training.config import ConfigModel, Seed
 from training.posttrain import check_messages
 
 if TYPE_CHECKING:
@@ -65,7 +65,7 @@ class ChatDataConfig(ConfigModel):
     # metadata field (the Bible corpora's `title`: the book) it comes from. None: continuations only.
     label_field: str | None = "title"
     label_question: str = "Which book is this passage from?"
-    seed: int = 0
+    seed: Seed = 0
 
     @model_validator(mode="after")
     def _check(self) -> "ChatDataConfig":

@@ -36,7 +36,7 @@ from pydantic import model_validator
 from tasks.engine.documents import list_shards, read_shard
 from tasks.engine.judging import (DEFAULT_MAX_DOC_BYTES, Judge, ShardJob, Verdict, bad_document, judge_shard,
                                   merge_stats, run_map)
-from training.config import ConfigModel, setting
+from training.config import ConfigModel, Count, OpenFraction, Seed, setting
 
 if TYPE_CHECKING:  # tasks.engine.step loads Prefect (seconds), which Ray workers running this module never need
     from tasks.engine.step import Step, StepContext
@@ -50,12 +50,12 @@ class MinHashConfig(ConfigModel):
     """Word n-gram MinHash with LSH banding. `bands * rows` of the `num_perm` values form the
     bands; all `num_perm` estimate the Jaccard similarity that a candidate pair must reach."""
 
-    ngram: int = 5
-    num_perm: int = 128
-    bands: int = 14
-    rows: int = 8
-    threshold: float = 0.8
-    seed: int = 0
+    ngram: Count = 5
+    num_perm: Count = 128
+    bands: Count = 14
+    rows: Count = 8
+    threshold: OpenFraction = 0.8
+    seed: Seed = 0
 
     @model_validator(mode="after")
     def _fits(self) -> "MinHashConfig":
@@ -68,9 +68,9 @@ class DedupConfig(ConfigModel):
     exact: bool = True  # drop documents whose normalised text equals an earlier one's
     minhash: MinHashConfig | None = MinHashConfig()  # None: no fuzzy dedup
     paragraphs: bool = False  # also drop each line already seen in an earlier kept document
-    max_doc_bytes: int = DEFAULT_MAX_DOC_BYTES
+    max_doc_bytes: Count = DEFAULT_MAX_DOC_BYTES
     strict: bool = False
-    workers: int | None = setting(None)
+    workers: Count | None = setting(None)
 
 
 # --- hashing ----------------------------------------------------------------------------------

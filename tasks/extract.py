@@ -21,7 +21,7 @@ from resiliparse.extract.html2text import extract_plain_text
 from resiliparse.parse.html import HTMLParserException
 
 from tasks.engine.judging import DEFAULT_MAX_DOC_BYTES, Judge, Verdict, run_judged
-from training.config import ConfigModel, setting
+from training.config import ConfigModel, Count, Fraction, setting
 
 if TYPE_CHECKING:  # tasks.engine.step loads Prefect (seconds), which Ray workers running this module never need
     from tasks.engine.step import Step, StepContext
@@ -41,10 +41,10 @@ class ExtractConfig(ConfigModel):
     preserve_formatting: bool = True  # keep paragraph and line breaks
     list_bullets: bool = True
     alt_texts: bool = False
-    max_replacement_fraction: float = 0.01  # more U+FFFD than this: dropped as bad_charset
-    max_doc_bytes: int = DEFAULT_MAX_DOC_BYTES
+    max_replacement_fraction: Fraction = 0.01  # more U+FFFD than this: dropped as bad_charset
+    max_doc_bytes: Count = DEFAULT_MAX_DOC_BYTES
     strict: bool = False
-    workers: int | None = setting(None)
+    workers: Count | None = setting(None)
 
 
 def is_html(doc: dict) -> bool:

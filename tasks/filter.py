@@ -19,7 +19,7 @@ import numpy as np
 from pydantic import field_validator
 
 from tasks.engine.judging import DEFAULT_MAX_DOC_BYTES, Judge, Verdict, run_judged
-from training.config import ConfigModel, setting
+from training.config import ConfigModel, Count, Fraction, NonNegative, NonNegativeFloat, Positive, setting
 
 if TYPE_CHECKING:  # tasks.engine.step loads Prefect (seconds), which Ray workers running this module never need
     from tasks.engine.step import Step, StepContext
@@ -39,23 +39,23 @@ class HeuristicsConfig(ConfigModel):
     """
 
     enabled: bool = True
-    min_words: int = 50
-    max_words: int = 100_000
-    min_mean_word_length: float = 3.0
-    max_mean_word_length: float = 10.0
-    max_symbol_word_ratio: float = 0.1  # '#' and '...' each, per word
-    max_bullet_lines_fraction: float = 0.9
-    max_ellipsis_lines_fraction: float = 0.3
-    min_alpha_words_fraction: float = 0.8  # of white-space tokens holding a letter
+    min_words: NonNegative = 50
+    max_words: Count = 100_000
+    min_mean_word_length: NonNegativeFloat = 3.0
+    max_mean_word_length: Positive = 10.0
+    max_symbol_word_ratio: NonNegativeFloat = 0.1  # '#' and '...' each, per word
+    max_bullet_lines_fraction: Fraction = 0.9
+    max_ellipsis_lines_fraction: Fraction = 0.3
+    min_alpha_words_fraction: Fraction = 0.8  # of white-space tokens holding a letter
     stop_words: tuple[str, ...] = ("the", "be", "to", "of", "and", "that", "have", "with")
-    min_stop_words: int = 2
-    max_duplicate_lines_fraction: float = 0.3
-    max_duplicate_paragraphs_fraction: float = 0.3
-    max_duplicate_line_chars_fraction: float = 0.2
-    max_duplicate_paragraph_chars_fraction: float = 0.2
+    min_stop_words: NonNegative = 2
+    max_duplicate_lines_fraction: Fraction = 0.3
+    max_duplicate_paragraphs_fraction: Fraction = 0.3
+    max_duplicate_line_chars_fraction: Fraction = 0.2
+    max_duplicate_paragraph_chars_fraction: Fraction = 0.2
     # Characters in the most frequent n-gram, and in all repeated n-grams, per n.
-    max_top_ngram_chars_fraction: dict[int, float] = {2: 0.20, 3: 0.18, 4: 0.16}
-    max_duplicate_ngram_chars_fraction: dict[int, float] = {
+    max_top_ngram_chars_fraction: dict[Count, Fraction] = {2: 0.20, 3: 0.18, 4: 0.16}
+    max_duplicate_ngram_chars_fraction: dict[Count, Fraction] = {
         5: 0.15, 6: 0.14, 7: 0.13, 8: 0.12, 9: 0.11, 10: 0.10}
     drop_lorem_ipsum: bool = True  # C4
     drop_curly_bracket: bool = False  # C4 drops pages with '{' (kills code); off by default
@@ -198,7 +198,7 @@ class LanguageConfig(ConfigModel):
 
     enabled: bool = True
     keep: tuple[str, ...] = ("en",)
-    threshold: float = 0.65
+    threshold: Fraction = 0.65
 
 
 def lid_model_path() -> Path:
@@ -233,9 +233,9 @@ def detect_language(text: str) -> tuple[str, float]:
 class FilterConfig(ConfigModel):
     heuristics: HeuristicsConfig = HeuristicsConfig()
     language: LanguageConfig = LanguageConfig()
-    max_doc_bytes: int = DEFAULT_MAX_DOC_BYTES
+    max_doc_bytes: Count = DEFAULT_MAX_DOC_BYTES
     strict: bool = False  # bad input is an error naming file and line instead of a counted drop
-    workers: int | None = setting(None)  # None: the runner's worker count
+    workers: Count | None = setting(None)  # None: the runner's worker count
 
 
 def _rounded(scores: dict) -> dict:

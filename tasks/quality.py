@@ -38,7 +38,8 @@ from tasks.engine.documents import list_shards, read_documents, read_shard, writ
 from tasks.engine.judging import (DEFAULT_MAX_DOC_BYTES, Judge, ShardJob, Verdict, bad_document, judge_shard,
                                   merge_stats, run_map)
 from tasks.filter import load_fasttext
-from training.config import ConfigModel, setting
+from training.config import (ConfigModel, Count, Fraction, HalfOpenFraction, NonNegative, OpenFraction, Positive,
+                             Seed, setting)
 
 if TYPE_CHECKING:  # tasks.engine.step loads Prefect (seconds), which Ray workers running this module never need
     from tasks.engine.step import Step, StepContext
@@ -98,16 +99,16 @@ class QualityClassifierConfig(ConfigModel):
 
     positive_paths: tuple[str, ...] = ()
     negative_paths: tuple[str, ...] = ()
-    max_docs_per_class: int = 20_000  # the first ones, in input order
-    max_words: int = 500  # of each document
-    holdout_fraction: float = 0.1
-    dim: int = 32
-    bucket: int = 200_000
-    word_ngrams: int = 2
-    epoch: int = 5
-    lr: float = 0.5  # at 0.1 it stayed at chance on KJV against shuffled KJV (only bigrams differ)
-    min_count: int = 1
-    seed: int = 0
+    max_docs_per_class: Count = 20_000  # the first ones, in input order
+    max_words: Count = 500  # of each document
+    holdout_fraction: HalfOpenFraction = 0.1
+    dim: Count = 32
+    bucket: NonNegative = 200_000
+    word_ngrams: Count = 2
+    epoch: Count = 5
+    lr: Positive = 0.5  # at 0.1 it stayed at chance on KJV against shuffled KJV (only bigrams differ)
+    min_count: Count = 1
+    seed: Seed = 0
 
 
 def _examples(ctx: StepContext, which: str, paths: tuple[str, ...], bad: Counter) -> Iterator[dict]:
@@ -215,19 +216,17 @@ def train_quality_classifier_step(config: QualityClassifierConfig, *, positive: 
 class QualityFilterConfig(ConfigModel):
     """Keep documents with P(hq) >= `threshold`, or the top `keep_fraction` of them (ties by order)."""
 
-    threshold: float | None = None
-    keep_fraction: float | None = None
-    batch_size: int = setting(512)  # documents per fastText call
-    max_doc_bytes: int = DEFAULT_MAX_DOC_BYTES
+    threshold: Fraction | None = None
+    keep_fraction: OpenFraction | None = None
+    batch_size: Count = setting(512)  # documents per fastText call
+    max_doc_bytes: Count = DEFAULT_MAX_DOC_BYTES
     strict: bool = False
-    workers: int | None = setting(None)
+    workers: Count | None = setting(None)
 
     @model_validator(mode="after")
     def _one_rule(self) -> "QualityFilterConfig":
         if (self.threshold is None) == (self.keep_fraction is None):
             raise ValueError("set exactly one of threshold or keep_fraction for quality_filter")
-        if self.keep_fraction is not None and not 0 < self.keep_fraction <= 1:
-            raise ValueError(f"keep_fraction must be in (0, 1], got {self.keep_fraction}")
         return self
 
 
@@ -294,9 +293,9 @@ def quality_filter_step(config: QualityFilterConfig, *, documents: Step, classif
 class NegativeExamplesConfig(ConfigModel):
     """Negatives for the classifier: each document with its words shuffled."""
 
-    seed: int = 0
-    max_doc_bytes: int = DEFAULT_MAX_DOC_BYTES
-    workers: int | None = setting(None)
+    seed: Seed = 0
+    max_doc_bytes: Count = DEFAULT_MAX_DOC_BYTES
+    workers: Count | None = setting(None)
 
 
 def shuffle_words(doc: dict, seed: int) -> dict:

@@ -33,7 +33,7 @@ from tokenizers import Tokenizer
 from tasks.engine.documents import list_shards, read_shard
 from tasks.engine.parallel import map_shards
 from tasks.tokenizer import load_tokenizer, read_tokenizer_meta
-from training.config import ConfigModel, setting
+from training.config import ConfigModel, Count, setting
 from training.data import unigram_entropy
 
 if TYPE_CHECKING:  # tasks.engine.step imports Prefect (seconds); Ray workers that import this module skip it
@@ -50,7 +50,7 @@ CHUNK_CHARS = 2_000_000
 
 class TokenizeConfig(ConfigModel):
     validation_fraction: float = Field(0.01, ge=0.0, le=1.0)  # of documents, chosen by id hash
-    workers: int | None = setting(None)  # shards tokenized at once; None: the run's worker count
+    workers: Count | None = setting(None)  # shards tokenized at once; None: the run's worker count
 
 
 def is_validation(doc_id: str, fraction: float) -> bool:

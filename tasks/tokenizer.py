@@ -25,7 +25,7 @@ from pydantic import model_validator
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from tasks.engine.documents import read_documents
-from training.config import ConfigModel
+from training.config import ConfigModel, Count
 
 if TYPE_CHECKING:  # tasks.engine.step imports Prefect (seconds); Ray workers that import this module skip it
     from tasks.engine.step import Step, StepContext
@@ -48,8 +48,8 @@ class TokenizerConfig(ConfigModel):
     """
 
     kind: Literal["gpt2", "bpe"] = "gpt2"
-    vocab_size: int | None = None  # bpe only (special tokens and the 256 bytes included)
-    min_frequency: int = 2  # bpe only: a pair merges only if seen at least this often
+    vocab_size: Count | None = None  # bpe only (special tokens and the 256 bytes included)
+    min_frequency: Count = 2  # bpe only: a pair merges only if seen at least this often
     special_tokens: tuple[str, ...] = (GPT2_EOS,)
     eos_token: str = GPT2_EOS  # put between documents by the tokenize step
     bos_token: str | None = None  # put before each document when set

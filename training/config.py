@@ -8,15 +8,30 @@ rules: frozen (a config is a value, so it can be hashed into a version), unknown
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class ConfigModel(BaseModel):
-    """Base of every config: frozen, strict about unknown fields, and hashable into a version."""
+    """Base of every config: frozen, strict about unknown fields, and hashable into a version.
+    No float may be NaN or infinite (a version cannot hash one, and no stage means one)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+
+# The ranges numeric config fields declare, so a wrong value is an error naming its field when
+# the config is loaded, not a crash (or a silently useless run) minutes later. The reference
+# (docs/configuration.md) prints each field's range.
+Count = Annotated[int, Field(ge=1)]  # sizes, steps, intervals, workers: at least one
+NonNegative = Annotated[int, Field(ge=0)]
+Seed = Annotated[int, Field(ge=0, lt=2**31)]  # what every RNG kiln seeds (numpy, JAX, fastText) takes
+Positive = Annotated[float, Field(gt=0)]
+NonNegativeFloat = Annotated[float, Field(ge=0)]
+Fraction = Annotated[float, Field(ge=0, le=1)]
+OpenFraction = Annotated[float, Field(gt=0, le=1)]  # (0, 1]: a share that cannot be empty
+HalfOpenFraction = Annotated[float, Field(ge=0, lt=1)]  # [0, 1): a share that cannot be everything
+Beta = Annotated[float, Field(ge=0, lt=1)]  # Adam's moment decay rates
 
 
 def setting(default: Any = ..., **kwargs: Any) -> Any:
@@ -45,17 +60,17 @@ def is_identity(model: type[BaseModel], name: str) -> bool:
 class ModelConfig(ConfigModel):
     """A Llama-style decoder. `vocab_size` is filled from the tokenizer by the pipeline."""
 
-    vocab_size: int = 50257
-    d_model: int = 128
-    n_layers: int = 4
-    n_heads: int = 4
-    n_kv_heads: int = 2  # grouped-query attention: n_heads / n_kv_heads query heads share a K/V head
-    d_ff: int = 352  # SwiGLU hidden width (Llama uses ~8/3 d_model, rounded)
-    seq_len: int = 256
-    rope_theta: float = 10000.0
+    vocab_size: Count = 50257
+    d_model: Count = 128
+    n_layers: Count = 4
+    n_heads: Count = 4
+    n_kv_heads: Count = 2  # grouped-query attention: n_heads / n_kv_heads query heads share a K/V head
+    d_ff: Count = 352  # SwiGLU hidden width (Llama uses ~8/3 d_model, rounded)
+    seq_len: Count = 256
+    rope_theta: Positive = 10000.0
     tie_embeddings: bool = True
-    norm_eps: float = 1e-5
-    init_std: float = 0.02
+    norm_eps: Positive = 1e-5
+    init_std: Positive = 0.02
     # Activations and matmuls run in this dtype; parameters and optimizer state stay float32.
     # Identity: bfloat16 changes the bytes of the result.
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -85,34 +100,34 @@ class MeshConfig(ConfigModel):
     """
 
     strategy: Literal["dp", "fsdp"] = "fsdp"
-    model: int = 1
+    model: Count = 1
 
 
 class TrainConfig(ConfigModel):
     """The optimisation recipe. `batch_size` is global (sequences per step, over all hosts)."""
 
-    batch_size: int = 16
-    microbatches: int = 1  # gradient accumulation: the batch is split into this many parts
-    steps: int = 300
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1  # the schedule ends at lr * min_lr_ratio
-    warmup: int = 30
+    batch_size: Count = 16
+    microbatches: Count = 1  # gradient accumulation: the batch is split into this many parts
+    steps: Count = 300
+    lr: Positive = 3e-3
+    min_lr_ratio: Fraction = 0.1  # the schedule ends at lr * min_lr_ratio
+    warmup: NonNegative = 30
     schedule: Literal["cosine", "wsd"] = "cosine"
-    decay_fraction: float = 0.2  # WSD: the last fraction of steps decays linearly to min_lr
-    weight_decay: float = 0.1  # applied to matrices only, never to norms
-    grad_clip: float = 1.0  # global-norm clipping; 0 turns it off
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    seed: int = 0
-    eval_batches: int = 4  # validation batches per evaluation (changes the reported val loss)
-    checkpoint_every: int = setting(100)
-    log_every: int = setting(10)
-    eval_every: int = setting(50)  # only when validation is measured; never changes parameters
+    decay_fraction: OpenFraction = 0.2  # WSD: the last fraction of steps decays linearly to min_lr
+    weight_decay: NonNegativeFloat = 0.1  # applied to matrices only, never to norms
+    grad_clip: NonNegativeFloat = 1.0  # global-norm clipping; 0 turns it off
+    beta1: Beta = 0.9
+    beta2: Beta = 0.95
+    eps: Positive = 1e-8
+    seed: Seed = 0
+    eval_batches: Count = 4  # validation batches per evaluation (changes the reported val loss)
+    checkpoint_every: Count = setting(100)
+    log_every: Count = setting(10)
+    eval_every: Count = setting(50)  # only when validation is measured; never changes parameters
     mesh: MeshConfig = setting(MeshConfig())
     # Device peak FLOP/s for MFU; None: the declared peak of a known accelerator, or the measured
     # float32 matmul peak on CPU.
-    peak_flops: float | None = setting(None)
+    peak_flops: Positive | None = setting(None)
 
     @model_validator(mode="after")
     def _check(self) -> "TrainConfig":
@@ -120,19 +135,17 @@ class TrainConfig(ConfigModel):
             raise ValueError(f"batch_size={self.batch_size} must be divisible by microbatches={self.microbatches}")
         if self.warmup >= self.steps:
             raise ValueError(f"warmup={self.warmup} must be shorter than steps={self.steps}")
-        if not 0 < self.decay_fraction <= 1:
-            raise ValueError(f"decay_fraction={self.decay_fraction} must be in (0, 1]")
         return self
 
 
 class ResourcesConfig(ConfigModel):
     """Where training runs. None of it changes what is learned, so none of it is identity."""
 
-    hosts: int = setting(1)  # one Ray task per host, all joined in one JAX distributed runtime
-    cpus_per_host: int = setting(2)
-    gpus_per_host: int = setting(0)
+    hosts: Count = setting(1)  # one Ray task per host, all joined in one JAX distributed runtime
+    cpus_per_host: Count = setting(2)
+    gpus_per_host: NonNegative = setting(0)
     tpu_hosts: bool = setting(False)  # ask Ray for the host's TPU chips ("TPU" resource)
-    tpus_per_host: int = setting(4)
+    tpus_per_host: Count = setting(4)
     ray_address: str | None = setting(None)  # None: RAY_ADDRESS, else a local Ray in-process
     # Set XLA's deterministic GPU ops (--xla_gpu_deterministic_ops=true): slower scatters,
     # bitwise-reproducible runs on the same GPU type.

@@ -55,7 +55,8 @@ from pathlib import Path
 import numpy as np
 from pydantic import Field, model_validator
 
-from training.config import ConfigModel, ModelConfig, TrainConfig, setting
+from training.config import (Beta, ConfigModel, Count, Fraction, HalfOpenFraction, ModelConfig, NonNegativeFloat,
+                             Positive, Seed, TrainConfig, setting)
 from training.model import flops_per_token
 
 
@@ -73,7 +74,7 @@ class FitError(ValueError):
 class ScalingConfig(ConfigModel):
     """The sweep: budgets, and the rules that turn a (budget, size) into a model and a recipe."""
 
-    budgets: list[float] = Field(min_length=1, description="Training FLOP budgets C, e.g. [1e11, 2e11].")
+    budgets: list[Positive] = Field(min_length=1, description="Training FLOP budgets C, e.g. [1e11, 2e11].")
     shapes_per_budget: int = Field(5, ge=3, description="Sizes trained per budget (the isoFLOP curve).")
     # Where to look, not what to find: Hoffmann et al. had D/N ~ 20 and N_opt ~ C^0.5 at 1e18+ FLOPs.
     # The defaults centre the CPU sweep (pilot runs on KJV put N_opt near 2e4 at 3.5e10-1.4e11 FLOPs).
@@ -83,30 +84,30 @@ class ScalingConfig(ConfigModel):
     min_steps: int = Field(20, ge=2)
     max_size: int = Field(24, ge=2, description="Largest size index k on the ladder.")
     # shape rule
-    width_step: int = 4
-    aspect: float = 48.0  # d_model / n_layers, once past min_layers
-    min_layers: int = 2
-    head_dim: int = 4
+    width_step: Count = 4
+    aspect: Positive = 48.0  # d_model / n_layers, once past min_layers
+    min_layers: Count = 2
+    head_dim: Count = 4
     tie_embeddings: bool = False
     # init_std = init_scale / sqrt(d_model). ModelConfig's 0.02 suits d_model ~ 1000; at d_model
     # 8-40 it is ~10x below 1/sqrt(fan_in), and runs of few steps then lost a varying part of them
     # near the unigram loss before learning (measured: +0.18 bits/byte on one run of 325 steps).
     # None: ModelConfig's init_std.
-    init_scale: float | None = 0.5
-    seq_len: int = 64
+    init_scale: Positive | None = 0.5
+    seq_len: Count = 64
     # batch rule
-    batch_ref: int = 32
-    budget_ref: float = 1e12
-    batch_exponent: float = 0.33
+    batch_ref: Count = 32
+    budget_ref: Positive = 1e12
+    batch_exponent: Fraction = 0.33
     batch_multiple: int = Field(1, ge=1, description="e.g. the number of data-parallel devices")
     # learning-rate rule
-    lr_ref: float = 5e-3
-    width_ref: int = 128
-    lr_max: float = 2e-2
-    warmup_fraction: float = 0.05
-    weight_decay: float = 0.1
-    beta2: float = 0.95
-    seed: int = 0
+    lr_ref: Positive = 5e-3
+    width_ref: Count = 128
+    lr_max: Positive = 2e-2
+    warmup_fraction: HalfOpenFraction = 0.05
+    weight_decay: NonNegativeFloat = 0.1
+    beta2: Beta = 0.95
+    seed: Seed = 0
     # fit
     min_points: int = Field(4, ge=3, description="Runs a budget needs to be fitted (3 fit a parabola "
                                                   "exactly; the 4th gives its uncertainty).")
