@@ -26,6 +26,29 @@ os.environ.setdefault("HF_HOME", str(Path(os.environ.get("TMPDIR", "/tmp")) / "k
 REPO = Path(__file__).resolve().parent.parent
 
 
+def pytest_configure(config):
+    """Whatever a test starts (servers, Ray nodes, kiln runs) ends when this pytest process does,
+    even when it is killed or a timeout ends it without running fixture finalizers."""
+    from training.reaper import watch_this_process
+
+    watch_this_process()
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float = 30) -> None:
+    """Stop a process started with start_new_session=True and everything in its group: SIGTERM,
+    then SIGKILL after `grace_s` (a Prefect server or `kiln serve` can hang on SIGTERM)."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 30)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=wait_s)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    with contextlib.suppress(ProcessLookupError):  # the leader is gone; anything left in its group
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
 @pytest.fixture(scope="session")
 def prefect_harness():
     """One Prefect test server for the whole session (starting one costs ~10 s)."""

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import re
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -15,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import REPO, free_port
+from tests.conftest import REPO, free_port, stop_group
 
 
 def wait_for(predicate, timeout: float, what: str):
@@ -51,8 +50,7 @@ def prefect_server(tmp_path):
         wait_for(healthy, 180, "the Prefect server")
         yield env
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=60)
+        stop_group(proc)
         log.close()
 
 
@@ -141,8 +139,7 @@ def test_serve_trigger_pipeline_then_cached_and_data_refresh(tmp_path, prefect_s
         assert states.pop("tokenizer") == "Cached"
         assert set(states.values()) == {"Completed"} and "acquire" in states, states
     finally:
-        os.killpg(serve.pid, signal.SIGTERM)
-        serve.wait(timeout=60)
+        stop_group(serve)
         serve_log.close()
 
 

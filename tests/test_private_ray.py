@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import REPO, _wait_for_port, free_port
+from tests.conftest import REPO, _wait_for_port, free_port, stop_group
 
 
 @pytest.fixture
@@ -87,12 +87,13 @@ def test_beside_a_foreign_ray_head_kiln_starts_its_own_on_loopback(ray_tmp, tmp_
          "--disable-usage-stats", "--block"],
         cwd=REPO, env={**env, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"},
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    with stopped_on_exit(head):
-        _wait_for_port(port, head)
+    try:
+        _wait_for_port(port, head, timeout_s=300)
         address_file = ray_tmp / "ray" / "ray_current_cluster"
-        for _ in range(360):  # written once the node is up (half a minute on a busy machine)
-            if address_file.exists():
-                break
+        deadline = time.monotonic() + 300  # written once the node is up: minutes on a busy machine
+        while not address_file.exists():
+            assert head.poll() is None and time.monotonic() < deadline, \
+                f"ray start: no {address_file}: {head.stdout.read()[-3000:] if head.poll() is not None else 'still starting'}"
             time.sleep(0.5)
         recorded = address_file.read_text()
         assert recorded.strip() == f"127.0.0.1:{port}"  # what a bare ray.init() would attach to
@@ -110,6 +111,8 @@ def test_beside_a_foreign_ray_head_kiln_starts_its_own_on_loopback(ray_tmp, tmp_
         assert all(psutil.pid_exists(pid) and psutil.Process(pid).create_time() == t for pid, t in foreign.items())
         assert address_file.read_text() == recorded
         assert head.poll() is None
+    finally:
+        stop_group(head)  # `ray start --block` stops its node on SIGTERM
 
 
 def test_beside_a_stale_ray_address_file_and_nothing_outlives_a_sigkill(ray_tmp, tmp_path):

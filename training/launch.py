@@ -21,7 +21,6 @@ from __future__ import annotations
 import functools
 import os
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -40,6 +39,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from training.config import ModelConfig, ResourcesConfig, TrainConfig
 from training.data import BatchLoader, TokenDataset, read_meta, validation_batches
+from training.reaper import watch_this_process
 
 # A picklable, zero-argument callable run on each host: returns (batch_at, val_batches). The
 # data is opened where it is used (a memory map does not travel well through pickle).
@@ -212,8 +212,8 @@ def start_local_ray(num_cpus: int, num_gpus: int | None = None, attempts: int = 
     and then refuses num_cpus. Ray rewrites 127.0.0.1 to the machine's address unless
     RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (read at import into ray_constants, and by the node
     processes Ray spawns), so both are set while the node starts; a single-node Ray needs no
-    other address. The node's processes die with this one (Ray's fate sharing), and each host
-    task watches its driver (_exit_with_driver)."""
+    other address. If this process dies without shutting Ray down, training/reaper.py's watcher
+    ends the node's processes, and each host task watches its driver too (_exit_with_driver)."""
     # When this process runs under `uv run`, Ray's uv hook would copy the repository for every
     # job and start workers through `uv run` in the copy. A local Ray's workers can simply run
     # this interpreter. (The flag is RAY_ENABLE_UV_RUN_RUNTIME_ENV, read when ray is imported,
@@ -223,6 +223,7 @@ def start_local_ray(num_cpus: int, num_gpus: int | None = None, attempts: int = 
     ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = False
     ray_constants.ENABLE_RAY_CLUSTER = False
     os.environ[ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR] = "0"
+    watch_this_process()  # the node and workers Ray starts end with this process
     try:
         for attempt in range(attempts):
             try:
@@ -233,7 +234,6 @@ def start_local_ray(num_cpus: int, num_gpus: int | None = None, attempts: int = 
                     ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
                              log_to_driver=False, logging_level="ERROR", _node_ip_address="127.0.0.1",
                              _temp_dir=local_ray_dir())
-                _start_reaper()
                 return
             except Exception:
                 # Ray gives its node a fixed 30 s to register; an overloaded machine can miss
@@ -247,20 +247,6 @@ def start_local_ray(num_cpus: int, num_gpus: int | None = None, attempts: int = 
             os.environ.pop(ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR, None)
         else:
             os.environ[ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR] = saved_env
-
-
-_reaper: subprocess.Popen | None = None
-
-
-def _start_reaper() -> None:
-    """Once per process: a watcher (training/reaper.py) that kills this process's Ray node and
-    workers if it dies without shutting Ray down, e.g. by SIGKILL."""
-    global _reaper
-    if _reaper is not None and _reaper.poll() is None:
-        return
-    _reaper = subprocess.Popen([sys.executable, "-m", "training.reaper", str(os.getpid()), local_ray_dir()],
-                               cwd=Path(__file__).resolve().parent.parent, stdin=subprocess.DEVNULL,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
 
 def _bundle(resources: ResourcesConfig) -> dict:

@@ -1,46 +1,54 @@
-"""Kill what kiln's private Ray left behind once the process that started it is gone.
+"""End what a kiln process started once that process is gone, however it went.
 
-Ray's node processes share the driver's fate, but not all of it: after a SIGKILL of the driver
-its workers (each in a session of its own, so a kill of the driver's process group misses them)
-and its agents (which hang on their way out, trying to tell a dead GCS) were seen alive long
-after. This watcher runs in a session of its own, notes every Ray process below the driver each
-half second, and when the driver is gone SIGKILLs the ones it saw (same pid and start time).
-Run as `python -m training.reaper DRIVER_PID MARK`: MARK is a string in the node processes'
-command lines (kiln's Ray session folder); workers are recognised by their `ray::` title.
+Ray's node processes share their driver's fate, but not all of them: after a SIGKILL of the
+driver, its Ray workers (each in a session of its own, so a kill of the driver's process group
+misses them) and Ray's agents (which hang on their way out, trying to tell a dead GCS) were seen
+alive long after, and so was the Prefect API server a run had started. `watch_this_process()`
+starts a watcher, in a session of its own, that notes every descendant of this process each
+half second and, once this process has exited (or is a zombie), SIGKILLs the ones it saw that
+are still the same processes (pid and start time). A process that exits normally has shut its
+children down already, so the watcher then finds nothing to do.
+
+Run as `python -m training.reaper PID`.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 
-
-def ray_descendants(driver: psutil.Process, mark: str) -> dict[int, float]:
-    seen = {}
-    for child in driver.children(recursive=True):
-        if child.pid == os.getpid():
-            continue
-        try:
-            cmd = child.cmdline()
-            if cmd and (cmd[0].startswith("ray::") or any(mark in part for part in cmd)):
-                seen[child.pid] = child.create_time()
-        except psutil.Error:
-            continue
-    return seen
+_watcher: subprocess.Popen | None = None
 
 
-def watch(pid: int, mark: str, poll_s: float = 0.5) -> None:
+def watch_this_process() -> None:
+    """Start this process's watcher, once."""
+    global _watcher
+    if _watcher is not None and _watcher.poll() is None:
+        return
+    _watcher = subprocess.Popen([sys.executable, "-m", "training.reaper", str(os.getpid())],
+                                cwd=Path(__file__).resolve().parent.parent, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def watch(pid: int, poll_s: float = 0.5) -> None:
     driver = psutil.Process(pid)
     seen: dict[int, float] = {}
     while True:
         try:
             if driver.status() == psutil.STATUS_ZOMBIE:
                 break
-            seen.update(ray_descendants(driver, mark))
+            for child in driver.children(recursive=True):
+                if child.pid != os.getpid() and child.pid not in seen:
+                    try:
+                        seen[child.pid] = child.create_time()
+                    except psutil.Error:
+                        pass
         except psutil.NoSuchProcess:
             break
         time.sleep(poll_s)
@@ -54,6 +62,6 @@ def watch(pid: int, mark: str, poll_s: float = 0.5) -> None:
 
 if __name__ == "__main__":
     try:
-        watch(int(sys.argv[1]), sys.argv[2])
+        watch(int(sys.argv[1]))
     except psutil.NoSuchProcess:
         pass

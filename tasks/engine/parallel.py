@@ -11,16 +11,17 @@ from typing import Any, Callable, Sequence
 
 import ray
 
-from training.launch import start_local_ray
+from training.launch import join_ray, start_local_ray
 
 
 def ensure_ray(num_cpus: int | None = None) -> None:
-    """Start a quiet local Ray in-process, or join the cluster named by RAY_ADDRESS; once."""
+    """Start kiln's private local Ray in-process (loopback only, beside any other Ray on the
+    machine), or join the cluster named by RAY_ADDRESS; once."""
     if ray.is_initialized():
         return
     address = os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, log_to_driver=False, logging_level="ERROR")
+        join_ray(address)
     else:
         start_local_ray(num_cpus=num_cpus or os.cpu_count())
 
