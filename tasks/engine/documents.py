@@ -2,7 +2,9 @@
 
 Every data stage reads and writes documents through this module, so there is one answer to
 "what happens to a bad record": it is counted under a reason and skipped, or, with
-`strict=True`, it is an error naming the file and line. Nothing is dropped silently.
+`strict=True`, it is an error naming the file and line. Nothing is dropped silently. Only
+malformed data is counted (a bad line, a truncated or corrupt gzip stream); a file that cannot
+be read at all (permission denied, an I/O error, a folder) stops the stage, naming the file.
 """
 
 from __future__ import annotations
@@ -20,6 +22,12 @@ SHARD_GLOB = "shard-*.jsonl.gz"
 
 class BadRecord(ValueError):
     """A record that cannot be read, raised only in strict mode."""
+
+
+class UnreadableShard(OSError):
+    """A shard the operating system will not read (permission denied, a folder, an I/O error).
+
+    Never counted as bad data: a whole shard must not vanish as one counted record."""
 
 
 def shard_name(index: int) -> str:
@@ -127,10 +135,12 @@ def read_shard(
                 doc.setdefault("source", "")
                 doc.setdefault("metadata", {})
                 yield doc
-    except (EOFError, zlib.error, gzip.BadGzipFile, OSError) as e:
-        if isinstance(e, FileNotFoundError):
-            raise
+    except (EOFError, zlib.error, gzip.BadGzipFile) as e:  # the archive itself is cut off or corrupt
         reject("truncated_shard", lineno + 1, f"{type(e).__name__}: {e}")
+    except FileNotFoundError:
+        raise
+    except OSError as e:  # the file cannot be read (permissions, a folder, an I/O error): not bad data
+        raise UnreadableShard(f"cannot read document shard {path}: {type(e).__name__}: {e}") from e
 
 
 def read_documents(folder: Path, bad: Counter | None = None, strict: bool = False) -> Iterator[dict]:
