@@ -16,6 +16,7 @@ EPILOG = """examples:
   kiln plan configs/tiny_cpu.yaml --json         every step's name, version, path, status, variants
   kiln compare configs/ablation_cpu.yaml         one row per variant: what it changed, its results
   kiln lineage kiln_store/acquire/<version>      the tree back to the raw sources
+  kiln verify --store kiln_store                 check every artefact against its recorded sha256s
   kiln generate kiln_store/sft/<version> --prompt "Who made the light?" --chat   sample from a model
   kiln why configs/tiny_cpu.yaml kjv/01-001      which data stage kept or dropped a document, and why
   kiln serve configs/tiny_cpu.yaml               serve deployments on the server at PREFECT_API_URL
@@ -29,6 +30,10 @@ def _prefect_defaults() -> None:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     os.environ.setdefault("PREFECT_LOGGING_LOG_PRINTS", "true")
+    # The Prefect API server (and the Ray) this run starts end with it, even after a SIGKILL.
+    from training.reaper import watch_this_process
+
+    watch_this_process()
     # Prefect's console format before anything else logs: absl (imported by orbax) otherwise puts
     # Python's bare `INFO:name:` handler on the root logger first, and Prefect keeps it.
     from prefect.logging.configuration import setup_logging
@@ -73,6 +78,10 @@ def parser() -> argparse.ArgumentParser:
                  "kiln lineage kiln_store/tokenize/3f9c0a1b2c4d --json")
     li.add_argument("path", help="an artefact folder (one with lineage.json)")
     li.add_argument("--json", action="store_true")
+
+    ve = command("verify", "Check every artefact in the store against the sha256 of each file its lineage "
+                 "recorded; exits 1 naming each missing or changed file.", "kiln verify --store kiln_store")
+    ve.add_argument("--store", help="the store to check (default ./kiln_store or $KILN_STORE)")
 
     gen = command("generate", "Sample text from a trained, post-trained or exported model (KV-cached "
                   "decoding; the same seed gives the same text; temperature 0 is greedy).",
@@ -205,6 +214,29 @@ def cmd_run(args) -> int:
     return 0
 
 
+def cmd_verify(args) -> int:
+    from tasks.engine.store import is_verifiable, published, verify_output
+
+    store = _store(args.store)
+    outputs = published(store)
+    if not outputs:
+        raise KilnUserError(f"no published artefacts in the store {store.root}")
+    damaged = unverified = 0
+    for stage, version in outputs:
+        bad = verify_output(store, stage, version)
+        if bad:
+            damaged += 1
+            print(f"MISMATCH    {stage}/{version}: {', '.join(bad)} (missing or changed since published)")
+        elif not is_verifiable(store, stage, version):
+            unverified += 1
+            print(f"unverified  {stage}/{version}: its lineage predates checksums; accepted as it is")
+        else:
+            print(f"ok          {stage}/{version}")
+    print(f"{len(outputs)} artefacts: {len(outputs) - damaged - unverified} ok, {damaged} damaged, "
+          f"{unverified} unverified", file=sys.stderr)
+    return 1 if damaged else 0
+
+
 def cmd_lineage(args) -> int:
     from tasks.engine.lineage import format_tree, lineage_tree
 
@@ -263,7 +295,7 @@ def cmd_serve(args) -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run, "plan": cmd_plan, "compare": cmd_compare, "lineage": cmd_lineage, "generate": cmd_generate, "why": cmd_why, "serve": cmd_serve}
+COMMANDS = {"run": cmd_run, "plan": cmd_plan, "compare": cmd_compare, "lineage": cmd_lineage, "verify": cmd_verify, "generate": cmd_generate, "why": cmd_why, "serve": cmd_serve}
 
 KEY_STATS = ["documents", "docs_out", "tokens", "unigram_entropy", "final_loss", "final_val_loss",
              "next_passage_acc", "next_passage_chance", "last_word_acc", "bits_per_byte"]

@@ -2,6 +2,8 @@
 
 A folder is done exactly when its `lineage.json` exists. Outputs are written under a temporary
 name and renamed into place, so a crash mid-write leaves a `.tmp-*` folder that nothing reads.
+`lineage.json` records a sha256 per output file (`files`); `verify_output` checks a published
+folder against it, so a file changed or cut short after publishing is never taken as done.
 The root is a local path (default `./kiln_store`, or `KILN_STORE`) or any fsspec URL (`gs://`,
 `s3://`, ...): a remote store publishes by uploading the folder and writing `lineage.json` last,
 and downloads inputs into a local cache before a stage reads them.
@@ -9,6 +11,7 @@ and downloads inputs into a local cache before a stage reads them.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -89,7 +92,9 @@ class Store:
         return tmp
 
     def publish(self, tmp: Path, stage: str, version: str, lineage: dict) -> str:
-        """Write `lineage.json` into `tmp` last, then move it into place. Returns the location."""
+        """Record each file's sha256 in `lineage["files"]`, write `lineage.json` into `tmp` last,
+        then move it into place. Returns the location."""
+        lineage["files"] = file_checksums(tmp)
         (tmp / (LINEAGE + ".part")).write_text(json.dumps(lineage, indent=2, sort_keys=True))
         if self.is_local:
             final = Path(self.output(stage, version))
@@ -135,3 +140,69 @@ class Store:
                 shutil.rmtree(local)
             os.rename(part, local)
         return local
+
+
+# --- checksums ---------------------------------------------------------------------------------
+
+CHUNK = 1 << 20
+
+
+def file_checksums(folder: Path) -> dict[str, str]:
+    """sha256 of every file under `folder` (but lineage.json), by path relative to it."""
+    out = {}
+    for path in sorted(Path(folder).rglob("*")):
+        rel = path.relative_to(folder).as_posix()
+        if path.is_file() and rel not in (LINEAGE, LINEAGE + ".part"):
+            out[rel] = _sha256(path.open("rb"))
+    return out
+
+
+def _sha256(f) -> str:
+    digest = hashlib.sha256()
+    with f:
+        while chunk := f.read(CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def verify_output(store: Store, stage: str, version: str) -> list[str]:
+    """The files of a published output that are missing or no longer match the sha256 its
+    lineage recorded: empty when it is whole. `lineage.json` itself is named when it is missing
+    or unreadable. Lineage written before checksums were recorded has none to compare: such an
+    output is accepted unverified (`is_verifiable` tells them apart)."""
+    base = store._fs_path(stage, version)
+    try:
+        with store.fs.open(f"{base}/{LINEAGE}", "r") as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return [LINEAGE]
+    if not isinstance(record, dict) or record.get("stage") != stage or record.get("version") != version:
+        return [LINEAGE]
+    bad = []
+    for rel, expected in sorted((record.get("files") or {}).items()):
+        try:
+            actual = _sha256(store.fs.open(f"{base}/{rel}", "rb"))
+        except OSError:
+            actual = None
+        if actual != expected:
+            bad.append(rel)
+    return bad
+
+
+def is_verifiable(store: Store, stage: str, version: str) -> bool:
+    """Whether the output's lineage records checksums (lineage from before they existed does not)."""
+    try:
+        return "files" in store.read_lineage(stage, version)
+    except (OSError, ValueError):
+        return True  # unreadable lineage: verify_output reports it
+
+
+def published(store: Store) -> list[tuple[str, str]]:
+    """(stage, version) of every published output in the store, sorted."""
+    root = store.root if store.is_local else store._remote_path
+    found = []
+    for path in store.fs.glob(f"{root}/*/*/{LINEAGE}"):
+        stage, version = path.rstrip("/").split("/")[-3:-1]
+        if not stage.startswith(".") and not version.startswith("."):
+            found.append((stage, version))
+    return sorted(found)
