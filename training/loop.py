@@ -13,9 +13,15 @@ the batches the uninterrupted one would have. On CPU the same config therefore g
 identical parameters, killed or not.
 
 Outputs. `work_dir` (stable per step version, survives a crash): `checkpoints/`,
-`metrics.jsonl`, `loss.png`. `out_dir` (published when complete): `model.json` (ModelConfig),
+`metrics.jsonl`, `loss.png`, `tensorboard/`. `out_dir` (published when complete): `model.json` (ModelConfig),
 `params.safetensors` (flat "layers_0/mlp/up_proj/kernel" names, float32), `metrics.jsonl`,
-`loss.png`. With several processes all of them compute; only process 0 writes files.
+`loss.png`, `tensorboard/` (training/tracking.py). With several processes all of them compute;
+only process 0 writes files.
+
+Logging is hooks (as Levanter's `trainer.add_hook(fn, every=N)`): every `log_every` steps the
+loop measures one metrics record, and each `Hook(fn, every)` gets it at the steps that are
+multiples of its `every` and at the last step. metrics.jsonl, TensorBoard and `on_metrics` (the
+caller's relay: a step's log, W&B) are three such hooks; they run in process 0 only.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import numpy as np
@@ -44,13 +50,23 @@ from training.model import flops_per_token, param_count
 from training.optim import make_optimizer
 from training.sharding import batch_sharding, make_mesh, put_batch, state_shardings
 from training.step import init_state, make_eval_step, make_train_step
+from training.tracking import TENSORBOARD_DIR, TensorBoardLog
 
 log = logging.getLogger("kiln.training")
 
 
+class Hook(NamedTuple):
+    """`fn(record)` with each metrics record of a step that is a multiple of `every` (a multiple of
+    `log_every`, when records are measured), and of the last step."""
+
+    fn: Callable[[dict], None]
+    every: int
+
+
 def train(model_cfg: ModelConfig, train_cfg: TrainConfig, batch_at: Callable[[int], np.ndarray],
           val_batches: list[np.ndarray], work_dir: Path, out_dir: Path,
-          on_metrics: Callable[[dict], None] | None = None, objective=None, init_params: dict | None = None) -> dict:
+          on_metrics: Callable[[dict], None] | None = None, objective=None, init_params: dict | None = None,
+          hooks: Sequence[Hook] = ()) -> dict:
     """Train to `train_cfg.steps`, resuming from the latest checkpoint in `work_dir`; write the
     model to `out_dir` and return stats (losses, params_sha256, tokens, seconds, MFU, ...).
 
@@ -92,7 +108,7 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, batch_at: Callable[[in
         tokens_per_step *= objective.sequences_per_row()
     step_flops = flops_per_token(model_cfg) * tokens_per_step
     peak, peak_source = device_peak_flops(train_cfg.peak_flops)
-    metrics_log = MetricsLog(work_dir / "metrics.jsonl", start) if primary else None
+    metrics_log, tensorboard, hooks = _logging_hooks(primary, work_dir, start, train_cfg, on_metrics, hooks)
     pending, last_loss, val_loss = [], resumed_loss, None
     t_interval, interval_steps, train_seconds = time.perf_counter(), 0, 0.0
 
@@ -121,10 +137,9 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, batch_at: Callable[[in
                     record[name] = float(np.mean([m[name] for m in fetched]))
             if val and (done % train_cfg.eval_every == 0 or last):
                 val_loss = record["val_loss"] = _evaluate(eval_step, state["params"], val)
-            if primary:
-                metrics_log.write(record)
-                if on_metrics is not None:
-                    on_metrics(record)
+            for hook in hooks:
+                if done % hook.every == 0 or last:
+                    hook.fn(record)
             log.info("step %d loss %.4f lr %.2e %.0f tok/s", done, record["loss"], record["lr"],
                      record["tokens_per_s"])
             pending, interval_steps = [], 0
@@ -168,9 +183,30 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, batch_at: Callable[[in
         (out_dir / "model.json").write_text(model_cfg.model_dump_json(indent=2) + "\n")
         save_file(flat, str(out_dir / "params.safetensors"))
         shutil.copyfile(work_dir / "metrics.jsonl", out_dir / "metrics.jsonl")
+        tensorboard.close()
+        shutil.copytree(work_dir / TENSORBOARD_DIR, out_dir / TENSORBOARD_DIR, dirs_exist_ok=True)
         plot_loss(metrics_log.records, out_dir / "loss.png", title=f"{param_count(params) / 1e6:.1f}M params")
         shutil.copyfile(out_dir / "loss.png", work_dir / "loss.png")
     return stats
+
+
+def _logging_hooks(primary: bool, work_dir: Path, start: int, train_cfg: TrainConfig, on_metrics,
+                   extra: Sequence[Hook]) -> tuple[MetricsLog | None, TensorBoardLog | None, list[Hook]]:
+    """metrics.jsonl and TensorBoard (both resumed at `start`), the caller's relay and its hooks;
+    none of them outside process 0."""
+    if not primary:
+        return None, None, []
+    for hook in extra:
+        if hook.every <= 0 or hook.every % train_cfg.log_every:
+            raise ValueError(f"a hook every {hook.every} steps: metrics are measured every log_every="
+                             f"{train_cfg.log_every} steps, so make it a multiple of that")
+    metrics_log = MetricsLog(work_dir / "metrics.jsonl", start)
+    tensorboard = TensorBoardLog(work_dir / TENSORBOARD_DIR, history=metrics_log.records)
+    every = train_cfg.log_every
+    hooks = [Hook(metrics_log.write, every), Hook(tensorboard.write, every)]
+    if on_metrics is not None:
+        hooks.append(Hook(on_metrics, every))
+    return metrics_log, tensorboard, [*hooks, *extra]
 
 
 class _Program(NamedTuple):
