@@ -6,11 +6,18 @@ a form filled with the served config's values):
 - `data-refresh`: on a cron schedule (daily by default), re-reads the sources and reruns what
   changed, up to tokenization;
 - `evaluate`: the evaluation flow for the config's checkpoint (upstream steps are cache hits).
+
+Stopping (SIGTERM or SIGINT): Prefect stops serving, then kiln pauses the deployments' schedules
+itself, giving up after `pause_timeout_s` when the server no longer answers (Prefect's own pause
+on shutdown retries against a dead server without end, so `kiln serve` would never exit).
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import sys
+import threading
 
 from flows.config import ExperimentConfig
 
@@ -57,10 +64,56 @@ def deployments(config: ExperimentConfig, store: str, cron: str, refresh_until: 
 
 
 def serve(config: ExperimentConfig, store: str, cron: str = DEFAULT_CRON, refresh_until: str = "tokenize",
-          limit: int | None = None) -> None:
-    """Blocks, running triggered and scheduled runs, until interrupted."""
+          limit: int | None = None, pause_timeout_s: float = 10.0) -> None:
+    """Blocks, running triggered and scheduled runs, until SIGTERM or SIGINT; then pauses the
+    deployments' schedules (see the module docstring)."""
     import prefect
 
-    check_server()
+    url = check_server()
     os.environ.setdefault("KILN_STORE", store)
-    prefect.serve(*deployments(config, store, cron, refresh_until), limit=limit)
+    served = deployments(config, store, cron, refresh_until)
+    if threading.current_thread() is threading.main_thread():
+        # SIGTERM before Prefect's runner has put in its own handler (it does once it starts) must
+        # stop serving the same way, not kill the process before the schedules are paused.
+        signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        prefect.serve(*served, limit=limit, pause_on_shutdown=False)
+    except KeyboardInterrupt:  # prefect.serve catches it only once its runner is running
+        pass
+    finally:
+        pause([d.full_name for d in served], url, pause_timeout_s)
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def pause(names: list[str], url: str, timeout_s: float) -> bool:
+    """Pause the schedules of the deployments `names` ("flow/deployment"); say so on stderr.
+
+    The calls run in a daemon thread that is abandoned after `timeout_s`, so a server that is gone
+    (or hangs) costs at most that long."""
+    outcome: dict = {}
+
+    def work() -> None:
+        from prefect.client.orchestration import get_client
+
+        try:
+            with get_client(sync_client=True) as client:
+                for name in names:
+                    client.pause_deployment(client.read_deployment_by_name(name).id)
+            outcome["paused"] = True
+        except Exception as e:  # reported below, whatever it was: the process is exiting
+            outcome["error"] = e
+
+    worker = threading.Thread(target=work, name="kiln-pause-deployments", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if outcome.get("paused"):
+        print(f"kiln serve: paused the schedules of {', '.join(names)}", file=sys.stderr)
+        return True
+    error = outcome.get("error")
+    why = f"{type(error).__name__}: {error}" if error is not None else f"no answer within {timeout_s:.0f} s"
+    print(f"kiln serve: could not pause the deployments ({why}; server {url}): their schedules stay active; "
+          "pause them in the UI or with `prefect deployment pause` once the server is back", file=sys.stderr)
+    return False
