@@ -1,0 +1,125 @@
+"""`kiln generate` on a tiny model trained here for a few steps: the same seed gives the same text
+(in this process and in a fresh `kiln generate` process), temperature 0 is greedy argmax
+decoding (checked against full forward passes without a cache), and an export folder samples
+what its training output samples."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from evaluation.generate import generate, load, sample
+from tasks.engine.documents import ShardWriter
+from tasks.engine.step import Step
+from tasks.tokenize import TokenizeConfig
+from tasks.tokenizer import TokenizerConfig, tokenizer_step
+from tests.conftest import kiln
+from tests.test_training_kjv_data import kjv_text
+from tests.test_training_task import context
+from training.config import ModelConfig, TrainConfig
+from training.export import export_hf
+from training.loop import train
+from training.model import forward
+from training.posttrain import CHAT_SPECIAL_TOKENS
+
+PROMPT = "And God said"
+
+
+def write_lineage(folder: Path, stage: str, inputs: list[tuple[str, str]]) -> None:
+    record = {"stage": stage, "name": stage, "version": folder.name, "stats": {},
+              "inputs": [{"name": s, "stage": s, "version": v, "path": f"{s}/{v}"} for s, v in inputs]}
+    (folder / "lineage.json").write_text(json.dumps(record))
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> Path:
+    """store/tokenizer/t0 (a 400-token BPE with the chat tokens), store/tokenize/k0 and
+    store/train/m0 (a 2-layer model trained 40 steps on KJV text), linked by lineage.json."""
+    root = tmp_path_factory.mktemp("store")
+    text = kjv_text(100_000)
+    lines = text.strip().splitlines()
+    with ShardWriter(root / "docs", docs_per_shard=500) as w:
+        for i in range(0, len(lines), 5):
+            w.write({"id": f"kjv-{i}", "text": "\n".join(lines[i:i + 5]), "source": "kjv", "metadata": {}})
+    docs = Step(name="docs", stage="docs", stage_version=1, config=TokenizeConfig(), run=lambda ctx: {})
+    step = tokenizer_step(TokenizerConfig(kind="bpe", vocab_size=400, special_tokens=["<|endoftext|>", *CHAT_SPECIAL_TOKENS]),
+                          documents=docs)
+    step.run(context(step, root / "tokenizer" / "t0", {"documents": root / "docs"}, root / "w"))
+    write_lineage(root / "tokenizer" / "t0", "tokenizer", [])
+    (root / "tokenize" / "k0").mkdir(parents=True)
+    write_lineage(root / "tokenize" / "k0", "tokenize", [("tokenizer", "t0")])
+
+    from tasks.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(root / "tokenizer" / "t0")
+    tokens = np.array(tok.encode(text).ids, np.int32)
+    model = ModelConfig(vocab_size=tok.get_vocab_size(), d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96,
+                        seq_len=64)
+    cfg = TrainConfig(batch_size=8, steps=40, lr=1e-2, warmup=4, log_every=20, eval_every=40, checkpoint_every=40,
+                      peak_flops=1e11)
+    rows = len(tokens) // (model.seq_len + 1)
+    windows = tokens[:rows * (model.seq_len + 1)].reshape(rows, -1)
+    batch_at = lambda step: windows[np.random.default_rng(step).choice(rows, cfg.batch_size)]  # noqa: E731
+    train(model, cfg, batch_at, [], root / ".work" / "m0", root / "train" / "m0")
+    write_lineage(root / "train" / "m0", "train", [("tokenize", "k0")])
+    return root
+
+
+def greedy_reference(model, prompt: list[int], n: int) -> list[int]:
+    """Argmax decoding by full forward passes over the whole sequence, no cache at all (one
+    compiled shape: the sequence padded on the right, which causal attention never sees)."""
+    fwd = jax.jit(forward, static_argnums=2)
+    ids = list(prompt)
+    for _ in range(n):
+        padded = np.zeros((1, model.cfg.seq_len), np.int32)
+        padded[0, :len(ids)] = ids
+        ids.append(int(jnp.argmax(fwd(model.params, jnp.asarray(padded), model.cfg)[0, len(ids) - 1])))
+    return ids[len(prompt):]
+
+
+def test_same_seed_same_text_and_temperature_zero_is_greedy(store):
+    model = load(store / "train" / "m0")  # the tokenizer found through lineage: train -> tokenize -> tokenizer
+    first = generate(model, PROMPT, max_tokens=24, temperature=1.0, top_p=0.9, seed=3)
+    assert first and generate(model, PROMPT, max_tokens=24, temperature=1.0, top_p=0.9, seed=3) == first
+    others = {generate(model, PROMPT, max_tokens=24, temperature=1.0, top_p=0.9, seed=s) for s in range(4, 8)}
+    assert others - {first}, "other seeds should give other text"
+
+    prompt = [model.eos_id, *model.tokenizer.encode(PROMPT).ids]
+    greedy = sample(model, prompt, 24, temperature=0.0)
+    reference = greedy_reference(model, prompt, 24)
+    assert greedy == reference[:len(greedy)] and (len(greedy) == 24 or reference[len(greedy)] == model.eos_id)
+    assert len(greedy) > 4
+    assert sample(model, prompt, 24, temperature=0.0, seed=99) == greedy  # no randomness at all
+    # top_p so small that only the most likely token survives: sampling is greedy too
+    assert sample(model, prompt, 24, temperature=1.0, top_p=1e-6, seed=5) == greedy
+
+
+def test_kiln_generate_command_and_export_agree(store, tmp_path):
+    model = load(store / "train" / "m0")
+    expected = generate(model, PROMPT, max_tokens=24, temperature=0.8, top_p=0.95, seed=11)
+    out = kiln("generate", str(store / "train" / "m0"), "--prompt", PROMPT, "--max-tokens", "24",
+               "--temperature", "0.8", "--top-p", "0.95", "--seed", "11")
+    assert out.stdout == expected + "\n"  # another process, the same text
+
+    tokenizer = store / "tokenizer" / "t0"
+    meta = json.loads((tokenizer / "tokenizer_meta.json").read_text())
+    export_hf(model.cfg, model.params, (tokenizer / "tokenizer.json").read_text(), meta, tmp_path)
+    exported = load(tmp_path)
+    assert exported.cfg.model_dump() == model.cfg.model_dump()
+    assert generate(exported, PROMPT, max_tokens=24, temperature=0.8, top_p=0.95, seed=11) == expected
+
+    chat = generate(model, "Who made the light?", max_tokens=24, temperature=0.0, chat=True)
+    from training.posttrain import ChatTemplate
+
+    ids, _ = ChatTemplate(model.tokenizer).encode([{"role": "user", "content": "Who made the light?"}], True)
+    end = model.tokenizer.token_to_id("<|end|>")
+    assert chat == model.tokenizer.decode(sample(model, [model.eos_id, *ids], 24, 0.0, stop_ids=(end,)),
+                                          skip_special_tokens=False)
+
+    bad = kiln("generate", str(tmp_path / "nothing"), "--prompt", "x", check=False)
+    assert bad.returncode == 2 and "neither a training output" in bad.stderr
