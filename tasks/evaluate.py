@@ -32,7 +32,7 @@ from tasks.engine.documents import read_documents
 from tasks.engine.step import Step, StepContext
 from tasks.tokenize import is_validation
 from tasks.tokenizer import load_tokenizer, read_tokenizer_meta
-from training.config import ConfigModel, setting
+from training.config import ConfigModel, files, setting
 from training.data import TokenDataset, read_meta
 from training.loop import load_model
 
@@ -45,7 +45,9 @@ class EvalConfig(ConfigModel):
     """What to evaluate. Everything but `batch_size` changes the results, so it is in the version."""
 
     tasks: list[str] = Field(default_factory=lambda: list(SUITE_TASKS))  # kiln's offline suite
-    lm_eval_tasks: list[str] = Field(default_factory=list)  # lm-eval task/group names this machine can load
+    # lm-eval task/group names this machine can load, or task YAML files (versioned by their content
+    # and that of the data files they name, not by path)
+    lm_eval_tasks: list[str] = files(default_factory=list)
     limit: int | None = Field(500, ge=1)  # examples per task (a seeded random sample of the suite)
     num_fewshot: int = Field(0, ge=0)
     bits_per_byte: bool = True  # also perplexity and bits per byte on the held-out token shards

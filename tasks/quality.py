@@ -39,7 +39,7 @@ from tasks.engine.judging import (DEFAULT_MAX_DOC_BYTES, Judge, ShardJob, Verdic
                                   merge_stats, run_map)
 from tasks.filter import load_fasttext
 from training.config import (ConfigModel, Count, Fraction, HalfOpenFraction, NonNegative, OpenFraction, Positive,
-                             Seed, setting)
+                             Seed, files, setting)
 
 if TYPE_CHECKING:  # tasks.engine.step loads Prefect (seconds), which Ray workers running this module never need
     from tasks.engine.step import Step, StepContext
@@ -97,8 +97,8 @@ def fingerprint_paths(paths: list[str]) -> str:
 class QualityClassifierConfig(ConfigModel):
     """Positive and negative documents come from the step's inputs and/or these paths."""
 
-    positive_paths: tuple[str, ...] = ()
-    negative_paths: tuple[str, ...] = ()
+    positive_paths: tuple[str, ...] = files(())  # versioned by content, not by path
+    negative_paths: tuple[str, ...] = files(())
     max_docs_per_class: Count = 20_000  # the first ones, in input order
     max_words: Count = 500  # of each document
     holdout_fraction: HalfOpenFraction = 0.1

@@ -44,6 +44,24 @@ def setting(default: Any = ..., **kwargs: Any) -> Any:
     return Field(default, json_schema_extra=extra, **kwargs)
 
 
+def files(default: Any = ..., **kwargs: Any) -> Any:
+    """A field whose strings name files or folders (paths or globs) that a stage reads.
+
+    It enters the step version by the content of what it names (tasks/engine/versioning.py
+    `content_identity`), never by the path: an edited file reruns what reads it, the same file
+    at another path is a cache hit. A string that names no file (an lm-eval task from lm-eval's
+    own registry, say) enters as it is.
+    """
+    extra = dict(kwargs.pop("json_schema_extra", None) or {})
+    extra["files"] = True
+    return Field(default, json_schema_extra=extra, **kwargs)
+
+
+def names_files(model: type[BaseModel], name: str) -> bool:
+    extra = model.model_fields[name].json_schema_extra
+    return isinstance(extra, dict) and extra.get("files") is True
+
+
 def is_identity(model: type[BaseModel], name: str) -> bool:
     extra = model.model_fields[name].json_schema_extra
     return not (isinstance(extra, dict) and extra.get("identity") is False)

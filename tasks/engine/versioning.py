@@ -9,25 +9,30 @@ downstream artefact).
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import math
+import os
+from functools import lru_cache
 from pathlib import Path, PurePath
 from typing import Any
 
 from pydantic import BaseModel
 
-from training.config import is_identity
+from training.config import is_identity, names_files
 
 VERSION_CHARS = 12
 
 
 def identity_fields(config: BaseModel) -> dict[str, Any]:
-    """The config's fields that can change the output, recursively, as plain JSON values."""
+    """The config's fields that can change the output, recursively, as plain JSON values; a
+    field that names files (training.config `files`) as the content of what it names."""
     out: dict[str, Any] = {}
     for name in type(config).model_fields:
         if is_identity(type(config), name):
-            out[name] = _identity_value(getattr(config, name))
+            value = getattr(config, name)
+            out[name] = content_identity(value) if names_files(type(config), name) else _identity_value(value)
     return out
 
 
@@ -39,6 +44,90 @@ def _identity_value(value: Any) -> Any:
     if isinstance(value, dict):
         return {str(k): _identity_value(v) for k, v in value.items()}
     return value
+
+
+# --- files by content --------------------------------------------------------------------------
+
+YAML_SUFFIXES = (".yaml", ".yml")
+
+
+def content_identity(value: Any) -> Any:
+    """What a field that names files contributes to a version: for each string that names files
+    (a path, or a glob matching something), the content of each of them; other strings as they
+    are. A file enters as its name and sha256 (its folder is left out: a source's file names can
+    reach document ids); a folder as its files' relative names and sha256s; a YAML file (an
+    lm-eval task) as its parsed content, in which every string naming a file is itself replaced
+    by that file's content, so the task's data files count and the paths to them do not."""
+    if isinstance(value, (list, tuple)):
+        return [content_identity(v) for v in value]
+    if not isinstance(value, str):
+        return _identity_value(value)
+    matches = sorted(glob.glob(value, recursive=True)) if glob.has_magic(value) else [value]
+    matches = [m for m in matches if os.path.exists(m)]
+    return [_content(Path(m)) for m in matches] if matches else value
+
+
+def _content(path: Path, depth: int = 0) -> Any:
+    if path.is_dir():
+        return {"folder": path.name, "files": {f.relative_to(path).as_posix(): _sha256(f)
+                                               for f in sorted(path.rglob("*")) if f.is_file()}}
+    if path.suffix in YAML_SUFFIXES and depth < 4:
+        return {"yaml": _yaml_content(path, depth)}
+    return {"file": path.name, "sha256": _sha256(path)}
+
+
+def _yaml_content(path: Path, depth: int) -> Any:
+    import yaml
+
+    class Loader(yaml.SafeLoader):  # lm-eval's `!function module.name` and other tags, kept as text
+        pass
+
+    Loader.add_multi_constructor("", lambda loader, tag, node: {tag: loader.construct_scalar(node)}
+                                 if isinstance(node, yaml.ScalarNode) else {tag: str(node.value)})
+    try:
+        data = yaml.load(path.read_text(), Loader=Loader)
+    except (yaml.YAMLError, UnicodeDecodeError):
+        return {"sha256": _sha256(path)}
+
+    def named(text: str) -> Path | None:
+        for candidate in (Path(text), path.parent / text):  # lm-eval resolves against the cwd
+            try:
+                if candidate.is_file() and candidate.resolve() != path.resolve():
+                    return candidate
+            except OSError:
+                return None
+        return None
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, dict):
+            if len(node) == 1 and "!function" in node:  # module.function, beside the YAML
+                module = path.parent / (str(node["!function"]).rsplit(".", 1)[0] + ".py")
+                return {"!function": node["!function"], **({"sha256": _sha256(module)} if module.is_file() else {})}
+            return {str(k): walk(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        if isinstance(node, str) and len(node) < 4096 and (file := named(node)) is not None:
+            return _content(file, depth + 1)
+        if isinstance(node, float) and not math.isfinite(node):
+            return repr(node)
+        return node if node is None or isinstance(node, (bool, int, float, str)) else str(node)
+
+    return walk(data)
+
+
+def _sha256(path: Path) -> str:
+    stat = path.stat()
+    return _sha256_of(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+@lru_cache(maxsize=4096)
+def _sha256_of(path: str, size: int, mtime_ns: int) -> str:
+    """Hashed once per process while size and mtime stay (versions are computed often)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def canonical_json(obj: Any) -> str:
