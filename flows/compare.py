@@ -32,7 +32,8 @@ def comparison(experiment: Experiment, store: Store) -> list[dict]:
             if len(trains) > 1:  # a sweep: one row per run
                 label = f"{label}:{train.name.split('/', 1)[-1]}" if variant else train.name.split("/", 1)[-1]
             rows.append(_row(label, branch.overrides, train, _evaluation_of(train, steps), steps, store))
-    return rows
+    cols = columns(rows)  # every row has every column: None where a variant has no such result yet
+    return [{c: r.get(c) for c in cols} for r in rows]
 
 
 def _evaluation_of(train: Step, steps: list[Step]) -> Step | None:
@@ -63,13 +64,12 @@ def _is_metric(key: str, value) -> bool:
 
 
 def columns(rows: list[dict]) -> list[str]:
-    """Every key any row has, in first-seen order (rows of missing variants have fewer)."""
+    """Every key any row has, in first-seen order."""
     return list(dict.fromkeys(k for r in rows for k in r))
 
 
 def cells(rows: list[dict]) -> list[list[str]]:
-    cols = columns(rows)
-    return [[_cell(r.get(c)) for c in cols] for r in rows]
+    return [[_cell(v) for v in r.values()] for r in rows]
 
 
 def _cell(value) -> str:

@@ -271,7 +271,7 @@ SMALL_ABLATION = {
              "docs_per_shard": 60},
     "tokenizer": {"kind": "bpe", "vocab_size": 320},
     "tokenize": {"validation_fraction": 0.1},
-    "model": {"d_model": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "d_ff": 64, "seq_len": 32},
+    "model": {"d_model": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "d_ff": 64, "seq_len": 128},
     "train": {"batch_size": 4, "steps": 12, "warmup": 2, "checkpoint_every": 12, "eval_every": 12, "eval_batches": 1},
     "eval": {"tasks": ["next_passage"], "limit": 16, "bits_per_byte": True, "heldout_tokens": 256},
     "resources": {"cpus_per_host": 1},
@@ -296,7 +296,7 @@ def test_two_variants_train_side_by_side_and_compare_shows_each_and_the_missing(
     for name in ("a", "b"):
         row = rows[name]
         assert row["status"] == "done" and 0 < row["final_loss"] < 10 and 0 <= row["next_passage_acc"] <= 1
-        assert row["bits_per_byte"] > 0 and row["params"] > 0 and row["tokens"] == 12 * 4 * 32
+        assert row["bits_per_byte"] > 0 and row["params"] > 0 and row["tokens"] == 12 * 4 * 128
     assert rows["b"]["overrides"] == "train.lr=0.001" and rows["a"]["final_loss"] != rows["b"]["final_loss"]
     assert rows["c"]["status"] == "missing" and rows["c"]["final_loss"] is None and rows["c"]["bits_per_byte"] is None
 

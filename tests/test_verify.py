@@ -87,8 +87,6 @@ def status_of(stdout: str, stage: str) -> str:
 
 
 @pytest.mark.slow  # two pipeline runs to a trained model: minutes
-@pytest.mark.xfail(reason="needs the scheduler to call tasks.engine.store.verify_output before a cache hit "
-                          "(tasks/engine/scheduler.py, being rewritten)", strict=False)
 def test_a_flipped_byte_in_params_is_found_and_the_next_run_recomputes(tmp_path):
     config, store = tiny_config(tmp_path), tmp_path / "store"
     first = kiln("run", str(config), "--store", str(store), "--until", "train")

@@ -23,7 +23,7 @@ from prefect.context import get_run_context
 from tasks.engine.caching import result_storage, step_cache_policy
 from tasks.engine.lineage import build_lineage, now, publish_to_prefect
 from tasks.engine.step import Shown, Step, StepContext
-from tasks.engine.store import Store
+from tasks.engine.store import Store, verify_output
 
 
 class StepFailed(RuntimeError):
@@ -175,14 +175,20 @@ def configured_task(step: Step, store: Store, forced: bool):
     )
 
 
-def prepare(step: Step, store: Store, forced: bool) -> None:
+def prepare(step: Step, store: Store, forced: bool, log: logging.Logger) -> None:
     """Before a step is submitted: what the store holds for it may only be a hit if it is whole.
 
-    A forced step loses its output; a Prefect record whose output folder is gone is dropped, so it
-    cannot count as a cache hit."""
-    if forced:
+    A forced step loses its output; so does one whose files no longer match the checksums its
+    lineage recorded (a warning names them). A Prefect record whose output folder is gone is
+    dropped, so it cannot count as a cache hit."""
+    damaged = [] if forced or not store.is_done(step.stage, step.version) else \
+        verify_output(store, step.stage, step.version)
+    if damaged:
+        log.warning("%s %s: %s no longer match(es) what was published; recomputing it", step.name,
+                    step.version, ", ".join(damaged))
+    if forced or damaged:
         store.unpublish(step.stage, step.version)
-    if forced or not store.is_done(step.stage, step.version):
+    if forced or damaged or not store.is_done(step.stage, step.version):
         drop_result_record(store, step)
 
 

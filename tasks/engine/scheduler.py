@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import time
 
+from prefect import get_run_logger
 from prefect.futures import as_completed
 from prefect.utilities.annotations import quote
 
@@ -73,7 +74,7 @@ def execute(steps: list[Step], store: Store, *, max_concurrent: int = 1, workers
 
 def _submit(step: Step, store: Store, workers: int, wait_for: list, force: frozenset[str]):
     forced = step.stage in force or step.name in force
-    prepare(step, store, forced)
+    prepare(step, store, forced, get_run_logger())
     return configured_task(step, store, forced).submit(step.key, quote(step), store.root, workers,
                                                        wait_for=wait_for)
 
