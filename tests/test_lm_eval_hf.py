@@ -1,0 +1,53 @@
+"""An export evaluated by lm-eval's own `hf` model (transformers on torch, CPU) scores kiln's offline
+suite task as kiln's adapter scores the JAX model: the same accuracy, the same log-likelihoods.
+A random-init model (large init, so answers differ) over the BPE tokenizer trained on the KJV."""
+
+from __future__ import annotations
+
+import jax
+import lm_eval
+import pytest
+from lm_eval.tasks import TaskManager
+
+from evaluation.adapter import KilnLM
+from evaluation.suite import SuiteConfig, build_suite, task_configs
+from tasks.tokenizer import load_tokenizer, read_tokenizer_meta
+from tests.test_eval_adapter import CFG
+from tests.test_eval_data import kjv_data  # noqa: F401  (a fixture)
+from training.export import export_hf
+from training.model import init_params
+
+pytest.importorskip("torch")
+pytest.importorskip("accelerate")  # lm-eval's hf model imports it
+
+
+def scores(model, model_args: str | None, tasks, limit: int) -> tuple[float, list[list[float]]]:
+    """(accuracy, per example the log-likelihood of each choice)."""
+    results = lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=tasks, limit=limit,
+                                      bootstrap_iters=0, log_samples=True, batch_size=8)
+    (name,) = results["results"]
+    samples = sorted(results["samples"][name], key=lambda s: s["doc_id"])
+    return results["results"][name]["acc,none"], [[r[0] for r in s["filtered_resps"]] for s in samples]
+
+
+def test_lm_eval_hf_on_the_export_matches_kiln_adapter(kjv_data, tmp_path):  # noqa: F811
+    meta = read_tokenizer_meta(kjv_data.tokenizer)
+    params = jax.jit(init_params, static_argnums=0)(CFG, jax.random.PRNGKey(1))
+    export = tmp_path / "export"
+    export.mkdir()
+    export_hf(CFG, params, (kjv_data.tokenizer / "tokenizer.json").read_text(), meta, export)
+    build_suite(kjv_data.held_out(), tmp_path / "suite", ["next_passage"], SuiteConfig(context_words=24, choice_words=8))
+
+    def tasks():  # fresh task objects for each model
+        manager = TaskManager(include_defaults=False)
+        return list(manager.load(task_configs(tmp_path / "suite", ["next_passage"]))["tasks"].values())
+
+    kiln_lm = KilnLM(CFG, params, load_tokenizer(kjv_data.tokenizer), meta["eos_id"], meta.get("bos_id"), batch_size=8)
+    kiln_acc, kiln_ll = scores(kiln_lm, None, tasks(), limit=40)
+    hf_acc, hf_ll = scores("hf", f"pretrained={export},device=cpu,dtype=float32", tasks(), limit=40)
+
+    assert len(kiln_ll) == len(hf_ll) == 40
+    assert hf_acc == kiln_acc
+    for ours, theirs in zip(kiln_ll, hf_ll):
+        assert theirs == pytest.approx(ours, rel=1e-4, abs=1e-3)
+    assert len({tuple(round(x, 3) for x in ll) for ll in kiln_ll}) > 30  # real, differing scores
