@@ -76,7 +76,8 @@ def parser() -> argparse.ArgumentParser:
 
     li = command("lineage", "Print the tree from an artefact back to its raw inputs.",
                  "kiln lineage kiln_store/tokenize/3f9c0a1b2c4d --json")
-    li.add_argument("path", help="an artefact folder (one with lineage.json)")
+    li.add_argument("path", help="an artefact folder (one with lineage.json), or its store URL: "
+                    "<store>/<stage>/<version> with an fsspec store such as s3://bucket/kiln or file:///data/kiln")
     li.add_argument("--json", action="store_true")
 
     ve = command("verify", "Check every artefact in the store against the sha256 of each file its lineage "
@@ -238,10 +239,10 @@ def cmd_verify(args) -> int:
 
 
 def cmd_lineage(args) -> int:
-    from tasks.engine.lineage import format_tree, lineage_tree
+    from tasks.engine.lineage import format_tree, lineage_at
 
     try:
-        tree = lineage_tree(Path(args.path))
+        tree = lineage_at(args.path)
     except FileNotFoundError as e:
         raise KilnUserError(str(e)) from None
     print(json.dumps(tree, indent=2) if args.json else format_tree(tree))

@@ -169,6 +169,32 @@ def lineage_tree(path: Path) -> dict:
             "inputs": children}
 
 
+def store_lineage_tree(store: Store, stage: str, version: str) -> dict:
+    """The tree of `<stage>/<version>` read through `store`, local or any fsspec URL (`memory://`,
+    `s3://`, `file://`, ...): what `lineage_tree` gives for a local folder, with store locations
+    as paths."""
+    if not store.is_done(stage, version):
+        raise FileNotFoundError(f"{store.output(stage, version)} has no {LINEAGE}: it is not a finished kiln artefact")
+    record = store.read_lineage(stage, version)
+    children = [store_lineage_tree(store, inp["stage"], inp["version"]) if store.is_done(inp["stage"], inp["version"])
+                else {"stage": inp["stage"], "version": inp["version"], "missing": True} for inp in record["inputs"]]
+    return {"stage": record["stage"], "name": record["name"], "version": record["version"],
+            "path": store.output(stage, version), "stats": record["stats"], "sources": _sources(record),
+            "inputs": children}
+
+
+def lineage_at(location: str) -> dict:
+    """The tree of the artefact at `location`: a local folder, or `<store URL>/<stage>/<version>`
+    (a `file://` URL too)."""
+    if "://" not in location:
+        return lineage_tree(Path(location))
+    root, stage, version = location.rstrip("/").rsplit("/", 2)
+    if "://" not in root or not root.split("://", 1)[1]:
+        raise FileNotFoundError(f"{location} is not <store URL>/<stage>/<version> (for example "
+                                "memory://bucket/kiln/train/3f9c0a1b2c4d)")
+    return store_lineage_tree(Store(root), stage, version)
+
+
 def tree_markdown(node: dict, depth: int = 0) -> str:
     """The lineage tree as nested markdown bullets, with links to the producing flow runs."""
     pad = "  " * depth
