@@ -121,6 +121,30 @@ def main(argv: list[str] | None = None) -> int:
     except KilnUserError as e:
         print(f"kiln: {e}", file=sys.stderr)
         return 2
+    except Exception as e:
+        lost = _lost_prefect_api(e)
+        if lost is None:
+            raise
+        print(f"kiln: the Prefect API at {lost} stopped answering during the {args.command} "
+              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); is its server still running? "
+              "What was published is kept: rerun when it is back and finished steps are cache hits", file=sys.stderr)
+        return 1
+
+
+def _lost_prefect_api(error: BaseException) -> str | None:
+    """The API URL, if `error` comes from a Prefect API server that went away mid-command."""
+    import httpx
+
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError,
+                              httpx.ConnectTimeout, ConnectionRefusedError)):
+            from prefect.settings import PREFECT_API_URL
+
+            return PREFECT_API_URL.value() or "(Prefect's ephemeral server)"
+        error = error.__cause__ or error.__context__
+    return None
 
 
 class KilnUserError(Exception):

