@@ -5,7 +5,7 @@ a form filled with the served config's values):
 - `pipeline`: the whole lifecycle, each step cached by version;
 - `data-refresh`: on a cron schedule (daily by default), re-reads the sources and reruns what
   changed, up to tokenization;
-- `evaluate`: the evaluation flow for the config's checkpoint (upstream steps are cache hits).
+- `evaluate`: only the evaluate steps of the config (every variant's); a model not yet trained is an error naming it.
 
 Stopping (SIGTERM or SIGINT): Prefect stops serving, then kiln pauses the deployments' schedules
 itself, giving up after `pause_timeout_s` when the server no longer answers (Prefect's own pause

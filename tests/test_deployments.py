@@ -69,7 +69,7 @@ def task_states(env: dict, flow_run_id) -> dict[str, str]:
 
     with get_client(sync_client=True) as client:
         ids, frontier = [flow_run_id], [flow_run_id]
-        while frontier:  # subflows of subflows: data-refresh -> pipeline -> data, tokenize
+        while frontier:  # subflows: data-refresh -> pipeline
             children = client.read_flow_runs(flow_run_filter=FlowRunFilter(
                 parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=frontier)))
             frontier = [c.id for c in children]
