@@ -204,7 +204,7 @@ def local_ray_dir() -> str:
     return os.path.join(tempfile.gettempdir(), f"kiln-ray-{os.getuid()}")
 
 
-def start_local_ray(num_cpus: int, num_gpus: int | None = None, attempts: int = 3) -> None:
+def start_local_ray(num_cpus: int, num_gpus: int | None = None, attempts: int = 5) -> None:
     """Start kiln's private Ray in this process: every service on 127.0.0.1, quiet, no dashboard.
 
     `address="local"` always starts a new instance: without it Ray attaches to any other Ray on
@@ -237,10 +237,12 @@ def start_local_ray(num_cpus: int, num_gpus: int | None = None, attempts: int = 
                 return
             except Exception:
                 # Ray gives its node a fixed 30 s to register; an overloaded machine can miss
-                # that. Start again; the last failure propagates.
+                # that (seen at a load of 10 on 2 cores). Start again after a pause that grows;
+                # the last failure propagates.
                 ray.shutdown()
                 if attempt == attempts - 1:
                     raise
+                time.sleep(5 * (attempt + 1))
     finally:
         ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV, ray_constants.ENABLE_RAY_CLUSTER = saved
         if saved_env is None:
