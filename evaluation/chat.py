@@ -12,21 +12,23 @@ through kiln's adapter (`KilnLM`, greedy decoding with a KV cache):
                           higher log-likelihood; acc_norm: per byte. This is preference accuracy.
 
 The prompts carry the chat special tokens on purpose, so the adapter parses special-token
-strings (`parse_special_tokens=True`). No Prefect here.
+strings (`parse_special_tokens=True`). No Prefect here; lm-eval and JAX are imported when an
+evaluation runs, so the config is cheap to import (`kiln plan` reads it).
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 from pydantic import Field
 
-from evaluation.adapter import KilnLM
-from evaluation.harness import evaluate, metric_table
 from training.config import ConfigModel, setting
-from training.posttrain import END_OF_TURN, ChatTemplate
+
+if TYPE_CHECKING:
+    from training.posttrain import ChatTemplate
 
 GENERATION, PREFERENCE = "kiln_chat_generation", "kiln_chat_preference"
 
@@ -40,6 +42,8 @@ class ChatEvalConfig(ConfigModel):
 def write_tasks(conversations: list[dict], pairs: list[dict], template: ChatTemplate, out_dir: Path,
                 cfg: ChatEvalConfig) -> list[dict]:
     """The two tasks' JSON lines and YAML in `out_dir`; returns the lm-eval configs (absolute paths)."""
+    from training.posttrain import END_OF_TURN
+
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     generation = []
@@ -65,6 +69,8 @@ def write_tasks(conversations: list[dict], pairs: list[dict], template: ChatTemp
 
 
 def _generation_task(cfg: ChatEvalConfig) -> dict:
+    from training.posttrain import END_OF_TURN
+
     return {"output_type": "generate_until", "doc_to_target": "target",
             "generation_kwargs": {"until": [END_OF_TURN], "do_sample": False, "max_gen_toks": cfg.max_gen_toks},
             "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True},
@@ -82,6 +88,10 @@ def chat_evaluate(cfg_model, params, tokenizer, eos_id: int, conversations: list
                   out_dir: Path, cfg: ChatEvalConfig) -> dict:
     """{"generation_exact_match", "generation_chrf", "preference_acc", "preference_acc_norm", ...} for one
     model (config, parameters) with the tokenizer it was trained with."""
+    from evaluation.adapter import KilnLM
+    from evaluation.harness import evaluate, metric_table
+    from training.posttrain import ChatTemplate
+
     template = ChatTemplate(tokenizer)
     configs = write_tasks(conversations, pairs, template, out_dir, cfg)
     lm = KilnLM(cfg_model, params, tokenizer, eos_id, batch_size=cfg.batch_size, max_gen_toks=cfg.max_gen_toks,

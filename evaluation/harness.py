@@ -6,7 +6,8 @@ config names lm-eval tasks, and once per process. Each task is loaded before any
 cannot be loaded (a typo, or a dataset that is neither cached nor downloadable here) stops the
 run at once with a `TaskUnavailable` that names the task and says why, instead of a network
 traceback halfway through an evaluation. Only lm-eval's built-in metrics are used (a metric
-outside its registry would be fetched from the hub).
+outside its registry would be fetched from the hub). lm-eval itself (and with it `datasets` and
+pandas, seconds to import) is imported by the functions that use it.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ import logging
 import os
 from importlib import metadata
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import lm_eval
-from lm_eval.api.model import LM
-from lm_eval.tasks import TaskManager
+if TYPE_CHECKING:
+    from lm_eval.api.model import LM
+    from lm_eval.tasks import TaskManager
 
 log = logging.getLogger("kiln.evaluation")
 
@@ -42,6 +44,8 @@ def _offline() -> bool:
 def task_manager(include_defaults: bool) -> TaskManager:
     """An lm-eval TaskManager, built once per process: indexing lm-eval's own tasks takes seconds,
     and kiln's suite tasks are passed as configs, so one index serves every evaluation."""
+    from lm_eval.tasks import TaskManager
+
     return TaskManager(include_defaults=include_defaults)
 
 
@@ -86,6 +90,8 @@ def evaluate(lm: LM, suite_configs: list[dict], lm_eval_tasks: list[str], limit:
     """
     if not suite_configs and not lm_eval_tasks:
         raise ValueError("no tasks to evaluate: name kiln suite tasks and/or lm-eval tasks in the config")
+    import lm_eval
+
     manager = task_manager(bool(lm_eval_tasks))
     objects = []
     for spec in [*suite_configs, *lm_eval_tasks]:

@@ -21,12 +21,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import Field, field_validator, model_validator
 
-from evaluation.adapter import KilnLM
-from evaluation.harness import evaluate, metric_table
-from evaluation.perplexity import heldout_metrics
 from evaluation.suite import SUITE_TASKS, TASK_PREFIX, SuiteConfig, build_suite, task_configs
 from tasks.engine.documents import read_documents
 from tasks.engine.step import Step, StepContext
@@ -34,7 +32,9 @@ from tasks.tokenize import is_validation
 from tasks.tokenizer import load_tokenizer, read_tokenizer_meta
 from training.config import ConfigModel, files, setting
 from training.data import TokenDataset, read_meta
-from training.loop import load_model
+
+if TYPE_CHECKING:  # lm-eval (with datasets and pandas) and JAX load when a model is evaluated, not for plans
+    from evaluation.adapter import KilnLM
 
 STAGE_VERSION = 1
 SUITE_DIR = "tasks"
@@ -75,6 +75,9 @@ class EvalConfig(ConfigModel):
 
 def load_kiln_lm(model_dir: Path, tokenizer_dir: Path, **kwargs) -> KilnLM:
     """The lm-eval adapter over a training output folder and a tokenizer step output folder."""
+    from evaluation.adapter import KilnLM
+    from training.loop import load_model
+
     cfg, params = load_model(model_dir)
     meta = read_tokenizer_meta(tokenizer_dir)
     return KilnLM(cfg, params, load_tokenizer(tokenizer_dir), meta["eos_id"], meta.get("bos_id"), **kwargs)
@@ -96,6 +99,9 @@ def short_name(task: str) -> str:
 
 
 def run_evaluate(ctx: StepContext) -> dict:
+    from evaluation.harness import evaluate, metric_table
+    from evaluation.perplexity import heldout_metrics
+
     config: EvalConfig = ctx.config
     model_dir, tokenizer_dir = ctx.inputs["model"], ctx.inputs["tokenizer"]
     tokens_dir, documents_dir = ctx.inputs["tokens"], ctx.inputs["documents"]

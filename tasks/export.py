@@ -20,9 +20,6 @@ from tasks.engine.step import Step, StepContext
 from tasks.engine.store import LINEAGE
 from tasks.tokenizer import TOKENIZER_FILE, load_tokenizer, read_tokenizer_meta
 from training.config import ConfigModel
-from training.export import export_hf, model_card
-from training.loop import load_model
-from training.model import param_count
 
 STAGE_VERSION = 1
 
@@ -45,6 +42,10 @@ def model_lineage(model_dir: Path) -> dict | None:
 
 
 def run_export(ctx: StepContext) -> dict:
+    from training.export import export_hf, model_card  # JAX, and only when exporting: not for plans
+    from training.loop import load_model
+    from training.model import param_count
+
     config: ExportConfig = ctx.config
     model_dir, tokenizer_dir = ctx.inputs["model"], ctx.inputs["tokenizer"]
     cfg, params = load_model(model_dir)

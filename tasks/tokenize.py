@@ -31,7 +31,6 @@ from pydantic import Field
 from tokenizers import Tokenizer
 
 from tasks.engine.documents import list_shards, read_shard
-from tasks.engine.parallel import map_shards
 from tasks.tokenizer import load_tokenizer, read_tokenizer_meta
 from training.config import ConfigModel, Count, setting
 from training.data import unigram_entropy
@@ -169,6 +168,8 @@ def run_tokenize(ctx: StepContext) -> dict:
                      tok_meta["bos_id"], config.validation_fraction) for i, shard in enumerate(shards)]
     workers = config.workers or ctx.workers
     ctx.log.info("tokenizing %d shards with %d workers (%s)", len(jobs), workers, dtype.name)
+    from tasks.engine.parallel import map_shards  # here: it imports Ray, which planning never needs
+
     results = map_shards(tokenize_shard, jobs, workers=workers,
                          on_result=lambda i, r: ctx.log.info("shard %d/%d: %d train tokens",
                                                              i + 1, len(jobs), r["train"]["tokens"]))
