@@ -17,7 +17,9 @@ from training.tracking import TrackingConfig, tracked
 if TYPE_CHECKING:  # tasks.engine.step imports Prefect; Ray workers that import this module skip it
     from tasks.engine.step import Step, StepContext
 
-STAGE_VERSION = 1
+# 2: fused projections, `project`'s weight gradients and the hand-written cross-entropy change the
+# last bits of every trained parameter (training/model.py, training/step.py)
+STAGE_VERSION = 2
 
 
 class TrainStepConfig(ConfigModel):

@@ -12,9 +12,9 @@ import optax
 import pytest
 
 from training.config import ModelConfig, TrainConfig, model_and_train
-from training.model import decode_step, flops_per_token, forward, init_cache, init_params, param_count
+from training.model import decode_step, flops_per_token, forward, init_cache, init_params, param_count, project
 from training.optim import lr_schedule, make_optimizer, matrices_only
-from training.step import init_state, loss_fn, make_train_step
+from training.step import cross_entropy, init_state, loss_fn, make_train_step
 
 CONFIGS = Path(__file__).parents[1] / "configs"
 
@@ -77,6 +77,27 @@ def test_forward_matches_hf_llama_reference(tie):
     assert ours.dtype == np.float32 and ours.shape == (2, 11, cfg.vocab_size)
     np.testing.assert_allclose(ours, reference_llama(params, tokens, cfg), atol=2e-5, rtol=1e-4)
     assert ("lm_head" in params) != tie
+
+
+def test_project_and_cross_entropy_give_autodiffs_numbers():
+    """The two hand-written backward passes (training/model.py `project`, training/step.py
+    `cross_entropy`) compute what autodiff of the plain formulas computes."""
+    k1, k2, k3 = jax.random.split(jax.random.PRNGKey(0), 3)
+    x, kernel = jax.random.normal(k1, (3, 5, 8)), jax.random.normal(k2, (8, 6))
+    cot = jax.random.normal(k3, (3, 5, 6))
+    ours = jax.vjp(project, x, kernel)
+    plain = jax.vjp(jnp.matmul, x, kernel)
+    np.testing.assert_allclose(ours[0], plain[0], rtol=1e-6)
+    for a, b in zip(ours[1](cot), plain[1](cot)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+    logits = 3 * jax.random.normal(k1, (4, 7, 50))
+    targets = jax.random.randint(k2, (4, 7), 0, 50)
+    reference = lambda z: optax.softmax_cross_entropy_with_integer_labels(z, targets).mean()  # noqa: E731
+    loss, grad = jax.value_and_grad(cross_entropy)(logits, targets)
+    ref_loss, ref_grad = jax.value_and_grad(reference)(logits)
+    assert float(loss) == pytest.approx(float(ref_loss), rel=1e-6)
+    np.testing.assert_allclose(grad, ref_grad, atol=1e-7)
 
 
 def test_param_tree_count_and_init():

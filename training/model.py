@@ -23,6 +23,12 @@ Parameter tree (`params` of `init_params`), HF names in brackets; a Dense `kerne
 
 V vocab, D d_model, H query heads, K key/value heads, Q head_dim = D / H, F d_ff.
 
+How it is computed (the parameters above are stored and initialised exactly as `nn.Dense` would;
+only the matmuls XLA is asked for differ, to suit its CPU backend, see benchmarks/RESULTS.md):
+q, k and v come from one matmul with the three kernels side by side, and so do gate and up;
+every projection is `project`, whose backward hands XLA the weight gradient as x^T @ dy with x
+on the left, so the gradient dy is never written out transposed.
+
 Inference: `forward` gives float32 logits for a batch; `init_cache` and `decode_step` run
 prefill and token-by-token decoding with a key/value cache, all usable under `jax.jit`.
 """
@@ -69,9 +75,39 @@ def rotary(x, positions, theta: float):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def _dense(features: int, std: float, dtype, name: str) -> nn.Dense:
-    return nn.Dense(features, use_bias=False, dtype=dtype, param_dtype=jnp.float32,
-                    kernel_init=nn.initializers.normal(std), name=name)
+class Kernel(nn.Module):
+    """A projection's [in, out] weight under `<name>/kernel`, drawn as `nn.Dense` draws it (same
+    key, N(0, std)), but returned rather than applied, so kernels can be concatenated."""
+
+    shape: tuple[int, int]
+    std: float
+
+    @nn.compact
+    def __call__(self):
+        return self.param("kernel", nn.initializers.normal(self.std), self.shape, jnp.float32)
+
+
+@jax.custom_vjp
+def project(x, kernel):
+    """x [..., D] @ kernel [D, F]: the same sums as autodiff's matmul, with its gradients written
+    so XLA's CPU backend reads every operand as it lies in memory. Autodiff's weight gradient is
+    dy^T @ x, for which XLA writes dy (the larger array, the output of an elementwise backward
+    such as SwiGLU's or the softmax's) transposed, in strided order; x^T @ dy with x on the left
+    reads x transposed inside the matmul and dy as it is."""
+    return x @ kernel
+
+
+def _project_fwd(x, kernel):
+    return x @ kernel, (x, kernel)
+
+
+def _project_bwd(saved, dy):
+    x, kernel = saved
+    x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])  # [B*T, D], [B*T, F]
+    return dy @ kernel.T, x2.T @ dy2
+
+
+project.defvjp(_project_fwd, _project_bwd)
 
 
 class Attention(nn.Module):
@@ -80,12 +116,14 @@ class Attention(nn.Module):
     @nn.compact
     def __call__(self, x, positions, layer_cache=None, cache_pos=None, index=None):
         cfg, dt = self.cfg, _dtype(self.cfg)
-        B, T, _ = x.shape
+        B, T, D = x.shape
         H, K, Q = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)  # residual projections scaled by depth
-        q = _dense(H * Q, cfg.init_std, dt, "q_proj")(x).reshape(B, T, H, Q)
-        k = _dense(K * Q, cfg.init_std, dt, "k_proj")(x).reshape(B, T, K, Q)
-        v = _dense(K * Q, cfg.init_std, dt, "v_proj")(x).reshape(B, T, K, Q)
+        qkv_kernel = jnp.concatenate([Kernel((D, H * Q), cfg.init_std, name="q_proj")(),
+                                      Kernel((D, K * Q), cfg.init_std, name="k_proj")(),
+                                      Kernel((D, K * Q), cfg.init_std, name="v_proj")()], axis=1)
+        q, k, v = jnp.split(project(x, qkv_kernel.astype(dt)), [H * Q, (H + K) * Q], axis=-1)  # one matmul
+        q, k, v = q.reshape(B, T, H, Q), k.reshape(B, T, K, Q), v.reshape(B, T, K, Q)
         q, k = rotary(q, positions, cfg.rope_theta), rotary(k, positions, cfg.rope_theta)
 
         if layer_cache is None:  # training / full forward: keys are this sequence
@@ -103,7 +141,7 @@ class Attention(nn.Module):
         scores = jnp.where(visible[:, None, None], scores, _MASKED)
         probs = jax.nn.softmax(scores, axis=-1).astype(dt)
         out = jnp.einsum("bkgts,bskq->btkgq", probs, v).reshape(B, T, H * Q)
-        return _dense(cfg.d_model, out_std, dt, "o_proj")(out), layer_cache
+        return project(out, Kernel((H * Q, D), out_std, name="o_proj")().astype(dt)), layer_cache
 
 
 class MLP(nn.Module):
@@ -112,10 +150,12 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x):
         cfg, dt = self.cfg, _dtype(self.cfg)
+        D, F = x.shape[-1], cfg.d_ff
         out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
-        gate = _dense(cfg.d_ff, cfg.init_std, dt, "gate_proj")(x)
-        up = _dense(cfg.d_ff, cfg.init_std, dt, "up_proj")(x)
-        return _dense(cfg.d_model, out_std, dt, "down_proj")(nn.silu(gate) * up)
+        kernel = jnp.concatenate([Kernel((D, F), cfg.init_std, name="gate_proj")(),
+                                  Kernel((D, F), cfg.init_std, name="up_proj")()], axis=1)
+        gate, up = jnp.split(project(x, kernel.astype(dt)), 2, axis=-1)  # one matmul
+        return project(nn.silu(gate) * up, Kernel((F, D), out_std, name="down_proj")().astype(dt))
 
 
 class Block(nn.Module):
@@ -151,9 +191,10 @@ class Llama(nn.Module):
             new_layers.append(layer_cache)
         x = RMSNorm(cfg.norm_eps, dt, name="norm")(x)
         if cfg.tie_embeddings:
-            logits = embed.attend(x)
+            head = embed.embedding.T  # [D, V]
         else:
-            logits = _dense(cfg.vocab_size, cfg.init_std, dt, "lm_head")(x)
+            head = Kernel((cfg.d_model, cfg.vocab_size), cfg.init_std, name="lm_head")()
+        logits = project(x, head.astype(dt))
         return logits.astype(jnp.float32), new_layers
 
 

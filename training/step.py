@@ -29,10 +29,33 @@ def init_state(model_cfg: ModelConfig, optimizer: optax.GradientTransformation, 
             "opt_state": optimizer.init(params), "rng": train_key}
 
 
+@jax.custom_vjp
+def cross_entropy(logits, targets):
+    """Mean over positions of logsumexp(logits) - logits[target], for float32 logits [..., V] and
+    int targets [...]: the number optax's `softmax_cross_entropy_with_integer_labels(...).mean()`
+    gives, to float rounding. Its gradient is one fused pass over the logits, (softmax - onehot)
+    / n, from the saved logits and logsumexp; autodiff of a log-softmax makes several."""
+    return _cross_entropy_fwd(logits, targets)[0]
+
+
+def _cross_entropy_fwd(logits, targets):
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return jnp.mean(lse - picked), (logits, targets, lse)
+
+
+def _cross_entropy_bwd(saved, g):
+    logits, targets, lse = saved
+    onehot = targets[..., None] == jnp.arange(logits.shape[-1], dtype=targets.dtype)
+    return (jnp.exp(logits - lse[..., None]) - onehot) * (g / targets.size), None
+
+
+cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
+
+
 def loss_fn(params, batch, model_cfg: ModelConfig):
     """Mean next-token cross-entropy (nats) over every position of the batch, in float32."""
-    logits = forward(params, batch[:, :-1], model_cfg)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+    return cross_entropy(forward(params, batch[:, :-1], model_cfg), batch[:, 1:])
 
 
 def make_train_step(model_cfg: ModelConfig, train_cfg: TrainConfig,
