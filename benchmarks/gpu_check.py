@@ -1,0 +1,103 @@
+"""The one-shot GPU check (run it through benchmarks/gpu_check.sh, which brings what the machine
+lacks): for configs/small_gpu.yaml and configs/medium_gpu.yaml, bfloat16 as configured, it prints
+
+  MFU     kiln's tokens/s x training FLOPs per token (training/model.py, PaLM's 6N + attention)
+          over the device's data-sheet peak (training/metrics.py: H200 SXM bf16 dense 989 TFLOP/s)
+  ratio   kiln (training.loop.train) / the bare jitted JAX loop of benchmarks/train_bench.py,
+          same model, optimizer, batches and microbatches
+  hash    whether two kiln runs of the same config end with the same parameter sha256
+
+kiln runs twice per config (the second run reuses the compiled step: no compile counted either
+way) and the faster run counts; the bare loop runs once between them. `--device cpu` is a dry run
+of the same code on shrunken models (same layer structure, dtype and microbatches, tiny sizes),
+with MFU against this host's measured float32 matmul peak, so CI can keep the script working
+without a GPU. Imports training/, jax, flax, optax, numpy, pydantic, yaml: no Prefect, no Ray.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+
+sys.path.insert(0, str(Path(__file__).parent))
+from train_bench import make_batches, run_bare, train_config  # noqa: E402
+
+from training.config import ModelConfig, model_and_train  # noqa: E402
+from training.loop import train  # noqa: E402
+from training.metrics import DECLARED_PEAK, measured_matmul_peak  # noqa: E402
+from training.model import flops_per_token, init_params, param_count  # noqa: E402
+
+CONFIGS = Path(__file__).parents[1] / "configs"
+PRESETS = ("small_gpu", "medium_gpu")
+
+
+def dry_run_model(model: ModelConfig) -> ModelConfig:
+    """A model small enough for a CPU in seconds, keeping what the check exercises: tied or not,
+    grouped-query attention, the compute dtype."""
+    return model.model_copy(update={"vocab_size": 512, "d_model": 64, "n_layers": 2, "n_heads": 4,
+                                    "n_kv_heads": 2, "d_ff": 128, "seq_len": 64})
+
+
+def run_kiln(model: ModelConfig, cfg, batches) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        return train(model, cfg, lambda step: batches[step % len(batches)], [], Path(tmp) / "w", Path(tmp) / "o")
+
+
+def peak_flops(device: str) -> tuple[float, str]:
+    if device == "cpu":
+        return measured_matmul_peak(), "this host's measured fp32 matmul peak"
+    kind = jax.devices()[0].device_kind
+    peak = next((p for name, p in DECLARED_PEAK.items() if name.lower() in kind.lower()), None)
+    if peak is None:
+        raise SystemExit(f"no data-sheet peak for {kind!r}; add it to training.metrics.DECLARED_PEAK")
+    return peak * jax.device_count(), f"{jax.device_count()} x {kind} data sheet, bf16 dense"
+
+
+def check(preset: str, device: str, steps: int, peak: float) -> bool:
+    model, base = model_and_train(str(CONFIGS / f"{preset}.yaml"))
+    batch_size = base.batch_size
+    if device == "cpu":
+        model, batch_size = dry_run_model(model), 2 * base.microbatches
+    cfg = train_config(steps, batch_size, base.microbatches)
+    batches = make_batches(model, cfg, 4)
+    n_params = param_count(jax.eval_shape(lambda: init_params(model, jax.random.PRNGKey(0))))
+    t0 = time.perf_counter()
+    first = run_kiln(model, cfg, batches)
+    bare = run_bare(model, cfg, batches)
+    second = run_kiln(model, cfg, batches)
+    kiln = max(first["tokens_per_s"], second["tokens_per_s"])
+    same = first["params_sha256"] == second["params_sha256"]
+    mfu = flops_per_token(model) * kiln / peak
+    print(f"{preset}: {n_params / 1e6:.1f}M params, {model.compute_dtype}, batch {cfg.batch_size} x {model.seq_len} "
+          f"({cfg.microbatches} microbatches), {steps} steps, {time.perf_counter() - t0:.0f} s\n"
+          f"  MFU {mfu:.1%}   kiln {kiln:.0f} tokens/s   bare jax {bare:.0f} tokens/s   kiln / bare = {kiln / bare:.3f}\n"
+          f"  same parameter hash in two runs: {'yes' if same else 'NO'} ({first['params_sha256'][:16]})", flush=True)
+    return same
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", choices=["gpu", "cpu"], default="gpu")
+    p.add_argument("--steps", type=int, default=None, help="steps per run (default: gpu 8, cpu 4)")
+    p.add_argument("--presets", nargs="+", default=list(PRESETS), choices=PRESETS)
+    args = p.parse_args()
+    platform = jax.devices()[0].platform
+    if (args.device == "gpu") != (platform == "gpu"):
+        raise SystemExit(f"--device {args.device} but JAX's devices are {platform}: {jax.devices()}")
+    steps = args.steps or (8 if args.device == "gpu" else 4)
+    peak, source = peak_flops(args.device)
+    print(f"jax {jax.__version__}, {jax.device_count()} x {jax.devices()[0].device_kind}; "
+          f"peak {peak / 1e12:.3g} TFLOP/s ({source})", flush=True)
+    t0 = time.perf_counter()
+    results = [check(preset, args.device, steps, peak) for preset in args.presets]
+    print(f"gpu check {'passed' if all(results) else 'FAILED'} in {time.perf_counter() - t0:.0f} s")
+    raise SystemExit(0 if all(results) else 1)
+
+
+if __name__ == "__main__":
+    main()
