@@ -74,6 +74,11 @@ class RunSettings(ConfigModel):
                                   "raise it when Ray has room for several trainings (a cluster, or more cores).")
     compare_metric: str = setting("bits_per_byte", description="The metric `kiln compare` and the pipeline's "
                                   "comparison plot show per variant (any key of the compare table).")
+    lock_url: str | None = setting(None, pattern=r"^rediss?://", description="`redis://HOST:PORT/DB`: step locks in "
+                                   "Redis, shared by every runner that uses it (runners on several machines that "
+                                   "share a store); without it, lock files beside the store's local root.")
+    lock_lease_s: float = setting(30.0, gt=0, description="A Redis lock's lease: renewed while its holder lives, "
+                                  "released this long after a holder dies.")
 
 
 class ExperimentConfig(ConfigModel):

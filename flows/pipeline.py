@@ -32,13 +32,13 @@ def run_experiment(experiment: Experiment, store: Store, until: str | None = Non
     """Every step up to `until`, then the steps that can only be built from their outputs (the
     scaling forecast), then the comparison of the variants; raises StepsFailed if any step failed."""
     settings = experiment.run
-    runs = execute(select(experiment.steps, until), store, max_concurrent=settings.max_concurrent,
-                   workers=settings.workers, force=frozenset(force))
+    how = dict(max_concurrent=settings.max_concurrent, workers=settings.workers, force=frozenset(force),
+               lock_url=settings.lock_url, lease_s=settings.lock_lease_s)
+    runs = execute(select(experiment.steps, until), store, **how)
     if until is None and not failures(runs):
         seen = {(r.stage, r.version) for r in runs}
         more = [s for s in with_followups(experiment, store).steps if (s.stage, s.version) not in seen]
-        runs += execute(more, store, max_concurrent=settings.max_concurrent, workers=settings.workers,
-                        force=frozenset(force))
+        runs += execute(more, store, **how)
     if len(experiment.branches) > 1:
         publish_comparison(experiment, store)
     if failures(runs):
@@ -79,8 +79,9 @@ def evaluate_flow(config: ExperimentConfig, store: str | None = None, force: lis
     in the store yet is an error that names it."""
     experiment = from_config(config)
     steps = [s for s in experiment.steps if s.stage == "evaluate"]
-    runs = execute(steps, Store(store), max_concurrent=experiment.run.max_concurrent,
-                   workers=experiment.run.workers, force=frozenset(force))
+    settings = experiment.run
+    runs = execute(steps, Store(store), max_concurrent=settings.max_concurrent, workers=settings.workers,
+                   force=frozenset(force), lock_url=settings.lock_url, lease_s=settings.lock_lease_s)
     if failures(runs):
         raise StepsFailed(runs)
     return runs

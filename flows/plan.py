@@ -29,7 +29,7 @@ from tasks.tokenizer import GPT2_EOS, TokenizerConfig, tokenizer_step
 from tasks.train import train_step
 from tasks.engine.step import Step, upstream_order
 from tasks.engine.store import Store
-from tasks.engine.caching import StaleAwareLockManager
+from tasks.engine.caching import lock_manager
 
 if TYPE_CHECKING:
     from flows.experiment import Experiment
@@ -101,10 +101,10 @@ class PlannedStep:
     warning: str | None = None  # e.g. the stage's code changed since the cached run
 
 
-def step_status(step: Step, store: Store) -> str:
+def step_status(step: Step, store: Store, lock_url: str | None = None) -> str:
     if store.is_done(step.stage, step.version):
         return "done"
-    if StaleAwareLockManager(store.local_root / ".prefect-locks").is_locked(step.key):
+    if lock_manager(store, lock_url).is_locked(step.key):
         return "running"
     if store.failure_record(step.stage, step.version).exists():
         return "failed"
@@ -135,7 +135,7 @@ def plan(experiment: Experiment, store: Store, until: str | None = None) -> list
         experiment = with_followups(experiment, store)
         steps = experiment.steps
     for s in steps:
-        status = step_status(s, store)
+        status = step_status(s, store, experiment.run.lock_url)
         warning = code_drift(s, store) if status == "done" else None
         planned.append(PlannedStep(s.stage, s.name, s.version, store.output(s.stage, s.version), status,
                                    [v for v in experiment.variants_of[s.key] if v], warning))

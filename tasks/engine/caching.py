@@ -39,7 +39,7 @@ def _remote_results_block(root: str):
     return block
 
 
-def step_cache_policy(store: "Store"):
+def step_cache_policy(store: "Store", lock_url: str | None = None, lease_s: float = 30.0):
     """The cache policy for every kiln step: key `<stage>-<version>`, serializable, locked.
 
     The key is passed in as the task's `cache_key` argument, so Prefect's input hashing (which
@@ -48,9 +48,19 @@ def step_cache_policy(store: "Store"):
     # No `key_storage`: Prefect then writes metadata and value as one record in the task's
     # result storage (`result_storage` below), which a copied store carries along whole.
     return StepVersionPolicy().configure(
-        lock_manager=StaleAwareLockManager(store.local_root / ".prefect-locks"),
+        lock_manager=lock_manager(store, lock_url, lease_s),
         isolation_level=IsolationLevel.SERIALIZABLE,
     )
+
+
+def lock_manager(store: "Store", lock_url: str | None = None, lease_s: float = 30.0):
+    """Step locks: files beside the store's local root (one machine), or Redis at `lock_url`
+    (every machine that uses the same server; tasks/engine/redis_lock.py)."""
+    if lock_url:
+        from tasks.engine.redis_lock import RedisLockManager
+
+        return RedisLockManager(lock_url, lease_s)
+    return StaleAwareLockManager(store.local_root / ".prefect-locks")
 
 
 @dataclass

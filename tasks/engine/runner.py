@@ -164,12 +164,12 @@ def step_task(cache_key: str, step: Step, store_root: str, workers: int) -> dict
     return run_step_body(step, Store(store_root), workers, get_run_logger())
 
 
-def configured_task(step: Step, store: Store, forced: bool):
+def configured_task(step: Step, store: Store, forced: bool, lock_url: str | None = None, lease_s: float = 30.0):
     """`step_task` with the step's name, its cache policy (key, lock, isolation) and result storage."""
     return step_task.with_options(
         name=step.stage,
         task_run_name=f"{step.name}-{step.version}",
-        cache_policy=step_cache_policy(store),
+        cache_policy=step_cache_policy(store, lock_url, lease_s),
         result_storage=result_storage(store),
         refresh_cache=forced or None,
     )

@@ -1,0 +1,166 @@
+"""Step locks in Redis (run.lock_url): runners that share a store but no lock folder compute each
+step once, and a holder killed with SIGKILL blocks nobody past its lease. A real redis-server on a
+free 127.0.0.1 port, started and stopped by the test."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tasks.engine.redis_lock import RedisLockManager
+from tests.conftest import REPO, free_port
+from tests.test_scheduler import run_names
+
+
+@pytest.fixture
+def redis_url(tmp_path):
+    server = shutil.which("redis-server")
+    if server is None:
+        pytest.skip("redis-server is not installed (apt-get install redis-server; .ci/run installs it)")
+    port = free_port()
+    proc = subprocess.Popen([server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        import redis
+
+        client = redis.Redis(host="127.0.0.1", port=port)
+        deadline = time.monotonic() + 30
+        while True:
+            with contextlib.suppress(redis.ConnectionError):
+                if client.ping():
+                    break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"redis-server did not start: {proc.stdout.read()[-2000:]!r}")
+            time.sleep(0.1)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+HOLD_SCRIPT = textwrap.dedent("""
+    import sys, time
+    from tasks.engine.redis_lock import RedisLockManager
+    assert RedisLockManager(sys.argv[1], lease_s=1.0).acquire_lock("step-x", holder="dying")
+    print("HOLDING", flush=True)
+    time.sleep(600)
+""")
+
+
+def test_a_lease_is_renewed_while_its_holder_lives_and_ends_when_it_dies(redis_url, tmp_path):
+    mine = RedisLockManager(redis_url, lease_s=1.0)
+    assert mine.acquire_lock("step-a", holder="me")
+    other = RedisLockManager(redis_url, lease_s=1.0)
+    assert not other.acquire_lock("step-a", holder="you", acquire_timeout=0)
+    time.sleep(3)  # three leases: the renewer keeps it
+    assert mine.is_lock_holder("step-a", "me") and not other.acquire_lock("step-a", holder="you", acquire_timeout=0)
+    mine.release_lock("step-a", holder="me")
+    assert other.acquire_lock("step-a", holder="you", acquire_timeout=0)
+    other.release_lock("step-a", holder="you")
+
+    script = tmp_path / "hold.py"
+    script.write_text(HOLD_SCRIPT)
+    proc = subprocess.Popen([sys.executable, str(script), redis_url], cwd=REPO, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert proc.stdout.readline().strip() == "HOLDING"
+        assert other.is_locked("step-x")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        t0 = time.monotonic()
+        assert other.acquire_lock("step-x", holder="next", acquire_timeout=10)
+        assert time.monotonic() - t0 < 5  # freed within about one lease, not never
+        other.release_lock("step-x", holder="next")
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+TOY = textwrap.dedent('''
+    """Three steps that take a while, for two runners at once."""
+    import os
+    import time
+
+    from flows.config import RunSettings
+    from tasks.engine.step import Step
+    from training.config import ConfigModel
+
+    RUN = RunSettings(lock_url=os.environ["KILN_TEST_LOCK_URL"], lock_lease_s=5)
+
+
+    class Toy(ConfigModel):
+        name: str
+
+
+    def work(ctx):
+        time.sleep(2)
+        (ctx.out / "out.txt").write_text(ctx.config.name)
+        return {"name": ctx.config.name}
+
+
+    def experiment():
+        first = Step("first", "toy_lock", 1, Toy(name="first"), work)
+        second = Step("second", "toy_lock", 1, Toy(name="second"), work, inputs={"first": first})
+        return [Step("third", "toy_lock", 1, Toy(name="third"), work, inputs={"second": second})]
+''')
+
+
+@pytest.fixture
+def s3_store(tmp_path):
+    """An S3-compatible server (moto) on a free 127.0.0.1 port and a bucket on it; yields the store
+    URL and the environment a runner needs to reach it."""
+    port = free_port()
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    env = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1",
+           "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
+    try:
+        import s3fs
+
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                s3fs.S3FileSystem(endpoint_url=env["AWS_ENDPOINT_URL"], key="test", secret="test").mkdir("kiln-locks")
+                break
+            except Exception:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+        yield "s3://kiln-locks/store", env
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_two_runners_without_a_shared_lock_folder_compute_each_step_once(redis_url, s3_store, tmp_path):
+    experiment = tmp_path / "toy_locks.py"
+    experiment.write_text(TOY)
+    store, s3_env = s3_store  # a store both runners see; each keeps its caches and lock files in its own
+    # KILN_CACHE, as two machines would, so only the Redis lock is shared
+    procs = [subprocess.Popen([sys.executable, "-m", "flows.cli", "run", str(experiment), "--store", store],
+                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, **s3_env, "KILN_TEST_LOCK_URL": redis_url,
+                                   "KILN_CACHE": str(tmp_path / f"machine-{i}")})
+             for i in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-3000:] for _, err in outs]
+    rows = [run_names(out) for out, _ in outs]
+    for name in ("first", "second", "third"):
+        assert sorted(r[name] for r in rows) == ["cached", "ran"], rows
