@@ -57,7 +57,7 @@ def recipe(config: ExperimentConfig) -> list[Step]:
         return upstream_order([documents, tokens,
                                *scaling_steps(config, tokens=tokens, tokenizer=tokenizer, documents=documents)])
     model_cfg = config.model.model_copy(update={"vocab_size": vocab_size(config.tokenizer)})
-    model = train_step(model_cfg, config.train, config.resources, tokens=tokens)
+    model = train_step(model_cfg, config.train, config.resources, tokens=tokens, tracking=config.tracking)
     eval_cfg = config.eval.model_copy(update={"validation_fraction": config.tokenize.validation_fraction})
     evaluation = evaluate_step(eval_cfg, model=model, tokenizer=tokenizer, tokens=tokens, documents=documents)
     final = model
@@ -65,9 +65,9 @@ def recipe(config: ExperimentConfig) -> list[Step]:
         pt = config.posttrain
         chat = chat_data_step(pt.chat.model_copy(update={"validation_fraction": config.tokenize.validation_fraction}),
                               documents=documents)
-        final = sft_step(pt.sft, model=model, tokenizer=tokenizer, chat=chat)
+        final = sft_step(pt.sft, model=model, tokenizer=tokenizer, chat=chat, tracking=config.tracking)
         if pt.dpo is not None:
-            final = dpo_step(pt.dpo, model=final, tokenizer=tokenizer, pairs=chat)
+            final = dpo_step(pt.dpo, model=final, tokenizer=tokenizer, pairs=chat, tracking=config.tracking)
     exported = export_step(config.export, model=final, tokenizer=tokenizer, evaluation=evaluation)
     return upstream_order([documents, tokens, evaluation, final, exported])
 

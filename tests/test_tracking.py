@@ -181,8 +181,6 @@ def test_train_step_logs_an_offline_wandb_run_named_after_its_version(tokens_dir
                                                                              for r in records]
 
 
-@pytest.mark.xfail(strict=True, reason="flows/plan.py's recipe does not pass config.tracking to train_step, "
-                   "sft_step and dpo_step yet (their owner's file)")
 def test_the_experiment_tracking_section_reaches_its_training_steps():
     from flows.plan import recipe
 
