@@ -83,13 +83,13 @@ def check(preset: str, device: str, steps: int, peak: float) -> bool:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=["gpu", "cpu"], default="gpu")
-    p.add_argument("--steps", type=int, default=None, help="steps per run (default: gpu 8, cpu 4)")
+    p.add_argument("--steps", type=int, default=None, help="steps per run (default: gpu 8, cpu 3)")
     p.add_argument("--presets", nargs="+", default=list(PRESETS), choices=PRESETS)
     args = p.parse_args()
     platform = jax.devices()[0].platform
     if (args.device == "gpu") != (platform == "gpu"):
         raise SystemExit(f"--device {args.device} but JAX's devices are {platform}: {jax.devices()}")
-    steps = args.steps or (8 if args.device == "gpu" else 4)
+    steps = args.steps or (8 if args.device == "gpu" else 3)
     peak, source = peak_flops(args.device)
     print(f"jax {jax.__version__}, {jax.device_count()} x {jax.devices()[0].device_kind}; "
           f"peak {peak / 1e12:.3g} TFLOP/s ({source})", flush=True)
