@@ -64,7 +64,8 @@ def run_steps(plan: RunPlan, config, *, tokens: Step, tokenizer: Step, documents
               prefix: str = "") -> tuple[Step, Step]:
     """The train step and the evaluate step of one run (named `train/1e11/k4`, `evaluate/1e11/k4`)."""
     resources = ResourcesConfig(cpus_per_host=config.scaling.cpus_per_run)
-    train = dataclasses.replace(train_step(plan.model, plan.train, resources, tokens=tokens),
+    train = dataclasses.replace(train_step(plan.model, plan.train, resources, tokens=tokens,
+                                           tracking=config.tracking),
                                 name=f"train/{prefix}{plan.name}")
     evaluate = dataclasses.replace(
         evaluate_step(sweep_eval_config(config), model=train, tokenizer=tokenizer, tokens=tokens, documents=documents),

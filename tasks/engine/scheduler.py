@@ -97,12 +97,16 @@ def failures(runs: list[StepRun]) -> list[StepRun]:
 
 @contextlib.contextmanager
 def _shared_ray(steps: list[Step], store: Store, max_concurrent: int, workers: int):
-    """With several steps at once, one Ray for all of them, started before any: a step that
-    started its own would shut it down under the others when it finishes. Sized so that
-    `max_concurrent` of the largest Ray request fit (logical CPUs: Ray shares out, it does not pin)."""
+    """One Ray for every step of the run that needs one, started before any: with several steps
+    at once, a step that started its own would shut it down under the others when it finishes;
+    one after another, each would pay Ray's start (seconds, and a failure risk on a loaded
+    machine) again. Sized so that `max_concurrent` of the largest request fit (logical CPUs: Ray
+    shares them out, it does not pin). A run with a single Ray step leaves it its own Ray."""
     to_run = [s for s in steps if not store.is_done(s.stage, s.version)]
-    cpus = [_ray_cpus(s) for s in to_run]
-    if max_concurrent <= 1 or not (any(cpus) or (workers > 1 and to_run)):
+    cpus = [c for c in (_ray_cpus(s) for s in to_run) if c]
+    if workers > 1:
+        cpus += [workers] * len(to_run)  # data stages spread their shards over Ray workers
+    if len(cpus) < 2 and not (max_concurrent > 1 and cpus):
         yield
         return
     import ray
@@ -110,7 +114,7 @@ def _shared_ray(steps: list[Step], store: Store, max_concurrent: int, workers: i
     from tasks.engine.parallel import ensure_ray
 
     started = not ray.is_initialized()
-    ensure_ray(max_concurrent * max([*cpus, workers, 1]))
+    ensure_ray(max_concurrent * max(cpus))
     try:
         yield
     finally:
