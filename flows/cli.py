@@ -100,7 +100,8 @@ def parser() -> argparse.ArgumentParser:
     why = command("why", "Show which data stage kept or dropped a document, with its scores.",
                   "kiln why configs/tiny_cpu.yaml chichewa/01-001")
     why.add_argument("config")
-    why.add_argument("doc_id", help="a document id as acquire wrote it: <source name>/<id>")
+    why.add_argument("doc_id", help="a document id as acquire wrote it: <source name>/<the record's own id>, "
+                     "or <source name>/<file>:<line> for a record without one")
     why.add_argument("--store")
 
     serve = command("serve", "Register the pipeline, data-refresh and evaluate deployments on the "
@@ -337,9 +338,21 @@ def summary_table(runs) -> str:
         for model in ("base", "sft", "dpo"):
             scores = r.stats.get(f"eval_{model}") or {}
             pairs += [(f"{model}.{m}", scores[m]) for m in CHAT_STATS if m in scores]
+        if isinstance(r.stats.get("per_source"), dict):  # data stages: documents out per source
+            pairs.append(("per_source", per_source_summary(r.stats["per_source"])))
+        if r.stats.get("warnings"):
+            pairs.append(("warnings", len(r.stats["warnings"])))
         stats = r.error if r.error else ", ".join(f"{k}={_fmt(v)}" for k, v in pairs)
         rows.append([r.name, r.version, r.status, f"{r.seconds:.1f}", r.path, stats])
     return table(["stage", "version", "ran/cached", "seconds", "output", "key stats"], rows)
+
+
+def per_source_summary(per_source: dict) -> str:
+    """`kjv=1075,chichewa=0`: each source's documents out of a data stage."""
+    from tasks.engine.judging import UNREAD
+
+    return ",".join(f"{name or '?'}={c['docs_out'] if isinstance(c, dict) else c}"
+                    for name, c in per_source.items() if name != UNREAD)
 
 
 def _fmt(v) -> str:

@@ -11,10 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, model_validator
 
 from tasks.acquire import AcquireConfig, SourceConfig
 from tasks.chat_data import ChatDataConfig
+from tasks.decontaminate import DecontaminateConfig
 from tasks.dedup import DedupConfig
 from tasks.dpo import DPOConfig
 from tasks.sft import SFTConfig
@@ -25,7 +26,7 @@ from tasks.filter import FilterConfig
 from tasks.quality import NegativeExamplesConfig, QualityClassifierConfig, QualityFilterConfig
 from tasks.tokenize import TokenizeConfig
 from tasks.tokenizer import TokenizerConfig
-from training.config import ConfigModel, ModelConfig, ResourcesConfig, TrainConfig, setting
+from training.config import ConfigModel, Fraction, ModelConfig, ResourcesConfig, TrainConfig, setting
 from training.scaling import ScalingConfig
 from training.tracking import TrackingConfig
 
@@ -49,6 +50,39 @@ class DataConfig(ConfigModel):
     filter: FilterConfig = FilterConfig()
     quality: QualityConfig | None = None
     dedup: DedupConfig | None = DedupConfig()
+    decontaminate: DecontaminateConfig | None = Field(
+        DecontaminateConfig(), description="Drop training documents sharing a long n-gram with an eval example "
+        "(the held-out documents kiln's suite is cut from, and `eval.lm_eval_tasks` YAMLs' data files; the "
+        "pipeline copies `validation_fraction` and `lm_eval_tasks` in). Leave out with `decontaminate: null`.")
+    max_source_drop: Fraction = setting(0.9, description="A data stage that removes more than this share of any "
+                                        "one source's documents warns, naming it, and records it in its stats "
+                                        "(`warnings`); copied into every data stage's `max_source_drop`.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _share_max_source_drop(cls, raw: Any) -> Any:
+        """Copy `max_source_drop` into each data stage's section (a setting: no version changes)."""
+        if not isinstance(raw, dict) or "max_source_drop" not in raw:
+            return raw
+        limit = raw["max_source_drop"]
+        if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not 0 <= limit <= 1:
+            return raw  # refused by the field's own check, naming data.max_source_drop
+        raw = dict(raw)
+        defaults = {"filter": FilterConfig(), "dedup": DedupConfig(), "decontaminate": DecontaminateConfig()}
+
+        def shared(section: Any) -> Any:
+            if isinstance(section, dict):
+                return {**section, "max_source_drop": limit}
+            return section.model_copy(update={"max_source_drop": limit}) if section is not None else None
+
+        for name in ("extract", "filter", "dedup", "decontaminate"):
+            raw[name] = shared(raw[name] if name in raw else defaults.get(name))
+        quality = raw.get("quality")
+        if isinstance(quality, dict):
+            raw["quality"] = {**quality, "filter": shared(quality.get("filter", QualityConfig().filter))}
+        elif quality is not None:
+            raw["quality"] = quality.model_copy(update={"filter": shared(quality.filter)})
+        return raw
 
     def acquire(self) -> AcquireConfig:
         return AcquireConfig(sources=self.sources, docs_per_shard=self.docs_per_shard,

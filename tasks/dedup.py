@@ -34,9 +34,9 @@ import numpy as np
 from pydantic import model_validator
 
 from tasks.engine.documents import list_shards, read_shard
-from tasks.engine.judging import (DEFAULT_MAX_DOC_BYTES, Judge, ShardJob, Verdict, bad_document, judge_shard,
-                                  merge_stats, run_map)
-from training.config import ConfigModel, Count, OpenFraction, Seed, setting
+from tasks.engine.judging import (DEFAULT_MAX_DOC_BYTES, Judge, ShardJob, Verdict, bad_document, check_sources,
+                                  judge_shard, merge_stats, run_map)
+from training.config import ConfigModel, Count, Fraction, OpenFraction, Seed, setting
 
 if TYPE_CHECKING:  # tasks.engine.step loads Prefect (seconds), which Ray workers running this module never need
     from tasks.engine.step import Step, StepContext
@@ -71,6 +71,8 @@ class DedupConfig(ConfigModel):
     max_doc_bytes: Count = DEFAULT_MAX_DOC_BYTES
     strict: bool = False
     workers: Count | None = setting(None)
+    max_source_drop: Fraction = setting(0.9, description="Warn (and record under `warnings`) when more than this "
+                                        "share of one source is removed; set from `data.max_source_drop`.")
 
 
 # --- hashing ----------------------------------------------------------------------------------
@@ -421,7 +423,7 @@ def run_dedup(ctx: StepContext) -> dict:
         stats["paragraphs_removed"] = paras_removed
     ctx.log.info("dedup: %d clusters; removed %d exact and %d near duplicates of %d documents",
                  stats["clusters"], stats["exact_duplicates"], stats["near_duplicates"], stats["docs_in"])
-    return stats
+    return check_sources(ctx, stats)
 
 
 def dedup_step(config: DedupConfig, *, documents: Step) -> Step:

@@ -45,6 +45,8 @@ class ExtractConfig(ConfigModel):
     max_doc_bytes: Count = DEFAULT_MAX_DOC_BYTES
     strict: bool = False
     workers: Count | None = setting(None)
+    max_source_drop: Fraction = setting(0.9, description="Warn (and record under `warnings`) when more than this "
+                                        "share of one source is removed; set from `data.max_source_drop`.")
 
 
 def is_html(doc: dict) -> bool:

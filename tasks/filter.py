@@ -236,6 +236,8 @@ class FilterConfig(ConfigModel):
     max_doc_bytes: Count = DEFAULT_MAX_DOC_BYTES
     strict: bool = False  # bad input is an error naming file and line instead of a counted drop
     workers: Count | None = setting(None)  # None: the runner's worker count
+    max_source_drop: Fraction = setting(0.9, description="Warn (and record under `warnings`) when more than this "
+                                        "share of one source is removed; set from `data.max_source_drop`.")
 
 
 def _rounded(scores: dict) -> dict:

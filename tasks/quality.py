@@ -35,8 +35,8 @@ import numpy as np
 from pydantic import model_validator
 
 from tasks.engine.documents import list_shards, read_documents, read_shard, write_shard
-from tasks.engine.judging import (DEFAULT_MAX_DOC_BYTES, Judge, ShardJob, Verdict, bad_document, judge_shard,
-                                  merge_stats, run_map)
+from tasks.engine.judging import (DEFAULT_MAX_DOC_BYTES, Judge, ShardJob, Verdict, bad_document, check_sources,
+                                  judge_shard, merge_stats, run_map)
 from tasks.filter import load_fasttext
 from training.config import (ConfigModel, Count, Fraction, HalfOpenFraction, NonNegative, OpenFraction, Positive,
                              Seed, files, setting)
@@ -222,6 +222,8 @@ class QualityFilterConfig(ConfigModel):
     max_doc_bytes: Count = DEFAULT_MAX_DOC_BYTES
     strict: bool = False
     workers: Count | None = setting(None)
+    max_source_drop: Fraction = setting(0.9, description="Warn (and record under `warnings`) when more than this "
+                                        "share of one source is removed; set from `data.max_source_drop`.")
 
     @model_validator(mode="after")
     def _one_rule(self) -> "QualityFilterConfig":
@@ -277,7 +279,7 @@ def run_quality_filter(ctx: StepContext) -> dict:
     stats["cutoff"] = round(float(scores[keep].min()), 4) if keep.any() else None
     ctx.log.info("quality_filter: kept %d of %d documents (score >= %s)", stats["docs_out"],
                  stats["docs_in"], stats["cutoff"])
-    return stats
+    return check_sources(ctx, stats)
 
 
 def quality_filter_step(config: QualityFilterConfig, *, documents: Step, classifier: Step) -> Step:

@@ -14,6 +14,7 @@ import hashlib
 import json
 import math
 import os
+import re
 from functools import lru_cache
 from pathlib import Path, PurePath
 from typing import Any
@@ -57,11 +58,17 @@ def content_identity(value: Any) -> Any:
     are. A file enters as its name and sha256 (its folder is left out: a source's file names can
     reach document ids); a folder as its files' relative names and sha256s; a YAML file (an
     lm-eval task) as its parsed content, in which every string naming a file is itself replaced
-    by that file's content, so the task's data files count and the paths to them do not."""
+    by that file's content, so the task's data files count and the paths to them do not.
+
+    A URL (`s3://`, `https://`, ...) enters by its file name only, never its host or bucket: its
+    content is for the stage that reads it to fingerprint (acquire asks the filesystem, with the
+    source's storage options, for the file's ETag or checksum and size: tasks/acquire.py)."""
     if isinstance(value, (list, tuple)):
         return [content_identity(v) for v in value]
     if not isinstance(value, str):
         return _identity_value(value)
+    if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", value) and not value.startswith("file://"):
+        return {"url_file": value.rstrip("/").rsplit("/", 1)[-1]}
     matches = sorted(glob.glob(value, recursive=True)) if glob.has_magic(value) else [value]
     matches = [m for m in matches if os.path.exists(m)]
     return [_content(Path(m)) for m in matches] if matches else value
