@@ -321,7 +321,8 @@ def cmd_serve(args) -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run, "plan": cmd_plan, "compare": cmd_compare, "lineage": cmd_lineage, "verify": cmd_verify, "generate": cmd_generate, "why": cmd_why, "serve": cmd_serve}
+COMMANDS = {"run": cmd_run, "plan": cmd_plan, "compare": cmd_compare, "lineage": cmd_lineage, "verify": cmd_verify,
+            "generate": cmd_generate, "why": cmd_why, "serve": cmd_serve}
 
 KEY_STATS = ["documents", "docs_out", "tokens", "unigram_entropy", "final_loss", "final_val_loss",
              "next_passage_acc", "next_passage_chance", "last_word_acc", "bits_per_byte"]
