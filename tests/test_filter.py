@@ -154,7 +154,7 @@ def test_language_threshold_and_keep_list_come_from_the_config(tmp_path):
                        language=LanguageConfig(keep=("fr", "de"), threshold=0.5))
     run_filter_body(cfg, write_docs(tmp_path / "in", docs), tmp_path / "out")
     assert {d["id"] for d in read_shard(list_shards(tmp_path / "out")[0])} == {"fr", "de"}
-    cfg = FilterConfig(heuristics=HeuristicsConfig(enabled=False), language=LanguageConfig(threshold=1.01))
+    cfg = FilterConfig(heuristics=HeuristicsConfig(enabled=False), language=LanguageConfig(threshold=0.999))
     stats = run_filter_body(cfg, write_docs(tmp_path / "in2", docs), tmp_path / "out2")
     assert stats["docs_out"] == 0
 
