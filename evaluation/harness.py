@@ -25,6 +25,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kiln.evaluation")
 
+# Two evaluate steps can run side by side in one driver (the scheduler's threads). `datasets` wraps
+# its loads in tqdm's `ensure_lock`, which deletes tqdm's class-level lock afterwards when it found
+# none, under any other thread's bar ("type object 'tqdm' has no attribute '_lock'"). With the lock
+# made once here, it is only ever restored, never deleted.
+import tqdm.std  # noqa: E402
+
+tqdm.std.tqdm.get_lock()
+
 
 class TaskUnavailable(RuntimeError):
     """An lm-eval task that this machine cannot load; the message names it and says why."""

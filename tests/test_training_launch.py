@@ -74,7 +74,7 @@ def test_two_hosts_join_one_jax_runtime_and_match_one_host(one_host, tmp_path):
     assert [r["step"] for r in read_metrics(tmp_path / "work" / "metrics.jsonl")] == list(range(1, 13))
     assert sorted(p.name for p in (tmp_path / "work" / "checkpoints").iterdir()) == ["12", "6"]
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
-        "loss.png", "metrics.jsonl", "model.json", "params.safetensors"]
+        "loss.png", "metrics.jsonl", "model.json", "params.safetensors", "tensorboard"]
 
 
 @pytest.mark.slow  # the pipeline's version of this runs in CI: tests/test_pipeline_ray.py
