@@ -18,6 +18,7 @@ import pytest
 
 from tasks.engine.redis_lock import RedisLockManager
 from tests.conftest import REPO, free_port
+from tests.test_remote_sources import moto_server
 from tests.test_scheduler import run_names
 
 
@@ -119,34 +120,15 @@ TOY = textwrap.dedent('''
 
 
 @pytest.fixture
-def s3_store(tmp_path):
-    """An S3-compatible server (moto) on a free 127.0.0.1 port and a bucket on it; yields the store
-    URL and the environment a runner needs to reach it."""
-    port = free_port()
-    proc = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    env = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1",
-           "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
-    try:
-        import s3fs
+def s3_store():
+    """A bucket on an S3-compatible server (moto, tests/test_remote_sources.py) on 127.0.0.1; yields
+    the store URL and the environment a runner needs to reach it."""
+    import s3fs
 
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                s3fs.S3FileSystem(endpoint_url=env["AWS_ENDPOINT_URL"], key="test", secret="test").mkdir("kiln-locks")
-                break
-            except Exception:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.5)
-        yield "s3://kiln-locks/store", env
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with moto_server() as endpoint:
+        s3fs.S3FileSystem(endpoint_url=endpoint, key="test", secret="test").mkdir("kiln-locks")
+        yield "s3://kiln-locks/store", {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
+                                        "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": endpoint}
 
 
 def test_two_runners_without_a_shared_lock_folder_compute_each_step_once(redis_url, s3_store, tmp_path):
