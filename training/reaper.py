@@ -47,8 +47,8 @@ def watch(pid: int, poll_s: float = 0.5) -> None:
                 if child.pid != os.getpid() and child.pid not in seen:
                     try:
                         seen[child.pid] = child.create_time()
-                    except psutil.Error:
-                        pass
+                    except psutil.Error:  # it ended (or hid) between listing and asking: nothing to end
+                        continue
         except psutil.NoSuchProcess:
             break
         time.sleep(poll_s)
@@ -56,12 +56,12 @@ def watch(pid: int, poll_s: float = 0.5) -> None:
         try:
             if psutil.Process(child).create_time() == started:
                 os.kill(child, signal.SIGKILL)
-        except (psutil.Error, ProcessLookupError):
-            pass
+        except (psutil.Error, ProcessLookupError):  # already gone: what the reaper wanted
+            continue
 
 
 if __name__ == "__main__":
     try:
         watch(int(sys.argv[1]))
-    except psutil.NoSuchProcess:
-        pass
+    except psutil.NoSuchProcess:  # the watched process was gone before the watch began
+        sys.exit(0)
