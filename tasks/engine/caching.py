@@ -8,14 +8,18 @@ import hashlib
 import json
 import os
 import socket
+import uuid
 from dataclasses import dataclass
+from datetime import timedelta
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import pydantic_core
 from prefect.cache_policies import CachePolicy
 from prefect.locking.filesystem import FileSystemLockManager
 from prefect.transactions import IsolationLevel
+from prefect.types._datetime import now
 
 if TYPE_CHECKING:
     from tasks.engine.store import Store
@@ -70,31 +74,63 @@ class StepVersionPolicy(CachePolicy):
 
 
 class StaleAwareLockManager(FileSystemLockManager):
-    """Prefect's file lock manager, plus: a lock whose holder process died is released.
+    """Prefect's file lock manager, made safe for several processes, plus: a lock whose holder
+    process died is released.
 
-    Prefect's lock files have no expiry by default, so a runner killed with SIGKILL would leave
-    every later run of that step waiting forever. We record host and pid beside the holder and
-    treat a lock held by a dead process on this host as free.
+    Prefect's own manager creates the lock file empty and writes its JSON afterwards, so a second
+    process that reads it in between fails the step with "EOF while parsing a value" (seen in CI
+    with two `kiln run`s on one store). Here the JSON is written to a private file first and
+    linked into place, which either creates the complete lock file or fails because one exists.
+    Lock files have no expiry by default, so a runner killed with SIGKILL would leave every later
+    run of that step waiting forever: host and pid are recorded beside the holder, and a lock
+    held by a dead process on this host counts as free.
     """
 
     def acquire_lock(self, key, holder, acquire_timeout=None, hold_timeout=None) -> bool:
-        acquired = super().acquire_lock(key, holder, acquire_timeout, hold_timeout)
-        if acquired:
-            path = self._lock_path_for_key(key)
-            info = json.loads(path.read_bytes())
-            info.update(host=socket.gethostname(), pid=os.getpid())
-            path.write_text(json.dumps(info))
-        return acquired
+        self._ensure_lock_files_directory_exists()
+        path = self._lock_path_for_key(key)
+        while True:
+            if self.is_locked(key) and not self.is_lock_holder(key, holder):
+                if not self.wait_for_lock(key, acquire_timeout):
+                    return False
+            expiration = now("UTC") + timedelta(seconds=hold_timeout) if hold_timeout is not None else None
+            record = {"holder": holder, "expiration": str(expiration) if expiration else None,
+                      "host": socket.gethostname(), "pid": os.getpid()}
+            private = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
+            private.write_bytes(pydantic_core.to_json(record))
+            try:
+                os.link(private, path)
+            except FileExistsError:
+                if self.is_lock_holder(key, holder):
+                    return True
+                continue  # another runner took it between our check and our link: wait again
+            finally:
+                private.unlink()
+            self._locks[key] = {**record, "expiration": expiration, "path": path}
+            return True
+
+    async def aacquire_lock(self, key, holder, acquire_timeout=None, hold_timeout=None) -> bool:
+        return self.acquire_lock(key, holder, acquire_timeout, hold_timeout)
 
     def is_locked(self, key: str, use_cache: bool = False) -> bool:
         info = self._get_lock_info(key, use_cache=use_cache)
-        if info is not None and info.get("host") == socket.gethostname():
-            pid = info.get("pid")
-            if pid is not None and not _alive(pid):
-                Path(info["path"]).unlink(missing_ok=True)
-                self._locks.pop(key, None)
-                return False
-        return super().is_locked(key, use_cache=use_cache)
+        if info is None:
+            return False
+        dead_holder = (info.get("host") == socket.gethostname() and info.get("pid") is not None
+                       and not _alive(info["pid"]))
+        expired = info.get("expiration") is not None and info["expiration"] < now("UTC")
+        if dead_holder or expired:
+            # Two runners may both see the stale lock: whichever unlinks second finds it gone.
+            Path(info["path"]).unlink(missing_ok=True)
+            self._locks.pop(key, None)
+            return False
+        return True
+
+    def release_lock(self, key: str, holder: str) -> None:
+        if not self.is_lock_holder(key, holder):
+            raise ValueError(f"No lock held by {holder} for the step with cache key {key}")
+        Path(self._lock_path_for_key(key)).unlink(missing_ok=True)
+        self._locks.pop(key, None)
 
 
 def _alive(pid: int) -> bool:
