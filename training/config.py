@@ -156,6 +156,39 @@ class TrainConfig(ConfigModel):
         return self
 
 
+class MixtureSourceConfig(ConfigModel):
+    """One source's part in a mixture: its weight, and how often its tokens may be repeated."""
+
+    weight: NonNegativeFloat = Field(description="Its share of the training tokens, relative to the "
+                                     "other weights; 0: validation only (its tokens are never trained on).")
+    max_epochs: Positive | None = Field(None, description="At most this many passes over its training "
+                                        "tokens; where the weight would repeat it more, its share is lowered "
+                                        "to the cap and the other sources' shares grow to fill the run. "
+                                        "None: no cap.")
+
+
+class MixtureConfig(ConfigModel):
+    """Several sources, each tokenized on its own, mixed by the training loader by weight
+    (training/data.py). Every entry of `data.sources` is named here, by its `name`."""
+
+    # `sources` comes last: with the section half written, an error names the field that is wrong
+    # (pydantic reports fields in order) rather than a missing `sources`.
+    tokens: Count | None = Field(None, description="The training budget in tokens: it sets `train.steps` "
+                                 "(tokens // (batch_size * seq_len)), replacing any `train.steps`.")
+    tokenizer_source: str | None = Field(None, description="With `tokenizer.kind: bpe`, the one source whose "
+                                         "documents the BPE is trained on (required), so that changing another "
+                                         "source retrains no tokenizer and re-tokenizes nothing else.")
+    sources: dict[str, MixtureSourceConfig] = Field(min_length=1, description="Source name -> its weight and "
+                                                    "repetition cap, in the order the loader mixes them.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "MixtureConfig":
+        if not any(s.weight > 0 for s in self.sources.values()):
+            raise ValueError(f"every weight is 0 ({', '.join(self.sources)}): give at least one source a "
+                             "positive weight to train on (weight 0 makes a source validation only)")
+        return self
+
+
 class ResourcesConfig(ConfigModel):
     """Where training runs. None of it changes what is learned, so none of it is identity."""
 

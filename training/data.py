@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -158,6 +159,39 @@ def block_counts(weights: list[float], block_size: int) -> np.ndarray:
     return counts
 
 
+def capped_weights(weights: list[float], capacity: list[int | None], samples: int, names: list[str]) -> list[float]:
+    """The weights to mix with so that no source gives more than its `capacity` samples out of
+    `samples`: a source the weights would overdraw gets exactly its capacity, and the remaining
+    samples go to the others in proportion to their weights (water-filling, repeated until no
+    source is over). Spreading the capped source evenly over the run keeps the mixture the same
+    from the first step to the last, instead of exhausting the source early and shifting the
+    mixture mid-run; the shares drawn are what the train step records."""
+    fixed: dict[int, int] = {}
+    while True:
+        free = [s for s in range(len(weights)) if s not in fixed]
+        left = samples - sum(fixed.values())
+        if not free:
+            if left > 0:
+                raise ValueError(_exhausted(names, capacity, samples))
+            break
+        total = sum(weights[s] for s in free)
+        over = [s for s in free if capacity[s] is not None and weights[s] / total * left > capacity[s]]
+        if not over:
+            break
+        fixed.update({s: capacity[s] for s in over})
+    if not fixed:
+        return list(weights)
+    left = samples - sum(fixed.values())
+    total = sum(weights[s] for s in range(len(weights)) if s not in fixed)
+    return [fixed[s] / samples if s in fixed else weights[s] / total * left / samples for s in range(len(weights))]
+
+
+def _exhausted(names: list[str], capacity: list[int | None], samples: int) -> str:
+    caps = ", ".join(f"{n}: {c}" for n, c in zip(names, capacity))
+    return (f"the run draws {samples} windows, more than every source's max_epochs allows together ({caps} "
+            "windows): raise a max_epochs, add a source without a cap, or train fewer tokens")
+
+
 class BatchLoader:
     """Batches of `(batch_size, seq_len + 1)` int32 tokens from a weighted mixture of datasets.
 
@@ -167,13 +201,21 @@ class BatchLoader:
     """
 
     def __init__(self, sources: list[tuple[TokenDataset, float]], batch_size: int, seq_len: int,
-                 seed: int, block_size: int = 1024):
+                 seed: int, block_size: int = 1024, max_epochs: list[float | None] | None = None,
+                 steps: int | None = None):
         if any(w < 0 for _, w in sources):
             raise ValueError(f"mixture weights must be >= 0, got {[w for _, w in sources]}")
-        self.sources = [(ds, float(w)) for ds, w in sources if w > 0]
+        caps = list(max_epochs) if max_epochs is not None else [None] * len(sources)
+        if len(caps) != len(sources):
+            raise ValueError(f"max_epochs has {len(caps)} entries for {len(sources)} sources")
+        if any(c is not None for c in caps) and steps is None:
+            raise ValueError("a repetition cap (max_epochs) needs the run's length: pass steps")
+        kept = [i for i, (_, w) in enumerate(sources) if w > 0]
+        self.sources = [(sources[i][0], float(sources[i][1])) for i in kept]
         if not self.sources:
             raise ValueError("no source has a positive weight: nothing to train on")
         self.batch_size, self.seq_len, self.seed, self.block_size = batch_size, seq_len, seed, block_size
+        self.steps = steps
         self.n_windows = [ds.windows(seq_len) for ds, _ in self.sources]
         for (ds, _), n in zip(self.sources, self.n_windows):
             if n == 0:
@@ -186,9 +228,38 @@ class BatchLoader:
                                  f"({ds.tokenizer_version} vs {first.tokenizer_version}): mix only "
                                  "datasets tokenized with the same one")
         self.vocab_size, self.eos_id = first.vocab_size, first.eos_id
-        self.counts = block_counts([w for _, w in self.sources], block_size)
         self._blocks: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._perms: dict[tuple[int, int], np.ndarray] = {}
+        # The most samples each source may give: max_epochs passes over its windows (None: no cap).
+        self.capacity = [None if caps[i] is None else int(caps[i] * n) for i, n in zip(kept, self.n_windows)]
+        weights = [w for _, w in self.sources]
+        if steps is not None:
+            weights = capped_weights(weights, self.capacity, steps * batch_size, [str(ds) for ds, _ in self.sources])
+        self.counts = block_counts(weights, block_size)
+        if steps is not None:
+            self._fit_counts_to_caps(steps * batch_size)
+
+    def _fit_counts_to_caps(self, samples: int) -> None:
+        """Rounding a capped source's share to whole slots per block can leave it a sample or two
+        over its cap in `samples`: move such slots, one at a time, to the uncapped source of the
+        largest weight (or, with every source capped, the one furthest below its cap)."""
+        for _ in range(self.block_size):  # each move shifts one slot of one block
+            drawn = self.draws(samples)
+            over = [s for s, cap in enumerate(self.capacity) if cap is not None and drawn[s] > cap]
+            if not over:
+                return
+            room = [s for s, cap in enumerate(self.capacity) if s not in over
+                    and (cap is None or drawn[s] < cap)]
+            if not room:
+                raise ValueError(_exhausted([str(ds) for ds, _ in self.sources], self.capacity, samples))
+            uncapped = [s for s in room if self.capacity[s] is None]
+            to = (max(uncapped, key=lambda s: self.sources[s][1]) if uncapped
+                  else max(room, key=lambda s: self.capacity[s] - drawn[s]))
+            self.counts = self.counts.copy()
+            self.counts[over[0]] -= 1
+            self.counts[to] += 1
+            self._blocks.clear()
+        raise ValueError(_exhausted([str(ds) for ds, _ in self.sources], self.capacity, samples))
 
     def _block(self, k: int) -> tuple[np.ndarray, np.ndarray]:
         """For block k: the source of each slot, and its rank among that source's slots."""
@@ -223,9 +294,19 @@ class BatchLoader:
             source, rank = self._block(k)
             s = int(source[j])
             n = k * int(self.counts[s]) + int(rank[j])  # this source's n-th sample
+            if self.capacity[s] is not None and n >= self.capacity[s]:
+                raise ValueError(f"batch {step} would repeat {self.sources[s][0]} past its max_epochs: this "
+                                 f"mixture was planned for {self.steps} steps")
             epoch, pos = divmod(n, self.n_windows[s])
             out[row] = (s, self._permutation(s, epoch)[pos])
         return out
+
+    def draws(self, samples: int) -> np.ndarray:
+        """Windows drawn from each source in the first `samples` samples (`steps * batch_size`),
+        counted from the blocks the order is made of: whole blocks, then the head of the next."""
+        k, r = divmod(samples, self.block_size)
+        source, _ = self._block(k)
+        return k * self.counts + np.bincount(source[:r], minlength=len(self.counts))
 
     def batch(self, step: int) -> np.ndarray:
         """int32 (batch_size, seq_len + 1) tokens of batch `step`."""
@@ -259,3 +340,61 @@ def validation_batches(ds: TokenDataset, batch_size: int, seq_len: int, max_batc
                          f"batch of {batch_size}: raise validation_fraction or lower batch_size/seq_len")
     return [np.stack([ds.window(b * batch_size + r, seq_len) for r in range(batch_size)]).astype(np.int32)
             for b in range(n)]
+
+
+class MixtureInput(NamedTuple):
+    """One source of a training mixture: a tokenize output folder on this machine, its weight
+    (0: validation only) and its repetition cap in epochs (None: none)."""
+
+    name: str
+    folder: Path
+    weight: float
+    max_epochs: float | None = None
+
+
+class MixtureData(NamedTuple):
+    batch_at: Callable[[int], np.ndarray]  # step -> int32 (batch_size, seq_len + 1)
+    val_batches: list[np.ndarray]
+    drawn: dict[str, dict]  # per source: weight, tokens drawn over the run, share, epochs
+
+
+def open_mixture(sources: list[MixtureInput], batch_size: int, seq_len: int, seed: int, steps: int,
+                 eval_batches: int) -> MixtureData:
+    """The training data of a run of `steps` steps: batches mixed from the sources' train splits by
+    weight (BatchLoader, with each source's max_epochs), validation batches from every source
+    (taken in turn, one batch from each, up to `eval_batches`), and what the run draws from each
+    source, for the train step's lineage. A source of weight 0 is never trained on, so all of it
+    is held out: its validation batches come from its validation split, then its train split."""
+    if eval_batches < len(sources):
+        raise ValueError(f"eval_batches={eval_batches} is fewer than the mixture's {len(sources)} sources: "
+                         "raise train.eval_batches so that each source gets a validation batch")
+    loader = BatchLoader([(TokenDataset(s.folder, "train"), s.weight) for s in sources], batch_size, seq_len,
+                         seed, max_epochs=[s.max_epochs for s in sources], steps=steps)
+    per_source = -(-eval_batches // len(sources))
+    val = [_held_out_batches(s, batch_size, seq_len, per_source) for s in sources]
+    turns = [batches[i] for i in range(per_source) for batches in val if i < len(batches)]
+    samples = steps * batch_size
+    trained = [s.name for s in sources if s.weight > 0]  # the loader's sources, in its order
+    windows = dict(zip(trained, zip(loader.draws(samples).tolist(), loader.n_windows)))
+    drawn = {}
+    for s in sources:
+        n, total = windows.get(s.name, (0, 0))
+        drawn[s.name] = {"weight": s.weight, "tokens": n * seq_len, "share": round(n / samples, 6),
+                         "epochs": round(n / total, 4) if total else 0.0}
+    return MixtureData(loader.batch, turns[:eval_batches], drawn)
+
+
+def _held_out_batches(source: MixtureInput, batch_size: int, seq_len: int, n: int) -> list[np.ndarray]:
+    """Up to `n` validation batches of one source: its validation split's, then (weight 0 only)
+    its train split's; an error naming the source when there is not one full batch."""
+    splits = ["validation"] if source.weight > 0 else ["validation", "train"]
+    batches: list[np.ndarray] = []
+    for split in splits:
+        ds = TokenDataset(source.folder, split)
+        if len(batches) < n and ds.windows(seq_len) >= batch_size:
+            batches += validation_batches(ds, batch_size, seq_len, n - len(batches))
+    if not batches:
+        held = "its documents" if source.weight == 0 else "its validation split"
+        raise ValueError(f"source {source.name}: {held} hold fewer than one batch of {batch_size} windows of "
+                         f"{seq_len}+1 tokens: raise validation_fraction or lower batch_size/seq_len")
+    return batches
