@@ -8,7 +8,14 @@ and the model code it came from (the HLO `op_name` metadata). Times are wall tim
 the runtime saw it, so ops that ran at once on the two cores both count: shares are of the sum.
 
     uv run python benchmarks/train_profile.py            # top 15 of each, CPU_MODEL, batch 8
-    uv run python benchmarks/train_profile.py --top 25 --steps 5
+    uv run python benchmarks/train_profile.py --top 25 --steps 5 --fastest
+    uv run python benchmarks/train_profile.py --attention-ab --rounds 4
+
+--fastest counts each op at its fastest run over the steps (times its runs per step), which
+other jobs' load inflates far less than the mean. --attention-ab times the whole step with
+training's attention (query blocks, `causal_attention`) against the dense masked [T, T] form it
+replaced (the decoding path's `cached_attention` over the sequence's own keys), compiled in the
+same process and interleaved: wall and CPU seconds per step, first losses, transposed copies.
 
 Imports only training/, jax, numpy and torch (for the twin): no Prefect, no Ray.
 """
@@ -22,14 +29,17 @@ import json
 import re
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 from train_bench import CPU_MODEL, make_batches, torch_twin, train_config  # noqa: E402
 
+from training import model as kiln_model  # noqa: E402
 from training.optim import make_optimizer  # noqa: E402
 from training.step import init_state, make_train_step  # noqa: E402
 
@@ -87,7 +97,7 @@ def _short(op_name: str) -> str:
     return direction + "/".join(parts[-3:])
 
 
-def jax_profile(steps: int, batches: np.ndarray) -> list[tuple[str, float]]:
+def jax_profile(steps: int, batches: np.ndarray, fastest: bool = False) -> list[tuple[str, float]]:
     model, cfg = CPU_MODEL, train_config(steps + 10, batches.shape[1])
     opt = make_optimizer(cfg)
     state = init_state(model, opt, jax.random.PRNGKey(cfg.seed))
@@ -105,11 +115,69 @@ def jax_profile(steps: int, batches: np.ndarray) -> list[tuple[str, float]]:
             jax.block_until_ready(metrics)
         trace = next(Path(tmp).rglob("*.trace.json.gz"))
         events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
-    totals: dict[str, float] = collections.Counter()
+    runs: dict[str, list[float]] = collections.defaultdict(list)  # HLO op -> its times, ms
     for e in events:
         if e.get("ph") == "X" and e.get("name") in index:
-            totals[index[e["name"]]] += e["dur"] / 1e3 / steps  # ms per step, summed over layers
+            runs[e["name"]].append(e["dur"] / 1e3)
+    totals: dict[str, float] = collections.Counter()
+    for name, ms in runs.items():  # ms per step, summed over layers
+        totals[index[name]] += (min(ms) * len(ms) if fastest else sum(ms)) / steps
     return sorted(totals.items(), key=lambda kv: -kv[1])
+
+
+def dense_attention(q, k, v):
+    """The attention training ran before query blocks: one masked [T, T] softmax per head, which
+    is the decoding path's form over the sequence's own keys at positions 0..T-1."""
+    B, T = q.shape[:2]
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    return kiln_model.cached_attention(q, k, v, positions, positions)
+
+
+def transposed_copies(compiled) -> tuple[int, float]:
+    """(count, MB written) of the loop fusions that write a transposed copy, in one step."""
+    labels = [label for label in hlo_index(compiled.as_text()).values() if "+transpose" in label.split(" ")[0]]
+    sizes = [re.search(r"\[([\d,]*)\]", label.split(" ")[1]) for label in labels]
+    return len(labels), sum(4 * np.prod([int(d) for d in m.group(1).split(",") if d]) for m in sizes if m) / 1e6
+
+
+def attention_ab(rounds: int, steps: int, batches: np.ndarray) -> None:
+    """The whole jitted step with each attention, same process, same batches, rounds interleaved."""
+    model, cfg = CPU_MODEL, train_config(10**6, batches.shape[1])
+    opt = make_optimizer(cfg)
+    blocked = kiln_model.causal_attention
+    runs = {}
+    for name, attention in (("dense [T, T]", dense_attention), ("query blocks", blocked)):
+        kiln_model.causal_attention = attention  # read when the step is traced, here
+        try:
+            state = init_state(model, opt, jax.random.PRNGKey(cfg.seed))
+            compiled = jax.jit(make_train_step(model, cfg, opt), donate_argnums=0).lower(state, batches[0]).compile()
+        finally:
+            kiln_model.causal_attention = blocked
+        losses = []
+        for i in range(3):
+            state, metrics = compiled(state, batches[i])
+            losses.append(float(metrics["loss"]))
+        cost = compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, list) else cost
+        count, mb = transposed_copies(compiled)
+        print(f"{name}: first losses {', '.join(f'{x:.7f}' for x in losses)}; {count} transposed copies "
+              f"({mb:.0f} MB), bytes accessed {cost['bytes accessed'] / 1e9:.2f} GB, {cost['flops'] / 1e9:.1f} GFLOP per step")
+        runs[name] = {"compiled": compiled, "state": state, "losses": losses, "wall": [], "cpu": []}
+    a, b = runs.values()
+    print(f"max |loss difference| over 3 steps: {max(abs(x - y) for x, y in zip(a['losses'], b['losses'])):.2e}")
+    for r in range(rounds):
+        for name, run in runs.items():
+            jax.block_until_ready(run["state"])
+            wall, cpu = time.perf_counter(), time.process_time()
+            for i in range(steps):
+                run["state"], metrics = run["compiled"](run["state"], batches[i % len(batches)])
+            jax.block_until_ready(metrics)
+            run["wall"].append((time.perf_counter() - wall) / steps)
+            run["cpu"].append((time.process_time() - cpu) / steps)
+            print(f"  round {r + 1} {name}: {run['wall'][-1]:.3f} s/step wall, {run['cpu'][-1]:.3f} s/step CPU", flush=True)
+    for name, run in runs.items():
+        print(f"{name}: best {min(run['wall']):.3f} s/step wall, {min(run['cpu']):.3f} s/step CPU")
+    print(f"query blocks / dense, best round: wall {min(b['wall']) / min(a['wall']):.3f}, CPU {min(b['cpu']) / min(a['cpu']):.3f}")
 
 
 def torch_profile(steps: int, batches: np.ndarray) -> list[tuple[str, float]]:
@@ -149,9 +217,14 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--no-torch", action="store_true")
+    p.add_argument("--fastest", action="store_true", help="each op at its fastest run (robust to load)")
+    p.add_argument("--attention-ab", action="store_true", help="time the step with dense vs blocked attention")
+    p.add_argument("--rounds", type=int, default=4, help="--attention-ab rounds of --steps steps each")
     args = p.parse_args()
     batches = make_batches(CPU_MODEL, train_config(10, args.batch_size), 4)
-    table("kiln jitted step (XLA ops)", jax_profile(args.steps, batches), args.top, categories=True)
+    if args.attention_ab:
+        return attention_ab(args.rounds, args.steps, batches)
+    table("kiln jitted step (XLA ops)", jax_profile(args.steps, batches, args.fastest), args.top, categories=True)
     if not args.no_torch:
         table("PyTorch eager twin (torch.profiler, self CPU time)", torch_profile(args.steps, batches), args.top)
 

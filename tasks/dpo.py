@@ -44,7 +44,9 @@ from training.tracking import TrackingConfig, tracked
 if TYPE_CHECKING:
     from tasks.engine.step import Step, StepContext
 
-STAGE_VERSION = 2  # 2: rejected answers may be generated
+# 2: rejected answers may be generated; 3: the shared training step's attention in query blocks changes the
+# last bits of the parameters
+STAGE_VERSION = 3
 
 
 class DPOConfig(ConfigModel):

@@ -32,7 +32,8 @@ from training.tracking import TrackingConfig, tracked
 if TYPE_CHECKING:
     from tasks.engine.step import Step, StepContext
 
-STAGE_VERSION = 1
+# 2: the shared training step's attention in query blocks changes the last bits of the parameters
+STAGE_VERSION = 2
 TEMPLATE_FILE = "chat_template.jinja"
 EVAL_DIR = "chat_eval"
 

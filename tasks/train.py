@@ -18,8 +18,9 @@ if TYPE_CHECKING:  # tasks.engine.step imports Prefect; Ray workers that import 
     from tasks.engine.step import Step, StepContext
 
 # 2: fused projections, `project`'s weight gradients and the hand-written cross-entropy change the
-# last bits of every trained parameter (training/model.py, training/step.py)
-STAGE_VERSION = 2
+# last bits of every trained parameter (training/model.py, training/step.py); 3: attention in query blocks, the same
+# again (training/model.py `causal_attention`)
+STAGE_VERSION = 3
 
 
 class TrainStepConfig(ConfigModel):

@@ -12,7 +12,8 @@ import optax
 import pytest
 
 from training.config import ModelConfig, TrainConfig, model_and_train
-from training.model import decode_step, flops_per_token, forward, init_cache, init_params, param_count, project
+from training.model import (cached_attention, causal_attention, decode_step, flops_per_token, forward, init_cache,
+                            init_params, param_count, project, query_blocks)
 from training.optim import lr_schedule, make_optimizer, matrices_only
 from training.step import cross_entropy, init_state, loss_fn, make_train_step
 
@@ -65,16 +66,16 @@ def reference_llama(p: dict, tokens: np.ndarray, cfg: ModelConfig) -> np.ndarray
     return x @ head
 
 
-@pytest.mark.parametrize("tie", [True, False])
-def test_forward_matches_hf_llama_reference(tie):
-    cfg = CFG.model_copy(update={"tie_embeddings": tie})
+@pytest.mark.parametrize("tie,T", [(True, 11), (False, 11), (True, 150)])
+def test_forward_matches_hf_llama_reference(tie, T):
+    cfg = CFG.model_copy(update={"tie_embeddings": tie, "seq_len": max(T, CFG.seq_len)})
     params = init_params(cfg, jax.random.PRNGKey(0))
     # Norm weights are 1 at init; perturb them so a wrong norm formula cannot hide.
     params = jax.tree_util.tree_map_with_path(
         lambda path, a: a + 0.1 * jnp.arange(a.size).reshape(a.shape) / a.size if a.ndim == 1 else a, params)
-    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 11))
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, T))  # T = 150: two query blocks
     ours = np.asarray(forward(params, jnp.asarray(tokens, jnp.int32), cfg))
-    assert ours.dtype == np.float32 and ours.shape == (2, 11, cfg.vocab_size)
+    assert ours.dtype == np.float32 and ours.shape == (2, T, cfg.vocab_size)
     np.testing.assert_allclose(ours, reference_llama(params, tokens, cfg), atol=2e-5, rtol=1e-4)
     assert ("lm_head" in params) != tie
 
@@ -98,6 +99,29 @@ def test_project_and_cross_entropy_give_autodiffs_numbers():
     ref_loss, ref_grad = jax.value_and_grad(reference)(logits)
     assert float(loss) == pytest.approx(float(ref_loss), rel=1e-6)
     np.testing.assert_allclose(grad, ref_grad, atol=1e-7)
+
+
+@pytest.mark.parametrize("T", [150, 256])
+def test_blocked_causal_attention_gives_the_dense_masked_numbers(T):
+    """Training's causal attention (query blocks, each against its key prefix) against the
+    decoding path's dense masked form over the same keys: outputs and all three gradients."""
+    blocks = query_blocks(T)
+    assert blocks[0][0] == 0 and blocks[-1][1] == T and all(a[1] == b[0] for a, b in zip(blocks, blocks[1:]))
+    assert len(blocks) == {150: 2, 256: 4}[T]
+    kq, kk, kv, kc = jax.random.split(jax.random.PRNGKey(T), 4)
+    B, H, K, Q = 2, 6, 2, 8
+    q, k, v = (jax.random.normal(key, (B, T, n, Q)) for key, n in ((kq, H), (kk, K), (kv, K)))
+    cot = jax.random.normal(kc, (B, T, H * Q))
+    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    ours, ours_vjp = jax.vjp(jax.jit(causal_attention), q, k, v)
+    dense, dense_vjp = jax.vjp(jax.jit(lambda q, k, v: cached_attention(q, k, v, pos, pos)), q, k, v)
+    np.testing.assert_allclose(ours, dense, atol=2e-6)
+    for a, b in zip(ours_vjp(cot), dense_vjp(cot)):
+        np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-5)
+    # causality: changing the last position's key and value moves only the last output
+    moved = jax.jit(causal_attention)(q, k.at[:, -1].add(1.0), v.at[:, -1].add(1.0))
+    np.testing.assert_array_equal(moved[:, :-1], ours[:, :-1])
+    assert not np.allclose(moved[:, -1], ours[:, -1])
 
 
 def test_param_tree_count_and_init():

@@ -27,7 +27,9 @@ How it is computed (the parameters above are stored and initialised exactly as `
 only the matmuls XLA is asked for differ, to suit its CPU backend, see benchmarks/RESULTS.md):
 q, k and v come from one matmul with the three kernels side by side, and so do gate and up;
 every projection is `project`, whose backward hands XLA the weight gradient as x^T @ dy with x
-on the left, so the gradient dy is never written out transposed.
+on the left, so the gradient dy is never written out transposed. Training's causal attention
+(`causal_attention`) runs in query blocks, each against only the keys at or before it; decoding
+attends over the key/value cache with a mask (`cached_attention`).
 
 Inference: `forward` gives float32 logits for a batch; `init_cache` and `decode_step` run
 prefill and token-by-token decoding with a key/value cache, all usable under `jax.jit`.
@@ -110,6 +112,53 @@ def _project_bwd(saved, dy):
 project.defvjp(_project_fwd, _project_bwd)
 
 
+def query_blocks(T: int) -> list[tuple[int, int]]:
+    """Causal attention's query blocks [t0, t1): at most 4, of at least 64 positions each. Block
+    [t0, t1) attends to keys 0..t1-1 only, so 4 blocks skip 3/8 of the masked half; on this CPU
+    the smaller score blocks also stay in cache (benchmarks/RESULTS.md: 4 blocks at T = 256 ran
+    attention's forward and backward ~3-4x faster than one [T, T] block)."""
+    n = max(1, min(4, T // 64))
+    edges = [round(i * T / n) for i in range(n + 1)]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def causal_attention(q, k, v):
+    """Grouped-query causal attention of one sequence per row, position i seeing keys 0..i:
+    q [B, T, H, Q], k and v [B, T, K, Q] -> [B, T, H*Q].
+
+    Laid out for XLA's batched matmuls: heads first, and the H/K query heads that share a key
+    head stacked as rows in (position, head) order, [B, K, T*H/K, Q], so each query block is a
+    contiguous slice of rows and every matmul reads its operands as they lie; keys transposed
+    once, [B, K, Q, T]. Each block's softmax is exact over its own keys (no online softmax)."""
+    B, T, H, Q = q.shape
+    K = k.shape[2]
+    G = H // K  # query head h uses kv head h // G, as HF's repeat_kv
+    rows = q.reshape(B, T, K, G * Q).transpose(0, 2, 1, 3).reshape(B, K, T * G, Q)
+    keys_t, values = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)  # [B, K, Q, T], [B, K, T, Q]
+    outs = []
+    for t0, t1 in query_blocks(T):
+        scores = (rows[:, :, t0 * G:t1 * G] @ keys_t[..., :t1]).astype(jnp.float32) / math.sqrt(Q)
+        row_pos = t0 + jnp.arange((t1 - t0) * G) // G  # [(t1 - t0) G]
+        scores = jnp.where(jnp.arange(t1) <= row_pos[:, None], scores, _MASKED)
+        outs.append(jax.nn.softmax(scores, axis=-1).astype(q.dtype) @ values[:, :, :t1])
+    out = jnp.concatenate(outs, axis=2) if len(outs) > 1 else outs[0]  # [B, K, T*G, Q]
+    return out.reshape(B, K, T, G * Q).transpose(0, 2, 1, 3).reshape(B, T, H * Q)
+
+
+def cached_attention(q, k, v, positions, kv_pos):
+    """Attention over a key/value cache while decoding: q [B, T, H, Q] at `positions` [B, T],
+    k and v [B, S, K, Q] at `kv_pos` [B, S]. A key is visible to a query if it is not later
+    (causal) and not padding or an empty slot (position -1)."""
+    B, T, H, Q = q.shape
+    K = k.shape[2]
+    visible = (kv_pos[:, None, :] <= positions[:, :, None]) & (kv_pos[:, None, :] >= 0)  # [B, T, S]
+    q = q.reshape(B, T, K, H // K, Q)  # query head h uses kv head h // (H/K), as HF's repeat_kv
+    scores = jnp.einsum("btkgq,bskq->bkgts", q, k).astype(jnp.float32) / math.sqrt(Q)
+    scores = jnp.where(visible[:, None, None], scores, _MASKED)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    return jnp.einsum("bkgts,bskq->btkgq", probs, v).reshape(B, T, H * Q)
+
+
 class Attention(nn.Module):
     cfg: ModelConfig
 
@@ -126,21 +175,13 @@ class Attention(nn.Module):
         q, k, v = q.reshape(B, T, H, Q), k.reshape(B, T, K, Q), v.reshape(B, T, K, Q)
         q, k = rotary(q, positions, cfg.rope_theta), rotary(k, positions, cfg.rope_theta)
 
-        if layer_cache is None:  # training / full forward: keys are this sequence
-            kv_pos = positions
+        if layer_cache is None:  # training / full forward: one causal run, position i sees 0..i
+            out = causal_attention(q, k, v)
         else:  # decoding: write this chunk at slot `index`, attend over the whole cache
             k = jax.lax.dynamic_update_slice(layer_cache["k"], k.astype(layer_cache["k"].dtype), (0, index, 0, 0))
             v = jax.lax.dynamic_update_slice(layer_cache["v"], v.astype(layer_cache["v"].dtype), (0, index, 0, 0))
             layer_cache = {"k": k, "v": v}
-            kv_pos = cache_pos
-        # A key is visible to a query if it is not later (causal) and not padding (position -1).
-        visible = (kv_pos[:, None, :] <= positions[:, :, None]) & (kv_pos[:, None, :] >= 0)  # [B, T, S]
-
-        q = q.reshape(B, T, K, H // K, Q)  # query head h uses kv head h // (H/K), as HF's repeat_kv
-        scores = jnp.einsum("btkgq,bskq->bkgts", q, k).astype(jnp.float32) / math.sqrt(Q)
-        scores = jnp.where(visible[:, None, None], scores, _MASKED)
-        probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-        out = jnp.einsum("bkgts,bskq->btkgq", probs, v).reshape(B, T, H * Q)
+            out = cached_attention(q, k, v, positions, cache_pos)
         return project(out, Kernel((H * Q, D), out_std, name="o_proj")().astype(dt)), layer_cache
 
 
