@@ -192,17 +192,23 @@ def cmd_plan(args) -> int:
         print(json.dumps([{"name": s.name, "stage": s.stage, "version": s.version, "path": s.path,
                            "status": s.status, "variants": s.variants} for s in steps], indent=2))
     else:
+        from flows.terminal import print_table
+
         rows = [[s.name, s.version, s.status, ",".join(s.variants) or "-", s.path] for s in steps]
-        print(table(["step", "version", "status", "variants", "path"], rows))
+        print_table(["step", "version", "status", "variants", "path"], rows, "status")
     return 0
 
 
 def cmd_compare(args) -> int:
     from flows.compare import cells, columns, comparison
+    from flows.terminal import print_table
 
     experiment, store = _experiment(args.config), _store(args.store)
     rows = comparison(experiment, store)
-    print(json.dumps(rows, indent=2) if args.json else table(columns(rows), cells(rows)))
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        print_table(columns(rows), cells(rows), "status")
     return 0
 
 
@@ -216,22 +222,24 @@ def cmd_run(args) -> int:
     except (ValueError, FileNotFoundError) as e:
         raise KilnUserError(str(e)) from None
     from flows.pipeline import StepsFailed, experiment_flow, pipeline
+    from flows.terminal import print_table, step_bars
     from tasks.engine.scheduler import MissingInput
 
     try:
-        if experiment.config is None:  # a Python experiment file
-            runs = experiment_flow(path=args.config, store=store.root, until=args.until, force=args.force)
-        else:
-            runs = pipeline(config=experiment.config, store=store.root, until=args.until, force=args.force)
+        with step_bars():  # a bar per running step on a terminal; log lines only when piped
+            if experiment.config is None:  # a Python experiment file
+                runs = experiment_flow(path=args.config, store=store.root, until=args.until, force=args.force)
+            else:
+                runs = pipeline(config=experiment.config, store=store.root, until=args.until, force=args.force)
     except StepsFailed as e:
-        print(summary_table(e.runs))
+        print_table(SUMMARY_HEADER, summary_rows(e.runs), "ran/cached")
         for r in e.runs:
             if r.error:
                 print(f"kiln: {r.name} {r.status}: {r.error}", file=sys.stderr)
         return 1
     except MissingInput as e:
         raise KilnUserError(str(e)) from None
-    print(summary_table(runs))
+    print_table(SUMMARY_HEADER, summary_rows(runs), "ran/cached")
     if any(b.config is not None and b.config.scaling is not None for b in experiment.branches.values()):
         from flows.scaling import forecast_line
 
@@ -332,7 +340,11 @@ KEY_STATS = ["documents", "docs_out", "tokens", "unigram_entropy", "final_loss",
 CHAT_STATS = ["generation_exact_match", "generation_chrf", "preference_acc"]
 
 
-def summary_table(runs) -> str:
+SUMMARY_HEADER = ["stage", "version", "ran/cached", "seconds", "output", "key stats"]
+
+
+def summary_rows(runs) -> list[list[str]]:
+    """One row per step of the run: name, version, how it went, seconds, output, its key stats."""
     rows = []
     for r in runs:
         pairs = [(k, r.stats[k]) for k in KEY_STATS if k in r.stats]
@@ -345,7 +357,7 @@ def summary_table(runs) -> str:
             pairs.append(("warnings", len(r.stats["warnings"])))
         stats = r.error if r.error else ", ".join(f"{k}={_fmt(v)}" for k, v in pairs)
         rows.append([r.name, r.version, r.status, f"{r.seconds:.1f}", r.path, stats])
-    return table(["stage", "version", "ran/cached", "seconds", "output", "key stats"], rows)
+    return rows
 
 
 def per_source_summary(per_source: dict) -> str:
@@ -358,12 +370,6 @@ def per_source_summary(per_source: dict) -> str:
 
 def _fmt(v) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
-
-
-def table(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
-    line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()
-    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
 
 
 if __name__ == "__main__":

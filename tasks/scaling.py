@@ -175,7 +175,7 @@ def show(ctx: StepContext, markdown: str, images: list[str]) -> None:
     """A markdown summary and the plots beside the step in the Prefect UI."""
     ctx.show("markdown", "summary", markdown)
     for name in images:
-        ctx.show("image", Path(name).stem, name)
+        ctx.show("image", Path(name).stem, (ctx.out / name).read_bytes())
 
 
 # --- steps --------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flows.cli import main, summary_table
+from flows.cli import main, summary_rows
 from flows.config import load_config
 from flows.plan import recipe
 from tasks.acquire import AcquireConfig, SourceConfig, acquire_step, read_kjv
@@ -87,7 +87,7 @@ def test_own_ids_survive_every_stage_and_kiln_why_finds_them(tmp_path, capsys):
     assert "warnings" not in stats["dedup"]  # 1 of 7 is under the limit
 
     rows = [StepRun(name, name, "v", "ran", 0.0, "p", s) for name, s in stats.items()]
-    table = summary_table(rows)
+    table = "\n".join(" ".join(row) for row in summary_rows(rows))
     assert "per_source=chichewa=0,notes=7" in table and "warnings=1" in table
     assert "per_source=notes=6" in table  # after dedup
 

@@ -118,6 +118,8 @@ def test_fit_and_forecast_steps_write_the_law_plots_and_the_error(tmp_path):
         assert result["runs"] == len(fit.inputs)
         for png in ("isoflops.png", "optimal.png", "frontier.png"):
             assert (ctx.out / png).read_bytes()[:4] == b"\x89PNG"
+        images = {s.name: s.content for s in ctx.shown if s.kind == "image"}  # for the UI, as bytes
+        assert images == {n: (ctx.out / f"{n}.png").read_bytes() for n in ("isoflops", "optimal", "frontier")}
     law = json.loads((outs["scaling_fit"] / LAW_FILE).read_text())
     assert abs(law["n_opt"]["exponent"] - 0.4) < 3 * law["n_opt"]["exponent_err"] + 0.02
     assert {"a", "b", "e", "b_err", "e_err"} <= set(law["frontier"])

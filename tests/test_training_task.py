@@ -18,6 +18,7 @@ from tests.test_training_kjv_data import kjv_text
 from training.config import ModelConfig, ResourcesConfig, TrainConfig
 from training.launch import token_data
 from training.loop import load_model, train
+from training.metrics import curve_points, read_metrics
 
 MODEL = ModelConfig(vocab_size=50257, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=192, seq_len=64)
 TRAIN = TrainConfig(batch_size=8, steps=8, lr=1e-2, warmup=2, log_every=2, eval_every=4, checkpoint_every=4,
@@ -49,8 +50,9 @@ def tokens_dir(tmp_path_factory) -> tuple[Path, Step]:
 def test_run_train_on_a_tokenize_output(tokens_dir, tmp_path, caplog):
     folder, tokens = tokens_dir
     step = train_step(MODEL, TRAIN, ResourcesConfig(hosts=1, cpus_per_host=1), tokens=tokens)
+    ctx = context(step, tmp_path / "out", {"tokens": folder}, tmp_path / "work", "step-log")
     with caplog.at_level(logging.INFO, logger="step-log"):
-        stats = step.run(context(step, tmp_path / "out", {"tokens": folder}, tmp_path / "work", "step-log"))
+        stats = step.run(ctx)
     json.dumps(stats)  # lineage stores it
     assert stats["steps"] == 8 and stats["tokens"] == 8 * 8 * 64 and stats["resumed_from_step"] == 0
     assert stats["final_val_loss"] < stats["final_loss"] + 2 and stats["param_count"] > 50257 * 64
@@ -59,6 +61,9 @@ def test_run_train_on_a_tokenize_output(tokens_dir, tmp_path, caplog):
     assert "val_loss" in relayed[1] and "tok/s" in relayed[0]
     cfg, params = load_model(tmp_path / "out")
     assert cfg == MODEL and params["embed_tokens"]["embedding"].shape == (50257, 64)
+    shown = {s.name: s for s in ctx.shown}  # what the runner publishes beside the step in the Prefect UI
+    assert shown["curves"].kind == "image" and shown["curves"].content.startswith(b"\x89PNG")
+    assert shown["metrics"].content == curve_points(read_metrics(tmp_path / "out" / "metrics.jsonl"))
 
     # The step again with the same work_dir (as after a crash before publishing), in-process this
     # time: it resumes from the final checkpoint and publishes the same parameters without training.

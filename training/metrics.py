@@ -1,10 +1,11 @@
-"""What training reports: `metrics.jsonl` (one JSON object per log step), `loss.png`, and the
-device peak that MFU is measured against.
+"""What training reports: `metrics.jsonl` (one JSON object per log step), `loss.png`, the curves
+shown in the Prefect UI, and the device peak that MFU is measured against.
 """
 
 from __future__ import annotations
 
 import functools
+import io
 import json
 import time
 from pathlib import Path
@@ -75,21 +76,63 @@ def read_metrics(path: Path) -> list[dict]:
 
 def plot_loss(records: list[dict], path: Path, title: str = "") -> None:
     """Training loss per log step and validation loss where measured, to a PNG."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+    _loss_panel(ax, records)
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_curves(records: list[dict], title: str = "") -> bytes:
+    """What a researcher looks at first, as one PNG (its bytes): loss and validation loss on top,
+    the learning rate and the throughput (tokens/s) under it, per log step. Sized to stay legible
+    at the ~600 px the Prefect UI gives an artifact's picture."""
+    plt = _pyplot()
+    fig = plt.figure(figsize=(8, 6), dpi=90)
+    grid = fig.add_gridspec(2, 2, height_ratios=(3, 2))
+    loss, lr, speed = fig.add_subplot(grid[0, :]), fig.add_subplot(grid[1, 0]), fig.add_subplot(grid[1, 1])
+    _loss_panel(loss, records)
+    steps = [r["step"] for r in records]
+    lr.plot(steps, [r["lr"] for r in records], color="tab:green")
+    lr.set_ylabel("learning rate")
+    speed.plot(steps, [r["tokens_per_s"] for r in records], color="tab:purple")
+    speed.set_ylabel("tokens/s")
+    for ax in (lr, speed):
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    plt.close(fig)
+    return buffer.getvalue()
+
+
+def curve_points(records: list[dict], most: int = 500) -> list[dict]:
+    """The records as table rows (6 significant digits), at most `most` of them, evenly spaced
+    and always with the last, so a long run's table stays small enough to browse."""
+    if len(records) > most:
+        records = [records[round(i * (len(records) - 1) / (most - 1))] for i in range(most)]
+    return [{k: float(f"{v:.6g}") if isinstance(v, float) else v for k, v in r.items()} for r in records]
+
+
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+    return plt
+
+
+def _loss_panel(ax, records: list[dict]) -> None:
     ax.plot([r["step"] for r in records], [r["loss"] for r in records], label="train")
     val = [r for r in records if r.get("val_loss") is not None]
     if val:
         ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation")
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/token)")
-    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
