@@ -116,13 +116,13 @@ def run_dpo(ctx: StepContext) -> dict:
         if split == "train" and not len(rows["inputs"]):
             raise ValueError(f"no training pair of {pairs_dir} fits in seq_len {model_cfg.seq_len}")
         save_rows(ctx.work_dir / f"pairs_{split}.npz", rows)
-    data = functools.partial(open_rows, str(ctx.work_dir / "pairs_train.npz"), str(ctx.work_dir / "pairs_eval.npz"),
-                             cfg.train.batch_size, cfg.train.seed, cfg.train.eval_batches, str(model_dir))
+    data = functools.partial(open_rows, ctx.workspace, "pairs_train.npz", "pairs_eval.npz",
+                             cfg.train.batch_size, cfg.train.seed, cfg.train.eval_batches, ctx.located("model"))
     with tracked(relay_to(ctx, cfg.train.steps), cfg.tracking, f"dpo-{ctx.step.version}",
                  cfg.model_dump(mode="json")) as on_metrics:
-        stats = launch_training(model_cfg, cfg.train, cfg.resources, data, ctx.work_dir, ctx.out,
+        stats = launch_training(model_cfg, cfg.train, cfg.resources, data, ctx.workspace, ctx.out,
                                 on_metrics=on_metrics, objective=DPOObjective(cfg.beta, cfg.sft_weight),
-                                init_model=model_dir)
+                                init_model=ctx.located("model"))
     (ctx.out / TEMPLATE_FILE).write_text(CHAT_TEMPLATE, encoding="utf-8")
     last = read_metrics(ctx.out / "metrics.jsonl")[-1]
 

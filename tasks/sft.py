@@ -96,12 +96,12 @@ def run_sft(ctx: StepContext) -> dict:
                  dropped["train"])
 
     base = evaluate_model(model_dir, tokenizer_dir, chat_dir, ctx.out / EVAL_DIR / "base", cfg.evaluation)
-    data = functools.partial(open_rows, str(ctx.work_dir / "sft_train.npz"), str(ctx.work_dir / "sft_eval.npz"),
+    data = functools.partial(open_rows, ctx.workspace, "sft_train.npz", "sft_eval.npz",
                              cfg.train.batch_size, cfg.train.seed, cfg.train.eval_batches)
     with tracked(relay_to(ctx, cfg.train.steps), cfg.tracking, f"sft-{ctx.step.version}",
                  cfg.model_dump(mode="json")) as on_metrics:
-        stats = launch_training(model_cfg, cfg.train, cfg.resources, data, ctx.work_dir, ctx.out,
-                                on_metrics=on_metrics, objective=SFTObjective(), init_model=model_dir)
+        stats = launch_training(model_cfg, cfg.train, cfg.resources, data, ctx.workspace, ctx.out,
+                                on_metrics=on_metrics, objective=SFTObjective(), init_model=ctx.located("model"))
     (ctx.out / TEMPLATE_FILE).write_text(CHAT_TEMPLATE, encoding="utf-8")
     tuned = evaluate_model(ctx.out, tokenizer_dir, chat_dir, ctx.out / EVAL_DIR / "sft", cfg.evaluation)
     for name, scores in (("base", base), ("sft", tuned)):

@@ -2,9 +2,9 @@
 
 The body hands everything to `training.launch.launch_training`, which runs the loop in Ray
 task(s) and relays metrics here, to the step's log. Output folder (training/loop.py):
-`model.json`, `params.safetensors`, `metrics.jsonl`, `loss.png`. Checkpoints live in
-`ctx.work_dir`, stable per version: a rerun of an unfinished version resumes from the last one.
-In the Prefect UI, beside the step: its curves and a table of the logged points (`show_curves`).
+`model.json`, `params.safetensors`, `metrics.jsonl`, `loss.png`. Checkpoints live in the
+step's work folder in the store (`ctx.workspace`), stable per version: a rerun of an unfinished
+version resumes from the last one, on this machine or another.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class TrainStepConfig(ConfigModel):
 
 def run_train(ctx: StepContext) -> dict:
     cfg: TrainStepConfig = ctx.config
-    data = token_data(ctx.inputs["tokens"], cfg.model, cfg.train)
+    data = token_data(ctx.located("tokens"), cfg.model, cfg.train)
     ctx.log.info("training %d steps of %d x %d tokens on %d host(s)", cfg.train.steps, cfg.train.batch_size,
                  cfg.model.seq_len, cfg.resources.hosts)
 
@@ -48,22 +48,8 @@ def run_train(ctx: StepContext) -> dict:
         ctx.progress(record["step"], cfg.train.steps)
 
     with tracked(relay, cfg.tracking, f"train-{ctx.step.version}", cfg.model_dump(mode="json")) as on_metrics:
-        stats = launch_training(cfg.model, cfg.train, cfg.resources, data, ctx.work_dir, ctx.out,
-                                on_metrics=on_metrics)
-    show_curves(ctx, cfg.train.steps)
-    return stats
-
-
-def show_curves(ctx: StepContext, steps: int) -> None:
-    """Beside the step in the Prefect UI: its curves as a picture (loss and validation loss,
-    learning rate, tokens/s) and the logged points as a table."""
-    from training.metrics import curve_points, plot_curves, read_metrics  # JAX and matplotlib: not for plans
-
-    records = read_metrics(ctx.out / "metrics.jsonl")
-    name = f"{ctx.step.name} {ctx.step.version}"
-    ctx.show("image", "curves", plot_curves(records, f"{name}: {steps} steps"),
-             f"kiln {name}: loss and validation loss, learning rate, tokens/s per log step")
-    ctx.show("table", "metrics", curve_points(records), f"kiln {name}: the logged metrics (metrics.jsonl)")
+        return launch_training(cfg.model, cfg.train, cfg.resources, data, ctx.workspace, ctx.out,
+                               on_metrics=on_metrics)
 
 
 def train_step(model_cfg: ModelConfig, train_cfg: TrainConfig, resources: ResourcesConfig, *,

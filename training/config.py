@@ -201,6 +201,9 @@ class ResourcesConfig(ConfigModel):
     # Set XLA's deterministic GPU ops (--xla_gpu_deterministic_ops=true): slower scatters,
     # bitwise-reproducible runs on the same GPU type.
     deterministic_gpu: bool = setting(True)
+    # How long a host waits to join the others (JAX's coordinator on host 0's node) before the
+    # step fails with an error naming the host and the address it tried.
+    connect_timeout_s: Count = setting(120)
 
 
 def model_and_train(path: str) -> tuple[ModelConfig, TrainConfig]:

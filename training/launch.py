@@ -28,7 +28,7 @@ import time
 import traceback
 import warnings
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 import ray
@@ -38,7 +38,8 @@ from ray.util.queue import Empty, Queue
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from training.config import ModelConfig, ResourcesConfig, TrainConfig
-from training.data import BatchLoader, TokenDataset, read_meta, validation_batches
+from training.data import MixtureData, MixtureInput, open_mixture, read_meta
+from tasks.engine.store import Located, Workspace
 from training.reaper import watch_this_process
 
 # A picklable, zero-argument callable run on each host: returns (batch_at, val_batches). The
@@ -49,13 +50,25 @@ DETERMINISTIC_GPU_FLAGS = "--xla_gpu_deterministic_ops=true"
 
 
 def launch_training(model_cfg: ModelConfig, train_cfg: TrainConfig, resources: ResourcesConfig,
-                    data: DataSource, work_dir: Path, out_dir: Path,
+                    data: DataSource, work: Workspace | Path, out_dir: Path,
                     on_metrics: Callable[[dict], None] | None = None, poll_s: float = 0.5,
-                    objective=None, init_model: Path | None = None) -> dict:
-    """Train in Ray task(s) with the resources asked for; relay metrics; return host 0's stats.
+                    objective=None, init_model: Located | Path | None = None) -> dict:
+    """Train in Ray task(s) with the resources asked for; relay metrics; return host 0's stats,
+    with `hosts`: where each host ran (Ray node id, node IP, device kind).
+
+    Hosts never see driver paths: `data` opens store locations (`Located`) on the host, `work`
+    is the step's work folder in the store (checkpoints: a rerun anywhere resumes from them),
+    and with a remote store host 0 writes the model into the work folder and pushes it, and
+    it is fetched into `out_dir` here. A plain `Path` for `work` or `init_model` (tests, tools)
+    means a folder every host can open as it is.
 
     Post-training passes `objective` (training/posttrain.py) and `init_model`, a training output
-    folder whose parameters each host loads as its starting point."""
+    whose parameters each host loads as its starting point."""
+    if not isinstance(work, Workspace):
+        work = Workspace(None, "", "", str(work))
+    if init_model is not None and not isinstance(init_model, Located):
+        init_model = Located(None, "", "", str(init_model))
+    work.push()  # what the driver prepared for the hosts (post-training's rows), before they pull
     started_ray, address = _connect(resources)
     bundle = _bundle(resources)
     group = placement_group([bundle] * resources.hosts, strategy="SPREAD")
@@ -76,15 +89,18 @@ def launch_training(model_cfg: ModelConfig, train_cfg: TrainConfig, resources: R
             host_main.options(num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
                               resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
                               scheduling_strategy=_in(group, host), runtime_env=env, max_retries=0)
-            .remote(host, resources.hosts, coordinator, model_cfg, train_cfg, data, str(work_dir),
-                    str(out_dir), queue if host == 0 else None, objective,
-                    None if init_model is None else str(init_model), driver)
+            .remote(host, resources.hosts, coordinator, model_cfg, train_cfg, data, work,
+                    None if work.remote else str(out_dir), queue if host == 0 else None, objective,
+                    init_model, driver, resources.connect_timeout_s)
             for host in range(resources.hosts)
         ]
-        results = _wait_relaying(refs, queue, on_metrics, poll_s)
+        results = _wait_relaying(refs, queue, on_metrics, poll_s, functools.partial(_bundle_node, group))
+        if work.remote:
+            work.fetch_output(out_dir)
         # Where it ran (never identity), for the lineage: the cluster's address as given, or the
-        # Ray running in this process.
-        return {**results[0], "ray_cluster": address or f"in-process ({ray.get_runtime_context().gcs_address})"}
+        # Ray running in this process, and each host's node.
+        return {**{k: v for k, v in results[0].items() if k != "host"}, "hosts": [r["host"] for r in results],
+                "ray_cluster": address or f"in-process ({ray.get_runtime_context().gcs_address})"}
     finally:
         if queue is not None:
             queue.shutdown(force=True)
@@ -93,49 +109,134 @@ def launch_training(model_cfg: ModelConfig, train_cfg: TrainConfig, resources: R
             ray.shutdown()
 
 
-def token_data(tokens_dir: Path, model_cfg: ModelConfig, train_cfg: TrainConfig) -> DataSource:
-    """The DataSource of a tokenize output folder (read with training/data.py's loader): batches
-    in the loader's seeded order, and up to `eval_batches` validation batches of the same size."""
-    meta = read_meta(Path(tokens_dir))  # fail here, on the caller's side, not in a Ray worker
-    if meta["vocab_size"] > model_cfg.vocab_size:
-        raise ValueError(f"{tokens_dir} uses a vocabulary of {meta['vocab_size']} tokens but the model has "
-                         f"vocab_size={model_cfg.vocab_size}: set model.vocab_size to at least {meta['vocab_size']}")
-    return functools.partial(_open_tokens, str(tokens_dir), train_cfg.batch_size, model_cfg.seq_len,
-                             train_cfg.seed, train_cfg.eval_batches)
+class TokenSource(NamedTuple):
+    """One source of a train step's tokens as the driver hands it to the hosts: a tokenize output
+    by its place in the store, with its weight and repetition cap in the mixture."""
+
+    name: str
+    tokens: Located | Path
+    weight: float = 1.0
+    max_epochs: float | None = None
 
 
-def _open_tokens(tokens_dir: str, batch_size: int, seq_len: int, seed: int, eval_batches: int):
-    train = BatchLoader([(TokenDataset(Path(tokens_dir), "train"), 1.0)], batch_size, seq_len, seed)
-    val = validation_batches(TokenDataset(Path(tokens_dir), "validation"), batch_size, seq_len, eval_batches)
-    return train.batch, val
+def token_data(tokens: Located | Path | list[TokenSource], model_cfg: ModelConfig,
+               train_cfg: TrainConfig) -> tuple[DataSource, dict[str, dict]]:
+    """The DataSource of a tokenize output, or of a mixture of several (training/data.py
+    `open_mixture`): batches in the loader's seeded order, and up to `eval_batches` validation
+    batches of the same size; and what the run draws from each source (tokens, share, epochs).
+    Each host opens the tokens on its own machine (a plain `Path`: a folder every host can
+    open). They are opened here too, so that data the run cannot use (a vocabulary larger than
+    the model's, a mixture whose caps cannot fill the run, too few validation windows) fails on
+    the caller's side, not in a Ray worker."""
+    sources = tokens if isinstance(tokens, list) else [TokenSource("tokens", tokens)]
+    sources = [s._replace(tokens=s.tokens if isinstance(s.tokens, Located) else Located(None, "", "", str(s.tokens)))
+               for s in sources]
+    for s in sources:
+        meta = read_meta(s.tokens.local())
+        if meta["vocab_size"] > model_cfg.vocab_size:
+            raise ValueError(f"{s.tokens.stage}/{s.tokens.version or s.tokens.path} uses a vocabulary of "
+                             f"{meta['vocab_size']} tokens but the model has vocab_size={model_cfg.vocab_size}: "
+                             f"set model.vocab_size to at least {meta['vocab_size']}")
+    args = (sources, train_cfg.batch_size, model_cfg.seq_len, train_cfg.seed, train_cfg.steps, train_cfg.eval_batches)
+    return functools.partial(_open_tokens, *args), _open_mixture(*args).drawn
+
+
+def _open_mixture(sources: list[TokenSource], batch_size: int, seq_len: int, seed: int, steps: int,
+                  eval_batches: int) -> MixtureData:
+    inputs = [MixtureInput(s.name, s.tokens.local(), s.weight, s.max_epochs) for s in sources]
+    return open_mixture(inputs, batch_size, seq_len, seed, steps, eval_batches)
+
+
+def _open_tokens(*args):
+    data = _open_mixture(*args)
+    return data.batch_at, data.val_batches
 
 
 def _host_main(host: int, hosts: int, coordinator: str | None, model_cfg: ModelConfig,
-               train_cfg: TrainConfig, data: DataSource, work_dir: str, out_dir: str, queue,
-               objective=None, init_model: str | None = None, driver: tuple[str, int] | None = None) -> dict:
-    """The body of one host's Ray task: join the JAX runtime, open the data, run the loop."""
+               train_cfg: TrainConfig, data: DataSource, work: Workspace, out_dir: str | None, queue,
+               objective=None, init_model: Located | None = None, driver: tuple[str, int] | None = None,
+               connect_timeout_s: float = 120) -> dict:
+    """The body of one host's Ray task: join the JAX runtime, open the data, run the loop.
+
+    Everything it reads or writes it reaches through the store: the work folder is pulled into
+    this node's cache (checkpoints included, so every host resumes from the same step), host 0
+    pushes each checkpoint as it is saved, and with `out_dir` None (a remote store) writes the
+    model into the work folder's `output/` and pushes it for the driver to fetch."""
     if driver is not None:
         _exit_with_driver(*driver)
     import jax
 
+    node = {"host": host, "node_id": ray.get_runtime_context().get_node_id(),
+            "node_ip": ray.util.get_node_ip_address()}
     if hosts > 1:
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU hosts only; GPUs use NCCL
-        jax.distributed.initialize(coordinator_address=coordinator, num_processes=hosts, process_id=host)
+        _join_jax_runtime(host, hosts, coordinator, node["node_ip"], connect_timeout_s)
     from training.loop import load_model, train
 
+    local = work.pull(host)
+    out = Path(out_dir) if out_dir is not None else local / "output"
     batch_at, val_batches = data()
     init_params = None
     if init_model is not None:
-        init_cfg, init_params = load_model(Path(init_model))
+        init_cfg, init_params = load_model(init_model.local())
         if init_cfg != model_cfg:
-            raise ValueError(f"{init_model} holds a model of another config ({init_cfg}); post-train with its own")
+            raise ValueError(f"{init_model.stage}/{init_model.version or init_model.path} holds a model of another "
+                             f"config ({init_cfg}); post-train with its own")
+    pushing = host == 0 and work.remote
     try:
-        return train(model_cfg, train_cfg, batch_at, val_batches, Path(work_dir), Path(out_dir),
-                     on_metrics=queue.put if queue is not None else None, objective=objective,
-                     init_params=init_params)
+        stats = train(model_cfg, train_cfg, batch_at, val_batches, local, out,
+                      on_metrics=queue.put if queue is not None else None, objective=objective,
+                      init_params=init_params, shared_work=not work.remote,
+                      on_checkpoint=(lambda steps: work.push(checkpoint_steps=steps, host=0)) if pushing else None)
+        if pushing:
+            work.push(output=True, host=0)
+        return {**stats, "host": {**node, "device_kind": jax.devices()[0].device_kind}}
     finally:
         if hosts > 1:
             jax.distributed.shutdown()
+
+
+def _join_jax_runtime(host: int, hosts: int, coordinator: str, node_ip: str, timeout_s: float) -> None:
+    """Join the hosts' JAX distributed runtime, or fail within `timeout_s` naming what was tried.
+
+    CPU hosts talk through gloo, which by default advertises whatever this machine's hostname
+    resolves to: often a loopback address (/etc/hosts), which a peer on another node cannot
+    reach, and gloo then retries for minutes. The node's IP, which Ray knows, is advertised
+    instead (through jaxlib's gloo factory: jax has no public option for it)."""
+    import jax
+    from jax._src import distributed, xla_bridge
+    from jax._src.lib import _jax
+
+    def failed(why: str) -> RuntimeError:
+        return RuntimeError(f"host {host} on node {node_ip} could not join the JAX runtime of {hosts} hosts at "
+                            f"coordinator {coordinator} within {timeout_s:.0f} s ({why}); check that every node "
+                            "can reach host 0's node on that address, or raise resources.connect_timeout_s")
+
+    deadline = time.monotonic() + timeout_s
+    if host > 0:
+        # JAX's client aborts the whole process (a C++ fatal error, no exception) when it cannot
+        # register in time, so the coordinator is first reached here, where a failure can be said.
+        address, port = coordinator.rsplit(":", 1)
+        while True:
+            try:
+                socket.create_connection((address, int(port)), timeout=2).close()
+                break
+            except OSError as e:
+                if time.monotonic() >= deadline:
+                    raise failed(f"{type(e).__name__}: {e}") from e
+                time.sleep(0.5)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU hosts only; GPUs use NCCL
+    try:
+        jax.distributed.initialize(coordinator_address=coordinator, num_processes=hosts, process_id=host,
+                                   initialization_timeout=max(int(deadline - time.monotonic()), 10))
+    except Exception as e:
+        raise failed(f"{type(e).__name__}: {e}") from e
+
+    def cpu_client():
+        collectives = _jax.make_gloo_tcp_collectives(distributed_client=distributed.global_state.client,
+                                                     hostname=node_ip)
+        return xla_bridge.make_cpu_client(collectives=collectives)
+
+    xla_bridge.register_backend_factory("cpu", cpu_client, priority=0, fail_quietly=False)
 
 
 def _exit_with_driver(node_id: str, pid: int, poll_s: float = 0.5) -> None:
@@ -281,6 +382,16 @@ def _worker_env(resources: ResourcesConfig) -> dict:
     return {"env_vars": env}
 
 
+def _bundle_node(group, index: int) -> str:
+    """"<node IP> (<node id>)" of the node that holds bundle `index` of a placement group."""
+    try:
+        node_id = ray.util.placement_group_table(group)["bundles_to_node_id"][index]
+        ip = next((n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id), "unknown address")
+    except Exception as e:  # the cluster itself may be what failed: say so instead of the node
+        return f"unknown (the cluster did not answer: {type(e).__name__}: {e})"
+    return f"{ip} ({node_id})"
+
+
 def _free_address() -> str:
     """host:port of a free TCP port on this node (runs on host 0's node)."""
     ip = ray.util.get_node_ip_address()
@@ -289,9 +400,10 @@ def _free_address() -> str:
         return f"{ip}:{s.getsockname()[1]}"
 
 
-def _wait_relaying(refs: list, queue, on_metrics, poll_s: float) -> list[dict]:
+def _wait_relaying(refs: list, queue, on_metrics, poll_s: float, where: Callable[[int], str]) -> list[dict]:
     """Wait for every host task, passing queued metrics on as they come. If one host fails, the
-    others would wait forever in a collective: cancel them and raise the failure."""
+    others would wait forever in a collective: cancel them and raise the failure, naming the
+    host and its node (`where(host)`)."""
     pending, results = list(refs), {}
 
     def drain():
@@ -309,9 +421,11 @@ def _wait_relaying(refs: list, queue, on_metrics, poll_s: float) -> list[dict]:
         for ref in done:
             try:
                 results[ref] = ray.get(ref)
-            except Exception:
+            except Exception as e:
                 for other in pending:
                     ray.cancel(other, force=True)
-                raise
+                host = refs.index(ref)
+                raise RuntimeError(f"training host {host} of {len(refs)} failed, on node {where(host)}: "
+                                   f"{type(e).__name__}: {e}") from e
     drain()
     return [results[r] for r in refs]

@@ -66,24 +66,29 @@ class Hook(NamedTuple):
 def train(model_cfg: ModelConfig, train_cfg: TrainConfig, batch_at: Callable[[int], np.ndarray],
           val_batches: list[np.ndarray], work_dir: Path, out_dir: Path,
           on_metrics: Callable[[dict], None] | None = None, objective=None, init_params: dict | None = None,
-          hooks: Sequence[Hook] = ()) -> dict:
+          hooks: Sequence[Hook] = (), on_checkpoint: Callable[[list[int]], None] | None = None,
+          shared_work: bool = True) -> dict:
     """Train to `train_cfg.steps`, resuming from the latest checkpoint in `work_dir`; write the
     model to `out_dir` and return stats (losses, params_sha256, tokens, seconds, MFU, ...).
 
     Post-training (training/posttrain.py) passes an `objective` (its loss and batch layout: batches
     are then dicts of arrays) and `init_params` (the pretrained model to start from instead of a
-    fresh initialisation); everything else is this same loop."""
+    fresh initialisation); everything else is this same loop. `on_checkpoint(steps)` is called
+    on process 0 after each save with the steps kept (training/launch.py pushes them to the store).
+    `shared_work` False: each process has its own `work_dir` (a remote store's hosts), so every
+    process writes whole checkpoints there (training/checkpoint.py, "gathered")."""
     t_start = time.perf_counter()
     work_dir, out_dir = Path(work_dir), Path(out_dir)
     primary = jax.process_index() == 0
-    if primary:
+    if primary or not shared_work:
         work_dir.mkdir(parents=True, exist_ok=True)
+    if primary:
         out_dir.mkdir(parents=True, exist_ok=True)
     _warn_if_nondeterministic_gpu()
 
     # State: restored from the last checkpoint, or made fresh from the seed.
     program = _program(model_cfg, train_cfg, make_mesh(train_cfg.mesh), objective)
-    checkpoints = Checkpoints(work_dir / "checkpoints")
+    checkpoints = Checkpoints(work_dir / "checkpoints", gathered=not shared_work and jax.process_count() > 1)
     identity = _identity(model_cfg, train_cfg)
     if objective is not None:
         identity["objective"] = {"class": type(objective).__name__, **dataclasses.asdict(objective)}
@@ -150,6 +155,8 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, batch_at: Callable[[in
                                            "identity": identity})
             if primary:
                 plot_loss(metrics_log.records, work_dir / "loss.png", title=f"step {done}")
+                if on_checkpoint is not None:
+                    on_checkpoint(checkpoints.all_steps())
             t_interval += time.perf_counter() - paused
         if interval_steps == 0:
             t_interval = time.perf_counter()  # logging and evaluation are not train time either

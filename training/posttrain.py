@@ -289,18 +289,17 @@ def save_rows(path, arrays: dict[str, np.ndarray]) -> None:
         np.savez(f, **arrays)
 
 
-def open_rows(train_path: str, eval_path: str, batch_size: int, seed: int, eval_batches: int,
-              reference_model: str | None = None):
-    """A `training.launch.DataSource` body: (batch_at, val_batches) over saved rows. With
-    `reference_model` (a training output folder; DPO), the frozen model's log-probs of every
+def open_rows(work, train_name: str, eval_name: str, batch_size: int, seed: int, eval_batches: int,
+              reference_model=None):
+    """A `training.launch.DataSource` body: (batch_at, val_batches) over rows the step saved in
+    its work folder (`work`, a tasks.engine.store.Workspace, already pulled on this host). With
+    `reference_model` (a `Located` training output; DPO), the frozen model's log-probs of every
     pair are computed here, once, and added to the rows as "ref_logp"."""
-    from pathlib import Path
-
     from training.loop import load_model  # here: training.loop imports this module's users
 
-    train, held = (dict(np.load(p)) for p in (train_path, eval_path))
+    train, held = (dict(np.load(work.local() / name)) for name in (train_name, eval_name))
     if reference_model is not None:
-        cfg, params = load_model(Path(reference_model))
+        cfg, params = load_model(reference_model.local())
         for rows in (train, held):
             if len(rows["inputs"]):
                 rows["ref_logp"] = reference_logprobs(params, rows, cfg, batch_size)

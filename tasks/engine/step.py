@@ -15,6 +15,7 @@ from typing import Any, Callable, Mapping
 
 from pydantic import BaseModel
 
+from tasks.engine.store import Located, Workspace
 from tasks.engine.versioning import step_version
 
 
@@ -23,7 +24,7 @@ class Shown:
     """Something a step wants shown beside its task in the Prefect UI, as plain data: the runner
     publishes it once the output is in the store (stage bodies never talk to Prefect)."""
 
-    kind: str  # "table" (content: list of row dicts), "markdown" (text), "image" (the bytes of a PNG)
+    kind: str  # "table" (content: list of row dicts), "markdown" (text), "image" (a PNG file in the output)
     name: str  # short, e.g. "results"; the artifact key is `<stage>-<name>-<version>`
     content: Any
     description: str = ""
@@ -42,20 +43,31 @@ class StepContext:
     workers: int = 1  # parallelism for this run; never changes the bytes of the output
     shown: list[Shown] = field(default_factory=list)  # filled by `show`, published by the runner
     on_progress: Callable[[int, int], None] | None = None  # installed by the runner
+    store_root: str | None = None  # the store the inputs came from (None: plain folders, in tests)
 
     @property
     def config(self) -> Any:
         return self.step.config
 
+    def located(self, name: str) -> Located:
+        """Input `name` by its place in the store, for code that runs on another machine (Ray
+        hosts): it opens the input there, never through this machine's path."""
+        step = self.step.inputs[name]
+        return Located(self.store_root, step.stage, step.version, str(self.inputs[name]))
+
+    @property
+    def workspace(self) -> Workspace:
+        """`work_dir` as every machine reaches it (in the store; see tasks/engine/store.py)."""
+        return Workspace(self.store_root, self.step.stage, self.step.version, str(self.work_dir))
+
     def show(self, kind: str, name: str, content: Any, description: str = "") -> None:
-        """Ask for a table, markdown text or image (PNG bytes) beside the step's task."""
+        """Ask for a table, markdown text or image (a file name in `out`) beside the step's task."""
         if kind not in ("table", "markdown", "image"):
             raise ValueError(f"cannot show a {kind!r}: use table, markdown or image")
         self.shown.append(Shown(kind, name, content, description))
 
     def progress(self, done: int, total: int) -> None:
-        """Report `done` of `total` units (training steps, shards): a progress artifact in the UI
-        and, under `kiln run` in a terminal, a progress bar."""
+        """Report `done` of `total` units (training steps, shards): a progress artifact in the UI."""
         if self.on_progress is not None:
             self.on_progress(done, total)
 

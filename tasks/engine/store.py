@@ -11,11 +11,14 @@ and downloads inputs into a local cache before a stage reads them.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
 import shutil
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import fsspec
@@ -126,20 +129,174 @@ class Store:
 
     # --- reading -------------------------------------------------------------------------------
     def local_input(self, stage: str, version: str) -> Path:
-        """A local folder holding a published output; remote ones are downloaded once."""
+        """A local folder holding a published output; remote ones are downloaded once per machine
+        (per KILN_CACHE), under a file lock, so two steps or Ray hosts on one node that need the
+        same input at once download it once and never see it half-written."""
         if not self.is_done(stage, version):
             raise FileNotFoundError(
                 f"input {stage}/{version} is not in the store {self.root}: run its step first")
         if self.is_local:
             return Path(self.output(stage, version))
         local = self.local_root / stage / version
-        if not (local / LINEAGE).exists():
-            part = local.with_name(local.name + f".part-{uuid.uuid4().hex[:8]}")
-            self.fs.get(self._fs_path(stage, version) + "/", str(part), recursive=True)
-            if local.exists():
-                shutil.rmtree(local)
-            os.rename(part, local)
+        if (local / LINEAGE).exists():
+            return local
+        local.parent.mkdir(parents=True, exist_ok=True)
+        with _file_lock(local.with_name(f".{version}.fetch-lock")):
+            if not (local / LINEAGE).exists():
+                part = local.with_name(local.name + f".part-{uuid.uuid4().hex[:8]}")
+                self.fs.get(self._fs_path(stage, version) + "/", str(part), recursive=True)
+                if local.exists():  # a copy cut short by a crash before its rename (no lineage)
+                    shutil.rmtree(local)
+                os.rename(part, local)
         return local
+
+    def workspace(self, stage: str, version: str) -> "Workspace":
+        return Workspace(self.root, stage, version)
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    """An exclusive advisory lock on `path` (created if missing), held for the `with` block."""
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+# --- what code on other machines is given -----------------------------------------------------
+
+@dataclass(frozen=True)
+class Located:
+    """A published output named by its place in the store, never by a path on the driver: code
+    that runs on a Ray host calls `local()` there and gets a folder on its own machine (the store
+    itself when it is a local path, which must then be a filesystem every node mounts; otherwise
+    a copy fetched into that node's cache). `root` None: a plain folder, for tests and tools that
+    run a stage body without a store."""
+
+    root: str | None
+    stage: str
+    version: str
+    path: str = ""
+
+    def local(self) -> Path:
+        if self.root is None:
+            return Path(self.path)
+        return Store(self.root).local_input(self.stage, self.version)
+
+
+PUSHED = "checkpoints-pushed"  # one empty file per checkpoint step whose upload completed
+
+
+@dataclass(frozen=True)
+class Workspace:
+    """A step's work folder (checkpoints, the metrics so far, files the step prepared for its Ray
+    hosts, the output a remote host writes) as every machine reaches it: in the store, at
+    `<store>/.work/<stage>-<version>/`, so a rerun on another machine, or after a node died,
+    resumes from the last checkpoint.
+
+    With a local store the folder is used in place (a filesystem every node mounts, or one
+    machine). With a remote store each machine works in its own cache (`local()`) and moves
+    files with `pull` and `push`; a checkpoint counts in the store only once its upload
+    finished (a marker under `checkpoints-pushed/`, written last), so a crash mid-upload leaves
+    nothing a resume would pick. `root` None: a plain folder (`path`), nothing to move."""
+
+    root: str | None
+    stage: str
+    version: str
+    path: str = ""
+
+    @property
+    def remote(self) -> bool:
+        return self.root is not None and "://" in self.root and not self.root.startswith("file://")
+
+    def local(self, host: int | None = None) -> Path:
+        """This machine's folder: the driver's (`host` None), or training host `host`'s. With a
+        remote store each host works in a folder of its own, since two hosts may share a node."""
+        if self.root is None or not self.remote or host is None:
+            return Path(self.path) if self.root is None else Store(self.root).work_dir(self.stage, self.version)
+        return Store(self.root).local_root / ".hosts" / f"{self.stage}-{self.version}-{host}"
+
+    def _remote(self) -> tuple[fsspec.AbstractFileSystem, str]:
+        store = Store(self.root)
+        return store.fs, f"{store._remote_path}/.work/{self.stage}-{self.version}"
+
+    def pull(self, host: int | None = None) -> Path:
+        """This machine's copy, brought up to date with what the store holds: every file but
+        the checkpoints, and each checkpoint whose upload completed. Returns `local(host)`."""
+        local = self.local(host)
+        local.mkdir(parents=True, exist_ok=True)
+        if not self.remote:
+            return local
+        fs, base = self._remote()
+        if not fs.exists(base):
+            return local
+        complete = {p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(f"{base}/{PUSHED}", detail=False)} \
+            if fs.exists(f"{base}/{PUSHED}") else set()
+        for path in fs.find(base):
+            rel = path[len(base) + 1:]
+            top = rel.split("/", 1)[0]
+            if top == PUSHED or top == "output":
+                continue
+            if top == "checkpoints" and rel.split("/")[1] not in complete:
+                continue  # an upload cut short, or one still running
+            dest = local / rel
+            if dest.exists() and dest.stat().st_size == fs.size(path):
+                continue
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            fs.get_file(path, str(dest))
+        return local
+
+    def push(self, checkpoint_steps: list[int] | None = None, output: bool = False, host: int | None = None) -> None:
+        """Upload this machine's files to the store: everything but `checkpoints/` and `output/`,
+        then the checkpoints of `checkpoint_steps` that the store lacks (each marked complete
+        once uploaded), dropping from the store any checkpoint not among them; with `output`,
+        the `output/` folder too."""
+        if not self.remote:
+            return
+        local, (fs, base) = self.local(host), self._remote()
+        for path in sorted(local.rglob("*")):
+            rel = path.relative_to(local).as_posix()
+            if path.is_file() and rel.split("/", 1)[0] not in ("checkpoints", "output"):
+                fs.put_file(str(path), f"{base}/{rel}")
+        if checkpoint_steps is not None:
+            have = {p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(f"{base}/{PUSHED}", detail=False)} \
+                if fs.exists(f"{base}/{PUSHED}") else set()
+            for step in checkpoint_steps:
+                if str(step) not in have:
+                    _put_folder(fs, local / "checkpoints" / str(step), f"{base}/checkpoints/{step}")
+                    fs.pipe_file(f"{base}/{PUSHED}/{step}", b"")
+            for old in have - {str(s) for s in checkpoint_steps}:
+                fs.rm_file(f"{base}/{PUSHED}/{old}")  # unmarked first: never a marker without files
+                if fs.exists(f"{base}/checkpoints/{old}"):
+                    fs.rm(f"{base}/checkpoints/{old}", recursive=True)
+        if output:
+            _put_folder(fs, local / "output", f"{base}/output")
+
+    def fetch_output(self, dest: Path) -> None:
+        """Download the `output/` a remote host pushed into `dest` (the driver's output folder)."""
+        fs, base = self._remote()
+        for path in fs.find(f"{base}/output"):
+            target = Path(dest) / path[len(base) + len("/output/"):]
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fs.get_file(path, str(target))
+
+    def remove(self) -> None:
+        """Delete the work folder everywhere it is (once the output is published)."""
+        shutil.rmtree(self.local(), ignore_errors=True)
+        if self.remote:
+            for folder in self.local(0).parent.glob(f"{self.stage}-{self.version}-*"):  # hosts that ran here
+                shutil.rmtree(folder, ignore_errors=True)
+            fs, base = self._remote()
+            if fs.exists(base):
+                fs.rm(base, recursive=True)
+
+
+def _put_folder(fs, folder: Path, dest: str) -> None:
+    for path in sorted(Path(folder).rglob("*")):
+        if path.is_file():
+            fs.put_file(str(path), f"{dest}/{path.relative_to(folder).as_posix()}")
 
 
 # --- checksums ---------------------------------------------------------------------------------

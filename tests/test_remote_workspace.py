@@ -1,0 +1,127 @@
+"""A step's work folder in a remote store (an S3 API on 127.0.0.1, moto): only checkpoints whose
+upload finished count, and a training run whose host died resumes on a machine with an empty
+cache from the store's last checkpoint, to the same bits as a run that never stopped."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from tasks.engine.store import PUSHED, Store
+from tests.conftest import REPO
+from tests.test_remote_sources import moto_server
+
+ENV = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+@pytest.fixture
+def s3_root(monkeypatch):
+    import s3fs
+
+    with moto_server() as endpoint:
+        for key, value in {**ENV, "AWS_ENDPOINT_URL": endpoint}.items():
+            monkeypatch.setenv(key, value)
+        s3fs.S3FileSystem(endpoint_url=endpoint, key="test", secret="test").mkdir("kiln")
+        yield "s3://kiln/store"
+
+
+def test_only_checkpoints_whose_upload_finished_are_pulled(s3_root, tmp_path, monkeypatch):
+    monkeypatch.setenv("KILN_CACHE", str(tmp_path / "machine-a"))
+    store = Store(s3_root)
+    work = store.workspace("train", "v1")
+    local = work.pull()
+    for step in (4, 8):
+        (local / "checkpoints" / str(step) / "state").mkdir(parents=True)
+        (local / "checkpoints" / str(step) / "state" / "data").write_bytes(bytes([step]) * 100)
+    (local / "metrics.jsonl").write_text('{"step": 8}\n')
+    work.push(checkpoint_steps=[4, 8])
+    # an upload cut short: files of step 12 in the store, but no marker
+    store.fs.pipe_file(f"{store._remote_path}/.work/train-v1/checkpoints/12/state/data", b"partial")
+    (local / "checkpoints" / "4").rename(local / "gone")  # orbax dropped step 4 (max_to_keep)
+    work.push(checkpoint_steps=[8])
+    assert sorted(p.rsplit("/", 1)[-1] for p in store.fs.ls(f"{store._remote_path}/.work/train-v1/{PUSHED}")) == ["8"]
+    assert not store.fs.exists(f"{store._remote_path}/.work/train-v1/checkpoints/4")
+
+    monkeypatch.setenv("KILN_CACHE", str(tmp_path / "machine-b"))  # another machine, empty cache
+    other = Store(s3_root).workspace("train", "v1").pull()
+    assert other != local and other.is_relative_to(tmp_path / "machine-b")
+    assert sorted(p.name for p in (other / "checkpoints").iterdir()) == ["8"]
+    assert (other / "checkpoints" / "8" / "state" / "data").read_bytes() == bytes([8]) * 100
+    assert (other / "metrics.jsonl").read_text() == '{"step": 8}\n'
+
+    Store(s3_root).workspace("train", "v1").remove()
+    assert not store.fs.exists(f"{store._remote_path}/.work/train-v1")
+    assert not other.exists()
+
+
+DRIVER = textwrap.dedent("""
+    import functools, json, os, sys
+    from pathlib import Path
+    import numpy as np
+    from tasks.engine.store import Store
+    from tests.test_remote_workspace import MODEL, TRAIN, batches
+    from training.config import ResourcesConfig
+    from training.launch import launch_training
+
+    root, out, die_at = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
+    stats = launch_training(MODEL, TRAIN, ResourcesConfig(hosts=1, cpus_per_host=1),
+                            functools.partial(batches, die_at), Store(root).workspace("train", "v1"), out)
+    (out / "stats.json").write_text(json.dumps(stats))
+""")
+
+
+def _configs():
+    from training.config import ModelConfig, TrainConfig
+
+    model = ModelConfig(vocab_size=256, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64, seq_len=32)
+    train = TrainConfig(batch_size=4, steps=12, warmup=1, log_every=1, eval_every=10_000, checkpoint_every=4,
+                        peak_flops=1e11)
+    return model, train
+
+
+MODEL, TRAIN = _configs()
+
+
+def batches(die_at: int = -1):
+    """Random token batches; the host process dies (as a node would) when it asks for `die_at`."""
+    tokens = np.random.default_rng(0).integers(0, 256, size=(16, 4, 33), dtype=np.int32)
+
+    def batch_at(step: int):
+        if step == die_at:
+            os._exit(1)
+        return tokens[step % len(tokens)]
+
+    return batch_at, [tokens[0]]
+
+
+def test_training_resumes_from_the_store_on_another_machine(s3_root, tmp_path):
+    from training.loop import train
+
+    def run(machine: str, die_at: int) -> subprocess.CompletedProcess:
+        (tmp_path / f"out-{machine}").mkdir()
+        return subprocess.run([sys.executable, "-c", DRIVER, s3_root, str(tmp_path / f"out-{machine}"), str(die_at)],
+                              cwd=REPO, capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "KILN_CACHE": str(tmp_path / machine)})
+
+    died = run("machine-a", die_at=10)  # after the checkpoints of steps 4 and 8 were pushed
+    assert died.returncode != 0 and not (tmp_path / "out-machine-a" / "stats.json").exists()
+    resumed = run("machine-b", die_at=-1)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    stats = json.loads((tmp_path / "out-machine-b" / "stats.json").read_text())
+    assert stats["resumed_from_step"] == 8
+    assert [h["node_ip"] for h in stats["hosts"]] == ["127.0.0.1"] and stats["hosts"][0]["node_id"]
+    # the model came back through the store into the driver's output folder
+    assert {p.name for p in (tmp_path / "out-machine-b").iterdir()} >= {"model.json", "params.safetensors",
+                                                                         "metrics.jsonl"}
+
+    batch_at, val = batches()
+    uninterrupted = train(MODEL, TRAIN, batch_at, val, tmp_path / "work", tmp_path / "out")
+    assert stats["params_sha256"] == uninterrupted["params_sha256"]
+    steps = [r["step"] for r in map(json.loads, (tmp_path / "out-machine-b" / "metrics.jsonl").read_text().splitlines())]
+    assert steps == list(range(1, 13))  # the history from before the death came back from the store

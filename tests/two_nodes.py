@@ -1,0 +1,182 @@
+"""A real two-node Ray cluster on this one machine, for the multi-node tests.
+
+Two network namespaces joined by a veth pair (a 10.x.y.0/24 the fixture picks and removes), node
+A with the Ray head and an S3-compatible server (moto: the store), node B with a Ray worker node
+in its own mount namespace whose /tmp is a private tmpfs, so it cannot see the driver's working
+folders. Needs root and `ip` (iproute2) and `unshare` (util-linux); a test that uses it is
+skipped, saying so, where they are missing. Everything it made is removed on exit, also when the
+test fails: the processes in both namespaces, the namespaces (the veth pair goes with them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, stop_group
+
+BIN = Path(sys.executable).parent
+
+
+@dataclass
+class Cluster:
+    ns_a: str
+    ns_b: str
+    ip_a: str
+    ip_b: str
+    ray_address: str
+    store: str  # an s3:// URL on node A's S3 server
+    env: dict = field(default_factory=dict)  # what a driver in A needs (Ray address, S3 endpoint)
+    log_dirs: list[str] = field(default_factory=list)
+
+    def ray_errors(self) -> str:
+        """The ends of both nodes' raylet.err and worker .err logs, for a failed test's message."""
+        parts = []
+        for folder in self.log_dirs:
+            for path in sorted(Path(folder).glob("session_latest/logs/*.err")):
+                text = path.read_text(errors="replace").strip()
+                if text and (path.name == "raylet.err" or path.name.startswith("worker")):
+                    parts.append(f"--- {path}\n{text[-1500:]}")
+        return "\n".join(parts[-8:])
+
+    def run_in_a(self, args: list[str], env: dict | None = None, timeout: int = 900) -> subprocess.CompletedProcess:
+        """A command in namespace A (a driver beside the head), as a user would run it there."""
+        return subprocess.run(["ip", "netns", "exec", self.ns_a, *args], cwd=REPO, capture_output=True, text=True,
+                              timeout=timeout, env={**os.environ, **self.env, **(env or {})})
+
+
+def require_namespaces() -> None:
+    missing = [tool for tool in ("ip", "unshare", "mount") if shutil.which(tool) is None]
+    if os.geteuid() != 0 or missing:
+        pytest.skip(f"the two-node cluster needs root and {', '.join(missing) or 'ip/unshare'} "
+                    "(apt-get install iproute2 util-linux); not available here")
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=30)
+
+
+def _wait_tcp(ns: str, host: str, port: int, proc: subprocess.Popen, what: str, timeout_s: float = 180) -> None:
+    probe = (f"import socket,sys; s=socket.socket(); s.settimeout(1); "
+             f"sys.exit(s.connect_ex(({host!r}, {port})))")
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited {proc.returncode}: {proc.stdout.read()[-3000:]}")
+        if subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", probe], timeout=30).returncode == 0:
+            return
+        time.sleep(1)
+    raise TimeoutError(f"{what} not listening on {host}:{port} after {timeout_s} s")
+
+
+def _wait_nodes(cluster_env: dict, ns: str, count: int, timeout_s: float = 240) -> None:
+    check = ("import ray; ray.init(log_to_driver=False, logging_level='ERROR'); "
+             "print(sum(n['Alive'] for n in ray.nodes()))")
+    deadline, seen = time.monotonic() + timeout_s, ""
+    while time.monotonic() < deadline:
+        proc = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", check], capture_output=True,
+                              text=True, timeout=120, env={**os.environ, **cluster_env}, cwd=REPO)
+        seen = proc.stdout.strip().splitlines()[-1:] or proc.stderr[-500:]
+        if proc.returncode == 0 and proc.stdout.strip().endswith(str(count)):
+            return
+        time.sleep(2)
+    raise TimeoutError(f"the Ray cluster did not reach {count} alive nodes in {timeout_s} s (last: {seen})")
+
+
+@contextlib.contextmanager
+def two_node_cluster(tmp_path: Path):
+    require_namespaces()
+    tag = f"k{os.getpid() % 100000}{random.randrange(1000)}"
+    ns_a, ns_b, veth_a, veth_b = f"{tag}a", f"{tag}b", f"{tag}va", f"{tag}vb"
+    subnet = f"10.{random.randrange(100, 250)}.{random.randrange(1, 250)}"
+    ip_a, ip_b = f"{subnet}.1", f"{subnet}.2"
+    procs: list[subprocess.Popen] = []
+    made: list[str] = []
+    # Ray's session folders (socket paths must stay under 108 bytes: not in tmp_path); node B's
+    # is outside its private /tmp so that its logs outlive it, for the error of a failed test.
+    ray_dir = f"/var/tmp/kiln-ray-{tag}"
+    try:
+        for ns in (ns_a, ns_b):
+            _ip("netns", "add", ns)
+            made.append(ns)
+        _ip("link", "add", veth_a, "type", "veth", "peer", "name", veth_b)
+        _ip("link", "set", veth_a, "netns", ns_a)
+        _ip("link", "set", veth_b, "netns", ns_b)
+        for ns, dev, ip in ((ns_a, veth_a, ip_a), (ns_b, veth_b, ip_b)):
+            _ip("-n", ns, "addr", "add", f"{ip}/24", "dev", dev)
+            _ip("-n", ns, "link", "set", "lo", "up")
+            _ip("-n", ns, "link", "set", dev, "up")
+
+        s3_port, ray_port = _free_port(), _free_port()
+        endpoint = f"http://{ip_a}:{s3_port}"
+        aws = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1",
+               "AWS_ENDPOINT_URL": endpoint}
+        # Multi-node Ray wants this on (tests/conftest.py turns it off for single-node Rays), and
+        # token authentication off on both sides (see conftest.ray_head).
+        ray_env = {**os.environ, **aws, "PYTHONPATH": str(REPO), "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
+                   "RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}
+
+        moto = subprocess.Popen(["ip", "netns", "exec", ns_a, str(BIN / "moto_server"), "-H", ip_a, "-p", str(s3_port)],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        procs.append(moto)
+        _wait_tcp(ns_a, ip_a, s3_port, moto, "moto_server")
+        subprocess.run(["ip", "netns", "exec", ns_a, sys.executable, "-c",
+                        f"import s3fs; s3fs.S3FileSystem(endpoint_url={endpoint!r}).mkdir('kiln')"],
+                       check=True, timeout=120, env={**os.environ, **aws})
+
+        head = subprocess.Popen(
+            ["ip", "netns", "exec", ns_a, str(BIN / "ray"), "start", "--head", "--port", str(ray_port),
+             "--node-ip-address", ip_a, "--num-cpus", "1", "--include-dashboard=false", "--disable-usage-stats",
+             f"--temp-dir={ray_dir}", "--block"],
+            cwd=REPO, env={**ray_env, "KILN_CACHE": str(tmp_path / "node-a-cache")},
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        procs.append(head)
+        _wait_tcp(ns_a, ip_a, ray_port, head, "the Ray head")
+        # Node B: its own /tmp (a tmpfs only it sees), its own kiln cache in it.
+        worker = subprocess.Popen(
+            ["ip", "netns", "exec", ns_b, "unshare", "-m", "--propagation", "private", "bash", "-c",
+             f"mount -t tmpfs none /tmp && exec {BIN / 'ray'} start --address={ip_a}:{ray_port} --temp-dir={ray_dir}-b "
+             f"--node-ip-address={ip_b} --num-cpus=1 --disable-usage-stats --block"],
+            cwd=REPO, env={**ray_env, "KILN_CACHE": "/tmp/kiln-cache"},
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        procs.append(worker)
+        # RAY_ENABLE_UV_RUN_RUNTIME_ENV=0: a driver under `uv run` (as pytest is here) would
+        # otherwise have Ray start every worker through `uv run`, which needs the package index,
+        # unreachable from the namespaces.
+        driver_env = {**aws, "RAY_ADDRESS": f"{ip_a}:{ray_port}", "RAY_AUTH_MODE": "disabled",
+                      "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1", "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
+                      "KILN_CACHE": str(tmp_path / "driver-cache")}
+        _wait_nodes(driver_env, ns_a, 2)
+        yield Cluster(ns_a, ns_b, ip_a, ip_b, f"{ip_a}:{ray_port}", "s3://kiln/store", driver_env,
+                      log_dirs=[ray_dir, f"{ray_dir}-b"])
+    finally:
+        for proc in reversed(procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)  # `ray start --block` stops what it started
+        for proc in reversed(procs):
+            stop_group(proc, grace_s=30)
+        for ns in made:  # anything still running in the namespaces, then the namespaces
+            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(pid), signal.SIGKILL)
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        shutil.rmtree(ray_dir, ignore_errors=True)
+        shutil.rmtree(f"{ray_dir}-b", ignore_errors=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:  # a port free on this machine is free in a fresh namespace too
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
