@@ -5,14 +5,15 @@ task(s) and relays metrics here, to the step's log. Output folder (training/loop
 `model.json`, `params.safetensors`, `metrics.jsonl`, `loss.png`. Checkpoints live in the
 step's work folder in the store (`ctx.workspace`), stable per version: a rerun of an unfinished
 version resumes from the last one, on this machine or another.
+In the Prefect UI, beside the step: its curves and a table of the logged points (`show_curves`).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from training.config import ConfigModel, ModelConfig, ResourcesConfig, TrainConfig, setting
-from training.launch import launch_training, token_data
+from training.config import ConfigModel, MixtureSourceConfig, ModelConfig, ResourcesConfig, TrainConfig, setting
+from training.launch import TokenSource, launch_training, token_data
 from training.tracking import TrackingConfig, tracked
 
 if TYPE_CHECKING:  # tasks.engine.step imports Prefect; Ray workers that import this module skip it
@@ -33,11 +34,25 @@ class TrainStepConfig(ConfigModel):
     tracking: TrackingConfig = setting(TrackingConfig())  # W&B and the like: watched, not learned
 
 
+class MixtureTrainStepConfig(TrainStepConfig):
+    """A train step on a mixture (docs/mixtures.md): its inputs are `tokens/<source>`, and each
+    source's weight and max_epochs are identity. A subclass, not an optional field, so that the
+    versions of one-stream train steps stay what they were."""
+
+    mixture: dict[str, MixtureSourceConfig]
+
+
 def run_train(ctx: StepContext) -> dict:
     cfg: TrainStepConfig = ctx.config
-    data = token_data(ctx.located("tokens"), cfg.model, cfg.train)
+    mixture = cfg.mixture if isinstance(cfg, MixtureTrainStepConfig) else None
+    tokens = ctx.located("tokens") if mixture is None else [
+        TokenSource(name, ctx.located(f"tokens/{name}"), s.weight, s.max_epochs) for name, s in mixture.items()]
+    data, drawn = token_data(tokens, cfg.model, cfg.train)
     ctx.log.info("training %d steps of %d x %d tokens on %d host(s)", cfg.train.steps, cfg.train.batch_size,
                  cfg.model.seq_len, cfg.resources.hosts)
+    if mixture is not None:
+        ctx.log.info("mixture: %s", ", ".join(f"{name} {d['share']:.1%} of the tokens ({d['epochs']:.2f} epochs)"
+                                              for name, d in drawn.items()))
 
     def relay(record: dict) -> None:
         val = f" val_loss {record['val_loss']:.4f}" if "val_loss" in record else ""
@@ -48,14 +63,40 @@ def run_train(ctx: StepContext) -> dict:
         ctx.progress(record["step"], cfg.train.steps)
 
     with tracked(relay, cfg.tracking, f"train-{ctx.step.version}", cfg.model_dump(mode="json")) as on_metrics:
-        return launch_training(cfg.model, cfg.train, cfg.resources, data, ctx.workspace, ctx.out,
-                               on_metrics=on_metrics)
+        stats = launch_training(cfg.model, cfg.train, cfg.resources, data, ctx.workspace, ctx.out,
+                                on_metrics=on_metrics)
+    show_curves(ctx, cfg.train.steps)
+    return stats if mixture is None else {**stats, "mixture": drawn}  # the tokens drawn from each source
+
+
+def show_curves(ctx: StepContext, steps: int) -> None:
+    """Beside the step in the Prefect UI: its curves as a picture (loss and validation loss,
+    learning rate, tokens/s) and the logged points as a table."""
+    from training.metrics import curve_points, plot_curves, read_metrics  # JAX and matplotlib: not for plans
+
+    records = read_metrics(ctx.out / "metrics.jsonl")
+    name = f"{ctx.step.name} {ctx.step.version}"
+    ctx.show("image", "curves", plot_curves(records, f"{name}: {steps} steps"),
+             f"kiln {name}: loss and validation loss, learning rate, tokens/s per log step")
+    ctx.show("table", "metrics", curve_points(records), f"kiln {name}: the logged metrics (metrics.jsonl)")
 
 
 def train_step(model_cfg: ModelConfig, train_cfg: TrainConfig, resources: ResourcesConfig, *,
-               tokens: Step, tracking: TrackingConfig = TrackingConfig()) -> Step:
+               tokens: Step | dict[str, Step], tracking: TrackingConfig = TrackingConfig(),
+               mixture: dict[str, MixtureSourceConfig] | None = None) -> Step:
+    """A train step on one tokenize step, or with `mixture` on one tokenize step per source
+    (`tokens`: source name -> step), mixed by the mixture's weights and caps in its order."""
     from tasks.engine.step import Step  # here, not at the top: see the TYPE_CHECKING import
 
-    config = TrainStepConfig(model=model_cfg, train=train_cfg, resources=resources, tracking=tracking)
+    if mixture is None:
+        config = TrainStepConfig(model=model_cfg, train=train_cfg, resources=resources, tracking=tracking)
+        inputs = {"tokens": tokens}
+    else:
+        if not isinstance(tokens, dict) or set(tokens) != set(mixture):
+            raise ValueError(f"a mixture's train step takes one tokenize step per source of the mixture "
+                             f"({sorted(mixture)}), got {sorted(tokens) if isinstance(tokens, dict) else tokens}")
+        config = MixtureTrainStepConfig(model=model_cfg, train=train_cfg, resources=resources, tracking=tracking,
+                                        mixture=mixture)
+        inputs = {f"tokens/{name}": tokens[name] for name in mixture}
     return Step(name="train", stage="train", stage_version=STAGE_VERSION, config=config, run=run_train,
-                inputs={"tokens": tokens})
+                inputs=inputs)

@@ -3,12 +3,14 @@
 `step_task` is the one Prefect task every step runs as; `run_step_body` computes and publishes an
 output; `prepare` decides, before submission, whether what the store holds may be a cache hit;
 `publish_shown` turns what a body asked to show (tables, markdown, images, progress) into Prefect
-artifacts. The scheduler (tasks/engine/scheduler.py) decides when each step runs.
+artifacts; `watching` lets something else in the process (kiln run's progress bars) follow the
+steps as they run. The scheduler (tasks/engine/scheduler.py) decides when each step runs.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import logging
 import shutil
@@ -16,6 +18,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from prefect import get_run_logger, task
 from prefect.context import get_run_context
@@ -82,14 +85,12 @@ def run_step_body(step: Step, store: Store, workers: int, log: logging.Logger) -
                              f"{type(e).__name__}: {e}") from e
         raise
     stats = {**(stats or {}), "seconds": round(time.perf_counter() - t0, 3)}
-    images = {s.content: base64.b64encode((tmp / s.content).read_bytes()).decode("ascii")
-              for s in ctx.shown if s.kind == "image"}  # read before the folder moves (or uploads)
     lineage = build_lineage(step, store, stats, started, now(), _run_ids(), upstream)
     store.publish(tmp, step.stage, step.version, lineage)
     store.failure_record(step.stage, step.version).unlink(missing_ok=True)
     store.workspace(step.stage, step.version).remove()
     publish_to_prefect(lineage, store)
-    publish_shown(step, ctx.shown, images)
+    publish_shown(step, ctx.shown)
     progress.finish()
     return _record(step, lineage)
 
@@ -111,9 +112,14 @@ def artifact_key(step: Step, name: str) -> str:
     return f"{step.stage}-{name}-{step.version}".replace("_", "-").lower()
 
 
-def publish_shown(step: Step, shown: list[Shown], images: dict[str, str]) -> None:
-    """The tables, markdown and images a step body asked for, as Prefect artifacts."""
-    from prefect.artifacts import create_image_artifact, create_markdown_artifact, create_table_artifact
+def publish_shown(step: Step, shown: list[Shown]) -> None:
+    """The tables, markdown and images a step body asked for, as Prefect artifacts.
+
+    An image becomes a markdown artifact holding the PNG inline (a `data:` URL): both of the
+    open-source UIs draw that on the artifact's page, while an image artifact also prints its
+    whole URL, tens to hundreds of KB of base64, under the picture (seen in headless Chromium,
+    Prefect 3.9; tests/test_prefect_ui.py)."""
+    from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
     for item in shown:
         key = artifact_key(step, item.name)
@@ -123,13 +129,55 @@ def publish_shown(step: Step, shown: list[Shown], images: dict[str, str]) -> Non
         elif item.kind == "markdown":
             create_markdown_artifact(key=key, markdown=item.content, description=description)
         else:
-            create_image_artifact(image_url=f"data:image/png;base64,{images[item.content]}", key=key,
-                                  description=description)
+            create_markdown_artifact(key=key, markdown=inline_png(item.content, description),
+                                     description=description)
+
+
+def inline_png(png: bytes, alt: str) -> str:
+    """Markdown that shows `png` without a file to link to."""
+    return f"![{alt}](data:image/png;base64,{base64.b64encode(png).decode('ascii')})\n"
+
+
+class StepWatcher(Protocol):
+    """Something in this process that follows the steps it runs (flows/terminal.py's progress
+    bars). Called from the threads the steps run in, so it must be thread-safe."""
+
+    def started(self, step: Step) -> None: ...
+
+    def progress(self, step: Step, done: int, total: int) -> None: ...
+
+    def ended(self, step: Step) -> None: ...
+
+
+WATCHERS: list[StepWatcher] = []
+
+
+@contextlib.contextmanager
+def watching(watcher: StepWatcher):
+    """`watcher` hears of every step this process computes while the block runs (cache hits never
+    start, so they are never heard of)."""
+    WATCHERS.append(watcher)
+    try:
+        yield watcher
+    finally:
+        WATCHERS.remove(watcher)
+
+
+@contextlib.contextmanager
+def _watched(step: Step):
+    for w in list(WATCHERS):
+        w.started(step)
+    try:
+        yield
+    finally:
+        for w in list(WATCHERS):
+            w.ended(step)
 
 
 class ProgressArtifact:
     """`StepContext.progress` inside a Prefect task: one progress artifact per step, updated at
-    most every couple of seconds (and always at the end) so a long step does not flood the API."""
+    most every couple of seconds (and always at the end) so a long step does not flood the API;
+    the process's watchers hear of every report."""
 
     def __init__(self, step: Step, every_s: float = 2.0):
         self.step, self.every_s = step, every_s
@@ -139,6 +187,8 @@ class ProgressArtifact:
     def __call__(self, done: int, total: int) -> None:
         from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
+        for w in list(WATCHERS):
+            w.progress(self.step, done, total)
         percent = 100.0 * done / max(total, 1)
         if self.artifact_id is None:
             self.artifact_id = create_progress_artifact(
@@ -161,7 +211,8 @@ class ProgressArtifact:
 @task(persist_result=True, result_serializer="json")
 def step_task(cache_key: str, step: Step, store_root: str, workers: int) -> dict:
     """The Prefect task every step runs as; `cache_key` is `<stage>-<version>`."""
-    return run_step_body(step, Store(store_root), workers, get_run_logger())
+    with _watched(step):
+        return run_step_body(step, Store(store_root), workers, get_run_logger())
 
 
 def configured_task(step: Step, store: Store, forced: bool, lock_url: str | None = None, lease_s: float = 30.0):

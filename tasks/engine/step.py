@@ -24,7 +24,7 @@ class Shown:
     """Something a step wants shown beside its task in the Prefect UI, as plain data: the runner
     publishes it once the output is in the store (stage bodies never talk to Prefect)."""
 
-    kind: str  # "table" (content: list of row dicts), "markdown" (text), "image" (a PNG file in the output)
+    kind: str  # "table" (content: list of row dicts), "markdown" (text), "image" (the bytes of a PNG)
     name: str  # short, e.g. "results"; the artifact key is `<stage>-<name>-<version>`
     content: Any
     description: str = ""
@@ -61,13 +61,14 @@ class StepContext:
         return Workspace(self.store_root, self.step.stage, self.step.version, str(self.work_dir))
 
     def show(self, kind: str, name: str, content: Any, description: str = "") -> None:
-        """Ask for a table, markdown text or image (a file name in `out`) beside the step's task."""
+        """Ask for a table, markdown text or image (PNG bytes) beside the step's task."""
         if kind not in ("table", "markdown", "image"):
             raise ValueError(f"cannot show a {kind!r}: use table, markdown or image")
         self.shown.append(Shown(kind, name, content, description))
 
     def progress(self, done: int, total: int) -> None:
-        """Report `done` of `total` units (training steps, shards): a progress artifact in the UI."""
+        """Report `done` of `total` units (training steps, shards): a progress artifact in the UI
+        and, under `kiln run` in a terminal, a progress bar."""
         if self.on_progress is not None:
             self.on_progress(done, total)
 
