@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from tasks.acquire import AcquireConfig, SourceConfig
 from tasks.chat_data import ChatDataConfig
@@ -26,7 +26,8 @@ from tasks.filter import FilterConfig
 from tasks.quality import NegativeExamplesConfig, QualityClassifierConfig, QualityFilterConfig
 from tasks.tokenize import TokenizeConfig
 from tasks.tokenizer import TokenizerConfig
-from training.config import ConfigModel, Fraction, ModelConfig, ResourcesConfig, TrainConfig, setting
+from training.config import (ConfigModel, Fraction, MixtureConfig, ModelConfig, ResourcesConfig, TrainConfig,
+                             setting)
 from training.scaling import ScalingConfig
 from training.tracking import TrackingConfig
 
@@ -57,6 +58,10 @@ class DataConfig(ConfigModel):
     max_source_drop: Fraction = setting(0.9, description="A data stage that removes more than this share of any "
                                         "one source's documents warns, naming it, and records it in its stats "
                                         "(`warnings`); copied into every data stage's `max_source_drop`.")
+    mixture: MixtureConfig | None = Field(
+        None, description="Train on a weighted mixture of the sources instead of one stream of all of them: "
+        "each source then runs the data stages and is tokenized on its own, so changing one source recomputes "
+        "only its own steps, and changing a weight reruns training and what follows (docs/mixtures.md).")
 
     @model_validator(mode="before")
     @classmethod
@@ -84,9 +89,31 @@ class DataConfig(ConfigModel):
             raw["quality"] = quality.model_copy(update={"filter": shared(quality.filter)})
         return raw
 
+    @field_validator("mixture")
+    @classmethod
+    def _mixture_names_sources(cls, mixture: MixtureConfig | None, info: ValidationInfo) -> MixtureConfig | None:
+        if mixture is None or "sources" not in info.data:  # no valid sources: refused naming data.sources
+            return mixture
+        names = [s.name for s in info.data["sources"]]
+        unknown = [n for n in mixture.sources if n not in names]
+        if unknown:
+            raise ValueError(f"mixture.sources names {unknown}, which are not sources (data.sources: {names})")
+        missing = [n for n in names if n not in mixture.sources]
+        if missing:
+            raise ValueError(f"mixture.sources leaves out the sources {missing}: give each a weight "
+                             "(weight 0: validation only)")
+        if mixture.tokenizer_source is not None and mixture.tokenizer_source not in names:
+            raise ValueError(f"mixture.tokenizer_source {mixture.tokenizer_source!r} is not a source "
+                             f"(data.sources: {names})")
+        return mixture
+
     def acquire(self) -> AcquireConfig:
         return AcquireConfig(sources=self.sources, docs_per_shard=self.docs_per_shard,
                              max_doc_bytes=self.max_doc_bytes, strict=self.strict)
+
+    def of_source(self, name: str) -> "DataConfig":
+        """This section for one source alone: one chain of a mixture's data steps."""
+        return self.model_copy(update={"sources": [s for s in self.sources if s.name == name], "mixture": None})
 
 
 class PosttrainConfig(ConfigModel):
@@ -140,6 +167,39 @@ class ExperimentConfig(ConfigModel):
     tracking: TrackingConfig = setting(
         TrackingConfig(), description="Training metrics beyond metrics.jsonl and TensorBoard (always written): "
         "`wandb` logs every train, SFT and DPO step to Weights & Biases. Enters no version.")
+
+
+    @model_validator(mode="after")
+    def _check_mixture(self) -> "ExperimentConfig":
+        mixture = self.data.mixture
+        if mixture is None:
+            return self
+        if self.scaling is not None:
+            raise ValueError("data.mixture: a scaling sweep trains on one token stream; leave out one of the two")
+        if self.tokenizer.kind == "bpe" and mixture.tokenizer_source is None:
+            raise ValueError("data.mixture.tokenizer_source: tokenizer kind 'bpe' with a mixture trains on one "
+                             "named source (so that changing another retrains no tokenizer): name it, or use "
+                             "tokenizer kind 'gpt2'")
+        if self.tokenizer.kind != "bpe" and mixture.tokenizer_source is not None:
+            raise ValueError(f"data.mixture.tokenizer_source: the {self.tokenizer.kind} tokenizer is not trained; "
+                             "leave it out")
+        if self.train.eval_batches < len(mixture.sources):
+            raise ValueError(f"train.eval_batches: {self.train.eval_batches} is fewer than the mixture's "
+                             f"{len(mixture.sources)} sources, and each source gets a validation batch")
+        steps = self.train_config().steps
+        if mixture.tokens is not None and steps <= self.train.warmup:
+            raise ValueError(f"data.mixture.tokens: {mixture.tokens} tokens are {steps} steps of "
+                             f"{self.train.batch_size} x {self.model.seq_len} tokens, not more than "
+                             f"train.warmup={self.train.warmup}")
+        return self
+
+    def train_config(self) -> TrainConfig:
+        """The `train` section as the train step gets it: `steps` from the mixture's token budget
+        when there is one."""
+        mixture = self.data.mixture
+        if mixture is None or mixture.tokens is None:
+            return self.train
+        return self.train.model_copy(update={"steps": mixture.tokens // (self.train.batch_size * self.model.seq_len)})
 
 
 class ConfigError(ValueError):

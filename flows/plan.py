@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from flows.config import ExperimentConfig
+from flows.config import DataConfig, ExperimentConfig
 from tasks.acquire import acquire_step
 from tasks.chat_data import chat_data_step
 from tasks.decontaminate import decontaminate_step
@@ -38,7 +38,23 @@ if TYPE_CHECKING:
 
 def recipe(config: ExperimentConfig) -> list[Step]:
     """Every step of one config, upstream before downstream."""
-    data = config.data
+    if config.data.mixture is not None:
+        return mixture_recipe(config)
+    documents = data_steps(config, config.data)
+    tokenizer = tokenizer_step(config.tokenizer, documents=documents if config.tokenizer.kind == "bpe" else None)
+    tokens = tokenize_step(config.tokenize, tokenizer=tokenizer, documents=documents)
+    if config.scaling is not None:  # a sweep of many models in place of one
+        from flows.scaling import scaling_steps
+
+        return upstream_order([documents, tokens,
+                               *scaling_steps(config, tokens=tokens, tokenizer=tokenizer, documents=documents)])
+    model_cfg = config.model.model_copy(update={"vocab_size": vocab_size(config.tokenizer)})
+    model = train_step(model_cfg, config.train_config(), config.resources, tokens=tokens, tracking=config.tracking)
+    return upstream_order([documents, tokens, *after_training(config, model, tokenizer, tokens, documents)])
+
+
+def data_steps(config: ExperimentConfig, data: DataConfig) -> Step:
+    """acquire -> [extract] -> filter -> [quality] -> [dedup] -> [decontaminate]: the documents to tokenize."""
     documents = acquire_step(data.acquire())
     if data.extract is not None:
         documents = extract_step(data.extract, documents=documents)
@@ -54,15 +70,40 @@ def recipe(config: ExperimentConfig) -> list[Step]:
         documents = decontaminate_step(data.decontaminate.model_copy(update={
             "validation_fraction": config.tokenize.validation_fraction, "lm_eval_tasks": config.eval.lm_eval_tasks}),
             documents=documents)
-    tokenizer = tokenizer_step(config.tokenizer, documents=documents if config.tokenizer.kind == "bpe" else None)
-    tokens = tokenize_step(config.tokenize, tokenizer=tokenizer, documents=documents)
-    if config.scaling is not None:  # a sweep of many models in place of one
-        from flows.scaling import scaling_steps
+    return documents
 
-        return upstream_order([documents, tokens,
-                               *scaling_steps(config, tokens=tokens, tokenizer=tokenizer, documents=documents)])
+
+def mixture_recipe(config: ExperimentConfig) -> list[Step]:
+    """A mixture (docs/mixtures.md): each source's own data steps and tokenize step, named
+    `<step>/<source>`, so a changed source recomputes only its chain; one train step mixes them by
+    weight. The BPE, if any, is trained on `tokenizer_source` alone. Evaluation and post-training
+    read the first source of `data.sources`."""
+    mixture = config.data.mixture
+    documents = {name: named(data_steps(config, config.data.of_source(name)), name) for name in mixture.sources}
+    bpe = config.tokenizer.kind == "bpe"
+    tokenizer = tokenizer_step(config.tokenizer, documents=documents[mixture.tokenizer_source] if bpe else None)
+    tokens = {name: named(tokenize_step(config.tokenize, tokenizer=tokenizer, documents=docs), name, upstream=False)
+              for name, docs in documents.items()}
     model_cfg = config.model.model_copy(update={"vocab_size": vocab_size(config.tokenizer)})
-    model = train_step(model_cfg, config.train, config.resources, tokens=tokens, tracking=config.tracking)
+    model = train_step(model_cfg, config.train_config(), config.resources, tokens=tokens, mixture=mixture.sources,
+                       tracking=config.tracking)
+    first = config.data.sources[0].name
+    return upstream_order([*documents.values(), *tokens.values(),
+                           *after_training(config, model, tokenizer, tokens[first], documents[first])])
+
+
+def named(final: Step, source: str, upstream: bool = True) -> Step:
+    """`final` named `<name>/<source>`, and with `upstream` every step it depends on (its inputs
+    rewired to the renamed ones); names never enter a version."""
+    renamed: dict[int, Step] = {}
+    for step in upstream_order([final]) if upstream else [final]:
+        renamed[id(step)] = dataclasses.replace(
+            step, name=f"{step.name}/{source}", inputs={n: renamed.get(id(u), u) for n, u in step.inputs.items()})
+    return renamed[id(final)]
+
+
+def after_training(config: ExperimentConfig, model: Step, tokenizer: Step, tokens: Step, documents: Step) -> list[Step]:
+    """Evaluation, optional post-training and the export of a trained model."""
     eval_cfg = config.eval.model_copy(update={"validation_fraction": config.tokenize.validation_fraction})
     evaluation = evaluate_step(eval_cfg, model=model, tokenizer=tokenizer, tokens=tokens, documents=documents)
     final = model
@@ -74,7 +115,7 @@ def recipe(config: ExperimentConfig) -> list[Step]:
         if pt.dpo is not None:
             final = dpo_step(pt.dpo, model=final, tokenizer=tokenizer, pairs=chat, tracking=config.tracking)
     exported = export_step(config.export, model=final, tokenizer=tokenizer, evaluation=evaluation)
-    return upstream_order([documents, tokens, evaluation, final, exported])
+    return [evaluation, final, exported]
 
 
 def vocab_size(tokenizer: TokenizerConfig) -> int:

@@ -1,4 +1,4 @@
-"""The train step: a tokenize output in, a trained model out.
+"""The train step: a tokenize output (or, for a mixture, one per source) in, a trained model out.
 
 The body hands everything to `training.launch.launch_training`, which runs the loop in Ray
 task(s) and relays metrics here, to the step's log. Output folder (training/loop.py):

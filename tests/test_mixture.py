@@ -1,4 +1,5 @@
-"""Mixtures in the loader (training/data.py open_mixture) on real tokenize outputs: three parts of
+"""Mixtures in the loader (training/data.py open_mixture), in what the Ray hosts open
+(training/launch.py token_data) and in the train step, on real tokenize outputs: three parts of
 the KJV, GPT-2 tokens. Every row a batch holds is traced back to its source by its content (each
 window of each split, looked up by its bytes), so what is counted is what training would see,
 not what the config asked for."""
@@ -8,15 +9,20 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
+import logging
+
 import numpy as np
 import pytest
 
 from tasks.engine.documents import ShardWriter
-from tasks.engine.step import Step
+from tasks.engine.step import Step, StepContext
 from tasks.tokenize import TokenizeConfig, tokenize_step
 from tasks.tokenizer import TokenizerConfig, tokenizer_step
+from tasks.train import train_step
 from tests.test_loader import kjv_paragraphs, run_body
+from training.config import MixtureSourceConfig, ModelConfig, ResourcesConfig, TrainConfig
 from training.data import MixtureInput, TokenDataset, open_mixture
+from training.launch import TokenSource, token_data
 
 T, B = 64, 8
 
@@ -115,3 +121,45 @@ def test_weight_zero_is_validation_only(parts, origin):
     assert {split for source, split, _ in more if source != "heldout"} == {"validation"}
     with pytest.raises(ValueError, match="eval_batches=2 is fewer than the mixture's 3 sources"):
         mixture(parts, {"big": 0.7, "small": 0.3, "heldout": 0.0}, eval_batches=2)
+
+
+def test_token_data_hands_the_hosts_the_same_mixture(parts):
+    """What a Ray host opens (training/launch.py token_data) is the loader's mixture, by source."""
+    train = TrainConfig(batch_size=B, steps=50, warmup=1, eval_batches=3)
+    model = ModelConfig(seq_len=T)
+    sources = [TokenSource("big", parts["big"], 0.7), TokenSource("small", parts["small"], 0.3, 1.0),
+               TokenSource("heldout", parts["heldout"], 0.0)]
+    data, drawn = token_data(sources, model, train)
+    batch_at, val = data()
+    direct = open_mixture([MixtureInput(*s) for s in sources], B, T, seed=0, steps=50, eval_batches=3)
+    assert drawn == direct.drawn and drawn["heldout"]["tokens"] == 0
+    assert all(np.array_equal(batch_at(k), direct.batch_at(k)) for k in (0, 17, 49))
+    assert all(np.array_equal(a, b) for a, b in zip(val, direct.val_batches, strict=True))
+
+
+@pytest.mark.slow  # a local Ray and a compile: ~40 s on the shared 2 cores
+def test_the_train_step_mixes_by_weight_and_records_what_it_drew(parts, tmp_path):
+    """The train step on three tokenize outputs, through a local Ray host: its version holds the
+    weights and caps, and its stats the tokens drawn from each source."""
+    model = ModelConfig(vocab_size=50257, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64, seq_len=T)
+    train = TrainConfig(batch_size=B, steps=6, warmup=1, log_every=3, eval_every=3, checkpoint_every=6,
+                        eval_batches=3)
+    mixture = {"big": MixtureSourceConfig(weight=0.7), "small": MixtureSourceConfig(weight=0.3, max_epochs=1),
+               "heldout": MixtureSourceConfig(weight=0)}
+    tokens = {name: Step(name=f"tokenize/{name}", stage="tokenize", stage_version=1,
+                         config=TokenizeConfig(validation_fraction=0.2), run=None) for name in mixture}
+    step = train_step(model, train, ResourcesConfig(hosts=1, cpus_per_host=1), tokens=tokens, mixture=mixture)
+    reweighted = {**mixture, "small": MixtureSourceConfig(weight=0.4, max_epochs=1)}
+    assert train_step(model, train, ResourcesConfig(), tokens=tokens, mixture=reweighted).version != step.version
+    assert train_step(model, train, ResourcesConfig(hosts=2), tokens=tokens, mixture=mixture).version == step.version
+
+    (tmp_path / "out").mkdir()
+    ctx = StepContext(step=step, out=tmp_path / "out", inputs={f"tokens/{n}": parts[n] for n in mixture},
+                      input_stats={}, work_dir=tmp_path / "work", log=logging.getLogger("test"))
+    stats = step.run(ctx)
+    drawn = open_mixture([MixtureInput(n, parts[n], m.weight, m.max_epochs) for n, m in mixture.items()],
+                         B, T, seed=train.seed, steps=train.steps, eval_batches=3).drawn
+    assert stats["mixture"] == drawn
+    assert sum(d["tokens"] for d in drawn.values()) == stats["tokens"] == 6 * B * T
+    assert drawn["heldout"]["tokens"] == 0 and drawn["big"]["tokens"] > drawn["small"]["tokens"] > 0
+    assert stats["final_val_loss"] is not None

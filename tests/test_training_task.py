@@ -67,7 +67,7 @@ def test_run_train_on_a_tokenize_output(tokens_dir, tmp_path, caplog):
 
     # The step again with the same work_dir (as after a crash before publishing), in-process this
     # time: it resumes from the final checkpoint and publishes the same parameters without training.
-    batch_at, val = token_data(folder, MODEL, TRAIN)()
+    batch_at, val = token_data(folder, MODEL, TRAIN)[0]()
     again = train(MODEL, TRAIN, batch_at, val, tmp_path / "work", tmp_path / "out2")
     assert again["resumed_from_step"] == 8 and again["params_sha256"] == stats["params_sha256"]
     assert again["final_loss"] == stats["final_loss"] and again["final_val_loss"] == stats["final_val_loss"]

@@ -14,6 +14,11 @@ epoch `e = n // W`, where `perm_e` is a permutation of its W windows seeded with
 resuming a run is "start the loader at step k". `write_global_order` saves the whole order, as
 OLMo publishes its `global_indices`, so anyone can see which tokens were trained on when.
 
+A mixture of tokenize outputs (`open_mixture`, docs/mixtures.md) is this loader with a weight and
+a repetition cap per source: given the run's length, a source whose weight would repeat it past
+`max_epochs` gets its cap's share instead, for the whole run, and the others fill the rest, so
+the per-block counts stay fixed and the order stays a pure function of (seed, step).
+
 Numpy only: no Prefect, no Ray, no JAX.
 """
 
@@ -197,12 +202,15 @@ class BatchLoader:
 
     `batch(step)` is a pure function of (seed, step) and the sources; see the module docstring.
     A source of weight 0 is never sampled (it is there for validation only). Every sampled
-    source must have been tokenized with the same tokenizer.
+    source must have been tokenized with the same tokenizer. `max_epochs` (one cap or None per
+    source) needs the run's length in `steps`: the weights are then lowered where they would
+    repeat a source past its cap (`capped_weights`), and a batch past `steps` that would go
+    beyond a cap is refused.
     """
 
     def __init__(self, sources: list[tuple[TokenDataset, float]], batch_size: int, seq_len: int,
                  seed: int, block_size: int = 1024, max_epochs: list[float | None] | None = None,
-                 steps: int | None = None):
+                 steps: int | None = None, names: list[str] | None = None):
         if any(w < 0 for _, w in sources):
             raise ValueError(f"mixture weights must be >= 0, got {[w for _, w in sources]}")
         caps = list(max_epochs) if max_epochs is not None else [None] * len(sources)
@@ -216,6 +224,7 @@ class BatchLoader:
             raise ValueError("no source has a positive weight: nothing to train on")
         self.batch_size, self.seq_len, self.seed, self.block_size = batch_size, seq_len, seed, block_size
         self.steps = steps
+        self.names = [names[i] if names else str(sources[i][0]) for i in kept]  # for errors
         self.n_windows = [ds.windows(seq_len) for ds, _ in self.sources]
         for (ds, _), n in zip(self.sources, self.n_windows):
             if n == 0:
@@ -234,7 +243,7 @@ class BatchLoader:
         self.capacity = [None if caps[i] is None else int(caps[i] * n) for i, n in zip(kept, self.n_windows)]
         weights = [w for _, w in self.sources]
         if steps is not None:
-            weights = capped_weights(weights, self.capacity, steps * batch_size, [str(ds) for ds, _ in self.sources])
+            weights = capped_weights(weights, self.capacity, steps * batch_size, self.names)
         self.counts = block_counts(weights, block_size)
         if steps is not None:
             self._fit_counts_to_caps(steps * batch_size)
@@ -251,7 +260,7 @@ class BatchLoader:
             room = [s for s, cap in enumerate(self.capacity) if s not in over
                     and (cap is None or drawn[s] < cap)]
             if not room:
-                raise ValueError(_exhausted([str(ds) for ds, _ in self.sources], self.capacity, samples))
+                raise ValueError(_exhausted(self.names, self.capacity, samples))
             uncapped = [s for s in room if self.capacity[s] is None]
             to = (max(uncapped, key=lambda s: self.sources[s][1]) if uncapped
                   else max(room, key=lambda s: self.capacity[s] - drawn[s]))
@@ -259,7 +268,7 @@ class BatchLoader:
             self.counts[over[0]] -= 1
             self.counts[to] += 1
             self._blocks.clear()
-        raise ValueError(_exhausted([str(ds) for ds, _ in self.sources], self.capacity, samples))
+        raise ValueError(_exhausted(self.names, self.capacity, samples))
 
     def _block(self, k: int) -> tuple[np.ndarray, np.ndarray]:
         """For block k: the source of each slot, and its rank among that source's slots."""
@@ -295,7 +304,7 @@ class BatchLoader:
             s = int(source[j])
             n = k * int(self.counts[s]) + int(rank[j])  # this source's n-th sample
             if self.capacity[s] is not None and n >= self.capacity[s]:
-                raise ValueError(f"batch {step} would repeat {self.sources[s][0]} past its max_epochs: this "
+                raise ValueError(f"batch {step} would repeat {self.names[s]} past its max_epochs: this "
                                  f"mixture was planned for {self.steps} steps")
             epoch, pos = divmod(n, self.n_windows[s])
             out[row] = (s, self._permutation(s, epoch)[pos])
@@ -369,7 +378,8 @@ def open_mixture(sources: list[MixtureInput], batch_size: int, seq_len: int, see
         raise ValueError(f"eval_batches={eval_batches} is fewer than the mixture's {len(sources)} sources: "
                          "raise train.eval_batches so that each source gets a validation batch")
     loader = BatchLoader([(TokenDataset(s.folder, "train"), s.weight) for s in sources], batch_size, seq_len,
-                         seed, max_epochs=[s.max_epochs for s in sources], steps=steps)
+                         seed, max_epochs=[s.max_epochs for s in sources], steps=steps,
+                         names=[s.name for s in sources])
     per_source = -(-eval_batches // len(sources))
     val = [_held_out_batches(s, batch_size, seq_len, per_source) for s in sources]
     turns = [batches[i] for i in range(per_source) for batches in val if i < len(batches)]
