@@ -168,7 +168,7 @@ def run_tokenize(ctx: StepContext) -> dict:
                      tok_meta["bos_id"], config.validation_fraction) for i, shard in enumerate(shards)]
     workers = config.workers or ctx.workers
     ctx.log.info("tokenizing %d shards with %d workers (%s)", len(jobs), workers, dtype.name)
-    from tasks.engine.parallel import map_shards  # here: it imports Ray, which planning never needs
+    from tasks.engine.parallel import Places, map_shards  # here: it imports Ray, which planning never needs
 
     train_counts = np.zeros(0, dtype=np.int64)
 
@@ -181,7 +181,8 @@ def run_tokenize(ctx: StepContext) -> dict:
         r["validation"].pop("counts")
         ctx.log.info("shard %d/%d: %d train tokens", i + 1, len(jobs), r["train"]["tokens"])
 
-    results = map_shards(tokenize_shard, jobs, workers=workers, on_result=arrived)
+    places = Places.of(ctx)
+    results = map_shards(tokenize_shard, jobs, workers=workers, on_result=arrived, places=places)
 
     meta = {
         "format": FORMAT,
@@ -207,6 +208,8 @@ def run_tokenize(ctx: StepContext) -> dict:
     stats["unigram_entropy"] = round(unigram_entropy(train_counts), 4)
     stats["documents"] = stats["train_documents"] + stats["validation_documents"]
     stats["tokens"] = stats["train_tokens"] + stats["validation_tokens"]
+    if places.nodes:  # where the shards ran, with workers > 1 (never part of the output)
+        stats["ray_nodes"] = sorted(places.nodes)
     return stats
 
 

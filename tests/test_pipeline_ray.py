@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import yaml
 
 from tests.conftest import kiln, ray_head
@@ -26,6 +27,8 @@ CONFIG = {
 }
 
 
+# Slow: tests/test_two_nodes.py runs `kiln run` against a cluster by RAY_ADDRESS in CI (two nodes).
+@pytest.mark.slow
 def test_pipeline_trains_on_the_ray_cluster_named_by_ray_address(tmp_path):
     config = tmp_path / "ray.yaml"
     config.write_text(yaml.safe_dump(CONFIG))

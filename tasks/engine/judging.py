@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from tasks.engine.documents import SHARD_GLOB, BadRecord, dumps, list_shards, read_shard, write_shard
-from tasks.engine.parallel import map_shards
+from tasks.engine.parallel import Places, map_shards
 
 if TYPE_CHECKING:  # tasks.engine.step loads Prefect (seconds), which Ray workers never need
     from tasks.engine.step import StepContext
@@ -182,7 +182,7 @@ def run_map(ctx: StepContext, fn: Callable[[ShardJob], Any], items: list[ShardJo
         ctx.log.info("%s: %d/%d shards done (%s%s)", what, done[0], len(items), items[i].shard.name, docs)
         ctx.progress(done[0], len(items))
 
-    return map_shards(fn, items, stage_workers(ctx.config, ctx), on_result=progress)
+    return map_shards(fn, items, stage_workers(ctx.config, ctx), on_result=progress, places=Places.of(ctx))
 
 
 def run_judged(ctx: StepContext, make_judge: Callable[[Any], Judge], judge_config: Any) -> dict:

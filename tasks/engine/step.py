@@ -52,6 +52,8 @@ class StepContext:
     def located(self, name: str) -> Located:
         """Input `name` by its place in the store, for code that runs on another machine (Ray
         hosts): it opens the input there, never through this machine's path."""
+        if self.store_root is None:
+            return Located(None, "", "", str(self.inputs[name]))
         step = self.step.inputs[name]
         return Located(self.store_root, step.stage, step.version, str(self.inputs[name]))
 
