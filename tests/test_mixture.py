@@ -112,7 +112,7 @@ def test_weight_zero_is_validation_only(parts, origin):
     validated = rows(data.val_batches, origin)
     assert {source for source, _, _ in validated} == {"big", "small", "heldout"}
     assert {split for _, split, _ in validated} == {"validation"}
-    assert data.drawn["heldout"] == {"weight": 0.0, "tokens": 0, "share": 0.0, "epochs": 0.0}
+    assert data.drawn["heldout"] == {"weight": 0.0, "tokens": 0, "share": 0.0, "epochs": 0.0, "validation_batches": 1}
     # Never trained on, all of it is held out: past its validation split, its train split validates too.
     per_source = TokenDataset(parts["heldout"], "validation").windows(T) // B + 1
     more = rows(mixture(parts, {"big": 0.7, "small": 0.3, "heldout": 0.0}, steps=steps,
@@ -121,6 +121,24 @@ def test_weight_zero_is_validation_only(parts, origin):
     assert {split for source, split, _ in more if source != "heldout"} == {"validation"}
     with pytest.raises(ValueError, match="eval_batches=2 is fewer than the mixture's 3 sources"):
         mixture(parts, {"big": 0.7, "small": 0.3, "heldout": 0.0}, eval_batches=2)
+
+
+def test_a_source_too_small_to_validate_on(parts, tmp_path):
+    """Two verses, none held out: trained on, it is left out of validation; at weight 0 (where
+    its train split would validate too) it is an error naming it."""
+    with ShardWriter(tmp_path / "docs", docs_per_shard=10) as w:
+        for i, text in enumerate(kjv_paragraphs()[2000:2002]):
+            w.write({"id": f"tiny/{i}", "text": text, "source": "tiny", "metadata": {}})
+    docs = Step(name="docs-tiny", stage="docs", stage_version=1, config=TokenizeConfig(), run=None)
+    step = tokenize_step(TokenizeConfig(validation_fraction=0.0), tokenizer=tokenizer_step(TokenizerConfig()),
+                         documents=docs)
+    run_body(step, tmp_path / "tiny", {"tokenizer": parts["big"].parent / "tok", "documents": tmp_path / "docs"})
+    parts = {**parts, "tiny": tmp_path / "tiny"}
+    data = mixture(parts, {"big": 0.9, "tiny": 0.1}, steps=20, eval_batches=2)
+    assert data.drawn["tiny"]["validation_batches"] == 0 and data.drawn["tiny"]["tokens"] > 0
+    assert data.drawn["big"]["validation_batches"] == len(data.val_batches) == 2
+    with pytest.raises(ValueError, match=r"source tiny \(weight 0: validation only\) holds fewer than one batch"):
+        mixture(parts, {"big": 1.0, "tiny": 0.0}, steps=20, eval_batches=2)
 
 
 def test_token_data_hands_the_hosts_the_same_mixture(parts):

@@ -364,7 +364,7 @@ class MixtureInput(NamedTuple):
 class MixtureData(NamedTuple):
     batch_at: Callable[[int], np.ndarray]  # step -> int32 (batch_size, seq_len + 1)
     val_batches: list[np.ndarray]
-    drawn: dict[str, dict]  # per source: weight, tokens drawn over the run, share, epochs
+    drawn: dict[str, dict]  # per source: weight, tokens drawn over the run, share, epochs, validation batches
 
 
 def open_mixture(sources: list[MixtureInput], batch_size: int, seq_len: int, seed: int, steps: int,
@@ -373,16 +373,21 @@ def open_mixture(sources: list[MixtureInput], batch_size: int, seq_len: int, see
     weight (BatchLoader, with each source's max_epochs), validation batches from every source
     (taken in turn, one batch from each, up to `eval_batches`), and what the run draws from each
     source, for the train step's lineage. A source of weight 0 is never trained on, so all of it
-    is held out: its validation batches come from its validation split, then its train split."""
+    is held out: its validation batches come from its validation split, then its train split. A
+    trained source whose validation split holds less than one batch is left out of validation
+    (a small source may hold out no document at all); a weight-0 source must give one."""
     if eval_batches < len(sources):
         raise ValueError(f"eval_batches={eval_batches} is fewer than the mixture's {len(sources)} sources: "
                          "raise train.eval_batches so that each source gets a validation batch")
     loader = BatchLoader([(TokenDataset(s.folder, "train"), s.weight) for s in sources], batch_size, seq_len,
                          seed, max_epochs=[s.max_epochs for s in sources], steps=steps,
                          names=[s.name for s in sources])
-    per_source = -(-eval_batches // len(sources))
-    val = [_held_out_batches(s, batch_size, seq_len, per_source) for s in sources]
-    turns = [batches[i] for i in range(per_source) for batches in val if i < len(batches)]
+    val = [_held_out_batches(s, batch_size, seq_len, eval_batches) for s in sources]  # up to all, if others have none
+    if not any(val):
+        raise ValueError(f"no source's validation split holds one batch of {batch_size} windows of {seq_len}+1 "
+                         "tokens: raise validation_fraction or lower batch_size/seq_len")
+    turns = [(s.name, batches[i]) for i in range(eval_batches) for s, batches in zip(sources, val) if i < len(batches)]
+    turns = turns[:eval_batches]
     samples = steps * batch_size
     trained = [s.name for s in sources if s.weight > 0]  # the loader's sources, in its order
     windows = dict(zip(trained, zip(loader.draws(samples).tolist(), loader.n_windows)))
@@ -390,21 +395,23 @@ def open_mixture(sources: list[MixtureInput], batch_size: int, seq_len: int, see
     for s in sources:
         n, total = windows.get(s.name, (0, 0))
         drawn[s.name] = {"weight": s.weight, "tokens": n * seq_len, "share": round(n / samples, 6),
-                         "epochs": round(n / total, 4) if total else 0.0}
-    return MixtureData(loader.batch, turns[:eval_batches], drawn)
+                         "epochs": round(n / total, 4) if total else 0.0,
+                         "validation_batches": sum(name == s.name for name, _ in turns)}
+    return MixtureData(loader.batch, [batch for _, batch in turns], drawn)
 
 
 def _held_out_batches(source: MixtureInput, batch_size: int, seq_len: int, n: int) -> list[np.ndarray]:
     """Up to `n` validation batches of one source: its validation split's, then (weight 0 only)
-    its train split's; an error naming the source when there is not one full batch."""
+    its train split's; none when there is not one full batch, which is an error naming a source of
+    weight 0 (it is there to be validated on)."""
     splits = ["validation"] if source.weight > 0 else ["validation", "train"]
     batches: list[np.ndarray] = []
     for split in splits:
         ds = TokenDataset(source.folder, split)
         if len(batches) < n and ds.windows(seq_len) >= batch_size:
             batches += validation_batches(ds, batch_size, seq_len, n - len(batches))
-    if not batches:
-        held = "its documents" if source.weight == 0 else "its validation split"
-        raise ValueError(f"source {source.name}: {held} hold fewer than one batch of {batch_size} windows of "
-                         f"{seq_len}+1 tokens: raise validation_fraction or lower batch_size/seq_len")
+    if not batches and source.weight == 0:
+        raise ValueError(f"source {source.name} (weight 0: validation only) holds fewer than one batch of "
+                         f"{batch_size} windows of {seq_len}+1 tokens: give it more documents or lower "
+                         "batch_size/seq_len")
     return batches
