@@ -32,8 +32,9 @@ def configs(steps: int = 12) -> tuple[ModelConfig, TrainConfig]:
                               checkpoint_every=6, peak_flops=1e11)
 
 
-def launch(tmp: Path, hosts: int, steps: int = 12) -> tuple[dict, list[dict]]:
+def launch(tmp: Path, hosts: int, steps: int = 12, **train_fields) -> tuple[dict, list[dict]]:
     model, cfg = configs(steps)
+    cfg = cfg.model_copy(update=train_fields)
     seen: list[dict] = []
     stats = launch_training(model, cfg, ResourcesConfig(hosts=hosts, cpus_per_host=1),
                             functools.partial(kjv_data, cfg.batch_size, model.seq_len),
@@ -65,14 +66,15 @@ def test_local_ray_task_trains_same_bits_as_in_process(one_host, tmp_path):
 # two JAX processes in Ray tasks: a minute on 2 quiet cores
 def test_two_hosts_join_one_jax_runtime_and_match_one_host(one_host, tmp_path):
     single, single_seen, _ = one_host
-    stats, seen = launch(tmp_path, hosts=2)
+    # with a time cadence short enough to save at every step: host 0 decides and tells host 1
+    stats, seen = launch(tmp_path, hosts=2, checkpoint_every_minutes=1e-9)
     assert stats["processes"] == 2 and stats["devices"] == 2
     np.testing.assert_allclose([r["loss"] for r in seen], [r["loss"] for r in single_seen], rtol=2e-4)
     np.testing.assert_allclose(stats["final_val_loss"], single["final_val_loss"], rtol=2e-4)
     # only host 0 writes: one record per step (two writers would interleave duplicates) and one
-    # set of outputs; orbax wrote each checkpoint once, complete
+    # set of outputs; orbax wrote each checkpoint once, complete (the last two kept)
     assert [r["step"] for r in read_metrics(tmp_path / "work" / "metrics.jsonl")] == list(range(1, 13))
-    assert sorted(p.name for p in (tmp_path / "work" / "checkpoints").iterdir()) == ["12", "6"]
+    assert sorted(p.name for p in (tmp_path / "work" / "checkpoints").iterdir()) == ["11", "12"]
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
         "loss.png", "metrics.jsonl", "model.json", "params.safetensors", "tensorboard"]
 

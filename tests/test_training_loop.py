@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -84,12 +85,14 @@ def test_same_config_gives_bitwise_identical_parameters(tmp_path, uninterrupted)
     assert again["resumed_from_step"] == 0
 
 
-# Runs the same 30-step config in a fresh process. With "pause", on_metrics stops at step 15,
-# after the checkpoint at step 10, and waits on stdin for a parent that kills it instead.
+# Runs the same 30-step config in a fresh process, checkpointing by steps (every 10) or by time
+# (every log step: 5, 10, ...; the step cadence never fires). With "pause", on_metrics stops at
+# step 15, after the checkpoint at step 10, and waits on stdin for a parent that kills it instead.
+CADENCES = {"steps": {}, "minutes": {"checkpoint_every": 1000, "checkpoint_every_minutes": 1e-9}}
 CHILD = """
 import json, sys
 from pathlib import Path
-from tests.test_training_loop import run, tiny
+from tests.test_training_loop import CADENCES, run, tiny
 from tests.test_training_kjv_data import kjv_tokens
 
 def on_metrics(record):
@@ -97,20 +100,34 @@ def on_metrics(record):
     if sys.argv[2] == "pause" and record["step"] == 15:
         sys.stdin.readline()
 
-stats = run(Path(sys.argv[1]), *tiny(kjv_tokens()[1]), on_metrics=on_metrics)
+stats = run(Path(sys.argv[1]), *tiny(kjv_tokens()[1], **CADENCES[sys.argv[3]]), on_metrics=on_metrics)
 print(json.dumps({"stats": stats}), flush=True)
 """
 
 
-def test_sigkill_after_checkpoint_then_rerun_gives_same_parameters(tmp_path, uninterrupted):
+def written_checkpoints(folder: Path, newest: str, timeout_s: float = 60) -> list[str]:
+    """The checkpoint folders once `newest` is among them: the write runs in the background
+    (orbax names it `<step>.orbax-checkpoint-tmp` until it is complete)."""
+    deadline = time.monotonic() + timeout_s
+    while not (folder / newest).exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return sorted(p.name for p in folder.iterdir())
+
+
+# the time cadence's version is slow (two more fresh processes); tests/test_checkpoint.py resumes
+# from a time-cadence checkpoint in-process
+@pytest.mark.parametrize("cadence,kept", [("steps", ["10"]),
+                                          pytest.param("minutes", ["10", "5"], marks=pytest.mark.slow)])
+def test_sigkill_after_checkpoint_then_rerun_gives_same_parameters(tmp_path, uninterrupted, cadence, kept):
     cmd = [sys.executable, "-c", CHILD, str(tmp_path)]
-    child = subprocess.Popen(cmd + ["pause"], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(cmd + ["pause", cadence], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)
     try:
         for line in child.stdout:
             if json.loads(line).get("step") == 15:
                 break
-        checkpoints = sorted(p.name for p in (tmp_path / "work" / "checkpoints").iterdir())
-        assert checkpoints == ["10"], checkpoints  # killed after its first checkpoint only
+        checkpoints = written_checkpoints(tmp_path / "work" / "checkpoints", "10")
+        assert checkpoints == kept, checkpoints  # killed after the checkpoint at step 10 was written
         os.kill(child.pid, signal.SIGKILL)
         assert child.wait(timeout=60) == -signal.SIGKILL
     finally:
@@ -118,7 +135,7 @@ def test_sigkill_after_checkpoint_then_rerun_gives_same_parameters(tmp_path, uni
             child.kill()
     assert not (tmp_path / "out" / "params.safetensors").exists()
 
-    rerun = subprocess.run(cmd + ["straight"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    rerun = subprocess.run(cmd + ["straight", cadence], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     lines = [json.loads(line) for line in rerun.stdout.splitlines() if line.startswith("{")]
     stats = lines[-1]["stats"]

@@ -1,13 +1,20 @@
 """Checkpoints with orbax: the whole train state (params, optimizer state, step, RNG key) plus a
-small JSON record (step, data position), every N steps and at the end.
+small JSON record (step, data position), every N steps, every M minutes and at the end.
 
-Saves are synchronous: when `save` returns the checkpoint is complete on disk. Orbax writes each
-one under a temporary name and renames it when done, so a process killed mid-save leaves no
-checkpoint that `latest_step` would pick. With several processes every one calls `save` and
-`restore` (they are collective); orbax writes replicated arrays and the JSON from process 0 only,
-and each process its own shards of sharded arrays, when `work_dir` is one folder they share. When
-it is not (the hosts of a remote store: training/launch.py moves their checkpoints through the
-store), `gathered` makes each process write the whole state into its own folder.
+Saves are asynchronous by default: `save` returns once orbax holds the arrays in host memory
+(on CPU a view of the buffers, which XLA then leaves alone: a buffer with a host view is never
+donated), the write goes on in a background thread, and training goes on with it. A checkpoint
+counts only once its write has finished: `finished()` says when (without waiting), `wait()` waits,
+and `save` itself first waits for the write before it. Orbax writes each checkpoint under a
+temporary name (`<step>.orbax-checkpoint-tmp`) and renames it when done, so a process killed
+mid-write leaves no checkpoint that `latest_step` would pick (the next manager on that folder
+removes the leftover). `asynchronous=False`: `save` returns with the checkpoint complete.
+
+With several processes every one calls `save` and `restore` (they are collective); orbax writes
+replicated arrays and the JSON from process 0 only, and each process its own shards of sharded
+arrays, when `work_dir` is one folder they share. When it is not (the hosts of a remote store:
+training/launch.py moves their checkpoints through the store), `gathered` makes each process
+save the whole state into its own folder.
 """
 
 from __future__ import annotations
@@ -22,16 +29,19 @@ from jax.experimental import multihost_utils
 
 class Checkpoints:
     """`gathered`: every process has a folder of its own (hosts of a remote store, which share
-    no filesystem): each one gathers the whole state into host memory and writes a complete
-    checkpoint of plain arrays alone (orbax with no primary host); restoring places the arrays
-    with the shardings asked for. The state must then fit in one host's memory."""
+    no filesystem): the whole state is gathered into host memory and saved as plain arrays by
+    orbax with no primary host. Orbax writes plain arrays from process 0 only, so only host 0's
+    folder holds them (the others get the metadata): the one host 0 pushes to the store, which
+    every host pulls before it restores (training/launch.py). Restoring places the arrays with
+    the shardings asked for. The state must then fit in one host's memory."""
 
-    def __init__(self, directory: Path, keep: int = 2, gathered: bool = False):
+    def __init__(self, directory: Path, keep: int = 2, gathered: bool = False, asynchronous: bool = True):
         self.gathered = gathered
+        self._writing = False  # a save was started whose completion `finished`/`wait` has not yet reported
         multiprocessing = ocp.options.MultiprocessingOptions(primary_host=None if gathered else 0)
         self.manager = ocp.CheckpointManager(
             Path(directory).absolute(),
-            options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=False,
+            options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=asynchronous,
                                                  cleanup_tmp_directories=True,
                                                  multiprocessing_options=multiprocessing),
             item_handlers={"state": ocp.StandardCheckpointHandler(multiprocessing_options=multiprocessing),
@@ -39,16 +49,37 @@ class Checkpoints:
         )
 
     def latest_step(self) -> int | None:
+        """The newest checkpoint, complete on disk when called before any save (as at the start of
+        a run); during a run orbax counts the one being written too."""
         return self.manager.latest_step()
 
     def all_steps(self) -> list[int]:
         return list(self.manager.all_steps())
 
     def save(self, step: int, state: dict, meta: dict) -> None:
-        if self.gathered:  # a collective: every process calls save at the same step
+        """Start writing the checkpoint of `step` (collective: every process calls it at the same
+        step). Waits for the previous write first; call `finished` before it to learn of that one."""
+        if self.gathered:
             state = multihost_utils.process_allgather(state, tiled=True)
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                         meta=ocp.args.JsonSave(meta)), force=True)
+        self._writing = True
+
+    def finished(self) -> list[int] | None:
+        """The steps kept on disk, all complete, if a write finished since the last report (a
+        synchronous save finishes inside `save`); None while one is in flight or none was
+        started. Never waits; raises the error of a write that failed."""
+        if not self._writing or self.manager.is_saving_in_progress():
+            return None
+        return self.wait()
+
+    def wait(self) -> list[int] | None:
+        """Wait for the write in flight; then as `finished`."""
+        self.manager.wait_until_finished()  # raises what the background write raised
+        if not self._writing:
+            return None
+        self._writing = False
+        return self.all_steps()
 
     def restore(self, step: int, abstract_state: dict, shardings: dict) -> tuple[dict, dict]:
         """The state at `step`, placed with `shardings` (the same layout a fresh state gets)."""
@@ -66,4 +97,5 @@ class Checkpoints:
         return state, restored["meta"]
 
     def close(self) -> None:
+        """Wait for the write in flight (call `wait` first to learn of it) and release orbax."""
         self.manager.close()

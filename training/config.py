@@ -140,6 +140,9 @@ class TrainConfig(ConfigModel):
     seed: Seed = 0
     eval_batches: Count = 4  # validation batches per evaluation (changes the reported val loss)
     checkpoint_every: Count = setting(100)
+    checkpoint_every_minutes: Positive | None = setting(
+        None, description="Also save a checkpoint once this many minutes of wall time have passed since "
+        "the last one (checked at log steps, as host 0's clock sees it). None: by steps only.")
     log_every: Count = setting(10)
     eval_every: Count = setting(50)  # only when validation is measured; never changes parameters
     mesh: MeshConfig = setting(MeshConfig())

@@ -74,7 +74,8 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, batch_at: Callable[[in
     Post-training (training/posttrain.py) passes an `objective` (its loss and batch layout: batches
     are then dicts of arrays) and `init_params` (the pretrained model to start from instead of a
     fresh initialisation); everything else is this same loop. `on_checkpoint(steps)` is called
-    on process 0 after each save with the steps kept (training/launch.py pushes them to the store).
+    on process 0 once a checkpoint's write has finished, with the steps kept, every one complete
+    on disk (training/launch.py pushes them to the store).
     `shared_work` False: each process has its own `work_dir` (a remote store's hosts), so every
     process writes whole checkpoints there (training/checkpoint.py, "gathered")."""
     t_start = time.perf_counter()
@@ -116,6 +117,14 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, batch_at: Callable[[in
     metrics_log, tensorboard, hooks = _logging_hooks(primary, work_dir, start, train_cfg, on_metrics, hooks)
     pending, last_loss, val_loss = [], resumed_loss, None
     t_interval, interval_steps, train_seconds = time.perf_counter(), 0, 0.0
+    saved_at = time.monotonic()  # the time cadence counts from the last save (or the start)
+
+    def finished(steps: list[int] | None) -> None:
+        """A write completed: refresh loss.png and hand the kept steps to the caller."""
+        if steps is not None and primary:
+            plot_loss(metrics_log.records, work_dir / "loss.png", title=f"step {max(steps)}")
+            if on_checkpoint is not None:
+                on_checkpoint(steps)
 
     for step in range(start, train_cfg.steps):
         batch = _put(_checked(batch_at(step), model_cfg, train_cfg, objective), data_sharding)
@@ -148,18 +157,24 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, batch_at: Callable[[in
             log.info("step %d loss %.4f lr %.2e %.0f tok/s", done, record["loss"], record["lr"],
                      record["tokens_per_s"])
             pending, interval_steps = [], 0
-        if done % train_cfg.checkpoint_every == 0 or last:
+        # Checkpoints: every checkpoint_every steps, at the end, and at a log step once
+        # checkpoint_every_minutes have passed (the same decision on every process: a save is
+        # collective). The write runs in the background; a finished one is reported at the next
+        # step (or the next save, which waits for it), so the caller only ever sees complete ones.
+        paused = time.perf_counter()
+        if (done % train_cfg.checkpoint_every == 0 or last
+                or (done % train_cfg.log_every == 0 and _minutes_passed(saved_at, train_cfg.checkpoint_every_minutes))):
             last_loss = float(metrics["loss"])  # waits for the step: its time is train time
             paused = time.perf_counter()
+            finished(checkpoints.wait())  # pushed before the next save starts to drop old steps
             checkpoints.save(done, state, {"step": done, "data_position": done, "loss": last_loss,
                                            "identity": identity})
-            if primary:
-                plot_loss(metrics_log.records, work_dir / "loss.png", title=f"step {done}")
-                if on_checkpoint is not None:
-                    on_checkpoint(checkpoints.all_steps())
-            t_interval += time.perf_counter() - paused
+            saved_at = time.monotonic()
+        finished(checkpoints.finished())
+        t_interval += time.perf_counter() - paused  # saving and pushing are not train time
         if interval_steps == 0:
             t_interval = time.perf_counter()  # logging and evaluation are not train time either
+    finished(checkpoints.wait())  # the last save is complete (and pushed) before the model is published
     checkpoints.close()
 
     # Publish: parameters gathered to host memory (a collective with several processes).
@@ -251,6 +266,17 @@ def _program(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: jax.sharding.
         train_step=train_step.lower(abstract, batch).compile(),
         eval_step=jax.jit(make_eval_step(model_cfg, objective), in_shardings=(shardings["params"], data_sharding)),
     )
+
+
+def _minutes_passed(since: float, minutes: float | None) -> bool:
+    """Whether `minutes` of wall time have passed since `since`, by process 0's clock: with several
+    processes it decides and tells the others, so all of them save at the same step."""
+    if minutes is None:
+        return False
+    due = time.monotonic() - since >= minutes * 60
+    if jax.process_count() > 1:
+        due = bool(multihost_utils.broadcast_one_to_all(np.int32(due)))
+    return due
 
 
 def _evaluate(eval_step, params, val_batches) -> float:
