@@ -20,6 +20,8 @@ Imports only training/, jax, flax, optax, numpy (and torch for the twin): no Pre
 from __future__ import annotations
 
 import argparse
+import os
+import platform
 import tempfile
 import time
 from pathlib import Path
@@ -218,7 +220,21 @@ def best_of(rounds: int, contenders: dict) -> dict:
     return {name: max(v) for name, v in results.items()}
 
 
+def machine() -> str:
+    """The CPU, its widest vector unit and the load average now: other jobs on the cores move every
+    number here, and machines of one name differ (AVX2 only, or AVX-512)."""
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
+    fields = {line.split(":", 1)[0].strip(): line.split(":", 1)[1].strip() for line in lines if ":" in line}
+    flags = fields.get("flags", "").split()
+    vector = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    return (f"{fields.get('model name', platform.processor())} ({vector}) x {os.cpu_count()} cores; "
+            f"load average {load}")
+
+
 def cpu(args) -> None:
+    print(f"machine: {machine()}", flush=True)
     model, cfg = CPU_MODEL, train_config(args.steps, args.batch_size)
     n_params = param_count(jax.eval_shape(lambda: init_params(model, jax.random.PRNGKey(0))))
     print(f"model: {n_params / 1e6:.1f}M params, {model.n_layers} layers, d_model {model.d_model}, "
@@ -242,6 +258,7 @@ def cpu(args) -> None:
     if "torch.compile" in best:
         print(f"kiln / torch.compile = {best['kiln'] / best['torch.compile']:.3f}")
     print(f"kiln MFU           = {fpt * best['kiln'] / peak:.1%}  (goal >= 60%)")
+    print(f"machine at the end: {machine()}")
 
 
 def pipelines(args) -> None:
