@@ -14,6 +14,7 @@ import sys
 import textwrap
 import time
 
+import pytest
 import yaml
 
 from tests.conftest import REPO, free_port
@@ -113,3 +114,48 @@ def test_a_host_that_cannot_reach_its_coordinator_fails_in_bounded_time_naming_i
     assert f"host 1 on node 127.0.0.1 could not join the JAX runtime of 2 hosts at coordinator {coordinator}" \
         in proc.stderr, proc.stderr[-3000:]
     assert time.monotonic() - started < 90
+
+
+PARAMS_SHA = textwrap.dedent("""
+    import json, sys
+    from flows.experiment import load_experiment
+    from tasks.engine.store import Store
+    (step,) = [s for s in load_experiment(sys.argv[1]).steps if s.stage == "train"]
+    print(json.dumps(Store(sys.argv[2]).read_lineage("train", step.version)["stats"]))
+""")
+
+
+@pytest.mark.slow  # three trainings on the two-node cluster: ~10 minutes here
+def test_a_node_dies_mid_training_and_the_rerun_resumes_from_the_store_to_the_same_bits(tmp_path):
+    long = {**CONFIG, "train": {**CONFIG["train"], "steps": 40, "checkpoint_every": 10, "eval_every": 20},
+            "run": {"workers": 1}}
+    config = tmp_path / "long.yaml"
+    config.write_text(yaml.safe_dump(long))
+    with two_node_cluster(tmp_path) as cluster:
+        reference_store = cluster.store + "-uninterrupted"
+        ran = cluster.run_in_a([sys.executable, "-m", "flows.cli", "run", str(config), "--store", reference_store,
+                                "--until", "train"])
+        assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
+        reference = json.loads(cluster.run_in_a([sys.executable, "-c", PARAMS_SHA, str(config),
+                                                 reference_store]).stdout)
+
+        driver = cluster.popen_in_a([sys.executable, "-m", "flows.cli", "run", str(config), "--store", cluster.store,
+                                     "--until", "train"])
+        lines = []
+        for line in driver.stdout:  # the driver's log, until training is past its second checkpoint
+            lines.append(line)
+            if "step 25/40" in line:
+                cluster.kill_b()
+                break
+        rest, _ = driver.communicate(timeout=600)
+        log = "".join(lines) + rest
+        assert driver.returncode == 1, log[-3000:]
+        assert f"training host 1 of 2 failed, on node {cluster.ip_b}" in log, log[-5000:]
+
+        cluster.restart_b()
+        resumed = cluster.run_in_a([sys.executable, "-m", "flows.cli", "run", str(config), "--store", cluster.store,
+                                    "--until", "train"])
+        assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+        stats = json.loads(cluster.run_in_a([sys.executable, "-c", PARAMS_SHA, str(config), cluster.store]).stdout)
+    assert stats["resumed_from_step"] in (20, 30)  # the last checkpoint pushed before the node died
+    assert stats["params_sha256"] == reference["params_sha256"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -21,6 +22,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -39,6 +41,17 @@ class Cluster:
     store: str  # an s3:// URL on node A's S3 server
     env: dict = field(default_factory=dict)  # what a driver in A needs (Ray address, S3 endpoint)
     log_dirs: list[str] = field(default_factory=list)
+    restart_b: Callable[[], None] | None = None  # a fresh worker node in B (after kill_b)
+
+    def kill_b(self) -> None:
+        """Node B dies: SIGKILL to every process in its namespace (its Ray node and workers)."""
+        for pid in subprocess.run(["ip", "netns", "pids", self.ns_b], capture_output=True, text=True).stdout.split():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+
+    def popen_in_a(self, args: list[str]) -> subprocess.Popen:
+        return subprocess.Popen(["ip", "netns", "exec", self.ns_a, *args], cwd=REPO, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, env={**os.environ, **self.env})
 
     def ray_errors(self) -> str:
         """The ends of both nodes' raylet.err and worker .err logs, for a failed test's message."""
@@ -73,7 +86,7 @@ def _wait_tcp(ns: str, host: str, port: int, proc: subprocess.Popen, what: str, 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited {proc.returncode}: {proc.stdout.read()[-3000:]}")
+            raise RuntimeError(f"{what} exited {proc.returncode}: {Path(proc.stdout.name).read_text()[-3000:]}")
         if subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", probe], timeout=30).returncode == 0:
             return
         time.sleep(1)
@@ -97,7 +110,10 @@ def _wait_nodes(cluster_env: dict, ns: str, count: int, timeout_s: float = 240) 
 @contextlib.contextmanager
 def two_node_cluster(tmp_path: Path):
     require_namespaces()
-    tag = f"k{os.getpid() % 100000}{random.randrange(1000)}"
+    remove_leftovers()
+    # The creating pid in every name, so that leftovers of a killed test run can be told apart;
+    # short enough for the veth names (15 characters at most).
+    tag = f"k{os.getpid()}r{random.randrange(100):02d}"
     ns_a, ns_b, veth_a, veth_b = f"{tag}a", f"{tag}b", f"{tag}va", f"{tag}vb"
     subnet = f"10.{random.randrange(100, 250)}.{random.randrange(1, 250)}"
     ip_a, ip_b = f"{subnet}.1", f"{subnet}.2"
@@ -128,7 +144,7 @@ def two_node_cluster(tmp_path: Path):
                    "RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}
 
         moto = subprocess.Popen(["ip", "netns", "exec", ns_a, str(BIN / "moto_server"), "-H", ip_a, "-p", str(s3_port)],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                                stdout=_log(tmp_path, "moto"), stderr=subprocess.STDOUT, start_new_session=True)
         procs.append(moto)
         _wait_tcp(ns_a, ip_a, s3_port, moto, "moto_server")
         subprocess.run(["ip", "netns", "exec", ns_a, sys.executable, "-c",
@@ -140,17 +156,20 @@ def two_node_cluster(tmp_path: Path):
              "--node-ip-address", ip_a, "--num-cpus", "1", "--include-dashboard=false", "--disable-usage-stats",
              f"--temp-dir={ray_dir}", "--block"],
             cwd=REPO, env={**ray_env, "KILN_CACHE": str(tmp_path / "node-a-cache")},
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+            stdout=_log(tmp_path, "ray-head"), stderr=subprocess.STDOUT, start_new_session=True)
         procs.append(head)
         _wait_tcp(ns_a, ip_a, ray_port, head, "the Ray head")
-        # Node B: its own /tmp (a tmpfs only it sees), its own kiln cache in it.
-        worker = subprocess.Popen(
-            ["ip", "netns", "exec", ns_b, "unshare", "-m", "--propagation", "private", "bash", "-c",
-             f"mount -t tmpfs none /tmp && exec {BIN / 'ray'} start --address={ip_a}:{ray_port} --temp-dir={ray_dir}-b "
-             f"--node-ip-address={ip_b} --num-cpus=1 --disable-usage-stats --block"],
-            cwd=REPO, env={**ray_env, "KILN_CACHE": "/tmp/kiln-cache"},
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        procs.append(worker)
+
+        def start_b() -> None:
+            """Node B: its own /tmp (a tmpfs only it sees), its own kiln cache in it."""
+            procs.append(subprocess.Popen(
+                ["ip", "netns", "exec", ns_b, "unshare", "-m", "--propagation", "private", "bash", "-c",
+                 f"mount -t tmpfs none /tmp && exec {BIN / 'ray'} start --address={ip_a}:{ray_port} "
+                 f"--temp-dir={ray_dir}-b --node-ip-address={ip_b} --num-cpus=1 --disable-usage-stats --block"],
+                cwd=REPO, env={**ray_env, "KILN_CACHE": "/tmp/kiln-cache"},
+                stdout=_log(tmp_path, "ray-worker"), stderr=subprocess.STDOUT, start_new_session=True))
+
+        start_b()
         # RAY_ENABLE_UV_RUN_RUNTIME_ENV=0: a driver under `uv run` (as pytest is here) would
         # otherwise have Ray start every worker through `uv run`, which needs the package index,
         # unreachable from the namespaces.
@@ -158,8 +177,13 @@ def two_node_cluster(tmp_path: Path):
                       "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1", "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
                       "KILN_CACHE": str(tmp_path / "driver-cache")}
         _wait_nodes(driver_env, ns_a, 2)
+
+        def restart_b() -> None:
+            start_b()
+            _wait_nodes(driver_env, ns_a, 2)
+
         yield Cluster(ns_a, ns_b, ip_a, ip_b, f"{ip_a}:{ray_port}", "s3://kiln/store", driver_env,
-                      log_dirs=[ray_dir, f"{ray_dir}-b"])
+                      log_dirs=[ray_dir, f"{ray_dir}-b"], restart_b=restart_b)
     finally:
         for proc in reversed(procs):
             if proc.poll() is None:
@@ -174,6 +198,26 @@ def two_node_cluster(tmp_path: Path):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         shutil.rmtree(ray_dir, ignore_errors=True)
         shutil.rmtree(f"{ray_dir}-b", ignore_errors=True)
+
+
+def _log(tmp_path: Path, name: str):
+    """A file for a server's output. Never a pipe nobody reads: moto logs every request, and once
+    the pipe's buffer was full it blocked in mid-request and the S3 store hung."""
+    return open(tmp_path / f"{name}.log", "ab")
+
+
+def remove_leftovers() -> None:
+    """Namespaces (and what runs in them) of an earlier test process that was killed before its
+    clean-up ran (a SIGTERMed pytest runs no finalizers)."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split("\n")
+    for name in (line.split()[0] for line in listed if line.strip()):
+        match = re.fullmatch(r"k(\d+)r\d\d[ab]", name)
+        if match is None or Path(f"/proc/{match.group(1)}").exists():
+            continue
+        for pid in subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
 def _free_port() -> int:
