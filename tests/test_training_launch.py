@@ -63,7 +63,9 @@ def test_local_ray_task_trains_same_bits_as_in_process(one_host, tmp_path):
     assert local["params_sha256"] == stats["params_sha256"]
 
 
-# two JAX processes in Ray tasks: a minute on 2 quiet cores
+# two JAX processes in Ray tasks: a minute on 2 quiet cores. Slow: tests/test_two_nodes.py runs two
+# hosts (on two nodes, through the store) in CI.
+@pytest.mark.slow
 def test_two_hosts_join_one_jax_runtime_and_match_one_host(one_host, tmp_path):
     single, single_seen, _ = one_host
     # with a time cadence short enough to save at every step: host 0 decides and tells host 1

@@ -157,5 +157,7 @@ def test_a_node_dies_mid_training_and_the_rerun_resumes_from_the_store_to_the_sa
                                     "--until", "train"])
         assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
         stats = json.loads(cluster.run_in_a([sys.executable, "-c", PARAMS_SHA, str(config), cluster.store]).stdout)
-    assert stats["resumed_from_step"] in (20, 30)  # the last checkpoint pushed before the node died
+    # the last checkpoint pushed before the node died: saves are asynchronous (step 20's may still
+    # have been on its way) and the log the kill waits for lags the hosts (30 may be done)
+    assert stats["resumed_from_step"] in (10, 20, 30)
     assert stats["params_sha256"] == reference["params_sha256"]

@@ -93,7 +93,7 @@ def _wait_tcp(ns: str, host: str, port: int, proc: subprocess.Popen, what: str, 
     raise TimeoutError(f"{what} not listening on {host}:{port} after {timeout_s} s")
 
 
-def _wait_nodes(cluster_env: dict, ns: str, count: int, timeout_s: float = 240) -> None:
+def _wait_nodes(cluster_env: dict, ns: str, count: int, timeout_s: float = 240, logs: Path | None = None) -> None:
     check = ("import ray; ray.init(log_to_driver=False, logging_level='ERROR'); "
              "print(sum(n['Alive'] for n in ray.nodes()))")
     deadline, seen = time.monotonic() + timeout_s, ""
@@ -104,7 +104,9 @@ def _wait_nodes(cluster_env: dict, ns: str, count: int, timeout_s: float = 240) 
         if proc.returncode == 0 and proc.stdout.strip().endswith(str(count)):
             return
         time.sleep(2)
-    raise TimeoutError(f"the Ray cluster did not reach {count} alive nodes in {timeout_s} s (last: {seen})")
+    said = logs.read_text(errors="replace")[-2000:] if logs is not None and logs.exists() else ""
+    raise TimeoutError(f"the Ray cluster did not reach {count} alive nodes in {timeout_s} s (last: {seen}); "
+                       f"the worker node said: {said}")
 
 
 @contextlib.contextmanager
@@ -160,11 +162,20 @@ def two_node_cluster(tmp_path: Path):
         procs.append(head)
         _wait_tcp(ns_a, ip_a, ray_port, head, "the Ray head")
 
+        # A repository checked out under /tmp (a CI clone) would vanish under B's tmpfs with the
+        # interpreter and code its Ray node needs: it is bound back in, alone.
+        keep_repo = ""
+        if REPO.is_relative_to("/tmp"):
+            held = f"/run/kiln-repo-{tag}"
+            keep_repo = (f"mkdir -p {held} && mount --bind {REPO} {held} && mount -t tmpfs none /tmp && "
+                         f"mkdir -p {REPO} && mount --bind {held} {REPO} && ")
+        mount_tmp = keep_repo or "mount -t tmpfs none /tmp && "
+
         def start_b() -> None:
             """Node B: its own /tmp (a tmpfs only it sees), its own kiln cache in it."""
             procs.append(subprocess.Popen(
                 ["ip", "netns", "exec", ns_b, "unshare", "-m", "--propagation", "private", "bash", "-c",
-                 f"mount -t tmpfs none /tmp && exec {BIN / 'ray'} start --address={ip_a}:{ray_port} "
+                 f"{mount_tmp}exec {BIN / 'ray'} start --address={ip_a}:{ray_port} "
                  f"--temp-dir={ray_dir}-b --node-ip-address={ip_b} --num-cpus=1 --disable-usage-stats --block"],
                 cwd=REPO, env={**ray_env, "KILN_CACHE": "/tmp/kiln-cache"},
                 stdout=_log(tmp_path, "ray-worker"), stderr=subprocess.STDOUT, start_new_session=True))
@@ -176,7 +187,7 @@ def two_node_cluster(tmp_path: Path):
         driver_env = {**aws, "RAY_ADDRESS": f"{ip_a}:{ray_port}", "RAY_AUTH_MODE": "disabled",
                       "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1", "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
                       "KILN_CACHE": str(tmp_path / "driver-cache")}
-        _wait_nodes(driver_env, ns_a, 2)
+        _wait_nodes(driver_env, ns_a, 2, logs=tmp_path / "ray-worker.log")
 
         def restart_b() -> None:
             start_b()
@@ -198,6 +209,7 @@ def two_node_cluster(tmp_path: Path):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         shutil.rmtree(ray_dir, ignore_errors=True)
         shutil.rmtree(f"{ray_dir}-b", ignore_errors=True)
+        subprocess.run(["rmdir", f"/run/kiln-repo-{tag}"], capture_output=True)  # B's mounts went with B
 
 
 def _log(tmp_path: Path, name: str):

@@ -229,6 +229,11 @@ class Workspace:
         local.mkdir(parents=True, exist_ok=True)
         if not self.remote:
             return local
+        if host is not None:
+            # A host's own checkpoints are never trusted: only host 0 writes the arrays, so
+            # another host's folder holds steps with metadata only, and host 0 may have died
+            # before pushing its last one. Every host starts from exactly what the store holds.
+            shutil.rmtree(local / "checkpoints", ignore_errors=True)
         fs, base = self._remote()
         if not fs.exists(base):
             return local
