@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -64,7 +65,8 @@ def artefact_bytes(store: Path) -> dict[str, str]:
     for stage, version in published(Store(store)):
         record = json.loads((store / stage / version / LINEAGE).read_text())
         for rel, digest in record["files"].items():
-            key = f"{stage}/{version}/{rel}"
+            # TensorBoard names its event files after the wall clock and host: same name for all
+            key = re.sub(r"events\.out\.tfevents\.[^/]*$", "events.out.tfevents.*", f"{stage}/{version}/{rel}")
             out[key] = "(timing)" if rel.endswith(TIMING_FILES) or "events.out.tfevents" in rel else digest
     return out
 
@@ -72,6 +74,7 @@ def artefact_bytes(store: Path) -> dict[str, str]:
 # --- SIGKILL inside each kind of stage ------------------------------------------------------------
 
 KILL_STAGES = ["acquire", "tokenize", "train", "evaluate", "sft", "export"]  # in pipeline order
+MAX_KILL_DELAY_S = {"export": 0.05}  # how far into a stage the kill may land: within its length
 
 
 def running_stage(store: Path) -> str | None:
@@ -104,10 +107,12 @@ def test_sigkill_inside_each_stage_then_rerun_gives_the_same_bytes(tmp_path):
         proc = start_run(config, store, log)
         try:
             deadline = time.monotonic() + 900
+            # Polled often: export writes its folder in about 0.1 s, which 50 ms polling missed
+            # (the run then ended before it could be killed there).
             while running_stage(store) != stage and proc.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.05)
+                time.sleep(0.005)
             assert proc.poll() is None, f"run ended before {stage} ran (seed {seed}): {log.read_text()[-3000:]}"
-            time.sleep(rng.uniform(0, 1.0))  # a random point inside the stage
+            time.sleep(rng.uniform(0, MAX_KILL_DELAY_S.get(stage, 1.0)))  # a random point inside the stage
             now = running_stage(store)
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=60)
