@@ -16,7 +16,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,7 +25,7 @@ from typing import Callable
 
 import pytest
 
-from tests.conftest import REPO, stop_group
+from tests.conftest import REPO, free_port, stop_group
 
 BIN = Path(sys.executable).parent
 
@@ -94,7 +93,7 @@ def _wait_tcp(ns: str, host: str, port: int, proc: subprocess.Popen, what: str, 
 
 
 def _wait_nodes(cluster_env: dict, ns: str, count: int, timeout_s: float = 240, logs: Path | None = None) -> None:
-    check = ("import ray; ray.init(log_to_driver=False, logging_level='ERROR'); "
+    check = ("import os, ray; ray.init(address=os.environ['RAY_ADDRESS'], log_to_driver=False, logging_level='ERROR'); "
              "print(sum(n['Alive'] for n in ray.nodes()))")
     deadline, seen = time.monotonic() + timeout_s, ""
     while time.monotonic() < deadline:
@@ -136,7 +135,7 @@ def two_node_cluster(tmp_path: Path):
             _ip("-n", ns, "link", "set", "lo", "up")
             _ip("-n", ns, "link", "set", dev, "up")
 
-        s3_port, ray_port = _free_port(), _free_port()
+        s3_port, ray_port = free_port(), free_port()  # free here is free in a fresh namespace too
         endpoint = f"http://{ip_a}:{s3_port}"
         aws = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1",
                "AWS_ENDPOINT_URL": endpoint}
@@ -230,9 +229,3 @@ def remove_leftovers() -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(pid), signal.SIGKILL)
         subprocess.run(["ip", "netns", "del", name], capture_output=True)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:  # a port free on this machine is free in a fresh namespace too
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
