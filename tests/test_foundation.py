@@ -231,21 +231,45 @@ def test_sigkill_mid_write_leaves_nothing_done(tmp_path):
     assert list((Path(store.root) / "slow").glob(".tmp-*"))  # the half-written folder is only a .tmp
 
 
-@pytest.mark.parametrize("edit, field", [
+BAD_CONFIGS = [
     (lambda c: c.update(bogus=1), "bogus"),
     (lambda c: c["data"].update(docs_per_shard="many"), "data.docs_per_shard"),
     (lambda c: c["data"]["sources"][0].update(package="no-such-corpus"), "data.sources.0"),
-])
-def test_bad_config_exits_2_with_one_line(tmp_path, edit, field):
+]
+
+
+def bad_config(tmp_path: Path, edit) -> Path:
     cfg = json.loads(json.dumps(SMALL))
     edit(cfg)
-    config = write_config(tmp_path / "bad.yaml", cfg)
+    return write_config(tmp_path / "bad.yaml", cfg)
+
+
+def assert_one_line_naming(stderr: str, field: str, config: Path) -> None:
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and field in lines[0] and str(config) in lines[0], stderr
+    assert "Traceback" not in stderr
+
+
+@pytest.mark.parametrize("edit, field", BAD_CONFIGS, ids=[f for _, f in BAD_CONFIGS])
+def test_bad_config_exits_2_with_one_line(tmp_path, edit, field, capsys, monkeypatch):
+    """`main`, as the `kiln` script calls it, in this process (a fresh process per case costs ~9 s
+    of imports; the next test checks a real `kiln run` process's exit status once). `run` would
+    first set up Prefect's logging and start a reaper for this process: pytest's, so not here."""
+    import flows.cli
+
+    monkeypatch.setattr(flows.cli, "_prefect_defaults", lambda: None)
+    config = bad_config(tmp_path, edit)
     for command in ("plan", "run"):
-        proc = kiln(command, str(config), "--store", str(tmp_path / "s"), check=False)
-        assert proc.returncode == 2
-        lines = proc.stderr.strip().splitlines()
-        assert len(lines) == 1 and field in lines[0] and str(config) in lines[0], proc.stderr
-        assert "Traceback" not in proc.stderr
+        assert flows.cli.main([command, str(config), "--store", str(tmp_path / "s")]) == 2
+        assert_one_line_naming(capsys.readouterr().err, field, config)
+
+
+def test_bad_config_makes_the_kiln_process_exit_2(tmp_path):
+    edit, field = BAD_CONFIGS[0]
+    config = bad_config(tmp_path, edit)
+    proc = kiln("run", str(config), "--store", str(tmp_path / "s"), check=False)
+    assert proc.returncode == 2
+    assert_one_line_naming(proc.stderr, field, config)
 
 
 def test_remote_fsspec_store(tmp_path, prefect_harness, monkeypatch):
