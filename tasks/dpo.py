@@ -45,8 +45,8 @@ if TYPE_CHECKING:
     from tasks.engine.step import Step, StepContext
 
 # 2: rejected answers may be generated; 3: the shared training step's attention in query blocks changes the
-# last bits of the parameters
-STAGE_VERSION = 3
+# last bits of the parameters; 4: so does its rotary in one fused pass
+STAGE_VERSION = 4
 
 
 class DPOConfig(ConfigModel):

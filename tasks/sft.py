@@ -32,8 +32,9 @@ from training.tracking import TrackingConfig, tracked
 if TYPE_CHECKING:
     from tasks.engine.step import Step, StepContext
 
-# 2: the shared training step's attention in query blocks changes the last bits of the parameters
-STAGE_VERSION = 2
+# 2: the shared training step's attention in query blocks changes the last bits of the parameters;
+# 3: so does its rotary in one fused pass
+STAGE_VERSION = 3
 TEMPLATE_FILE = "chat_template.jinja"
 EVAL_DIR = "chat_eval"
 

@@ -21,8 +21,9 @@ if TYPE_CHECKING:  # tasks.engine.step imports Prefect; Ray workers that import 
 
 # 2: fused projections, `project`'s weight gradients and the hand-written cross-entropy change the
 # last bits of every trained parameter (training/model.py, training/step.py); 3: attention in query blocks, the same
-# again (training/model.py `causal_attention`)
-STAGE_VERSION = 3
+# again (training/model.py `causal_attention`); 4: rotary positions in one fused pass, the same again
+# (training/model.py `rotary`)
+STAGE_VERSION = 4
 
 
 class TrainStepConfig(ConfigModel):

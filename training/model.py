@@ -66,15 +66,20 @@ class RMSNorm(nn.Module):
 
 
 def rotary(x, positions, theta: float):
-    """HF's RoPE: x [B, T, heads, Q] rotated by angle position * theta^(-2i/Q), halves layout."""
+    """HF's RoPE: x [B, T, heads, Q] rotated by angle position * theta^(-2i/Q), halves layout.
+
+    x * cat(cos, cos) + rotate_half(x) * cat(sin, sin), with rotate_half(x) = cat(-x2, x1), is
+    computed on x seen as two halves [..., 2, Q/2]: the halves swapped (a reversal of that axis
+    of two) times [-sin, sin], so XLA fuses it into one elementwise pass over x instead of
+    writing both halves and concatenating them (~3% of a CPU step, benchmarks/RESULTS.md)."""
     half = x.shape[-1] // 2
     inv_freq = 1.0 / (theta ** (jnp.arange(0, half, dtype=jnp.float32) * 2 / x.shape[-1]))
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, Q/2]
-    cos = jnp.cos(angles)[:, :, None, :].astype(x.dtype)
-    sin = jnp.sin(angles)[:, :, None, :].astype(x.dtype)
-    x1, x2 = x[..., :half], x[..., half:]
-    # x * cat(cos, cos) + rotate_half(x) * cat(sin, sin), with rotate_half(x) = cat(-x2, x1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    cos = jnp.cos(angles)[:, :, None, None, :].astype(x.dtype)  # [B, T, 1, 1, Q/2]
+    sin = jnp.sin(angles)[:, :, None, None, :].astype(x.dtype)
+    signed_sin = jnp.concatenate([-sin, sin], axis=3)  # [B, T, 1, 2, Q/2]: small
+    halves = x.reshape(*x.shape[:-1], 2, half)  # [x1, x2]
+    return (halves * cos + jnp.flip(halves, axis=-2) * signed_sin).reshape(x.shape)
 
 
 class Kernel(nn.Module):
