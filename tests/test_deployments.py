@@ -91,9 +91,17 @@ def run(env: dict, name: str, parameters: dict, timeout: int = 600):
     return flow_run
 
 
-def test_serve_trigger_pipeline_then_cached_and_data_refresh(tmp_path, prefect_server, monkeypatch):
-    for key, value in prefect_server.items():
-        monkeypatch.setenv(key, value)
+def test_serve_trigger_pipeline_then_cached_and_data_refresh(tmp_path, prefect_server):
+    """This process's client is pointed at the test's server by a settings context, which wins
+    over the session's test harness if an earlier test in this process started it (an
+    environment variable set now would not: Prefect read its settings at import)."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: prefect_server["PREFECT_API_URL"]}):
+        serve_and_trigger(tmp_path, prefect_server)
+
+
+def serve_and_trigger(tmp_path: Path, prefect_server: dict) -> None:
     source = tmp_path / "notes.jsonl"
     source.write_text("".join(json.dumps({"text": f"note {i}: " + "the cat and the dog went to the market " * 8})
                               + "\n" for i in range(20)))
