@@ -17,7 +17,7 @@ from tests.conftest import REPO
 
 def test_servers_end_with_a_failing_test_and_with_a_killed_pytest(tmp_path):
     pids = tmp_path / "pids"
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/server_cases.py"],
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "tests/server_cases.py"],
                           cwd=REPO, env={**os.environ, "KILN_SERVER_PIDS": str(pids)},
                           capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr
