@@ -72,6 +72,7 @@ def serve(config: ExperimentConfig, store: str, cron: str = DEFAULT_CRON, refres
     url = check_server()
     os.environ.setdefault("KILN_STORE", store)
     served = deployments(config, store, cron, refresh_until)
+    _unwinding.clear()
     if threading.current_thread() is threading.main_thread():
         # SIGTERM before Prefect's runner has put in its own handler (it does once it starts) must
         # stop serving the same way, not kill the process before the schedules are paused.
@@ -81,10 +82,22 @@ def serve(config: ExperimentConfig, store: str, cron: str = DEFAULT_CRON, refres
     except KeyboardInterrupt:  # prefect.serve catches it only once its runner is running
         pass
     finally:
+        _unwinding.set()
         pause([d.full_name for d in served], url, pause_timeout_s)
 
 
+_unwinding = threading.Event()  # serve has stopped serving: a signal now must not interrupt the pause
+
+
 def _interrupt(signum, frame) -> None:
+    """SIGTERM as Ctrl-C. Python prints and drops an exception raised while a gc callback or a
+    `__del__` runs (seen under load: inside jax's gc callback, and serving went on), so until
+    serving has stopped the signal is sent again a second later."""
+    if _unwinding.is_set():
+        return
+    again = threading.Timer(1.0, os.kill, (os.getpid(), signum))
+    again.daemon = True
+    again.start()
     raise KeyboardInterrupt
 
 
