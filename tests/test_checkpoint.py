@@ -20,10 +20,11 @@ from tests.test_training_kjv_data import WindowBatches, kjv_tokens
 from training.checkpoint import Checkpoints
 from training.loop import _minutes_passed, train
 
-# Saves step 1 and waits for it, then starts step 2 (200 MB: its write takes a while) and dies at
-# once, as a process killed mid-write would.
+# Saves step 1 and waits for it, then starts step 2 (200 MB: its write takes a while) and dies as
+# soon as the write has begun (its temporary folder exists; on a busy machine that can be a moment
+# after `save` returns), as a process killed mid-write would.
 KILLED = """
-import os, sys
+import os, sys, time
 from pathlib import Path
 import jax.numpy as jnp
 from training.checkpoint import Checkpoints
@@ -32,6 +33,9 @@ checkpoints = Checkpoints(Path(sys.argv[1]))
 checkpoints.save(1, {"w": jnp.arange(10, dtype=jnp.float32)}, {"step": 1})
 assert checkpoints.wait() == [1]
 checkpoints.save(2, {"w": jnp.arange(50_000_000, dtype=jnp.float32)}, {"step": 2})
+deadline = time.monotonic() + 120
+while not (Path(sys.argv[1]) / "2.orbax-checkpoint-tmp").exists() and time.monotonic() < deadline:
+    time.sleep(0.001)
 os._exit(0)
 """
 
