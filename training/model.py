@@ -71,7 +71,7 @@ def rotary(x, positions, theta: float):
     x * cat(cos, cos) + rotate_half(x) * cat(sin, sin), with rotate_half(x) = cat(-x2, x1), is
     computed on x seen as two halves [..., 2, Q/2]: the halves swapped (a reversal of that axis
     of two) times [-sin, sin], so XLA fuses it into one elementwise pass over x instead of
-    writing both halves and concatenating them (~3% of a CPU step, benchmarks/RESULTS.md)."""
+    writing both halves and concatenating them (3-6% of a CPU step, benchmarks/RESULTS.md)."""
     half = x.shape[-1] // 2
     inv_freq = 1.0 / (theta ** (jnp.arange(0, half, dtype=jnp.float32) * 2 / x.shape[-1]))
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, Q/2]
