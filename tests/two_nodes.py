@@ -44,9 +44,7 @@ class Cluster:
 
     def kill_b(self) -> None:
         """Node B dies: SIGKILL to every process in its namespace (its Ray node and workers)."""
-        for pid in subprocess.run(["ip", "netns", "pids", self.ns_b], capture_output=True, text=True).stdout.split():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(pid), signal.SIGKILL)
+        _kill_everything_in(self.ns_b)
 
     def popen_in_a(self, args: list[str]) -> subprocess.Popen:
         return subprocess.Popen(["ip", "netns", "exec", self.ns_a, *args], cwd=REPO, stdout=subprocess.PIPE,
@@ -201,10 +199,7 @@ def two_node_cluster(tmp_path: Path):
         for proc in reversed(procs):
             stop_group(proc, grace_s=30)
         for ns in made:  # anything still running in the namespaces, then the namespaces
-            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError, ValueError):
-                    os.kill(int(pid), signal.SIGKILL)
+            _kill_everything_in(ns)
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         shutil.rmtree(ray_dir, ignore_errors=True)
         shutil.rmtree(f"{ray_dir}-b", ignore_errors=True)
@@ -225,7 +220,12 @@ def remove_leftovers() -> None:
         match = re.fullmatch(r"k(\d+)r\d\d[ab]", name)
         if match is None or Path(f"/proc/{match.group(1)}").exists():
             continue
-        for pid in subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(pid), signal.SIGKILL)
+        _kill_everything_in(name)
         subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def _kill_everything_in(ns: str) -> None:
+    """SIGKILL to every process in the network namespace `ns`."""
+    for pid in subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split():
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.kill(int(pid), signal.SIGKILL)
