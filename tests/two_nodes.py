@@ -95,8 +95,12 @@ def _wait_nodes(cluster_env: dict, ns: str, count: int, timeout_s: float = 240, 
              "print(sum(n['Alive'] for n in ray.nodes()))")
     deadline, seen = time.monotonic() + timeout_s, ""
     while time.monotonic() < deadline:
-        proc = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", check], capture_output=True,
-                              text=True, timeout=120, env={**os.environ, **cluster_env}, cwd=REPO)
+        try:  # a probe that joins while the head is still coming up can hang: ask again
+            proc = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", check], capture_output=True,
+                                  text=True, timeout=60, env={**os.environ, **cluster_env}, cwd=REPO)
+        except subprocess.TimeoutExpired:
+            seen = "a probe that did not answer in 60 s"
+            continue
         seen = proc.stdout.strip().splitlines()[-1:] or proc.stderr[-500:]
         if proc.returncode == 0 and proc.stdout.strip().endswith(str(count)):
             return
