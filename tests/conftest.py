@@ -25,6 +25,26 @@ os.environ.setdefault("HF_HOME", str(Path(os.environ.get("TMPDIR", "/tmp")) / "k
 
 REPO = Path(__file__).resolve().parent.parent
 
+# The tests that run models in PyTorch (the benchmarks' twin, exports loaded in transformers,
+# lm-eval's `hf` model) need torch, which `uv run --dev` does not install. .ci/run installs it on
+# the machines that ship its CPU wheel and sets KILN_TESTS_NEED_TORCH=1 there, so that a missing
+# torch fails those tests instead of skipping them unseen.
+TORCH_MISSING = ("needs {name}, which `uv run --dev` does not install: add torch and accelerate with "
+                 "`uv pip install torch accelerate` (on Linux pick the CPU build: README, \"The PyTorch checks\")")
+
+
+def needs(name: str):
+    """The module `name` (torch, accelerate, transformers), or this test module skipped, saying how
+    to install it; a failure instead where KILN_TESTS_NEED_TORCH=1 says it must be there."""
+    import importlib
+
+    try:
+        return importlib.import_module(name)
+    except ImportError as e:
+        if os.environ.get("KILN_TESTS_NEED_TORCH") == "1":
+            raise ImportError(f"KILN_TESTS_NEED_TORCH=1 but {name} does not import: {e}") from e
+        pytest.skip(TORCH_MISSING.format(name=name), allow_module_level=True)
+
 
 def pytest_configure(config):
     """Whatever a test starts (servers, Ray nodes, kiln runs) ends when this pytest process does,

@@ -21,9 +21,10 @@ from tasks.engine.step import Step, StepContext
 from tasks.tokenizer import TokenizerConfig, load_tokenizer, tokenizer_step
 from training.config import ModelConfig
 from training.model import forward, init_params
+from tests.conftest import needs
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+torch = needs("torch")
+transformers = needs("transformers")
 
 TEXT = "In the beginning God created the heaven and the earth. And the earth was without form, and void."
 

@@ -27,9 +27,10 @@ from training.config import ConfigModel, ModelConfig, TrainConfig
 from training.data import BatchLoader, TokenDataset, validation_batches
 from training.loop import load_model, train
 from training.model import forward
+from tests.conftest import needs
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+torch = needs("torch")
+transformers = needs("transformers")
 
 FRACTION = 0.05
 

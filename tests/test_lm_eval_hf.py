@@ -16,9 +16,10 @@ from tests.test_eval_adapter import CFG
 from tests.test_eval_data import kjv_data  # noqa: F401  (a fixture)
 from training.export import export_hf
 from training.model import init_params
+from tests.conftest import needs
 
-pytest.importorskip("torch")
-pytest.importorskip("accelerate")  # lm-eval's hf model imports it
+needs("torch")
+needs("accelerate")  # lm-eval's hf model imports it
 
 
 def scores(model, model_args: str | None, tasks, limit: int) -> tuple[float, list[list[float]]]:

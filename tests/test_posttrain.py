@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from tasks.tokenizer import GPT2_EOS, build_gpt2
+from tests.conftest import needs
 from training.config import ModelConfig
 from training.model import init_params
 from training.posttrain import (CHAT_SPECIAL_TOKENS, CHAT_TEMPLATE, ChatTemplate, DPOObjective, RowBatches,
@@ -140,7 +141,7 @@ def test_row_batches_are_a_pure_function_of_the_step():
 
 
 def test_exported_post_trained_model_carries_the_template_transformers_applies(tmp_path):
-    transformers = pytest.importorskip("transformers")
+    transformers = needs("transformers")
     import logging
 
     from safetensors.numpy import save_file
