@@ -26,7 +26,7 @@ from training.loop import _flatten
 from training.model import init_params
 from training.posttrain import CHAT_SPECIAL_TOKENS, CHAT_TEMPLATE
 
-pytestmark = pytest.mark.slow  # minutes of training; run with `uv run pytest -m slow`
+pytestmark = pytest.mark.slow  # minutes of training; run with `uv run --dev pytest -m slow`
 
 
 def _ctx(step: Step, root, inputs: dict, input_stats: dict | None = None) -> StepContext:

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.slow  # minutes of training; run with `uv run pytest -m slow`
+pytestmark = pytest.mark.slow  # minutes of training; run with `uv run --dev pytest -m slow`
 
 
 from tasks.chat_data import ChatDataConfig, heldout_records
