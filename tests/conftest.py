@@ -1,16 +1,26 @@
-"""Test setup: nothing downloads, Prefect runs against one in-process test harness per session."""
+"""Test setup: nothing downloads, Prefect runs against one in-process test harness per session.
+
+The servers tests start (Ray nodes, a Prefect server, redis-server, moto's S3 server) start here,
+one way each: on 127.0.0.1 and a free port, their output in a log file (never a pipe nobody
+reads), start-up polled until ready with a generous deadline and, when it gives up, the log's last
+lines in the error; stopped, process group and all, and their files removed, also when the test
+fails. Tests that start Ray hold a lock file (see `ray_lock`) so that the two xdist workers never
+start Ray nodes beside each other's heavy Ray work."""
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -96,45 +106,279 @@ def kiln(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: 
     return proc
 
 
-def _wait_for_port(port: int, proc: subprocess.Popen, timeout_s: float = 120) -> None:
+def wait_until(predicate: Callable[[], object], timeout_s: float, what: str, interval_s: float = 0.2,
+               detail: Callable[[], str] = lambda: ""):
+    """Poll `predicate` until it returns something true (returned) or `timeout_s` pass (TimeoutError
+    naming `what`, with `detail()` for what the thing waited on last said)."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"ray start exited {proc.returncode}: {proc.stdout.read()[-3000:]}")
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.5)
-    raise TimeoutError(f"Ray head on port {port} not up after {timeout_s} s")
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            said = detail()
+            raise TimeoutError(f"timed out after {timeout_s:g} s waiting for {what}" + (f"\n{said}" if said else ""))
+        time.sleep(interval_s)
+
+
+def tail(path: Path, chars: int = 3000) -> str:
+    """The end of a log file ('' if there is none yet)."""
+    try:
+        return Path(path).read_text(errors="replace")[-chars:]
+    except FileNotFoundError:
+        return ""
+
+
+# --- keeping the Ray-heavy tests apart --------------------------------------------------------------
+
+RAY_LOCK_FILE = Path(os.environ.get("KILN_TESTS_LOCK", "/tmp/kiln-tests-heavy.lock"))
+_ray_lock_fd: int | None = None
+_ray_lock_held: list[int] = []  # the modes this process holds, outermost first
 
 
 @contextlib.contextmanager
-def ray_head(num_cpus: int = 2):
-    """A Ray cluster as an operator starts one (`ray start --head`), on a free port of 127.0.0.1;
-    yields its address and stops every process it started.
+def ray_lock(exclusive: bool = True):
+    """An fcntl lock on RAY_LOCK_FILE, shared by every test process on the machine (both xdist
+    workers): exclusive for what starts Ray nodes of its own (`ray start`, the two-node cluster,
+    the private-Ray probes), shared for tests whose kiln run or training starts a local Ray in
+    process. So a heavy Ray start never runs beside another Ray start; two light ones may. Re-entrant
+    within a process (a shared hold inside an exclusive one is free; an exclusive one inside a shared
+    one converts the lock and converts it back after). Waiting for it counts against the test's
+    timeout."""
+    global _ray_lock_fd
+    if _ray_lock_fd is None:
+        _ray_lock_fd = os.open(RAY_LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o666)
+    want = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+    before = max(_ray_lock_held, default=0)
+    if want > before:
+        fcntl.flock(_ray_lock_fd, want)
+    _ray_lock_held.append(want)
+    try:
+        yield
+    finally:
+        _ray_lock_held.pop()
+        after = max(_ray_lock_held, default=0)
+        if after == 0:
+            fcntl.flock(_ray_lock_fd, fcntl.LOCK_UN)
+        elif after < want:
+            fcntl.flock(_ray_lock_fd, after)
+
+
+@pytest.fixture(autouse=True)
+def _ray_lock_for_marked_tests(request):
+    """`@pytest.mark.ray_heavy` tests hold the Ray lock exclusively, `@pytest.mark.ray` ones shared."""
+    if request.node.get_closest_marker("ray_heavy"):
+        with ray_lock(exclusive=True):
+            yield
+    elif request.node.get_closest_marker("ray"):
+        with ray_lock(exclusive=False):
+            yield
+    else:
+        yield
+
+
+# --- servers: one way to start each ------------------------------------------------------------------
+
+@contextlib.contextmanager
+def scratch(name: str):
+    """A fresh folder under /tmp (short: Ray's socket paths must stay under 108 bytes), removed after."""
+    folder = Path(tempfile.mkdtemp(prefix=f"k{name}-", dir="/tmp"))
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def server(what: str, args: list[str], log: Path, ready: Callable[[], object], env: dict | None = None,
+           timeout_s: float = 300, grace_s: float = 30, cwd: Path = REPO):
+    """Start `args` in a process group of its own, its output to `log`; wait (polling, up to
+    `timeout_s`) until `ready()`; yield the process; stop its whole group after, also on failure.
+    An exit or a timeout before ready raises with the end of the log."""
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(args, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        wait_until(lambda: proc.poll() is not None or ready(), timeout_s, f"{what} to start",
+                   detail=lambda: f"{log} ends:\n{tail(log)}")
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited {proc.returncode} before it was ready; {log} ends:\n{tail(log)}")
+        yield proc
+    finally:
+        stop_group(proc, grace_s=grace_s)
+
+
+def _tcp_open(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(1)
+        return s.connect_ex((host, port)) == 0
+
+
+@contextlib.contextmanager
+def moto_server():
+    """An S3-compatible server (moto) on a free port of 127.0.0.1; yields its endpoint URL. It logs
+    every request: to a file (a full pipe would block it in mid-request)."""
+    port = free_port()
+    with scratch("moto") as folder, server("moto_server", [str(Path(sys.executable).parent / "moto_server"),
+                                                            "-H", "127.0.0.1", "-p", str(port)],
+                                           folder / "moto.log", lambda: _tcp_open("127.0.0.1", port), grace_s=10):
+        yield f"http://127.0.0.1:{port}"
+
+
+@contextlib.contextmanager
+def redis_server():
+    """A redis-server on a free port of 127.0.0.1, nothing persisted; yields its URL."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.skip("redis-server is not installed (apt-get install redis-server; .ci/run installs it)")
+    import redis
+
+    port = free_port()
+
+    def answers() -> bool:
+        with contextlib.suppress(redis.ConnectionError):
+            return bool(redis.Redis(host="127.0.0.1", port=port, socket_timeout=2).ping())
+        return False
+
+    with scratch("redis") as folder, server(
+            "redis-server", [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", str(folder), "--logfile", ""], folder / "redis.log", answers, grace_s=10):
+        yield f"redis://127.0.0.1:{port}/0"
+
+
+@pytest.fixture
+def redis_url():
+    with redis_server() as url:
+        yield url
+
+
+@contextlib.contextmanager
+def prefect_server_process():
+    """`prefect server start` on a free port of 127.0.0.1 with its own PREFECT_HOME (database);
+    yields (the environment a client needs, the server process)."""
+    import httpx
+
+    port = free_port()
+    with scratch("prefect") as folder:
+        api = f"http://127.0.0.1:{port}/api"
+        env = {**os.environ, "PREFECT_HOME": str(folder / "home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+               "PREFECT_API_URL": api, "PREFECT_UI_API_URL": api}
+
+        def healthy() -> bool:
+            with contextlib.suppress(httpx.HTTPError):
+                return httpx.get(f"{api}/health", timeout=2).status_code == 200
+            return False
+
+        with server("the Prefect server", [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
+                                           "--port", str(port)], folder / "server.log", healthy, env=env) as proc:
+            yield env, proc
+
+
+@pytest.fixture
+def prefect_server():
+    """A Prefect server of this test's own (see prefect_server_process); yields the client's environment."""
+    with prefect_server_process() as (env, _):
+        yield env
+
+
+# --- Ray nodes -----------------------------------------------------------------------------------
+
+RAY_BIN = Path(sys.executable).parent / "ray"
+RAY_UP = "This command will now block forever"  # what `ray start --block` prints once its node is registered
+
+
+def ray_said(log: Path, temp_dir: Path | str, chars: int = 1500) -> str:
+    """For an error: the end of `ray start`'s output and of the node's own logs (raylet, GCS)."""
+    parts = [f"--- {log}\n{tail(log, chars)}"]
+    for name in ("raylet.out", "raylet.err", "gcs_server.out", "gcs_server.err"):
+        path = Path(temp_dir) / "session_latest" / "logs" / name
+        text = tail(path, chars).strip()
+        if text:
+            parts.append(f"--- {path}\n{text}")
+    return "\n".join(parts)
+
+
+def _read_from(path: Path, offset: int) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.read()
+    except FileNotFoundError:
+        return b""
+
+
+class RayNodeDidNotStart(RuntimeError):
+    pass
+
+
+def start_ray_node(start: Callable[[], subprocess.Popen], log: Path, temp_dir: Path | str, what: str,
+                   timeout_s: float = 300, attempts: int = 3) -> subprocess.Popen:
+    """Start a `ray start ... --block` (started by `start()`, its output to `log`) and wait, as long as
+    it needs up to `timeout_s`, for its node to be up. Ray gives a new raylet a fixed 30 s to register
+    with the GCS and exits when a loaded machine misses that: such a node is started again, up to
+    `attempts` times. What Ray said goes into the error when it gives up."""
+    for attempt in range(1, attempts + 1):
+        offset = log.stat().st_size if log.exists() else 0
+        proc = start()
+        try:
+            wait_until(lambda: proc.poll() is not None or RAY_UP.encode() in _read_from(log, offset), timeout_s,
+                       f"{what} (attempt {attempt} of {attempts})", interval_s=0.5,
+                       detail=lambda: ray_said(log, temp_dir))
+            if proc.poll() is None:
+                return proc
+            failure = f"{what} exited {proc.returncode} during start-up (attempt {attempt} of {attempts})"
+        except BaseException:
+            stop_group(proc, grace_s=30)
+            raise
+        stop_group(proc, grace_s=10)
+        if attempt == attempts:
+            raise RayNodeDidNotStart(f"{failure}\n{ray_said(log, temp_dir)}")
+        with open(log, "a") as f:
+            f.write(f"\n[tests] {failure}; starting it again\n")
+    raise AssertionError("unreachable")
+
+
+class RayHead:
+    def __init__(self, address: str, proc: subprocess.Popen, temp_dir: Path, log: Path):
+        self.address, self.proc, self.temp_dir, self.log = address, proc, temp_dir, log
+
+    def said(self) -> str:
+        return ray_said(self.log, self.temp_dir)
+
+
+@contextlib.contextmanager
+def ray_head_node(num_cpus: int = 2, env: dict | None = None, temp_dir: Path | None = None):
+    """A Ray cluster as an operator starts one (`ray start --head --block`), on a free port of
+    127.0.0.1, its session folder `temp_dir` (else one of its own, removed after), its output in a
+    log file; yields a RayHead and stops every process it started. Holds the Ray lock exclusively.
 
     Without token authentication (RAY_AUTH_MODE=disabled): `ray start` turns it on whenever
     ~/.ray/auth_token exists, which any earlier local Ray on the machine creates; clients must then
     set RAY_AUTH_MODE=token. Tests connect with RAY_AUTH_MODE=disabled, so both sides agree."""
-    port = free_port()
-    ray_bin = str(Path(sys.executable).parent / "ray")
-    env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "RAY_AUTH_MODE": "disabled"}
-    temp_dir = f"/tmp/kiln-ray-{port}"  # its own session folder: other Rays on this machine untouched
-    head = subprocess.Popen(
-        [ray_bin, "start", "--head", "--port", str(port), "--node-ip-address", "127.0.0.1",
-         "--num-cpus", str(num_cpus), "--include-dashboard=false", "--disable-usage-stats",
-         f"--temp-dir={temp_dir}", "--block"],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        _wait_for_port(port, head)
-        yield f"127.0.0.1:{port}"
-    finally:
-        head.send_signal(signal.SIGTERM)  # `ray start --block` stops the processes it started
+    env = {**(os.environ if env is None else env), "PYTHONPATH": str(REPO), "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
+           "RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    with ray_lock(exclusive=True), scratch("rh") as folder:
+        session = temp_dir or folder / "ray"
+        log = folder / "ray-head.log"
+        port = free_port()
+
+        def start() -> subprocess.Popen:
+            with open(log, "ab") as out:
+                return subprocess.Popen(
+                    [str(RAY_BIN), "start", "--head", "--port", str(port), "--node-ip-address", "127.0.0.1",
+                     "--num-cpus", str(num_cpus), "--include-dashboard=false", "--disable-usage-stats",
+                     f"--temp-dir={session}", "--block"],
+                    cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+        head = start_ray_node(start, log, session, f"the Ray head on 127.0.0.1:{port}")
         try:
-            head.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            head.kill()  # did not stop in time; its process group goes next
-            head.wait()
-        with contextlib.suppress(ProcessLookupError):  # the group is usually gone already
-            os.killpg(head.pid, signal.SIGKILL)  # anything of this session still alive
-        shutil.rmtree(temp_dir, ignore_errors=True)
+            yield RayHead(f"127.0.0.1:{port}", head, session, log)
+        finally:
+            stop_group(head, grace_s=60)  # `ray start --block` stops the processes it started on SIGTERM
+
+
+@contextlib.contextmanager
+def ray_head(num_cpus: int = 2):
+    """ray_head_node's address only."""
+    with ray_head_node(num_cpus) as head:
+        yield head.address

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import free_port
-from tests.test_deployments import prefect_server  # noqa: F401 (the fixture under test)
 
 PIDS = Path(os.environ.get("KILN_SERVER_PIDS", "/dev/null"))
 
@@ -23,7 +22,7 @@ def note(pid: int) -> None:
         f.write(f"{pid}\n")
 
 
-def test_fails_with_a_prefect_server_up(prefect_server):  # noqa: F811
+def test_fails_with_a_prefect_server_up(prefect_server):  # tests/conftest.py
     import httpx
 
     port = prefect_server["PREFECT_API_URL"].rsplit(":", 1)[1].split("/")[0]

@@ -8,50 +8,15 @@ import re
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import pytest
 import yaml
 
-from tests.conftest import REPO, free_port, stop_group
+from tests.conftest import REPO, free_port, stop_group, wait_until
 
 
 def wait_for(predicate, timeout: float, what: str):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
-@pytest.fixture
-def prefect_server(tmp_path):
-    """`prefect server start` on a free port of 127.0.0.1, with its own database; stopped after."""
-    port = free_port()
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"),
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "PREFECT_UI_API_URL": f"http://127.0.0.1:{port}/api",
-           "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"}
-    log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-                             "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    try:
-        import httpx
-
-        def healthy():
-            try:
-                return httpx.get(f"http://127.0.0.1:{port}/api/health", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return proc.poll() is not None and pytest.fail((tmp_path / "server.log").read_text()[-3000:])
-        wait_for(healthy, 180, "the Prefect server")
-        yield env
-    finally:
-        stop_group(proc)
-        log.close()
+    return wait_until(predicate, timeout, what, interval_s=0.5)
 
 
 def small_config(tmp_path: Path, source: Path) -> dict:

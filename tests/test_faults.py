@@ -11,7 +11,6 @@ Config errors (every field, wrong type and out of range) are tests/test_config_r
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
@@ -23,12 +22,11 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 import yaml
 
 from tasks.engine.store import LINEAGE, Store, published
-from tests.conftest import REPO, free_port, kiln, stop_group
+from tests.conftest import REPO, free_port, kiln, prefect_server_process, stop_group
 
 # Files whose bytes record when or how fast, not what: compared by presence only.
 TIMING_FILES = ("metrics.jsonl", "loss.png")
@@ -174,33 +172,11 @@ def test_truncated_params_and_lineage_are_detected(tmp_path):
 
 # --- the Prefect server goes away ------------------------------------------------------------------------
 
-@contextlib.contextmanager
-def prefect_server(tmp_path: Path):
-    port = free_port()
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "PREFECT_API_URL": f"http://127.0.0.1:{port}/api", "PREFECT_UI_API_URL": f"http://127.0.0.1:{port}/api"}
-    log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 240
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"http://127.0.0.1:{port}/api/health", timeout=2).status_code == 200:
-                    break
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "server.log").read_text()[-3000:]
-            time.sleep(1)
-        yield env, proc
-    finally:
-        stop_group(proc)
-        log.close()
-
-
 @pytest.mark.slow  # a Prefect server and a pipeline run: minutes
 def test_prefect_server_stopping_mid_run_says_so(tmp_path):
     config = tiny_pipeline(tmp_path, posttrain=False)
     store = tmp_path / "store"
-    with prefect_server(tmp_path) as (env, server):
+    with prefect_server_process() as (env, server):
         log = tmp_path / "run.log"
         run = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", str(config), "--store", str(store)],
                                cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -28,7 +28,6 @@ from tasks.engine.step import Step
 from tasks.engine.store import Store
 from tasks.train import show_curves
 from tests.conftest import REPO, kiln, stop_group
-from tests.test_deployments import prefect_server  # noqa: F401 (a fixture: `prefect server start`)
 from tests.test_faults import tiny_pipeline
 from training.config import ConfigModel
 from training.metrics import curve_points, read_metrics
@@ -156,7 +155,7 @@ TAB_BLUE, TAB_GREEN, TAB_PURPLE = (31, 119, 180), (44, 160, 44), (148, 103, 189)
 
 
 @pytest.mark.slow  # kiln run to an evaluated model against a Prefect server, then Chromium: 3-6 min on 2 cores
-def test_the_flow_run_page_leads_to_the_curves_and_results(tmp_path, prefect_server):  # noqa: F811
+def test_the_flow_run_page_leads_to_the_curves_and_results(tmp_path, prefect_server):
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     config_path = tiny_pipeline(tmp_path, posttrain=False)

@@ -1,12 +1,10 @@
 """Step locks in Redis (run.lock_url): runners that share a store but no lock folder compute each
 step once, and a holder killed with SIGKILL blocks nobody past its lease. A real redis-server on a
-free 127.0.0.1 port, started and stopped by the test."""
+free 127.0.0.1 port, started and stopped by the test (tests/conftest.py redis_url)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -17,39 +15,8 @@ from pathlib import Path
 import pytest
 
 from tasks.engine.redis_lock import RedisLockManager
-from tests.conftest import REPO, free_port
-from tests.test_remote_sources import moto_server
+from tests.conftest import REPO, moto_server
 from tests.test_scheduler import run_names
-
-
-@pytest.fixture
-def redis_url(tmp_path):
-    server = shutil.which("redis-server")
-    if server is None:
-        pytest.skip("redis-server is not installed (apt-get install redis-server; .ci/run installs it)")
-    port = free_port()
-    proc = subprocess.Popen([server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        import redis
-
-        client = redis.Redis(host="127.0.0.1", port=port)
-        deadline = time.monotonic() + 30
-        while True:
-            with contextlib.suppress(redis.ConnectionError):
-                if client.ping():
-                    break
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"redis-server did not start: {proc.stdout.read()[-2000:]!r}")
-            time.sleep(0.1)
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 HOLD_SCRIPT = textwrap.dedent("""
@@ -121,7 +88,7 @@ TOY = textwrap.dedent('''
 
 @pytest.fixture
 def s3_store():
-    """A bucket on an S3-compatible server (moto, tests/test_remote_sources.py) on 127.0.0.1; yields
+    """A bucket on an S3-compatible server (moto, tests/conftest.py) on 127.0.0.1; yields
     the store URL and the environment a runner needs to reach it."""
     import s3fs
 

@@ -9,11 +9,8 @@ import json
 import logging
 import os
 import shutil
-import socket
-import subprocess
 import sys
 import threading
-import time
 from contextlib import contextmanager
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -23,6 +20,7 @@ import pytest
 from tasks.acquire import AcquireConfig, SourceConfig, acquire_step
 from tasks.engine.documents import list_shards, read_documents
 from tasks.engine.step import StepContext
+from tests.conftest import moto_server
 
 RECORDS = [{"id": "a", "text": "the first note, with an id of its own", "lang": "en"},
            {"text": "a note without an id"},
@@ -88,38 +86,6 @@ def test_http_source_gives_the_documents_of_the_local_file(tmp_path):
         with pytest.raises(FileNotFoundError, match="matches no file"):
             acquire_step(AcquireConfig(sources=[SourceConfig(name="n", kind="files",
                                                              paths=[f"{url}/missing.jsonl"])])).version
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextmanager
-def moto_server():
-    port = free_port()
-    exe = Path(sys.executable).parent / "moto_server"
-    proc = subprocess.Popen([str(exe), "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"moto_server did not start on 127.0.0.1:{port}")
-                time.sleep(0.2)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.fixture

@@ -14,8 +14,7 @@ import numpy as np
 import pytest
 
 from tasks.engine.store import PUSHED, Store
-from tests.conftest import REPO
-from tests.test_remote_sources import moto_server
+from tests.conftest import REPO, moto_server
 
 ENV = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
 

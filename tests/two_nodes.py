@@ -6,6 +6,9 @@ in its own mount namespace whose /tmp is a private tmpfs, so it cannot see the d
 folders. Needs root and `ip` (iproute2) and `unshare` (util-linux); a test that uses it is
 skipped, saying so, where they are missing. Everything it made is removed on exit, also when the
 test fails: the processes in both namespaces, the namespaces (the veth pair goes with them).
+Every server logs to a file in the test's tmp_path; a node that does not come up is started again
+(Ray gives a raylet a fixed 30 s to register, which a loaded machine can miss), and an error says
+what the nodes' logs ended with. The cluster holds the Ray lock exclusively (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Callable
 
 import pytest
 
-from tests.conftest import REPO, free_port, stop_group
+from tests.conftest import REPO, free_port, ray_lock, ray_said, start_ray_node, stop_group, tail
 
 BIN = Path(sys.executable).parent
 
@@ -77,20 +80,23 @@ def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=30)
 
 
-def _wait_tcp(ns: str, host: str, port: int, proc: subprocess.Popen, what: str, timeout_s: float = 180) -> None:
+def _wait_tcp(ns: str, host: str, port: int, proc: subprocess.Popen, what: str, log: Path,
+              timeout_s: float = 300) -> None:
     probe = (f"import socket,sys; s=socket.socket(); s.settimeout(1); "
              f"sys.exit(s.connect_ex(({host!r}, {port})))")
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited {proc.returncode}: {Path(proc.stdout.name).read_text()[-3000:]}")
+            raise RuntimeError(f"{what} exited {proc.returncode}; {log} ends:\n{tail(log)}")
         if subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", probe], timeout=30).returncode == 0:
             return
         time.sleep(1)
-    raise TimeoutError(f"{what} not listening on {host}:{port} after {timeout_s} s")
+    raise TimeoutError(f"{what} not listening on {host}:{port} after {timeout_s} s; {log} ends:\n{tail(log)}")
 
 
-def _wait_nodes(cluster_env: dict, ns: str, count: int, timeout_s: float = 240, logs: Path | None = None) -> None:
+def _wait_nodes(cluster_env: dict, ns: str, count: int, timeout_s: float = 300, said: Callable[[], str] = str) -> None:
+    """Until a driver in `ns` sees `count` alive nodes (asked in a fresh process each time, as a user's
+    driver would); the nodes said they were up already, so this is normally one question."""
     check = ("import os, ray; ray.init(address=os.environ['RAY_ADDRESS'], log_to_driver=False, logging_level='ERROR'); "
              "print(sum(n['Alive'] for n in ray.nodes()))")
     deadline, seen = time.monotonic() + timeout_s, ""
@@ -105,14 +111,19 @@ def _wait_nodes(cluster_env: dict, ns: str, count: int, timeout_s: float = 240, 
         if proc.returncode == 0 and proc.stdout.strip().endswith(str(count)):
             return
         time.sleep(2)
-    said = logs.read_text(errors="replace")[-2000:] if logs is not None and logs.exists() else ""
     raise TimeoutError(f"the Ray cluster did not reach {count} alive nodes in {timeout_s} s (last: {seen}); "
-                       f"the worker node said: {said}")
+                       f"the nodes said:\n{said()}")
 
 
 @contextlib.contextmanager
 def two_node_cluster(tmp_path: Path):
     require_namespaces()
+    with ray_lock(exclusive=True), _two_node_cluster(tmp_path) as cluster:
+        yield cluster
+
+
+@contextlib.contextmanager
+def _two_node_cluster(tmp_path: Path):
     remove_leftovers()
     # The creating pid in every name, so that leftovers of a killed test run can be told apart;
     # short enough for the veth names (15 characters at most).
@@ -149,19 +160,20 @@ def two_node_cluster(tmp_path: Path):
         moto = subprocess.Popen(["ip", "netns", "exec", ns_a, str(BIN / "moto_server"), "-H", ip_a, "-p", str(s3_port)],
                                 stdout=_log(tmp_path, "moto"), stderr=subprocess.STDOUT, start_new_session=True)
         procs.append(moto)
-        _wait_tcp(ns_a, ip_a, s3_port, moto, "moto_server")
+        _wait_tcp(ns_a, ip_a, s3_port, moto, "moto_server", tmp_path / "moto.log")
         subprocess.run(["ip", "netns", "exec", ns_a, sys.executable, "-c",
                         f"import s3fs; s3fs.S3FileSystem(endpoint_url={endpoint!r}).mkdir('kiln')"],
                        check=True, timeout=120, env={**os.environ, **aws})
 
-        head = subprocess.Popen(
-            ["ip", "netns", "exec", ns_a, str(BIN / "ray"), "start", "--head", "--port", str(ray_port),
-             "--node-ip-address", ip_a, "--num-cpus", "1", "--include-dashboard=false", "--disable-usage-stats",
-             f"--temp-dir={ray_dir}", "--block"],
-            cwd=REPO, env={**ray_env, "KILN_CACHE": str(tmp_path / "node-a-cache")},
-            stdout=_log(tmp_path, "ray-head"), stderr=subprocess.STDOUT, start_new_session=True)
-        procs.append(head)
-        _wait_tcp(ns_a, ip_a, ray_port, head, "the Ray head")
+        def start_head() -> subprocess.Popen:
+            return subprocess.Popen(
+                ["ip", "netns", "exec", ns_a, str(BIN / "ray"), "start", "--head", "--port", str(ray_port),
+                 "--node-ip-address", ip_a, "--num-cpus", "1", "--include-dashboard=false", "--disable-usage-stats",
+                 f"--temp-dir={ray_dir}", "--block"],
+                cwd=REPO, env={**ray_env, "KILN_CACHE": str(tmp_path / "node-a-cache")},
+                stdout=_log(tmp_path, "ray-head"), stderr=subprocess.STDOUT, start_new_session=True)
+
+        procs.append(start_ray_node(start_head, tmp_path / "ray-head.log", ray_dir, f"the Ray head on {ip_a}:{ray_port}"))
 
         # A repository checked out under /tmp (a CI clone) would vanish under B's tmpfs with the
         # interpreter and code its Ray node needs: it is bound back in, alone.
@@ -174,12 +186,20 @@ def two_node_cluster(tmp_path: Path):
 
         def start_b() -> None:
             """Node B: its own /tmp (a tmpfs only it sees), its own kiln cache in it."""
-            procs.append(subprocess.Popen(
-                ["ip", "netns", "exec", ns_b, "unshare", "-m", "--propagation", "private", "bash", "-c",
-                 f"{mount_tmp}exec {BIN / 'ray'} start --address={ip_a}:{ray_port} "
-                 f"--temp-dir={ray_dir}-b --node-ip-address={ip_b} --num-cpus=1 --disable-usage-stats --block"],
-                cwd=REPO, env={**ray_env, "KILN_CACHE": "/tmp/kiln-cache"},
-                stdout=_log(tmp_path, "ray-worker"), stderr=subprocess.STDOUT, start_new_session=True))
+            def start() -> subprocess.Popen:
+                return subprocess.Popen(
+                    ["ip", "netns", "exec", ns_b, "unshare", "-m", "--propagation", "private", "bash", "-c",
+                     f"{mount_tmp}exec {BIN / 'ray'} start --address={ip_a}:{ray_port} "
+                     f"--temp-dir={ray_dir}-b --node-ip-address={ip_b} --num-cpus=1 --disable-usage-stats --block"],
+                    cwd=REPO, env={**ray_env, "KILN_CACHE": "/tmp/kiln-cache"},
+                    stdout=_log(tmp_path, "ray-worker"), stderr=subprocess.STDOUT, start_new_session=True)
+
+            procs.append(start_ray_node(start, tmp_path / "ray-worker.log", f"{ray_dir}-b",
+                                        f"the Ray worker node on {ip_b}"))
+
+        def said() -> str:
+            return "\n".join([ray_said(tmp_path / "ray-head.log", ray_dir),
+                              ray_said(tmp_path / "ray-worker.log", f"{ray_dir}-b")])
 
         start_b()
         # RAY_ENABLE_UV_RUN_RUNTIME_ENV=0: a driver under `uv run` (as pytest is here) would
@@ -188,11 +208,11 @@ def two_node_cluster(tmp_path: Path):
         driver_env = {**aws, "RAY_ADDRESS": f"{ip_a}:{ray_port}", "RAY_AUTH_MODE": "disabled",
                       "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1", "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
                       "KILN_CACHE": str(tmp_path / "driver-cache")}
-        _wait_nodes(driver_env, ns_a, 2, logs=tmp_path / "ray-worker.log")
+        _wait_nodes(driver_env, ns_a, 2, said=said)
 
         def restart_b() -> None:
             start_b()
-            _wait_nodes(driver_env, ns_a, 2)
+            _wait_nodes(driver_env, ns_a, 2, said=said)
 
         yield Cluster(ns_a, ns_b, ip_a, ip_b, f"{ip_a}:{ray_port}", "s3://kiln/store", driver_env,
                       log_dirs=[ray_dir, f"{ray_dir}-b"], restart_b=restart_b)
