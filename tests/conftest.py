@@ -1,4 +1,5 @@
-"""Test setup: nothing downloads, Prefect runs against one in-process test harness per session.
+"""Test setup: nothing downloads; in-process flows run against one Prefect test harness per session,
+and the kiln runs tests start in subprocesses against one Prefect server per test process.
 
 The servers tests start (Ray nodes, a Prefect server, redis-server, moto's S3 server) start here,
 one way each: on 127.0.0.1 and a free port, their output in a log file (never a pipe nobody
@@ -279,6 +280,41 @@ def prefect_server():
     """A Prefect server of this test's own (see prefect_server_process); yields the client's environment."""
     with prefect_server_process() as (env, _):
         yield env
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_prefect_server():
+    """One Prefect server per test process (xdist worker) for the kiln runs that tests start in
+    subprocesses: PREFECT_API_URL in os.environ, which subprocesses inherit. A flow run against a
+    server starts in ~5 s, against Prefect's ephemeral API (a server started by each process) in
+    12-17 s. This process's own Prefect read its settings at import, so in-process flows are
+    unaffected (they use `prefect_harness`). `ephemeral_env()` gives a subprocess the laptop default
+    back (tests/test_foundation.py runs kiln that way). KILN_TESTS_PREFECT_SERVER=0, or a
+    PREFECT_API_URL already set, turns it off."""
+    if os.environ.get("KILN_TESTS_PREFECT_SERVER") == "0" or os.environ.get("PREFECT_API_URL"):
+        yield
+        return
+    with prefect_server_process() as (env, _):
+        os.environ["PREFECT_API_URL"] = env["PREFECT_API_URL"]
+        os.environ[_SESSION_SERVER] = env["PREFECT_API_URL"]
+        try:
+            yield
+        finally:
+            os.environ.pop("PREFECT_API_URL", None)
+            os.environ.pop(_SESSION_SERVER, None)
+
+
+_SESSION_SERVER = "KILN_TESTS_SESSION_PREFECT_API_URL"
+
+
+def ephemeral_env(**extra: str) -> dict:
+    """os.environ without the session's Prefect server: a kiln run in it uses Prefect's ephemeral
+    API, as on a laptop with nothing set up."""
+    env = {**os.environ, **extra}
+    if env.get(_SESSION_SERVER) and env.get("PREFECT_API_URL") == env[_SESSION_SERVER]:
+        env.pop("PREFECT_API_URL")
+    env.pop(_SESSION_SERVER, None)
+    return env
 
 
 # --- Ray nodes -----------------------------------------------------------------------------------

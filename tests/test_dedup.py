@@ -182,6 +182,7 @@ def test_bad_records_are_counted_not_fatal(tmp_path):
     assert stats["docs_in"] == 3 and stats["docs_out"] == 1
 
 
+@pytest.mark.ray  # its training (or data workers) starts a local Ray: tests/conftest.py ray_lock
 def test_output_bytes_are_the_same_with_one_and_two_workers(tmp_path):
     pairs = planted_pairs(120, seed=2)
     docs = [{"id": f"{k}-{i}", "text": t} for i, p in enumerate(pairs) for k, t in zip("ab", p[:2])]

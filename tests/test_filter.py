@@ -230,6 +230,7 @@ def test_strict_mode_names_file_and_line(tmp_path, shard_text, match):
         run_filter_body(cfg, tmp_path / "in", tmp_path / "out")
 
 
+@pytest.mark.ray  # its training (or data workers) starts a local Ray: tests/conftest.py ray_lock
 def test_output_bytes_are_the_same_with_one_and_two_workers(tmp_path):
     docs = [{"id": f"kjv/{d['id']}", "text": d["text"]} for d in KJV[:240]]
     docs += [{"id": lang, "text": t} for lang, t in NON_ENGLISH.items()]

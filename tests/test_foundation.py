@@ -22,7 +22,7 @@ from tasks.engine.scheduler import execute
 from tasks.engine.step import Step
 from tasks.engine.store import Store
 from training.config import ConfigModel, setting
-from tests.conftest import REPO, kiln
+from tests.conftest import REPO, ephemeral_env, kiln
 
 SMALL = {
     "name": "small",
@@ -167,9 +167,11 @@ def summary_rows(stdout: str) -> dict[str, str]:
 def test_second_run_is_all_cached_and_concurrent_runs_compute_once(tmp_path):
     config = write_config(tmp_path / "c.yaml", SMALL)
     store = tmp_path / "store"
+    # on Prefect's ephemeral API, as on a laptop with nothing set up (other kiln runs of the suite
+    # use the session's Prefect server: tests/conftest.py)
     procs = [subprocess.Popen([sys.executable, "-m", "flows.cli", "run", str(config), "--store", str(store),
                                "--until", "tokenize"],
-                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                              cwd=REPO, env=ephemeral_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for _ in range(2)]
     outs = [p.communicate(timeout=600) for p in procs]
     for p, (out, err) in zip(procs, outs):

@@ -155,6 +155,7 @@ def test_token_data_hands_the_hosts_the_same_mixture(parts):
     assert all(np.array_equal(a, b) for a, b in zip(val, direct.val_batches, strict=True))
 
 
+@pytest.mark.ray  # its training (or data workers) starts a local Ray: tests/conftest.py ray_lock
 @pytest.mark.slow  # a local Ray and a compile: ~40 s on the shared 2 cores
 def test_the_train_step_mixes_by_weight_and_records_what_it_drew(parts, tmp_path):
     """The train step on three tokenize outputs, through a local Ray host: its version holds the

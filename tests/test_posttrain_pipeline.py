@@ -37,6 +37,7 @@ def _ctx(step: Step, root, inputs: dict, input_stats: dict | None = None) -> Ste
                        input_stats=input_stats or {}, work_dir=work, log=logging.getLogger(step.stage))
 
 
+@pytest.mark.ray  # its training (or data workers) starts a local Ray: tests/conftest.py ray_lock
 def test_chat_data_sft_dpo_export(tmp_path):
     documents = Step(name="documents", stage="documents", stage_version=1, config=ChatDataConfig(), run=None)
     with ShardWriter(tmp_path / "documents", 100) as writer:

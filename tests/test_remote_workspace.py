@@ -4,17 +4,15 @@ cache from the store's last checkpoint, to the same bits as a run that never sto
 
 from __future__ import annotations
 
+import functools
 import json
 import os
-import subprocess
-import sys
-import textwrap
 
 import numpy as np
 import pytest
 
 from tasks.engine.store import PUSHED, Store
-from tests.conftest import REPO, moto_server
+from tests.conftest import moto_server
 
 ENV = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
 
@@ -27,7 +25,11 @@ def s3_root(monkeypatch):
         for key, value in {**ENV, "AWS_ENDPOINT_URL": endpoint}.items():
             monkeypatch.setenv(key, value)
         s3fs.S3FileSystem(endpoint_url=endpoint, key="test", secret="test").mkdir("kiln")
+        # fsspec caches filesystems by their arguments, and the endpoint comes from the environment:
+        # without this a Store in this process would reach an earlier test's (stopped) server
+        s3fs.S3FileSystem.clear_instance_cache()
         yield "s3://kiln/store"
+        s3fs.S3FileSystem.clear_instance_cache()
 
 
 def test_only_checkpoints_whose_upload_finished_are_pulled(s3_root, tmp_path, monkeypatch):
@@ -59,22 +61,6 @@ def test_only_checkpoints_whose_upload_finished_are_pulled(s3_root, tmp_path, mo
     assert not other.exists()
 
 
-DRIVER = textwrap.dedent("""
-    import functools, json, os, sys
-    from pathlib import Path
-    import numpy as np
-    from tasks.engine.store import Store
-    from tests.test_remote_workspace import MODEL, TRAIN, batches
-    from training.config import ResourcesConfig
-    from training.launch import launch_training
-
-    root, out, die_at = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
-    stats = launch_training(MODEL, TRAIN, ResourcesConfig(hosts=1, cpus_per_host=1),
-                            functools.partial(batches, die_at), Store(root).workspace("train", "v1"), out)
-    (out / "stats.json").write_text(json.dumps(stats))
-""")
-
-
 def _configs():
     from training.config import ModelConfig, TrainConfig
 
@@ -99,28 +85,36 @@ def batches(die_at: int = -1):
     return batch_at, [tokens[0]]
 
 
-def test_training_resumes_from_the_store_on_another_machine(s3_root, tmp_path):
+@pytest.mark.ray
+def test_training_resumes_from_the_store_on_another_machine(s3_root, tmp_path, monkeypatch):
+    """Two launches in this process, each on a local Ray of its own (launch_training starts one and
+    shuts it down), whose host task gets the KILN_CACHE set here: two machines' caches."""
+    import ray
     import s3fs
 
+    from training.config import ResourcesConfig
+    from training.launch import launch_training
     from training.loop import train
 
-    def run(machine: str, die_at: int) -> subprocess.CompletedProcess:
-        (tmp_path / f"out-{machine}").mkdir()
-        return subprocess.run([sys.executable, "-c", DRIVER, s3_root, str(tmp_path / f"out-{machine}"), str(die_at)],
-                              cwd=REPO, capture_output=True, text=True, timeout=600,
-                              env={**os.environ, "KILN_CACHE": str(tmp_path / machine)})
+    assert not ray.is_initialized(), "a Ray left running by an earlier test would keep its host's KILN_CACHE"
 
-    died = run("machine-a", die_at=10)  # after the checkpoints of steps 4 and 8 were saved
-    assert died.returncode != 0 and not (tmp_path / "out-machine-a" / "stats.json").exists()
+    def run(machine: str, die_at: int) -> dict:
+        (tmp_path / f"out-{machine}").mkdir()
+        monkeypatch.setenv("KILN_CACHE", str(tmp_path / machine))
+        return launch_training(MODEL, TRAIN, ResourcesConfig(hosts=1, cpus_per_host=1),
+                               functools.partial(batches, die_at), Store(s3_root).workspace("train", "v1"),
+                               tmp_path / f"out-{machine}")
+
+    with pytest.raises(RuntimeError, match="training host 0 of 1 failed"):
+        run("machine-a", die_at=10)  # after the checkpoints of steps 4 and 8 were saved
+    assert not (tmp_path / "out-machine-a" / "params.safetensors").exists()
     # a checkpoint is pushed once its write (in the background) has finished: 8's may not have been
     fs = s3fs.S3FileSystem(endpoint_url=os.environ["AWS_ENDPOINT_URL"], key="test", secret="test",
                            skip_instance_cache=True)  # fsspec's cache may hold an earlier test's server
     marked = fs.ls(f"{s3_root.removeprefix('s3://')}/.work/train-v1/{PUSHED}", detail=False)
     pushed = sorted(int(p.rstrip("/").rsplit("/", 1)[-1]) for p in marked)
     assert pushed in ([4], [4, 8]), pushed
-    resumed = run("machine-b", die_at=-1)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    stats = json.loads((tmp_path / "out-machine-b" / "stats.json").read_text())
+    stats = run("machine-b", die_at=-1)
     assert stats["resumed_from_step"] == pushed[-1]  # the store's last checkpoint
     assert [h["node_ip"] for h in stats["hosts"]] == ["127.0.0.1"] and stats["hosts"][0]["node_id"]
     # the model came back through the store into the driver's output folder

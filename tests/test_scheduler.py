@@ -280,6 +280,7 @@ SMALL_ABLATION = {
 }
 
 
+@pytest.mark.ray  # its training (or data workers) starts a local Ray: tests/conftest.py ray_lock
 def test_two_variants_train_side_by_side_and_compare_shows_each_and_the_missing(tmp_path, capsys):
     config, store = tmp_path / "ablation.yaml", tmp_path / "store"
     config.write_text(yaml.safe_dump(SMALL_ABLATION, sort_keys=False))

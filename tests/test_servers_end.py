@@ -12,13 +12,14 @@ import time
 
 import psutil
 
-from tests.conftest import REPO
+from tests.conftest import REPO, ephemeral_env
 
 
 def test_servers_end_with_a_failing_test_and_with_a_killed_pytest(tmp_path):
     pids = tmp_path / "pids"
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "tests/server_cases.py"],
-                          cwd=REPO, env={**os.environ, "KILN_SERVER_PIDS": str(pids)},
+                          cwd=REPO, env={**ephemeral_env(), "KILN_SERVER_PIDS": str(pids),
+                                                     "KILN_TESTS_PREFECT_SERVER": "0"},
                           capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr
     # the first failed ("F"; pytest never prints its summary), the second timed out

@@ -178,6 +178,7 @@ def test_bpe_training_is_byte_identical_across_processes_and_thread_counts(corpu
     assert len(json.loads(reference)["model"]["merges"]) > 2000
 
 
+@pytest.mark.ray  # its training (or data workers) starts a local Ray: tests/conftest.py ray_lock
 def test_token_shards_are_byte_identical_with_one_and_two_workers(corpus, gpt2, tmp_path):
     import ray
 

@@ -10,13 +10,14 @@ import numpy as np
 import pytest
 import ray
 
-from tests.conftest import ray_head
+from tests.conftest import ray_head, ray_lock
 from tests.test_training_kjv_data import WindowBatches, kjv_tokens
 from training.config import ModelConfig, ResourcesConfig, TrainConfig
 from training.launch import launch_training
 from training.loop import train
 from training.metrics import read_metrics
 
+pytestmark = pytest.mark.ray  # each launch starts a local Ray (or, below, a head): tests/conftest.py ray_lock
 
 
 def kjv_data(batch_size: int, seq_len: int):
@@ -46,7 +47,8 @@ def launch(tmp: Path, hosts: int, steps: int = 12, **train_fields) -> tuple[dict
 def one_host(tmp_path_factory) -> tuple[dict, list[dict], Path]:
     assert not ray.is_initialized()
     tmp = tmp_path_factory.mktemp("one_host")
-    stats, seen = launch(tmp, hosts=1)
+    with ray_lock(exclusive=False):  # a module fixture: set up before the test's own hold
+        stats, seen = launch(tmp, hosts=1)
     return stats, seen, tmp
 
 

@@ -47,6 +47,7 @@ def tokens_dir(tmp_path_factory) -> tuple[Path, Step]:
     return tmp / "tokens", step
 
 
+@pytest.mark.ray  # its training (or data workers) starts a local Ray: tests/conftest.py ray_lock
 def test_run_train_on_a_tokenize_output(tokens_dir, tmp_path, caplog):
     folder, tokens = tokens_dir
     step = train_step(MODEL, TRAIN, ResourcesConfig(hosts=1, cpus_per_host=1), tokens=tokens)

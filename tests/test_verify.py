@@ -86,6 +86,7 @@ def status_of(stdout: str, stage: str) -> str:
     return row.split()[2]
 
 
+@pytest.mark.ray  # its training (or data workers) starts a local Ray: tests/conftest.py ray_lock
 @pytest.mark.slow  # two pipeline runs to a trained model: minutes
 def test_a_flipped_byte_in_params_is_found_and_the_next_run_recomputes(tmp_path):
     config, store = tiny_config(tmp_path), tmp_path / "store"

@@ -28,7 +28,7 @@ from typing import Callable
 
 import pytest
 
-from tests.conftest import REPO, free_port, ray_lock, ray_said, start_ray_node, stop_group, tail
+from tests.conftest import REPO, ephemeral_env, free_port, ray_lock, ray_said, start_ray_node, stop_group, tail
 
 BIN = Path(sys.executable).parent
 
@@ -51,7 +51,7 @@ class Cluster:
 
     def popen_in_a(self, args: list[str]) -> subprocess.Popen:
         return subprocess.Popen(["ip", "netns", "exec", self.ns_a, *args], cwd=REPO, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, env={**os.environ, **self.env})
+                                stderr=subprocess.STDOUT, text=True, env={**ephemeral_env(), **self.env})
 
     def ray_errors(self) -> str:
         """The ends of both nodes' raylet.err and worker .err logs, for a failed test's message."""
@@ -64,9 +64,11 @@ class Cluster:
         return "\n".join(parts[-8:])
 
     def run_in_a(self, args: list[str], env: dict | None = None, timeout: int = 900) -> subprocess.CompletedProcess:
-        """A command in namespace A (a driver beside the head), as a user would run it there."""
+        """A command in namespace A (a driver beside the head), as a user would run it there: on
+        Prefect's ephemeral API (the session's Prefect server is on the machine's loopback, which
+        namespace A does not share)."""
         return subprocess.run(["ip", "netns", "exec", self.ns_a, *args], cwd=REPO, capture_output=True, text=True,
-                              timeout=timeout, env={**os.environ, **self.env, **(env or {})})
+                              timeout=timeout, env={**ephemeral_env(), **self.env, **(env or {})})
 
 
 def require_namespaces() -> None:
@@ -154,7 +156,7 @@ def _two_node_cluster(tmp_path: Path):
                "AWS_ENDPOINT_URL": endpoint}
         # Multi-node Ray wants this on (tests/conftest.py turns it off for single-node Rays), and
         # token authentication off on both sides (see conftest.ray_head).
-        ray_env = {**os.environ, **aws, "PYTHONPATH": str(REPO), "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
+        ray_env = {**ephemeral_env(), **aws, "PYTHONPATH": str(REPO), "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
                    "RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}
 
         moto = subprocess.Popen(["ip", "netns", "exec", ns_a, str(BIN / "moto_server"), "-H", ip_a, "-p", str(s3_port)],
