@@ -81,11 +81,19 @@ def stop_group(proc: subprocess.Popen, grace_s: float = 30) -> None:
 
 
 @pytest.fixture(scope="session")
-def prefect_harness():
-    """One Prefect test server for the whole session (starting one costs ~10 s)."""
-    from prefect.testing.utilities import prefect_test_harness
+def prefect_harness(_session_prefect_server):
+    """Prefect for this process's own flows, once per test process: the session's Prefect server
+    (the one the kiln subprocesses use), or Prefect's test harness where that is off (starting a
+    server costs 10-20 s)."""
+    if _session_prefect_server is None:
+        from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness(server_startup_timeout=120):
+        with prefect_test_harness(server_startup_timeout=120):
+            yield
+        return
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: _session_prefect_server}):
         yield
 
 
@@ -288,17 +296,17 @@ def _session_prefect_server():
     subprocesses: PREFECT_API_URL in os.environ, which subprocesses inherit. A flow run against a
     server starts in ~5 s, against Prefect's ephemeral API (a server started by each process) in
     12-17 s. This process's own Prefect read its settings at import, so in-process flows are
-    unaffected (they use `prefect_harness`). `ephemeral_env()` gives a subprocess the laptop default
+    unaffected (those that ask for `prefect_harness` get this server too). Yields its API URL. `ephemeral_env()` gives a subprocess the laptop default
     back (tests/test_foundation.py runs kiln that way). KILN_TESTS_PREFECT_SERVER=0, or a
     PREFECT_API_URL already set, turns it off."""
     if os.environ.get("KILN_TESTS_PREFECT_SERVER") == "0" or os.environ.get("PREFECT_API_URL"):
-        yield
+        yield None
         return
     with prefect_server_process() as (env, _):
         os.environ["PREFECT_API_URL"] = env["PREFECT_API_URL"]
         os.environ[_SESSION_SERVER] = env["PREFECT_API_URL"]
         try:
-            yield
+            yield env["PREFECT_API_URL"]
         finally:
             os.environ.pop("PREFECT_API_URL", None)
             os.environ.pop(_SESSION_SERVER, None)
