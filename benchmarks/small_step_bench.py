@@ -1,0 +1,152 @@
+"""Small models' steps, side by side in one run: where a step goes beyond the jitted computation.
+
+At a newcomer's first shapes (nanoGPT's own CPU recipe, "I only have a macbook": 4 layers, 4
+heads, 128 wide, context 64, batch 12; and configs/tiny_cpu.yaml's model at batch 16 x 128) a
+step is tens of milliseconds, so whatever the loop does around it shows. Contenders, each on the
+same random batches:
+
+  step    the compiled train step alone: batches already on the device, one wait at the end
+  kiln    training.loop.train as the train step runs it: batches from a `batch_at` function, put
+          on the device each step, metrics every log_every steps, validation and checkpoints at
+          the config's cadence (their time is not train time; the whole call's time is shown too)
+  ray     the same loop inside a Ray task, as `kiln run` launches it (training.launch), with the
+          metrics relayed to this process
+  torch   the same architecture in PyTorch eager, from the same weights, with the same AdamW
+          (benchmarks/train_bench.py's twin; its first losses are checked against JAX's)
+
+Printed per shape: ms per step and steps/s of each (best round), the loop's own cost per step
+(kiln - step; goal < 5 ms), kiln / torch in steps/s (goal >= 1.0), and how steady the tokens/s
+of kiln's log steps are (the lowest against the median, goal >= 0.5).
+
+    uv run --dev python benchmarks/small_step_bench.py                # both shapes, 3 rounds
+    uv run --dev python benchmarks/small_step_bench.py --no-ray --rounds 2
+
+torch is not one of kiln's dependencies: README, "The PyTorch checks" (without it, --no-torch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from train_bench import check_twins_agree, machine, make_batches, run_bare, run_torch
+from training.config import ModelConfig, ResourcesConfig, TrainConfig, model_and_train
+from training.loop import train
+from training.metrics import read_metrics
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def shapes(steps: int) -> dict[str, tuple[ModelConfig, TrainConfig]]:
+    """nanoGPT's CPU recipe (its character vocabulary of 65, multi-head attention, lr 1e-3 to 1e-4,
+    warmup 100, beta2 0.99) and the tiny config's model and train sections (its BPE's 4,096
+    tokens), each for `steps` steps with validation and checkpoints every steps // 3."""
+    cadence = {"log_every": 10, "eval_every": steps // 3, "checkpoint_every": steps // 3, "eval_batches": 4}
+    nanogpt = ModelConfig(vocab_size=65, d_model=128, n_layers=4, n_heads=4, n_kv_heads=4, d_ff=512, seq_len=64)
+    nanogpt_train = TrainConfig(batch_size=12, steps=steps, lr=1e-3, min_lr_ratio=0.1, warmup=min(100, steps // 4),
+                                beta2=0.99, **cadence)
+    tiny_model, tiny_train = model_and_train(str(REPO / "configs" / "tiny_cpu.yaml"))
+    tiny_train = tiny_train.model_copy(update={"steps": steps, "warmup": min(tiny_train.warmup, steps // 4), **cadence})
+    return {"nanogpt": (nanogpt, nanogpt_train), "tiny_cpu": (tiny_model.model_copy(update={"vocab_size": 4096}), tiny_train)}
+
+
+def _random_data(model: ModelConfig, cfg: TrainConfig):
+    """batch_at and validation batches of random tokens, as train_bench's `make_batches` draws them.
+    Self-contained (numpy only), so that Ray pickles it whole for its worker."""
+    def draw(n: int, seed: int) -> np.ndarray:
+        rng = np.random.default_rng(seed)
+        return rng.integers(0, model.vocab_size, (n, cfg.batch_size, model.seq_len + 1), dtype=np.int32)
+
+    batches = draw(8, 0)
+    return (lambda step: batches[step % len(batches)]), list(draw(cfg.eval_batches, 1))
+
+
+def run_kiln(model: ModelConfig, cfg: TrainConfig) -> tuple[float, float, list[float]]:
+    """(train seconds per step, whole call's seconds per step, tokens/s of each log step)."""
+    batch_at, val = _random_data(model, cfg)
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        stats = train(model, cfg, batch_at, val, Path(tmp) / "w", Path(tmp) / "o")
+        whole = time.perf_counter() - t0
+        speeds = [r["tokens_per_s"] for r in read_metrics(Path(tmp) / "o" / "metrics.jsonl")]
+    tokens = cfg.batch_size * model.seq_len
+    return tokens / stats["tokens_per_s"], whole / cfg.steps, speeds
+
+
+def run_ray(model: ModelConfig, cfg: TrainConfig) -> float:
+    """Train seconds per step of the loop inside a Ray task (a private local Ray, as kiln run)."""
+    from training.launch import launch_training
+
+    with tempfile.TemporaryDirectory() as tmp:
+        stats = launch_training(model, cfg, ResourcesConfig(cpus_per_host=2), functools.partial(_random_data, model, cfg),
+                                Path(tmp) / "w", Path(tmp) / "o", on_metrics=lambda record: None)
+    return cfg.batch_size * model.seq_len / stats["tokens_per_s"]
+
+
+def per_step(tokens_per_s: float, model: ModelConfig, cfg: TrainConfig) -> float:
+    return cfg.batch_size * model.seq_len / tokens_per_s
+
+
+def bench(name: str, model: ModelConfig, cfg: TrainConfig, args) -> None:
+    print(f"\n{name}: d_model {model.d_model}, {model.n_layers} layers, {model.n_heads} heads "
+          f"({model.n_kv_heads} kv), vocab {model.vocab_size}, batch {cfg.batch_size} x {model.seq_len}, "
+          f"{cfg.steps} steps x {args.rounds} rounds", flush=True)
+    batches = make_batches(model, cfg, 8)
+    if not args.no_torch:
+        print(f"  twins agree: max |loss_jax - loss_torch| over 3 steps = {check_twins_agree(model, cfg, batches):.2e}")
+    results: dict[str, list[float]] = {}
+    whole, speeds = [], []
+
+    def kiln():
+        step_s, whole_s, log_speeds = run_kiln(model, cfg)
+        whole.append(whole_s)
+        speeds.append(log_speeds)
+        return step_s
+
+    contenders = {"step": lambda: per_step(run_bare(model, cfg, batches), model, cfg), "kiln": kiln}
+    if not args.no_ray:
+        contenders["ray"] = lambda: run_ray(model, cfg)
+    if not args.no_torch:
+        contenders["torch"] = lambda: per_step(run_torch(model, cfg, batches), model, cfg)
+    for r in range(args.rounds):  # interleaved, so a change in load hits every contender
+        for contender, fn in contenders.items():
+            results.setdefault(contender, []).append(fn())
+            print(f"  round {r + 1} {contender:6s} {results[contender][-1] * 1e3:8.2f} ms/step", flush=True)
+    best = {k: min(v) for k, v in results.items()}
+    for contender, s in best.items():
+        print(f"  {contender:6s} {s * 1e3:8.2f} ms/step  {1 / s:7.1f} steps/s")
+    print(f"  kiln's whole train call (compilation, validation, checkpoints included): {min(whole) * 1e3:.2f} ms/step")
+    print(f"  loop's own cost per step, kiln - step: {(best['kiln'] - best['step']) * 1e3:+.2f} ms  (goal < 5 ms)")
+    if "ray" in best:
+        print(f"  in a Ray task, ray - step: {(best['ray'] - best['step']) * 1e3:+.2f} ms")
+    if "torch" in best:
+        print(f"  kiln / torch eager = {best['torch'] / best['kiln']:.3f} in steps/s  (goal >= 1.0)")
+    steady = min(min(s[1:]) / statistics.median(s[1:]) for s in speeds if len(s) > 2)
+    print(f"  tokens/s of kiln's log steps after the first, lowest / median over every round: {steady:.2f}  "
+          "(goal >= 0.5)")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--shapes", nargs="*", default=["nanogpt", "tiny_cpu"])
+    p.add_argument("--no-ray", action="store_true", help="leave out the loop inside a Ray task")
+    p.add_argument("--no-torch", action="store_true", help="leave out the PyTorch twin")
+    args = p.parse_args()
+    print(f"machine: {machine()}; jax {jax.__version__}", flush=True)
+    for name, (model, cfg) in shapes(args.steps).items():
+        if name in args.shapes:
+            bench(name, model, cfg, args)
+    print(f"\nmachine at the end: {machine()}")
+
+
+if __name__ == "__main__":
+    main()
