@@ -65,6 +65,27 @@ def pytest_configure(config):
     watch_this_process()
 
 
+# The files that take longest, longest first (seconds on 2 cores, 2026-12-02). With `--dist loadfile
+# --no-loadscope-reorder` xdist hands out files in collection order, so the long ones start early
+# instead of leaving one worker alone with the two-node test at the end; files that hold the Ray
+# lock exclusively (two_nodes, private_ray) sit between files that start no Ray.
+LONGEST_FIRST = ["test_two_nodes.py",  # ~180, Ray lock exclusive
+                 "test_foundation.py",  # ~150, no Ray
+                 "test_deployments.py",  # ~110, no Ray
+                 "test_scheduler.py",  # ~100
+                 "test_private_ray.py",  # ~110, Ray lock exclusive
+                 "test_training_task.py", "test_training_sharding.py", "test_gpu_check.py", "test_posttrain.py",
+                 "test_training_loop.py", "test_lm_eval_hf.py", "test_remote_workspace.py", "test_redis_locks.py",
+                 "test_servers_end.py", "test_training_launch.py", "test_serve_shutdown.py"]
+
+
+def pytest_collection_modifyitems(config, items):
+    """LONGEST_FIRST's files first, in its order; the rest after, as collected (the same order on
+    every xdist worker: xdist requires identical collections)."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
 def stop_group(proc: subprocess.Popen, grace_s: float = 30) -> None:
     """Stop a process started with start_new_session=True and everything in its group: SIGTERM,
     then SIGKILL after `grace_s` (a Prefect server or `kiln serve` can hang on SIGTERM)."""
