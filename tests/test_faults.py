@@ -26,7 +26,7 @@ import pytest
 import yaml
 
 from tasks.engine.store import LINEAGE, Store, published
-from tests.conftest import REPO, free_port, kiln, prefect_server_process, stop_group
+from tests.conftest import REPO, kiln, prefect_server_process, stop_group
 
 # Files whose bytes record when or how fast, not what: compared by presence only.
 TIMING_FILES = ("metrics.jsonl", "loss.png")

@@ -9,7 +9,6 @@ import json
 import logging
 import os
 import shutil
-import sys
 import threading
 from contextlib import contextmanager
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
