@@ -15,6 +15,7 @@ so that a change in machine load hits all of them; the best round counts.
     uv run python benchmarks/train_bench.py --pipelines     # the tiny pipeline's and the sweep's trainings
 
 Imports only training/, jax, flax, optax, numpy (and torch for the twin): no Prefect, no Ray.
+torch is not one of kiln's dependencies: README, "The PyTorch checks", says how to add it.
 """
 
 from __future__ import annotations
