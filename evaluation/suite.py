@@ -58,6 +58,11 @@ def task_name(name: str) -> str:
     return TASK_PREFIX + name
 
 
+def short_name(task: str) -> str:
+    """A suite task's name without lm-eval's prefix (kiln_next_passage -> next_passage), others as they are."""
+    return task[len(TASK_PREFIX):] if task.startswith(TASK_PREFIX) else task
+
+
 def _words(text: str) -> list[tuple[int, int]]:
     """(start, end) character offsets of the whitespace-separated words of `text`."""
     return [m.span() for m in _WORD.finditer(text)]

@@ -49,7 +49,8 @@ def recipe(config: ExperimentConfig) -> list[Step]:
         return upstream_order([documents, tokens,
                                *scaling_steps(config, tokens=tokens, tokenizer=tokenizer, documents=documents)])
     model_cfg = config.model.model_copy(update={"vocab_size": vocab_size(config.tokenizer)})
-    model = train_step(model_cfg, config.train_config(), config.resources, tokens=tokens, tracking=config.tracking)
+    model = train_step(model_cfg, config.train_config(), config.resources, tokens=tokens, tracking=config.tracking,
+                       **in_loop_inputs(config, tokenizer, documents))
     return upstream_order([documents, tokens, *after_training(config, model, tokenizer, tokens, documents)])
 
 
@@ -85,11 +86,18 @@ def mixture_recipe(config: ExperimentConfig) -> list[Step]:
     tokens = {name: named(tokenize_step(config.tokenize, tokenizer=tokenizer, documents=docs), name, upstream=False)
               for name, docs in documents.items()}
     model_cfg = config.model.model_copy(update={"vocab_size": vocab_size(config.tokenizer)})
-    model = train_step(model_cfg, config.train_config(), config.resources, tokens=tokens, mixture=mixture.sources,
-                       tracking=config.tracking)
     first = config.data.sources[0].name
+    model = train_step(model_cfg, config.train_config(), config.resources, tokens=tokens, mixture=mixture.sources,
+                       tracking=config.tracking, **in_loop_inputs(config, tokenizer, documents[first]))
     return upstream_order([*documents.values(), *tokens.values(),
                            *after_training(config, model, tokenizer, tokens[first], documents[first])])
+
+
+def in_loop_inputs(config: ExperimentConfig, tokenizer: Step, documents: Step) -> dict:
+    """What train.evals reads besides the tokens: the tokenizer, and the documents its suite
+    tasks are cut from, as the evaluate step cuts them (eval.suite, tokenize.validation_fraction)."""
+    return dict(tokenizer=tokenizer, documents=documents, suite=config.eval.suite,
+                validation_fraction=config.tokenize.validation_fraction)
 
 
 def named(final: Step, source: str, upstream: bool = True) -> Step:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import Field, field_validator, model_validator
 
-from evaluation.suite import SUITE_TASKS, TASK_PREFIX, SuiteConfig, build_suite, task_configs
+from evaluation.suite import SUITE_TASKS, SuiteConfig, build_suite, short_name, task_configs
 from tasks.engine.documents import read_documents
 from tasks.engine.step import Step, StepContext
 from tasks.tokenize import is_validation
@@ -92,10 +92,6 @@ def _check_inputs(config: EvalConfig, tokens_dir: Path, tokenizer_dir: Path) -> 
     if tokens_meta["tokenizer_version"] != tok_meta["version"]:
         raise ValueError(f"{tokens_dir} was tokenized with tokenizer {tokens_meta['tokenizer_version']}, but the "
                          f"tokenizer input is {tok_meta['version']}: give evaluate the tokenizer of its tokens")
-
-
-def short_name(task: str) -> str:
-    return task[len(TASK_PREFIX):] if task.startswith(TASK_PREFIX) else task
 
 
 def run_evaluate(ctx: StepContext) -> dict:

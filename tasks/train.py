@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from training.config import ConfigModel, MixtureSourceConfig, ModelConfig, ResourcesConfig, TrainConfig, setting
+from evaluation.suite import SuiteConfig
+from training.config import (ConfigModel, Fraction, MixtureSourceConfig, ModelConfig, ResourcesConfig, TrainConfig,
+                             setting)
 from training.launch import TokenSource, launch_training, token_data
 from training.tracking import TrackingConfig, tracked
 
@@ -24,6 +26,7 @@ if TYPE_CHECKING:  # tasks.engine.step imports Prefect; Ray workers that import 
 # again (training/model.py `causal_attention`); 4: rotary positions in one fused pass, the same again
 # (training/model.py `rotary`)
 STAGE_VERSION = 4
+EVAL_TOKENIZER, EVAL_DOCUMENTS = "evals/tokenizer", "evals/documents"  # train.evals' unversioned inputs
 
 
 class TrainStepConfig(ConfigModel):
@@ -33,6 +36,11 @@ class TrainStepConfig(ConfigModel):
     train: TrainConfig = TrainConfig()
     resources: ResourcesConfig = setting(ResourcesConfig())
     tracking: TrackingConfig = setting(TrackingConfig())  # W&B and the like: watched, not learned
+    # How train.evals' suite tasks are cut from the held-out documents: the experiment's eval.suite
+    # and tokenize.validation_fraction (the pipeline copies them in), so that an in-loop task has
+    # the evaluate step's examples.
+    suite: SuiteConfig = setting(SuiteConfig())
+    validation_fraction: Fraction = setting(0.01)
 
 
 class MixtureTrainStepConfig(TrainStepConfig):
@@ -63,11 +71,27 @@ def run_train(ctx: StepContext) -> dict:
                      record["tokens_per_s"], mfu)
         ctx.progress(record["step"], cfg.train.steps)
 
+    hooks = [] if cfg.train.evals is None else [in_loop_evals(ctx, mixture)]
     with tracked(relay, cfg.tracking, f"train-{ctx.step.version}", cfg.model_dump(mode="json")) as on_metrics:
         stats = launch_training(cfg.model, cfg.train, cfg.resources, data, ctx.workspace, ctx.out,
-                                on_metrics=on_metrics)
+                                on_metrics=on_metrics, hooks=hooks)
     show_curves(ctx, cfg.train.steps)
     return stats if mixture is None else {**stats, "mixture": drawn}  # the tokens drawn from each source
+
+
+def in_loop_evals(ctx: StepContext, mixture: dict | None):
+    """The hook factory of train.evals (evaluation/in_loop.py), with its suite tasks cut into the
+    work folder, which the hosts pull."""
+    from evaluation.in_loop import InLoopEvals, prepare_suite  # JAX and lm-eval: not for plans
+
+    cfg: TrainStepConfig = ctx.config
+    evals = cfg.train.evals
+    sources = (("heldout", ctx.located("tokens")),) if mixture is None else tuple(
+        (name, ctx.located(f"tokens/{name}")) for name in mixture)
+    if evals.tasks:
+        counts = prepare_suite(ctx.inputs[EVAL_DOCUMENTS], ctx.work_dir, evals, cfg.suite, cfg.validation_fraction)
+        ctx.log.info("in-loop evals every %d steps: suite %s examples from held-out documents", evals.every, counts)
+    return InLoopEvals(evals, ctx.located(EVAL_TOKENIZER), sources, tuple(evals.tasks))
 
 
 def show_curves(ctx: StepContext, steps: int) -> None:
@@ -84,20 +108,33 @@ def show_curves(ctx: StepContext, steps: int) -> None:
 
 def train_step(model_cfg: ModelConfig, train_cfg: TrainConfig, resources: ResourcesConfig, *,
                tokens: Step | dict[str, Step], tracking: TrackingConfig = TrackingConfig(),
-               mixture: dict[str, MixtureSourceConfig] | None = None) -> Step:
+               mixture: dict[str, MixtureSourceConfig] | None = None, tokenizer: Step | None = None,
+               documents: Step | None = None, suite: SuiteConfig = SuiteConfig(),
+               validation_fraction: float = 0.01) -> Step:
     """A train step on one tokenize step, or with `mixture` on one tokenize step per source
-    (`tokens`: source name -> step), mixed by the mixture's weights and caps in its order."""
+    (`tokens`: source name -> step), mixed by the mixture's weights and caps in its order.
+
+    With `train.evals` it also reads the `tokenizer` and (for suite tasks) the `documents` the
+    suite is cut from (with `suite` and `validation_fraction`, as the evaluate step cuts it). They
+    are unversioned inputs: in-loop evals change what is logged, not what is learned."""
     from tasks.engine.step import Step  # here, not at the top: see the TYPE_CHECKING import
 
+    settings = dict(resources=resources, tracking=tracking, suite=suite, validation_fraction=validation_fraction)
+    evals = train_cfg.evals
+    watched: dict[str, Step] = {}
+    if evals is not None:
+        if tokenizer is None or (evals.tasks and documents is None):
+            raise ValueError("train.evals needs the tokenizer step (and for suite tasks the documents step) as "
+                             "inputs of the train step: pass train_step(..., tokenizer=..., documents=...)")
+        watched = {EVAL_TOKENIZER: tokenizer, **({EVAL_DOCUMENTS: documents} if evals.tasks else {})}
     if mixture is None:
-        config = TrainStepConfig(model=model_cfg, train=train_cfg, resources=resources, tracking=tracking)
+        config = TrainStepConfig(model=model_cfg, train=train_cfg, **settings)
         inputs = {"tokens": tokens}
     else:
         if not isinstance(tokens, dict) or set(tokens) != set(mixture):
             raise ValueError(f"a mixture's train step takes one tokenize step per source of the mixture "
                              f"({sorted(mixture)}), got {sorted(tokens) if isinstance(tokens, dict) else tokens}")
-        config = MixtureTrainStepConfig(model=model_cfg, train=train_cfg, resources=resources, tracking=tracking,
-                                        mixture=mixture)
+        config = MixtureTrainStepConfig(model=model_cfg, train=train_cfg, mixture=mixture, **settings)
         inputs = {f"tokens/{name}": tokens[name] for name in mixture}
     return Step(name="train", stage="train", stage_version=STAGE_VERSION, config=config, run=run_train,
-                inputs=inputs)
+                inputs={**inputs, **watched}, unversioned=frozenset(watched))

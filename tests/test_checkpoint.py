@@ -18,7 +18,8 @@ from tests.conftest import REPO
 from tests.test_training_loop import tiny
 from tests.test_training_kjv_data import WindowBatches, kjv_tokens
 from training.checkpoint import Checkpoints
-from training.loop import _minutes_passed, train
+from training.hooks import _minutes_passed
+from training.loop import train
 
 # Saves step 1 and waits for it, then starts step 2 (200 MB: its write takes a while) and dies as
 # soon as the write has begun (its temporary folder exists; on a busy machine that can be a moment

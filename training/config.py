@@ -121,6 +121,42 @@ class MeshConfig(ConfigModel):
     model: Count = 1
 
 
+class InLoopEvalConfig(ConfigModel):
+    """Evaluations inside training, on the parameters the run has at that step (no reload, no
+    second process; evaluation/in_loop.py). A setting as a whole: it changes what is logged,
+    never what is learned. Each evaluation's wall time is logged and left out of tokens/s."""
+
+    every: Count = Field(100, description="Run them every this many steps (a multiple of train.log_every) "
+                         "and at the last step.")
+    heldout_tokens: Count | None = Field(
+        16384, description="Bits per byte and loss on the first this many held-out tokens of each source "
+        "(`eval/<source>/bpb`; one source, `heldout`, for a run on one stream); None: none.")
+    # tuples, not lists: a TrainConfig is hashed (training/loop.py keeps one compiled program per config)
+    tasks: tuple[str, ...] = Field((), description="kiln suite tasks (next_passage, last_word), cut "
+                             "from the held-out documents exactly as the evaluate step cuts them (eval.suite).")
+    lm_eval_tasks: tuple[str, ...] = Field((), description="lm-eval task names this machine can load "
+                                     "(task YAML files are for the evaluate step).")
+    limit: Count | None = Field(100, description="Examples per task (the same seeded sample as eval.limit).")
+    num_fewshot: NonNegative = 0
+    batch_size: Count = 16
+
+    @model_validator(mode="after")
+    def _check(self) -> "InLoopEvalConfig":
+        from evaluation.suite import SUITE_TASKS  # here: evaluation.suite builds on this module
+
+        unknown = [t for t in self.tasks if t not in SUITE_TASKS]
+        if unknown:
+            raise ValueError(f"unknown kiln suite tasks {unknown} in train.evals.tasks; kiln builds "
+                             f"{list(SUITE_TASKS)}. lm-eval's own tasks go under train.evals.lm_eval_tasks")
+        if self.heldout_tokens is None and not (self.tasks or self.lm_eval_tasks):
+            raise ValueError("train.evals evaluates nothing: set heldout_tokens, tasks or lm_eval_tasks, "
+                             "or leave train.evals out")
+        if any(t.endswith((".yaml", ".yml")) for t in self.lm_eval_tasks):
+            raise ValueError(f"train.evals.lm_eval_tasks {self.lm_eval_tasks} names task files: in-loop evals "
+                             "take lm-eval task names; score YAML tasks with the evaluate step (eval.lm_eval_tasks)")
+        return self
+
+
 class TrainConfig(ConfigModel):
     """The optimisation recipe. `batch_size` is global (sequences per step, over all hosts)."""
 
@@ -149,9 +185,14 @@ class TrainConfig(ConfigModel):
     # Device peak FLOP/s for MFU; None: the declared peak of a known accelerator, or the measured
     # float32 matmul peak on CPU.
     peak_flops: Positive | None = setting(None)
+    evals: InLoopEvalConfig | None = setting(None, description="Evaluations during training (held-out bits per "
+                                             "byte per source, suite tasks) every N steps; leave out for none.")
 
     @model_validator(mode="after")
     def _check(self) -> "TrainConfig":
+        if self.evals is not None and self.evals.every % self.log_every:
+            raise ValueError(f"train.evals.every={self.evals.every} is not a multiple of log_every={self.log_every}: "
+                             "evaluations are logged with the metrics of a log step")
         if self.batch_size % self.microbatches:
             raise ValueError(f"batch_size={self.batch_size} must be divisible by microbatches={self.microbatches}")
         if self.warmup >= self.steps:

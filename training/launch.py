@@ -28,7 +28,7 @@ import time
 import traceback
 import warnings
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 
 import numpy as np
 import ray
@@ -42,6 +42,9 @@ from training.data import MixtureData, MixtureInput, open_mixture, read_meta
 from tasks.engine.store import Located, Workspace
 from training.reaper import watch_this_process
 
+if TYPE_CHECKING:  # JAX: imported by the hosts, not by a driver that only plans
+    from training.hooks import HookFactory
+
 # A picklable, zero-argument callable run on each host: returns (batch_at, val_batches). The
 # data is opened where it is used (a memory map does not travel well through pickle).
 DataSource = Callable[[], tuple[Callable[[int], np.ndarray], list[np.ndarray]]]
@@ -52,7 +55,8 @@ DETERMINISTIC_GPU_FLAGS = "--xla_gpu_deterministic_ops=true"
 def launch_training(model_cfg: ModelConfig, train_cfg: TrainConfig, resources: ResourcesConfig,
                     data: DataSource, work: Workspace | Path, out_dir: Path,
                     on_metrics: Callable[[dict], None] | None = None, poll_s: float = 0.5,
-                    objective=None, init_model: Located | Path | None = None) -> dict:
+                    objective=None, init_model: Located | Path | None = None,
+                    hooks: Sequence[HookFactory] = ()) -> dict:
     """Train in Ray task(s) with the resources asked for; relay metrics; return host 0's stats,
     with `hosts`: where each host ran (Ray node id, node IP, device kind).
 
@@ -63,7 +67,8 @@ def launch_training(model_cfg: ModelConfig, train_cfg: TrainConfig, resources: R
     means a folder every host can open as it is.
 
     Post-training passes `objective` (training/posttrain.py) and `init_model`, a training output
-    whose parameters each host loads as its starting point."""
+    whose parameters each host loads as its starting point. `hooks` are hook factories
+    (training/hooks.py): pickled to every host, each builds its hooks there (in-loop evals)."""
     if not isinstance(work, Workspace):
         work = Workspace(None, "", "", str(work))
     if init_model is not None and not isinstance(init_model, Located):
@@ -91,7 +96,7 @@ def launch_training(model_cfg: ModelConfig, train_cfg: TrainConfig, resources: R
                               scheduling_strategy=_in(group, host), runtime_env=env, max_retries=0)
             .remote(host, resources.hosts, coordinator, model_cfg, train_cfg, data, work,
                     None if work.remote else str(out_dir), queue if host == 0 else None, objective,
-                    init_model, driver, resources.connect_timeout_s)
+                    init_model, driver, resources.connect_timeout_s, tuple(hooks))
             for host in range(resources.hosts)
         ]
         results = _wait_relaying(refs, queue, on_metrics, poll_s, functools.partial(_bundle_node, group))
@@ -155,7 +160,7 @@ def _open_tokens(*args):
 def _host_main(host: int, hosts: int, coordinator: str | None, model_cfg: ModelConfig,
                train_cfg: TrainConfig, data: DataSource, work: Workspace, out_dir: str | None, queue,
                objective=None, init_model: Located | None = None, driver: tuple[str, int] | None = None,
-               connect_timeout_s: float = 120) -> dict:
+               connect_timeout_s: float = 120, hooks: tuple = ()) -> dict:
     """The body of one host's Ray task: join the JAX runtime, open the data, run the loop.
 
     Everything it reads or writes it reaches through the store: the work folder is pulled into
@@ -185,7 +190,7 @@ def _host_main(host: int, hosts: int, coordinator: str | None, model_cfg: ModelC
     try:
         stats = train(model_cfg, train_cfg, batch_at, val_batches, local, out,
                       on_metrics=queue.put if queue is not None else None, objective=objective,
-                      init_params=init_params, shared_work=not work.remote,
+                      init_params=init_params, shared_work=not work.remote, hooks=hooks,
                       on_checkpoint=(lambda steps: work.push(checkpoint_steps=steps, host=0)) if pushing else None)
         if pushing:
             work.push(output=True, host=0)

@@ -18,14 +18,16 @@ Outputs. `work_dir` (stable per step version, survives a crash): `checkpoints/`,
 `loss.png`, `tensorboard/` (training/tracking.py). With several processes all of them compute;
 only process 0 writes files.
 
-Logging is hooks (as Levanter's `trainer.add_hook(fn, every=N)`): every `log_every` steps the
-loop measures one metrics record, and each `Hook(fn, every)` gets it at the steps that are
-multiples of its `every` and at the last step. metrics.jsonl, TensorBoard and `on_metrics` (the
-caller's relay: a step's log, W&B) are three such hooks; they run in process 0 only.
+Everything periodic is a hook (training/hooks.py): validation, the caller's hooks (in-loop
+evals), metrics.jsonl, TensorBoard, `on_metrics` (the caller's relay: a step's log, W&B) and
+checkpoints. Every `log_every` steps the loop measures one metrics record; each `Hook(fn, every)`
+then gets the step, the train state and that record at the steps that are multiples of its
+`every` and at the last step. The loop itself is: step, measure, run the hooks that are due.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -45,6 +47,7 @@ from safetensors.numpy import load_file, save_file
 
 from training.checkpoint import Checkpoints
 from training.config import ModelConfig, TrainConfig, is_identity
+from training.hooks import Checkpointing, Hook, HookFactory, LoopContext, StepInfo, Validation, writers
 from training.metrics import MetricsLog, device_peak_flops, plot_loss
 from training.model import flops_per_token, param_count
 from training.optim import make_optimizer
@@ -55,26 +58,20 @@ from training.tracking import TENSORBOARD_DIR, TensorBoardLog
 log = logging.getLogger("kiln.training")
 
 
-class Hook(NamedTuple):
-    """`fn(record)` with each metrics record of a step that is a multiple of `every` (a multiple of
-    `log_every`, when records are measured), and of the last step."""
-
-    fn: Callable[[dict], None]
-    every: int
-
-
 def train(model_cfg: ModelConfig, train_cfg: TrainConfig, batch_at: Callable[[int], np.ndarray],
           val_batches: list[np.ndarray], work_dir: Path, out_dir: Path,
           on_metrics: Callable[[dict], None] | None = None, objective=None, init_params: dict | None = None,
-          hooks: Sequence[Hook] = (), on_checkpoint: Callable[[list[int]], None] | None = None,
+          hooks: Sequence[Hook | HookFactory] = (), on_checkpoint: Callable[[list[int]], None] | None = None,
           shared_work: bool = True) -> dict:
     """Train to `train_cfg.steps`, resuming from the latest checkpoint in `work_dir`; write the
     model to `out_dir` and return stats (losses, params_sha256, tokens, seconds, MFU, ...).
 
     Post-training (training/posttrain.py) passes an `objective` (its loss and batch layout: batches
     are then dicts of arrays) and `init_params` (the pretrained model to start from instead of a
-    fresh initialisation); everything else is this same loop. `on_checkpoint(steps)` is called
-    on process 0 once a checkpoint's write has finished, with the steps kept, every one complete
+    fresh initialisation); everything else is this same loop. `hooks`: the caller's, as `Hook`s
+    or as factories that build them here (training/hooks.py); they run after validation and
+    before the writers, so metrics they add are logged. `on_checkpoint(steps)` is called on
+    process 0 once a checkpoint's write has finished, with the steps kept, every one complete
     on disk (training/launch.py pushes them to the store).
     `shared_work` False: each process has its own `work_dir` (a remote store's hosts), so every
     process writes whole checkpoints there (training/checkpoint.py, "gathered")."""
@@ -106,82 +103,48 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, batch_at: Callable[[in
                              "point work_dir at this config's own folder or delete it")
         start, resumed_loss = meta["data_position"], meta["loss"]
         log.info("resumed from the checkpoint at step %d", start)
-    train_step, eval_step, data_sharding = program.train_step, program.eval_step, program.data_sharding
-    val = [_put(b, data_sharding) for b in val_batches[:train_cfg.eval_batches]]
 
-    tokens_per_step = train_cfg.batch_size * model_cfg.seq_len
-    if objective is not None:
-        tokens_per_step *= objective.sequences_per_row()
-    step_flops = flops_per_token(model_cfg) * tokens_per_step
-    peak, peak_source = device_peak_flops(train_cfg.peak_flops)
-    metrics_log, tensorboard, hooks = _logging_hooks(primary, work_dir, start, train_cfg, on_metrics, hooks)
-    pending, last_loss, val_loss = [], resumed_loss, None
-    t_interval, interval_steps, train_seconds = time.perf_counter(), 0, 0.0
-    saved_at = time.monotonic()  # the time cadence counts from the last save (or the start)
-
-    def finished(steps: list[int] | None) -> None:
-        """A write completed: refresh loss.png and hand the kept steps to the caller."""
-        if steps is not None and primary:
-            plot_loss(metrics_log.records, work_dir / "loss.png", title=f"step {max(steps)}")
-            if on_checkpoint is not None:
-                on_checkpoint(steps)
+    # Hooks, in the order they run at a step: validation and the caller's (which add metrics),
+    # the writers (which log them), the checkpoint.
+    ctx = LoopContext(model_cfg, train_cfg, work_dir, primary, program.eval_step,
+                      functools.partial(_put, sharding=program.data_sharding))
+    metrics_log = MetricsLog(work_dir / "metrics.jsonl", start) if primary else None
+    tensorboard = TensorBoardLog(work_dir / TENSORBOARD_DIR, history=metrics_log.records) if primary else None
+    checkpointing = Checkpointing(ctx, checkpoints, identity, lambda: metrics_log.records, on_checkpoint)
+    caller = [h for hook in hooks for h in ([hook] if isinstance(hook, Hook) else hook(ctx))]
+    validating = Validation(ctx, val_batches)
+    hooks = [*validating.hooks, *caller, *writers(ctx, metrics_log, tensorboard, on_metrics),
+             checkpointing.hook]
+    clock = _Clock(model_cfg, train_cfg, objective)
+    last_loss = resumed_loss
 
     for step in range(start, train_cfg.steps):
-        batch = _put(_checked(batch_at(step), model_cfg, train_cfg, objective), data_sharding)
-        state, metrics = train_step(state, batch)  # dispatched; runs while Python fetches the next batch
-        pending.append(metrics)
-        done, interval_steps = step + 1, interval_steps + 1
+        batch = _put(_checked(batch_at(step), model_cfg, train_cfg, objective), program.data_sharding)
+        state, metrics = program.train_step(state, batch)  # dispatched; runs while Python fetches the next batch
+        clock.stepped(metrics)
+        done = step + 1
         last = done == train_cfg.steps
-        if done % train_cfg.log_every == 0 or last:
-            fetched = jax.device_get(pending)  # waits for the steps in flight
-            seconds = time.perf_counter() - t_interval
-            train_seconds += seconds
-            last_loss = float(fetched[-1]["loss"])
-            record = {
-                "step": done,
-                "loss": float(np.mean([m["loss"] for m in fetched])),  # mean over the interval
-                "lr": float(fetched[-1]["lr"]),
-                "grad_norm": float(fetched[-1]["grad_norm"]),
-                "tokens": done * tokens_per_step,
-                "tokens_per_s": interval_steps * tokens_per_step / seconds,
-                "mfu": interval_steps * step_flops / seconds / peak if peak else None,
-            }
-            for name in fetched[-1]:  # an objective's own metrics (DPO's margin, accuracy), interval means
-                if name not in ("loss", "lr", "grad_norm"):
-                    record[name] = float(np.mean([m[name] for m in fetched]))
-            if val and (done % train_cfg.eval_every == 0 or last):
-                val_loss = record["val_loss"] = _evaluate(eval_step, state["params"], val)
-            for hook in hooks:
-                if done % hook.every == 0 or last:
-                    hook.fn(record)
+        due = [h for h in hooks if h.due(done, last)]
+        if not due:
+            continue
+        record = clock.record(done) if done % train_cfg.log_every == 0 or last else clock.wait(metrics)
+        if record is not None:
+            last_loss = record.pop("last_loss")
+        info = StepInfo(done, last, state, metrics, record)
+        for hook in due:  # hook time is not train time
+            with clock.paused():
+                hook.fn(info)
+        if record is not None:
             log.info("step %d loss %.4f lr %.2e %.0f tok/s", done, record["loss"], record["lr"],
                      record["tokens_per_s"])
-            pending, interval_steps = [], 0
-        # Checkpoints: every checkpoint_every steps, at the end, and at a log step once
-        # checkpoint_every_minutes have passed (the same decision on every process: a save is
-        # collective). The write runs in the background; a finished one is reported at the next
-        # step (or the next save, which waits for it), so the caller only ever sees complete ones.
-        paused = time.perf_counter()
-        if (done % train_cfg.checkpoint_every == 0 or last
-                or (done % train_cfg.log_every == 0 and _minutes_passed(saved_at, train_cfg.checkpoint_every_minutes))):
-            last_loss = float(metrics["loss"])  # waits for the step: its time is train time
-            paused = time.perf_counter()
-            finished(checkpoints.wait())  # pushed before the next save starts to drop old steps
-            checkpoints.save(done, state, {"step": done, "data_position": done, "loss": last_loss,
-                                           "identity": identity})
-            saved_at = time.monotonic()
-        finished(checkpoints.finished())
-        t_interval += time.perf_counter() - paused  # saving and pushing are not train time
-        if interval_steps == 0:
-            t_interval = time.perf_counter()  # logging and evaluation are not train time either
-    finished(checkpoints.wait())  # the last save is complete (and pushed) before the model is published
-    checkpoints.close()
+    checkpointing.close()
 
     # Publish: parameters gathered to host memory (a collective with several processes).
     params = jax.device_get(multihost_utils.process_allgather(state["params"], tiled=True)
                             if jax.process_count() > 1 else state["params"])
-    if val and val_loss is None:  # resumed at the end: the last evaluation died with the old run
-        val_loss = _evaluate(eval_step, state["params"], val)
+    val_loss = validating.last
+    if validating.batches and start == train_cfg.steps:  # resumed at the end: the last evaluation died
+        val_loss = validating.loss(state["params"])
     flat = _flatten(params)
     trained = train_cfg.steps - start
     stats = {
@@ -191,12 +154,9 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, batch_at: Callable[[in
         "param_count": param_count(params),
         "steps": train_cfg.steps,
         "resumed_from_step": start,
-        "tokens": train_cfg.steps * tokens_per_step,
+        "tokens": train_cfg.steps * clock.tokens_per_step,
         "seconds": time.perf_counter() - t_start,
-        "tokens_per_s": trained * tokens_per_step / train_seconds if train_seconds else None,
-        "mfu": trained * step_flops / train_seconds / peak if peak and train_seconds else None,
-        "peak_flops": peak,
-        "peak_source": peak_source,
+        **clock.totals(trained),
         "devices": jax.device_count(),
         "processes": jax.process_count(),
         "platform": jax.devices()[0].platform,
@@ -212,23 +172,63 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, batch_at: Callable[[in
     return stats
 
 
-def _logging_hooks(primary: bool, work_dir: Path, start: int, train_cfg: TrainConfig, on_metrics,
-                   extra: Sequence[Hook]) -> tuple[MetricsLog | None, TensorBoardLog | None, list[Hook]]:
-    """metrics.jsonl and TensorBoard (both resumed at `start`), the caller's relay and its hooks;
-    none of them outside process 0."""
-    if not primary:
-        return None, None, []
-    for hook in extra:
-        if hook.every <= 0 or hook.every % train_cfg.log_every:
-            raise ValueError(f"a hook every {hook.every} steps: metrics are measured every log_every="
-                             f"{train_cfg.log_every} steps, so make it a multiple of that")
-    metrics_log = MetricsLog(work_dir / "metrics.jsonl", start)
-    tensorboard = TensorBoardLog(work_dir / TENSORBOARD_DIR, history=metrics_log.records)
-    every = train_cfg.log_every
-    hooks = [Hook(metrics_log.write, every), Hook(tensorboard.write, every)]
-    if on_metrics is not None:
-        hooks.append(Hook(on_metrics, every))
-    return metrics_log, tensorboard, [*hooks, *extra]
+class _Clock:
+    """Train time and the metrics record of a log interval. Train time is the wall time of the
+    steps: what hooks take (evaluation, saving, pushing, logging) is left out, and each
+    evaluating hook logs its own seconds (training/evals.py)."""
+
+    def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, objective):
+        self.tokens_per_step = train_cfg.batch_size * model_cfg.seq_len
+        if objective is not None:
+            self.tokens_per_step *= objective.sequences_per_row()
+        self.step_flops = flops_per_token(model_cfg) * self.tokens_per_step
+        self.peak, self.peak_source = device_peak_flops(train_cfg.peak_flops)
+        self.pending, self.interval_steps, self.train_seconds = [], 0, 0.0
+        self.t_interval = time.perf_counter()
+
+    def stepped(self, metrics: dict) -> None:
+        self.pending.append(metrics)
+        self.interval_steps += 1
+
+    def wait(self, metrics: dict) -> None:
+        """Wait for the step in flight before a hook runs: its time is train time."""
+        jax.block_until_ready(metrics)
+
+    def record(self, done: int) -> dict:
+        """The interval's metrics record (waits for the steps in flight) and a new interval."""
+        fetched = jax.device_get(self.pending)
+        seconds = time.perf_counter() - self.t_interval
+        self.train_seconds += seconds
+        record = {
+            "step": done,
+            "loss": float(np.mean([m["loss"] for m in fetched])),  # mean over the interval
+            "lr": float(fetched[-1]["lr"]),
+            "grad_norm": float(fetched[-1]["grad_norm"]),
+            "tokens": done * self.tokens_per_step,
+            "tokens_per_s": self.interval_steps * self.tokens_per_step / seconds,
+            "mfu": self.interval_steps * self.step_flops / seconds / self.peak if self.peak else None,
+        }
+        for name in fetched[-1]:  # an objective's own metrics (DPO's margin, accuracy), interval means
+            if name not in ("loss", "lr", "grad_norm"):
+                record[name] = float(np.mean([m[name] for m in fetched]))
+        record["last_loss"] = float(fetched[-1]["loss"])  # taken off by the loop: the run's final loss
+        self.pending, self.interval_steps = [], 0
+        self.t_interval = time.perf_counter()
+        return record
+
+    @contextlib.contextmanager
+    def paused(self):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.t_interval += time.perf_counter() - t0
+
+    def totals(self, trained: int) -> dict:
+        seconds, peak = self.train_seconds, self.peak
+        return {"tokens_per_s": trained * self.tokens_per_step / seconds if seconds else None,
+                "mfu": trained * self.step_flops / seconds / peak if peak and seconds else None,
+                "peak_flops": peak, "peak_source": self.peak_source}
 
 
 class _Program(NamedTuple):
@@ -266,22 +266,6 @@ def _program(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: jax.sharding.
         train_step=train_step.lower(abstract, batch).compile(),
         eval_step=jax.jit(make_eval_step(model_cfg, objective), in_shardings=(shardings["params"], data_sharding)),
     )
-
-
-def _minutes_passed(since: float, minutes: float | None) -> bool:
-    """Whether `minutes` of wall time have passed since `since`, by process 0's clock: with several
-    processes it decides and tells the others, so all of them save at the same step."""
-    if minutes is None:
-        return False
-    due = time.monotonic() - since >= minutes * 60
-    if jax.process_count() > 1:
-        due = bool(multihost_utils.broadcast_one_to_all(np.int32(due)))
-    return due
-
-
-def _evaluate(eval_step, params, val_batches) -> float:
-    """Mean validation loss over the batches (all the same size, so the mean of means)."""
-    return float(np.mean([jax.device_get(eval_step(params, b)) for b in val_batches]))
 
 
 def load_model(out_dir: Path) -> tuple[ModelConfig, dict]:

@@ -87,11 +87,15 @@ def plot_loss(records: list[dict], path: Path, title: str = "") -> None:
 
 def plot_curves(records: list[dict], title: str = "") -> bytes:
     """What a researcher looks at first, as one PNG (its bytes): loss and validation loss on top,
-    the learning rate and the throughput (tokens/s) under it, per log step. Sized to stay legible
-    at the ~600 px the Prefect UI gives an artifact's picture."""
+    the learning rate and the throughput (tokens/s) under it, per log step; with in-loop evals
+    (evaluation/in_loop.py) a row more: held-out bits per byte per source, and task metrics.
+    Sized to stay legible at the ~600 px the Prefect UI gives an artifact's picture."""
     plt = _pyplot()
-    fig = plt.figure(figsize=(8, 6), dpi=90)
-    grid = fig.add_gridspec(2, 2, height_ratios=(3, 2))
+    bpb = sorted({k for r in records for k in r if k.startswith("eval/") and k.endswith("/bpb")})
+    acc = sorted({k for r in records for k in r if k.startswith("eval/") and k.endswith(("/acc", "/acc_norm"))})
+    rows = 3 if bpb or acc else 2
+    fig = plt.figure(figsize=(8, 6 if rows == 2 else 8.5), dpi=90)
+    grid = fig.add_gridspec(rows, 2, height_ratios=(3, 2, 2)[:rows])
     loss, lr, speed = fig.add_subplot(grid[0, :]), fig.add_subplot(grid[1, 0]), fig.add_subplot(grid[1, 1])
     _loss_panel(loss, records)
     steps = [r["step"] for r in records]
@@ -99,7 +103,17 @@ def plot_curves(records: list[dict], title: str = "") -> bytes:
     lr.set_ylabel("learning rate")
     speed.plot(steps, [r["tokens_per_s"] for r in records], color="tab:purple")
     speed.set_ylabel("tokens/s")
-    for ax in (lr, speed):
+    panels = [lr, speed]
+    for column, (keys, label) in enumerate(((bpb, "held-out bits per byte"), (acc, "task accuracy"))):
+        if rows == 3 and keys:
+            ax = fig.add_subplot(grid[2, column])
+            for key in keys:
+                points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+                ax.plot(*zip(*points), "o-", markersize=3, label=key.removeprefix("eval/"))
+            ax.set_ylabel(label)
+            ax.legend(fontsize=7)
+            panels.append(ax)
+    for ax in panels:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     fig.suptitle(title)

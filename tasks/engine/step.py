@@ -88,6 +88,9 @@ class Step:
     config: BaseModel
     run: StageBody
     inputs: Mapping[str, "Step"] = field(default_factory=dict)
+    # Inputs that a setting reads and that change nothing the step outputs, so they stay out of
+    # its version: a train step's in-loop evals read the documents their tasks are cut from.
+    unversioned: frozenset[str] = frozenset()
     # Identity that lives outside the config, e.g. a content hash of the source files that
     # `acquire` reads, so that a refresh reruns downstream only when the source changed.
     fingerprint: Callable[[], str] | None = None
@@ -98,7 +101,7 @@ class Step:
             self.stage,
             self.stage_version,
             self.config,
-            [s.version for s in self.inputs.values()],
+            [s.version for name, s in self.inputs.items() if name not in self.unversioned],
             fingerprint=self.fingerprint() if self.fingerprint else None,
         )
 
