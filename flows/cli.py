@@ -15,6 +15,7 @@ EPILOG = """examples:
   kiln run experiments/two_widths.py             a Python experiment file, like a YAML one
   kiln plan configs/tiny_cpu.yaml --json         every step's name, version, path, status, variants
   kiln compare configs/ablation_cpu.yaml         one row per variant: what it changed, its results
+  kiln compare CONFIG --over steps               each metric against the training step (eval.checkpoints)
   kiln lineage kiln_store/acquire/<version>      the tree back to the raw sources
   kiln verify --store kiln_store                 check every artefact against its recorded sha256s
   kiln generate kiln_store/sft/<version> --prompt "Who made the light?" --chat   sample from a model
@@ -73,6 +74,9 @@ def parser() -> argparse.ArgumentParser:
     co.add_argument("config", help="experiment YAML, or a Python experiment file (.py)")
     co.add_argument("--store")
     co.add_argument("--json", action="store_true", help="the rows as a JSON list (null: not run yet)")
+    co.add_argument("--over", choices=["variants", "steps"], default="variants",
+                    help="steps: one row per evaluated training step of each variant (eval.checkpoints), "
+                    "each metric against the step (default: one row per variant)")
 
     li = command("lineage", "Print the tree from an artefact back to its raw inputs.",
                  "kiln lineage kiln_store/tokenize/3f9c0a1b2c4d --json")
@@ -200,11 +204,14 @@ def cmd_plan(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from flows.compare import cells, columns, comparison
+    from flows.compare import cells, columns, comparison, over_steps
     from flows.terminal import print_table
 
     experiment, store = _experiment(args.config), _store(args.store)
-    rows = comparison(experiment, store)
+    rows = comparison(experiment, store) if args.over == "variants" else over_steps(experiment, store)
+    if not rows and args.over == "steps":
+        raise KilnUserError(f"{args.config} evaluates no training steps: set eval.checkpoints (a list of steps, "
+                            "or every) to make an evaluate step per kept step")
     if args.json:
         print(json.dumps(rows, indent=2))
     else:

@@ -37,7 +37,33 @@ def comparison(experiment: Experiment, store: Store) -> list[dict]:
 
 
 def _evaluation_of(train: Step, steps: list[Step]) -> Step | None:
-    return next((s for s in steps if s.stage == "evaluate" and s.inputs["model"].key == train.key), None)
+    """The evaluate step of the trained model (not of one of its kept steps)."""
+    return next((s for s in _evaluations_of(train, steps) if s.config.step is None), None)
+
+
+def _evaluations_of(train: Step, steps: list[Step]) -> list[Step]:
+    return [s for s in steps if s.stage == "evaluate" and s.inputs["model"].key == train.key]
+
+
+def over_steps(experiment: Experiment, store: Store) -> list[dict]:
+    """`kiln compare --over steps`: one row per evaluated training step (eval.checkpoints) of each
+    variant, with every metric of its evaluate step; `missing` where it has not run yet."""
+    rows = []
+    for variant in experiment.branches:
+        steps = experiment.branch_steps(variant)
+        for train in (s for s in steps if s.stage == "train"):
+            for evaluation in sorted((s for s in _evaluations_of(train, steps) if s.config.step is not None),
+                                     key=lambda s: s.config.step):
+                scored = store.is_done(evaluation.stage, evaluation.version)
+                row = {"variant": variant or experiment.name, "step": evaluation.config.step,
+                       "status": "done" if scored else MISSING}
+                if scored:
+                    scores = store.read_lineage(evaluation.stage, evaluation.version)["stats"]
+                    row.update({k: v for k, v in scores.items() if _is_metric(k, v)})
+                row["evaluate_version"] = evaluation.version
+                rows.append(row)
+    cols = columns(rows)
+    return [{c: r.get(c) for c in cols} for r in rows]
 
 
 def _row(label: str, overrides: dict, train: Step, evaluation: Step | None, steps: list[Step], store: Store) -> dict:
@@ -78,6 +104,31 @@ def _cell(value) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
+def steps_plot(rows: list[dict], metric: str) -> bytes | None:
+    """One line per variant of `metric` against the training step (rows of `over_steps`); None
+    when no step has it yet."""
+    lines: dict[str, list] = {}
+    for r in rows:
+        if isinstance(r.get(metric), (int, float)):
+            lines.setdefault(r["variant"], []).append((r["step"], r[metric]))
+    if not lines:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for variant, points in lines.items():
+        ax.plot(*zip(*points), "o-", label=variant)
+    ax.set_xlabel("training step")
+    ax.set_ylabel(metric)
+    ax.set_title(f"{metric} over training")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return _png(fig)
+
+
 def metric_plot(rows: list[dict], metric: str) -> bytes | None:
     """A bar chart (PNG) of one metric per variant; None when no variant has it yet."""
     points = [(r["variant"], r[metric]) for r in rows if isinstance(r.get(metric), (int, float))]
@@ -93,6 +144,12 @@ def metric_plot(rows: list[dict], metric: str) -> bytes | None:
     ax.set_ylabel(metric)
     ax.set_title(f"{metric} per variant")
     ax.tick_params(axis="x", labelrotation=30)
+    return _png(fig)
+
+
+def _png(fig) -> bytes:
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100)

@@ -19,7 +19,7 @@ from tasks.decontaminate import DecontaminateConfig
 from tasks.dedup import DedupConfig
 from tasks.dpo import DPOConfig
 from tasks.sft import SFTConfig
-from tasks.evaluate import EvalConfig
+from tasks.evaluate import EvalConfig, checkpoint_steps
 from tasks.export import ExportConfig
 from tasks.extract import ExtractConfig
 from tasks.filter import FilterConfig
@@ -195,11 +195,14 @@ class ExperimentConfig(ConfigModel):
 
     def train_config(self) -> TrainConfig:
         """The `train` section as the train step gets it: `steps` from the mixture's token budget
-        when there is one."""
-        mixture = self.data.mixture
-        if mixture is None or mixture.tokens is None:
-            return self.train
-        return self.train.model_copy(update={"steps": mixture.tokens // (self.train.batch_size * self.model.seq_len)})
+        when there is one, and `keep_params` the steps of `eval.checkpoints`."""
+        train, mixture = self.train, self.data.mixture
+        if mixture is not None and mixture.tokens is not None:
+            train = train.model_copy(update={"steps": mixture.tokens // (train.batch_size * self.model.seq_len)})
+        kept = checkpoint_steps(self.eval.checkpoints, train.steps, train.checkpoint_every)
+        if kept:
+            train = TrainConfig.model_validate({**train.model_dump(), "keep_params": kept})
+        return train
 
 
 class ConfigError(ValueError):

@@ -103,18 +103,30 @@ def publish_lineage(final: StepRun) -> None:
 
 
 def publish_comparison(experiment: Experiment, store: Store) -> None:
-    """The `kiln compare` table, and a bar chart of `run.compare_metric` per variant, as artifacts."""
-    from prefect.artifacts import create_image_artifact, create_table_artifact
+    """The `kiln compare` table, and a bar chart of `run.compare_metric` per variant, as artifacts;
+    with eval.checkpoints also the `--over steps` table and that metric against the step."""
+    from prefect.artifacts import create_table_artifact
 
-    from flows.compare import comparison, metric_plot
+    from flows.compare import comparison, metric_plot, over_steps, steps_plot
 
     rows = comparison(experiment, store)
     key = "".join(c if c.isalnum() else "-" for c in experiment.name.lower())
     create_table_artifact(key=f"compare-{key}", table=rows,
                           description=f"kiln compare {experiment.name}: one row per variant ('None': not run yet)")
     metric = experiment.run.compare_metric
-    png = metric_plot(rows, metric)
+    _image(metric_plot(rows, metric), f"compare-{key}-{metric.replace('_', '-')}",
+           f"kiln compare {experiment.name}: {metric} per variant")
+    series = over_steps(experiment, store)
+    if series:
+        create_table_artifact(key=f"compare-{key}-steps", table=series,
+                              description=f"kiln compare {experiment.name} --over steps: one row per evaluated step")
+        _image(steps_plot(series, metric), f"compare-{key}-steps-{metric.replace('_', '-')}",
+               f"kiln compare {experiment.name}: {metric} against the training step")
+
+
+def _image(png: bytes | None, key: str, description: str) -> None:
+    from prefect.artifacts import create_image_artifact
+
     if png is not None:
         create_image_artifact(image_url=f"data:image/png;base64,{base64.b64encode(png).decode('ascii')}",
-                              key=f"compare-{key}-{metric.replace('_', '-')}",
-                              description=f"kiln compare {experiment.name}: {metric} per variant")
+                              key=key, description=description)

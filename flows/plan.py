@@ -114,6 +114,10 @@ def after_training(config: ExperimentConfig, model: Step, tokenizer: Step, token
     """Evaluation, optional post-training and the export of a trained model."""
     eval_cfg = config.eval.model_copy(update={"validation_fraction": config.tokenize.validation_fraction})
     evaluation = evaluate_step(eval_cfg, model=model, tokenizer=tokenizer, tokens=tokens, documents=documents)
+    series = [dataclasses.replace(evaluate_step(eval_cfg.model_copy(update={"step": step}), model=model,
+                                                tokenizer=tokenizer, tokens=tokens, documents=documents),
+                                  name=f"evaluate/step-{step}")
+              for step in model.config.train.keep_params]  # eval.checkpoints: one evaluate step per kept step
     final = model
     if config.posttrain is not None:
         pt = config.posttrain
@@ -123,7 +127,7 @@ def after_training(config: ExperimentConfig, model: Step, tokenizer: Step, token
         if pt.dpo is not None:
             final = dpo_step(pt.dpo, model=final, tokenizer=tokenizer, pairs=chat, tracking=config.tracking)
     exported = export_step(config.export, model=final, tokenizer=tokenizer, evaluation=evaluation)
-    return [evaluation, final, exported]
+    return [*series, evaluation, final, exported]
 
 
 def vocab_size(tokenizer: TokenizerConfig) -> int:

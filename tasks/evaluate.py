@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -30,7 +30,7 @@ from tasks.engine.documents import read_documents
 from tasks.engine.step import Step, StepContext
 from tasks.tokenize import is_validation
 from tasks.tokenizer import load_tokenizer, read_tokenizer_meta
-from training.config import ConfigModel, files, setting
+from training.config import ConfigModel, files, identity_when_set, setting
 from training.data import TokenDataset, read_meta
 
 if TYPE_CHECKING:  # lm-eval (with datasets and pandas) and JAX load when a model is evaluated, not for plans
@@ -56,6 +56,14 @@ class EvalConfig(ConfigModel):
     validation_fraction: float = Field(0.01, ge=0.0, le=1.0)
     suite: SuiteConfig = SuiteConfig()
     batch_size: int = setting(16, ge=1)
+    checkpoints: Literal["every"] | tuple[int, ...] | None = setting(
+        None, description="Also evaluate the model at these steps of its training (`every`: each "
+        "train.checkpoint_every steps and the last), one evaluate step per step (`evaluate/step-<N>`), "
+        "and `kiln compare --over steps` shows each metric against the step. The train step keeps those "
+        "parameters (train.keep_params), which changes its version: choose the steps before training.")
+    step: int | None = identity_when_set(None, ge=1, description="The training step whose parameters are "
+                                         "scored (the pipeline sets it for each of `checkpoints`); None: the "
+                                         "trained model.")
 
     @field_validator("tasks")
     @classmethod
@@ -83,6 +91,33 @@ def load_kiln_lm(model_dir: Path, tokenizer_dir: Path, **kwargs) -> KilnLM:
     return KilnLM(cfg, params, load_tokenizer(tokenizer_dir), meta["eos_id"], meta.get("bos_id"), **kwargs)
 
 
+def model_at(model_dir: Path, step: int | None) -> Path:
+    """The model folder of a train output (`step` None), or of one step it kept (`steps/<step>/`)."""
+    if step is None:
+        return model_dir
+    from training.loop import KEPT_DIR
+
+    folder = model_dir / KEPT_DIR / str(step)
+    if not (folder / "params.safetensors").is_file():
+        kept = sorted(int(p.name) for p in (model_dir / KEPT_DIR).glob("*")) if (model_dir / KEPT_DIR).is_dir() else []
+        raise FileNotFoundError(f"{model_dir} kept no parameters at step {step} (it kept {kept or 'none'}): a "
+                                "checkpoint series needs train.keep_params to hold the step (the pipeline sets it "
+                                "from eval.checkpoints)")
+    return folder
+
+
+def checkpoint_steps(checkpoints, steps: int, checkpoint_every: int) -> tuple[int, ...]:
+    """The training steps an `eval.checkpoints` value names, increasing."""
+    if checkpoints is None:
+        return ()
+    if checkpoints == "every":
+        return tuple(sorted({*range(checkpoint_every, steps + 1, checkpoint_every), steps}))
+    outside = [s for s in checkpoints if not 1 <= s <= steps]
+    if outside:
+        raise ValueError(f"eval.checkpoints names steps {outside} outside the run's 1..{steps} (train.steps)")
+    return tuple(sorted(set(checkpoints)))
+
+
 def _check_inputs(config: EvalConfig, tokens_dir: Path, tokenizer_dir: Path) -> None:
     tokens_meta, tok_meta = read_meta(tokens_dir), read_tokenizer_meta(tokenizer_dir)
     if tokens_meta["validation_fraction"] != config.validation_fraction:
@@ -99,7 +134,7 @@ def run_evaluate(ctx: StepContext) -> dict:
     from evaluation.perplexity import heldout_metrics
 
     config: EvalConfig = ctx.config
-    model_dir, tokenizer_dir = ctx.inputs["model"], ctx.inputs["tokenizer"]
+    model_dir, tokenizer_dir = model_at(ctx.inputs["model"], config.step), ctx.inputs["tokenizer"]
     tokens_dir, documents_dir = ctx.inputs["tokens"], ctx.inputs["documents"]
     _check_inputs(config, tokens_dir, tokenizer_dir)
     lm = load_kiln_lm(model_dir, tokenizer_dir, batch_size=config.batch_size)

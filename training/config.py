@@ -57,6 +57,22 @@ def files(default: Any = ..., **kwargs: Any) -> Any:
     return Field(default, json_schema_extra=extra, **kwargs)
 
 
+def identity_when_set(default: Any = ..., **kwargs: Any) -> Any:
+    """An identity field added to a stage after its versions were in use: it enters the version
+    only when it differs from `default`, so configs that leave it out keep the versions (and the
+    outputs in every store) they had."""
+    extra = dict(kwargs.pop("json_schema_extra", None) or {})
+    extra["when_set"] = True
+    return Field(default, json_schema_extra=extra, **kwargs)
+
+
+def left_out_at_default(model: type[BaseModel], name: str, value: Any) -> bool:
+    """Whether an `identity_when_set` field holds its default, and so stays out of the version."""
+    field = model.model_fields[name]
+    extra = field.json_schema_extra
+    return isinstance(extra, dict) and extra.get("when_set") is True and value == field.default
+
+
 def names_files(model: type[BaseModel], name: str) -> bool:
     extra = model.model_fields[name].json_schema_extra
     return isinstance(extra, dict) and extra.get("files") is True
@@ -187,9 +203,17 @@ class TrainConfig(ConfigModel):
     peak_flops: Positive | None = setting(None)
     evals: InLoopEvalConfig | None = setting(None, description="Evaluations during training (held-out bits per "
                                              "byte per source, suite tasks) every N steps; leave out for none.")
+    keep_params: tuple[int, ...] = identity_when_set((), description="Steps whose parameters the train output "
+                                                     "keeps, as `steps/<step>/` model folders: what an "
+                                                     "`eval.checkpoints` series evaluates (the pipeline fills it in "
+                                                     "from there). Identity: it changes the output's files.")
 
     @model_validator(mode="after")
     def _check(self) -> "TrainConfig":
+        outside = [s for s in self.keep_params if not 1 <= s <= self.steps]
+        if outside or list(self.keep_params) != sorted(set(self.keep_params)):
+            raise ValueError(f"keep_params={list(self.keep_params)} must be distinct increasing steps between 1 and "
+                             f"steps={self.steps}" + (f" ({outside} are not)" if outside else ""))
         if self.evals is not None and self.evals.every % self.log_every:
             raise ValueError(f"train.evals.every={self.evals.every} is not a multiple of log_every={self.log_every}: "
                              "evaluations are logged with the metrics of a log step")

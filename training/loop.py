@@ -15,7 +15,8 @@ identical parameters, killed or not.
 Outputs. `work_dir` (stable per step version, survives a crash): `checkpoints/`,
 `metrics.jsonl`, `loss.png`, `tensorboard/`. `out_dir` (published when complete): `model.json` (ModelConfig),
 `params.safetensors` (flat "layers_0/mlp/up_proj/kernel" names, float32), `metrics.jsonl`,
-`loss.png`, `tensorboard/` (training/tracking.py). With several processes all of them compute;
+`loss.png`, `tensorboard/` (training/tracking.py), and `steps/<step>/` (model.json and
+params.safetensors at each step of `train.keep_params`). With several processes all of them compute;
 only process 0 writes files.
 
 Everything periodic is a hook (training/hooks.py): validation, the caller's hooks (in-loop
@@ -33,6 +34,7 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 import time
@@ -46,7 +48,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from safetensors.numpy import load_file, save_file
 
 from training.checkpoint import Checkpoints
-from training.config import ModelConfig, TrainConfig, is_identity
+from training.config import ModelConfig, TrainConfig, is_identity, left_out_at_default
 from training.hooks import Checkpointing, Hook, HookFactory, LoopContext, StepInfo, Validation, writers
 from training.metrics import MetricsLog, device_peak_flops, plot_loss
 from training.model import flops_per_token, param_count
@@ -114,7 +116,7 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, batch_at: Callable[[in
     caller = [h for hook in hooks for h in ([hook] if isinstance(hook, Hook) else hook(ctx))]
     validating = Validation(ctx, val_batches)
     hooks = [*validating.hooks, *caller, *writers(ctx, metrics_log, tensorboard, on_metrics),
-             checkpointing.hook]
+             *_kept_params(ctx), checkpointing.hook]
     clock = _Clock(model_cfg, train_cfg, objective)
     last_loss = resumed_loss
 
@@ -162,14 +164,45 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, batch_at: Callable[[in
         "platform": jax.devices()[0].platform,
     }
     if primary:
-        (out_dir / "model.json").write_text(model_cfg.model_dump_json(indent=2) + "\n")
-        save_file(flat, str(out_dir / "params.safetensors"))
+        save_model(out_dir, model_cfg, flat)
+        for step in train_cfg.keep_params:
+            shutil.copytree(work_dir / KEPT_DIR / str(step), out_dir / KEPT_DIR / str(step), dirs_exist_ok=True)
         shutil.copyfile(work_dir / "metrics.jsonl", out_dir / "metrics.jsonl")
         tensorboard.close()
         shutil.copytree(work_dir / TENSORBOARD_DIR, out_dir / TENSORBOARD_DIR, dirs_exist_ok=True)
         plot_loss(metrics_log.records, out_dir / "loss.png", title=f"{param_count(params) / 1e6:.1f}M params")
         shutil.copyfile(out_dir / "loss.png", work_dir / "loss.png")
     return stats
+
+
+KEPT_DIR = "steps"  # <out_dir>/steps/<step>/: the parameters of each of train.keep_params
+
+
+def _kept_params(ctx: LoopContext) -> list[Hook]:
+    """At each step of `keep_params`, that step's model (model.json, params.safetensors) into the
+    work folder, which survives a crash and goes to the store with the checkpoints; published
+    with the model under `steps/<step>/`."""
+    keep = set(ctx.train_cfg.keep_params)
+    if not keep:
+        return []
+
+    def save(info: StepInfo) -> None:
+        if info.step in keep:
+            params = jax.device_get(multihost_utils.process_allgather(info.params, tiled=True)
+                                    if jax.process_count() > 1 else info.params)
+            if ctx.primary:
+                save_model(ctx.work_dir / KEPT_DIR / str(info.step), ctx.model_cfg, _flatten(params))
+
+    return [Hook(save, math.gcd(*keep))]
+
+
+def save_model(folder: Path, model_cfg: ModelConfig, flat: dict[str, np.ndarray]) -> None:
+    """A model folder as `load_model` reads it. The parameters are written under a temporary name
+    and renamed, so a process killed mid-write leaves no half file behind that name."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "model.json").write_text(model_cfg.model_dump_json(indent=2) + "\n")
+    save_file(flat, str(folder / "params.safetensors.tmp"))
+    os.replace(folder / "params.safetensors.tmp", folder / "params.safetensors")
 
 
 class _Clock:
@@ -301,7 +334,8 @@ def _flatten(params) -> dict[str, np.ndarray]:
 
 def _identity(model_cfg: ModelConfig, train_cfg: TrainConfig) -> dict:
     """What a checkpoint must agree with to be resumed: the identity fields of both configs."""
-    train = {k: v for k, v in train_cfg.model_dump(mode="json").items() if is_identity(TrainConfig, k)}
+    train = {k: v for k, v in train_cfg.model_dump(mode="json").items()
+             if is_identity(TrainConfig, k) and not left_out_at_default(TrainConfig, k, getattr(train_cfg, k))}
     return {"model": model_cfg.model_dump(mode="json"), "train": train}
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from training.config import is_identity, names_files
+from training.config import is_identity, left_out_at_default, names_files
 
 VERSION_CHARS = 12
 
@@ -31,8 +31,8 @@ def identity_fields(config: BaseModel) -> dict[str, Any]:
     field that names files (training.config `files`) as the content of what it names."""
     out: dict[str, Any] = {}
     for name in type(config).model_fields:
-        if is_identity(type(config), name):
-            value = getattr(config, name)
+        value = getattr(config, name)
+        if is_identity(type(config), name) and not left_out_at_default(type(config), name, value):
             out[name] = content_identity(value) if names_files(type(config), name) else _identity_value(value)
     return out
 

@@ -1,0 +1,75 @@
+"""A checkpoint series (`eval.checkpoints`): one cached evaluate step per kept training step, each
+scoring that step's parameters, shown against the step by `kiln compare --over steps`; and the
+version rules that make it safe to add to a store full of outputs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from flows.cli import main
+from flows.config import ExperimentConfig
+from flows.plan import recipe
+from tests.conftest import kiln
+from tests.test_scheduler import SMALL_ABLATION, run_names
+from training.config import TrainConfig
+from training.loop import load_model, params_sha256, _flatten
+
+SERIES = {**{k: v for k, v in SMALL_ABLATION.items() if k != "variants"}, "name": "series",
+          "train": {"batch_size": 4, "steps": 300, "warmup": 10, "lr": 3.0e-3, "checkpoint_every": 100,
+                    "log_every": 50, "eval_every": 100, "eval_batches": 1},
+          "eval": {**SMALL_ABLATION["eval"], "checkpoints": [100, 200, 300]}}
+
+
+def test_the_series_adds_evaluate_steps_and_leaves_other_versions_alone():
+    plain = ExperimentConfig.model_validate({**SERIES, "eval": SMALL_ABLATION["eval"]})
+    series = ExperimentConfig.model_validate(SERIES)
+    steps, before = {s.name: s for s in recipe(series)}, {s.name: s for s in recipe(plain)}
+    assert [n for n in steps if n.startswith("evaluate/")] == ["evaluate/step-100", "evaluate/step-200",
+                                                               "evaluate/step-300"]
+    assert steps["train"].config.train.keep_params == (100, 200, 300)
+    assert steps["train"].version != before["train"].version  # the output keeps three more models
+    assert steps["tokenize"].version == before["tokenize"].version
+    # without the series every version is what it was before keep_params and eval.step existed
+    assert before["train"].config.train.keep_params == () and before["evaluate"].config.step is None
+    assert "keep_params" not in TrainConfig().model_dump(exclude_defaults=True)
+    every = ExperimentConfig.model_validate({**SERIES, "eval": {**SERIES["eval"], "checkpoints": "every"}})
+    assert every.train_config().keep_params == (100, 200, 300)
+    with pytest.raises(ValueError, match="outside the run"):
+        ExperimentConfig.model_validate({**SERIES, "eval": {**SERIES["eval"], "checkpoints": [400]}}).train_config()
+
+
+@pytest.mark.ray  # its training (or data workers) starts a local Ray: tests/conftest.py ray_lock
+def test_three_cached_evaluate_steps_and_compare_over_steps(tmp_path, capsys):
+    config, store = tmp_path / "series.yaml", tmp_path / "store"
+    config.write_text(yaml.safe_dump(SERIES, sort_keys=False))
+    ran = run_names(kiln("run", str(config), "--store", str(store), "--until", "evaluate").stdout)
+    assert all(ran[f"evaluate/step-{s}"] == "ran" for s in (100, 200, 300)) and ran["evaluate"] == "ran"
+    again = run_names(kiln("run", str(config), "--store", str(store), "--until", "evaluate").stdout)
+    assert all(status == "cached" for status in again.values()), again
+
+    steps = {s.name: s for s in recipe(ExperimentConfig.model_validate(SERIES))}
+    train_out = store / "train" / steps["train"].version
+    final_cfg, final = load_model(train_out)
+    kept = {s: load_model(train_out / "steps" / str(s)) for s in (100, 200, 300)}
+    assert all(cfg == final_cfg for cfg, _ in kept.values())
+    shas = {s: params_sha256(_flatten(p)) for s, (_, p) in kept.items()}
+    assert len(set(shas.values())) == 3 and shas[300] == params_sha256(_flatten(final))
+
+    assert main(["compare", str(config), "--store", str(store), "--over", "steps", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["step"] for r in rows] == [100, 200, 300] and all(r["status"] == "done" for r in rows)
+    for row in rows:
+        lineage = json.loads((store / "evaluate" / row["evaluate_version"] / "lineage.json").read_text())
+        assert row["bits_per_byte"] == lineage["stats"]["bits_per_byte"]
+    assert rows[0]["bits_per_byte"] > rows[2]["bits_per_byte"]  # it learns over the run
+    # the last kept step is the trained model: its scores are the plain evaluate step's
+    final_eval = json.loads((store / "evaluate" / steps["evaluate"].version / "lineage.json").read_text())
+    assert rows[2]["bits_per_byte"] == final_eval["stats"]["bits_per_byte"]
+
+    assert main(["compare", str(config), "--store", str(store), "--over", "steps"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:3] == ["variant", "step", "status"]
+    assert [line.split()[1] for line in lines[2:]] == ["100", "200", "300"]
