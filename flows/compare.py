@@ -2,8 +2,9 @@
 
 A row is a train step of the experiment with what its variant changed, the train step's numbers
 (final losses, parameters, tokens, seconds), every metric of the evaluate step that scored it, and
-the seconds of every step in the variant's branch. A variant whose steps are not in the store
-yet shows `missing`, never zeros.
+the seconds of every step in the variant's branch; a train step several branches share (the
+stable run of cooldown branches) is one row, named after the step. A variant whose steps are
+not in the store yet shows `missing`, never zeros.
 """
 
 from __future__ import annotations
@@ -23,15 +24,23 @@ MISSING = "missing"
 
 def comparison(experiment: Experiment, store: Store) -> list[dict]:
     """The compare table as rows of plain values (None where a variant has no such result)."""
-    rows = []
+    rows, shown = [], set()
     for variant, branch in experiment.branches.items():
         steps = experiment.branch_steps(variant)
         trains = [s for s in steps if s.stage == "train"]
         for train in trains:
+            if train.key in shown:  # a train step several branches share (a stable run): one row
+                continue
+            shown.add(train.key)
             label = variant or experiment.name
-            if len(trains) > 1:  # a sweep: one row per run
-                label = f"{label}:{train.name.split('/', 1)[-1]}" if variant else train.name.split("/", 1)[-1]
-            rows.append(_row(label, branch.overrides, train, _evaluation_of(train, steps), steps, store))
+            shared = len(experiment.variants_of[train.key]) > 1
+            if shared:
+                label = train.name
+            elif len(trains) > 1:  # a sweep or phases: one row per run, named without the variant label
+                run = train.name.removesuffix(f"/{'+'.join(experiment.variants_of[train.key])}").split("/", 1)[-1]
+                label = f"{label}:{run}" if variant else run
+            rows.append(_row(label, {} if shared else branch.overrides, train, _evaluation_of(train, steps), steps,
+                             store))
     cols = columns(rows)  # every row has every column: None where a variant has no such result yet
     return [{c: r.get(c) for c in cols} for r in rows]
 

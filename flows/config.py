@@ -8,10 +8,10 @@ so editing `eval` never reruns training.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from tasks.acquire import AcquireConfig, SourceConfig
 from tasks.chat_data import ChatDataConfig
@@ -26,8 +26,8 @@ from tasks.filter import FilterConfig
 from tasks.quality import NegativeExamplesConfig, QualityClassifierConfig, QualityFilterConfig
 from tasks.tokenize import TokenizeConfig
 from tasks.tokenizer import TokenizerConfig
-from training.config import (ConfigModel, Fraction, MixtureConfig, ModelConfig, ResourcesConfig, TrainConfig,
-                             setting)
+from training.config import (ConfigModel, Count, Fraction, InitConfig, MixtureConfig, MixtureSourceConfig,
+                             ModelConfig, ResourcesConfig, TrainConfig, setting)
 from training.scaling import ScalingConfig
 from training.tracking import TrackingConfig
 
@@ -142,6 +142,27 @@ class RunSettings(ConfigModel):
                                   "released this long after a holder dies.")
 
 
+class PhaseConfig(ConfigModel):
+    """A later phase of training (docs/starting_points.md): a train step of its own,
+    `train/<phase>`, that starts from another phase's kept state, with its own curves,
+    checkpoints and evaluation."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    steps: Count = Field(description="Steps this phase trains. Mode continue: its run ends at the step it "
+                         "starts from plus these (the step counter carries on); reset and weights: at these.")
+    from_: str = setting("", alias="from", description="The phase it starts from: `train` (the train section) "
+                         "or another phase's name; empty: the phase before it.")
+    step: Count | Literal["latest"] = Field("latest", description="Which step of that phase: one it keeps "
+                                            "(kiln makes it keep it), or its last.")
+    mode: Literal["continue", "reset", "weights"] = "continue"
+    train: dict[str, Any] = Field(default_factory=dict, description="Fields of `train` this phase changes, over "
+                                  "those of the phase it starts from (lr, schedule, decay_steps, batch_size, ...).")
+    mixture: dict[str, MixtureSourceConfig] | None = Field(
+        None, description="A mixture run's weights and caps for this phase (every source named); None: those "
+        "of the phase it starts from.")
+
+
 class ExperimentConfig(ConfigModel):
     name: str = setting("experiment", description="A label for runs and deployments; enters no version.")
     data: DataConfig
@@ -149,6 +170,10 @@ class ExperimentConfig(ConfigModel):
     tokenize: TokenizeConfig = TokenizeConfig()
     model: ModelConfig = Field(ModelConfig(), description="`vocab_size` is set from the tokenizer.")
     train: TrainConfig = TrainConfig()
+    phases: dict[str, PhaseConfig] = Field(
+        {}, description="Later phases of training, in order, each a train step `train/<phase>` that starts from "
+        "the one before (or the one its `from` names) and is evaluated on its own; post-training and the export "
+        "start from the last. A grid over `phases.<name>.step` makes cooldown branches (docs/starting_points.md).")
     eval: EvalConfig = Field(EvalConfig(), description="`validation_fraction` is set from `tokenize`.")
     export: ExportConfig = ExportConfig()
     posttrain: PosttrainConfig | None = Field(None, description="Optional SFT and DPO after pretraining.")
@@ -199,10 +224,60 @@ class ExperimentConfig(ConfigModel):
         train, mixture = self.train, self.data.mixture
         if mixture is not None and mixture.tokens is not None:
             train = train.model_copy(update={"steps": mixture.tokens // (train.batch_size * self.model.seq_len)})
-        kept = checkpoint_steps(self.eval.checkpoints, train.steps, train.checkpoint_every)
-        if kept:
-            train = TrainConfig.model_validate({**train.model_dump(), "keep_params": kept})
         return train
+
+    def phase_trains(self) -> dict[str, tuple[TrainConfig, dict[str, MixtureSourceConfig] | None]]:
+        """Every train step's config by name (`train`, then `train/<phase>` in order) with its
+        mixture weights (None without a mixture): each phase's `train` over the one it starts
+        from, its `steps` counted as its mode says, its `train.init` naming that step, and
+        `keep_checkpoints` every step a later step starts from or `eval.checkpoints` evaluates."""
+        base = self.train_config()
+        trains = {"train": (base, self.data.mixture.sources if self.data.mixture is not None else None)}
+        previous = "train"
+        for name, phase in self.phases.items():
+            parent = "train" if phase.from_ == "train" else f"train/{phase.from_}" if phase.from_ else previous
+            if parent not in trains:
+                raise ValueError(f"phases.{name}.from: {phase.from_!r} is not `train` or a phase before {name!r} "
+                                 f"(the phases so far: {[n.removeprefix('train/') for n in trains][1:]})")
+            parent_cfg, parent_mixture = trains[parent]
+            start = parent_cfg.steps if phase.step == "latest" else phase.step
+            if start > parent_cfg.steps:
+                raise ValueError(f"phases.{name}.step: {start} is past the end of {parent} ({parent_cfg.steps} steps)")
+            fields = {k: v for k, v in parent_cfg.model_dump().items()
+                      if k not in ("init", "keep_checkpoints", "keep_every", "schedule_steps")}  # its own
+            fields = {**fields, **phase.train,
+                      "steps": (start if phase.mode == "continue" else 0) + phase.steps,
+                      "init": {"from": parent, "step": phase.step, "mode": phase.mode}}
+            try:
+                cfg = TrainConfig.model_validate(fields)
+            except ValidationError as e:
+                err = e.errors()[0]
+                raise ValueError(f"phases.{name}.train: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+            if (phase.mixture is None) != (parent_mixture is None) or (
+                    phase.mixture is not None and set(phase.mixture) != set(parent_mixture)):
+                raise ValueError(f"phases.{name}.mixture: a phase of a mixture run names every source of "
+                                 f"data.mixture.sources, and one of a run on one stream none")
+            trains[f"train/{name}"] = (cfg, phase.mixture or parent_mixture)
+            previous = f"train/{name}"
+        return _with_kept_steps(trains, self.eval)
+
+
+def _with_kept_steps(trains: dict, eval_cfg: EvalConfig) -> dict:
+    """Each train config with `keep_checkpoints` naming every step that a later phase starts
+    from (continue or reset; weights from the last step read the published model) and, for the
+    last phase, the steps of `eval.checkpoints`."""
+    kept: dict[str, set[int]] = {name: set() for name in trains}
+    for cfg, _ in trains.values():
+        init = cfg.init
+        if init is not None and init.from_ in trains:
+            step = trains[init.from_][0].steps if init.step == "latest" else init.step
+            if init.mode != "weights" or init.step != "latest":
+                kept[init.from_].add(step)
+    last = list(trains)[-1]
+    last_cfg = trains[last][0]
+    kept[last].update(checkpoint_steps(eval_cfg.checkpoints, last_cfg.steps, last_cfg.checkpoint_every))
+    return {name: (cfg if not kept[name] else cfg.model_copy(update={"keep_checkpoints": tuple(sorted(kept[name]))}),
+                   mixture) for name, (cfg, mixture) in trains.items()}
 
 
 class ConfigError(ValueError):

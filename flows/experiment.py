@@ -58,14 +58,30 @@ class Experiment:
     def steps(self) -> list[Step]:
         """Every step once, upstream first, named with the variants that use it."""
         named: dict[str, Step] = {}
+        kept = self._kept_steps()
         for variant, branch in self.branches.items():
             for step in upstream_order(branch.steps):
                 if step.key not in named:
+                    config = step.config
+                    if step.key in kept and kept[step.key] != config.train.keep_checkpoints:
+                        config = config.model_copy(update={"train": config.train.model_copy(
+                            update={"keep_checkpoints": kept[step.key]})})
                     renamed = dataclasses.replace(
-                        step, name=self._label(step), inputs={n: named[u.key] for n, u in step.inputs.items()})
+                        step, name=self._label(step), config=config,
+                        inputs={n: named[u.key] for n, u in step.inputs.items()})
                     renamed.__dict__["version"] = step.version  # the same by construction; not hashed again
                     named[step.key] = renamed
         return list(named.values())
+
+    def _kept_steps(self) -> dict[str, tuple[int, ...]]:
+        """Train step key -> the steps it keeps for every branch together: a stable run shared by
+        cooldown branches keeps the step each of them starts from (a setting: one version)."""
+        kept: dict[str, set[int]] = {}
+        for branch in self.branches.values():
+            for step in upstream_order(branch.steps):
+                if step.stage == "train":
+                    kept.setdefault(step.key, set()).update(step.config.train.keep_checkpoints)
+        return {key: tuple(sorted(steps)) for key, steps in kept.items()}
 
     def branch_steps(self, variant: str) -> list[Step]:
         """The (named) steps of one variant's branch, upstream first."""

@@ -20,7 +20,7 @@ from tasks.decontaminate import decontaminate_step
 from tasks.dedup import dedup_step
 from tasks.dpo import dpo_step
 from tasks.sft import sft_step
-from tasks.evaluate import evaluate_step
+from tasks.evaluate import checkpoint_steps, evaluate_step
 from tasks.export import export_step
 from tasks.extract import extract_step
 from tasks.filter import filter_step
@@ -48,10 +48,8 @@ def recipe(config: ExperimentConfig) -> list[Step]:
 
         return upstream_order([documents, tokens,
                                *scaling_steps(config, tokens=tokens, tokenizer=tokenizer, documents=documents)])
-    model_cfg = config.model.model_copy(update={"vocab_size": vocab_size(config.tokenizer)})
-    model = train_step(model_cfg, config.train_config(), config.resources, tokens=tokens, tracking=config.tracking,
-                       **in_loop_inputs(config, tokenizer, documents))
-    return upstream_order([documents, tokens, *after_training(config, model, tokenizer, tokens, documents)])
+    models = train_steps(config, tokens, tokenizer, documents)
+    return upstream_order([documents, tokens, *after_training(config, models, tokenizer, tokens, documents)])
 
 
 def data_steps(config: ExperimentConfig, data: DataConfig) -> Step:
@@ -85,19 +83,27 @@ def mixture_recipe(config: ExperimentConfig) -> list[Step]:
     tokenizer = tokenizer_step(config.tokenizer, documents=documents[mixture.tokenizer_source] if bpe else None)
     tokens = {name: named(tokenize_step(config.tokenize, tokenizer=tokenizer, documents=docs), name, upstream=False)
               for name, docs in documents.items()}
-    model_cfg = config.model.model_copy(update={"vocab_size": vocab_size(config.tokenizer)})
     first = config.data.sources[0].name
-    model = train_step(model_cfg, config.train_config(), config.resources, tokens=tokens, mixture=mixture.sources,
-                       tracking=config.tracking, **in_loop_inputs(config, tokenizer, documents[first]))
+    models = train_steps(config, tokens, tokenizer, documents[first])
     return upstream_order([*documents.values(), *tokens.values(),
-                           *after_training(config, model, tokenizer, tokens[first], documents[first])])
+                           *after_training(config, models, tokenizer, tokens[first], documents[first])])
 
 
-def in_loop_inputs(config: ExperimentConfig, tokenizer: Step, documents: Step) -> dict:
-    """What train.evals reads besides the tokens: the tokenizer, and the documents its suite
-    tasks are cut from, as the evaluate step cuts them (eval.suite, tokenize.validation_fraction)."""
-    return dict(tokenizer=tokenizer, documents=documents, suite=config.eval.suite,
-                validation_fraction=config.tokenize.validation_fraction)
+def train_steps(config: ExperimentConfig, tokens: Step | dict[str, Step], tokenizer: Step,
+                documents: Step) -> dict[str, Step]:
+    """The train step and one per phase (`train/<phase>`), each started from the step its
+    `train.init.from` names; a mixture's `tokens` is source name -> tokenize step. What
+    train.evals reads besides the tokens: the tokenizer, and the documents its suite tasks are
+    cut from, as the evaluate step cuts them (eval.suite, tokenize.validation_fraction)."""
+    model_cfg = config.model.model_copy(update={"vocab_size": vocab_size(config.tokenizer)})
+    steps: dict[str, Step] = {}
+    for name, (train_cfg, mixture) in config.phase_trains().items():
+        parent = steps[train_cfg.init.from_] if train_cfg.init is not None and train_cfg.init.from_ else None
+        step = train_step(model_cfg, train_cfg, config.resources, tokens=tokens, mixture=mixture,
+                          tracking=config.tracking, tokenizer=tokenizer, documents=documents, suite=config.eval.suite,
+                          validation_fraction=config.tokenize.validation_fraction, init=parent)
+        steps[name] = dataclasses.replace(step, name=name)
+    return steps
 
 
 def named(final: Step, source: str, upstream: bool = True) -> Step:
@@ -110,14 +116,22 @@ def named(final: Step, source: str, upstream: bool = True) -> Step:
     return renamed[id(final)]
 
 
-def after_training(config: ExperimentConfig, model: Step, tokenizer: Step, tokens: Step, documents: Step) -> list[Step]:
-    """Evaluation, optional post-training and the export of a trained model."""
+def after_training(config: ExperimentConfig, models: dict[str, Step], tokenizer: Step, tokens: Step,
+                   documents: Step) -> list[Step]:
+    """Evaluation of every train step (`evaluate`, `evaluate/<phase>`), the last one's checkpoint
+    series (eval.checkpoints), optional post-training of the last one and its export."""
     eval_cfg = config.eval.model_copy(update={"validation_fraction": config.tokenize.validation_fraction})
-    evaluation = evaluate_step(eval_cfg, model=model, tokenizer=tokenizer, tokens=tokens, documents=documents)
-    series = [dataclasses.replace(evaluate_step(eval_cfg.model_copy(update={"step": step}), model=model,
-                                                tokenizer=tokenizer, tokens=tokens, documents=documents),
-                                  name=f"evaluate/step-{step}")
-              for step in model.config.train.keep_params]  # eval.checkpoints: one evaluate step per kept step
+
+    def evaluation_of(model: Step, name: str, step: int | None = None) -> Step:
+        config = eval_cfg if step is None else eval_cfg.model_copy(update={"step": step})
+        return dataclasses.replace(evaluate_step(config, model=model, tokenizer=tokenizer, tokens=tokens,
+                                                 documents=documents), name=name)
+
+    evaluations = {name: evaluation_of(model, name.replace("train", "evaluate", 1)) for name, model in models.items()}
+    model, evaluation = list(models.values())[-1], list(evaluations.values())[-1]
+    series = [evaluation_of(model, f"{evaluation.name}/step-{step}", step)
+              for step in checkpoint_steps(config.eval.checkpoints, model.config.train.steps,
+                                           model.config.train.checkpoint_every)]
     final = model
     if config.posttrain is not None:
         pt = config.posttrain
@@ -127,7 +141,7 @@ def after_training(config: ExperimentConfig, model: Step, tokenizer: Step, token
         if pt.dpo is not None:
             final = dpo_step(pt.dpo, model=final, tokenizer=tokenizer, pairs=chat, tracking=config.tracking)
     exported = export_step(config.export, model=final, tokenizer=tokenizer, evaluation=evaluation)
-    return [*series, evaluation, final, exported]
+    return [*models.values(), *series, *evaluations.values(), final, exported]
 
 
 def vocab_size(tokenizer: TokenizerConfig) -> int:
@@ -184,6 +198,31 @@ def code_drift(step: Step, store: Store) -> str | None:
     return None
 
 
+def missing_kept_step(step: Step, store: Store) -> str | None:
+    """A warning when a step not yet run starts from (train.init) or evaluates (eval.checkpoints)
+    a step of a train output that is done but did not keep it: trained before anything named it
+    (what a train output keeps is a setting, so its version, and the cache hit, stay)."""
+    from training.hooks import KEPT_DIR
+
+    if step.stage == "train" and step.config.train.init is not None and "init" in step.inputs:
+        parent, init = step.inputs["init"], step.config.train.init
+        needed = None if init.mode == "weights" and init.step == "latest" else (
+            parent.config.train.steps if init.step == "latest" else init.step)
+    elif step.stage == "evaluate" and step.config.step is not None:
+        parent, needed = step.inputs["model"], step.config.step
+    else:
+        return None
+    if needed is None or not store.is_done(parent.stage, parent.version):
+        return None
+    files = store.read_lineage(parent.stage, parent.version).get("files", {})
+    if f"{KEPT_DIR}/{needed}/model.json" in files:
+        return None
+    kept = sorted({int(f.split("/")[1]) for f in files if f.startswith(f"{KEPT_DIR}/")})
+    return (f"{step.name} needs step {needed} of {parent.name} {parent.version}, which was trained before any step "
+            f"named it and did not keep it (it kept {kept or 'none'}): delete {store.output(parent.stage, parent.version)} "
+            "to train it again (kiln then keeps the step), or name a step it kept")
+
+
 def plan(experiment: Experiment, store: Store, until: str | None = None) -> list[PlannedStep]:
     """Every step of the experiment once, with its status; the scaling forecast's steps too once
     the fit they depend on is in the store."""
@@ -194,7 +233,7 @@ def plan(experiment: Experiment, store: Store, until: str | None = None) -> list
         steps = experiment.steps
     for s in steps:
         status = step_status(s, store, experiment.run.lock_url)
-        warning = code_drift(s, store) if status == "done" else None
+        warning = code_drift(s, store) if status == "done" else missing_kept_step(s, store)
         planned.append(PlannedStep(s.stage, s.name, s.version, store.output(s.stage, s.version), status,
                                    [v for v in experiment.variants_of[s.key] if v], warning))
     return planned

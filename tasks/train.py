@@ -10,6 +10,7 @@ In the Prefect UI, beside the step: its curves and a table of the logged points 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from evaluation.suite import SuiteConfig
@@ -27,6 +28,8 @@ if TYPE_CHECKING:  # tasks.engine.step imports Prefect; Ray workers that import 
 # (training/model.py `rotary`)
 STAGE_VERSION = 4
 EVAL_TOKENIZER, EVAL_DOCUMENTS = "evals/tokenizer", "evals/documents"  # train.evals' unversioned inputs
+INIT = "init"  # train.init's parent step (its version enters this step's)
+HF_INIT = "hf_init"  # in the work folder: train.init.hf imported as a kiln model for the hosts
 
 
 class TrainStepConfig(ConfigModel):
@@ -74,9 +77,35 @@ def run_train(ctx: StepContext) -> dict:
     hooks = [] if cfg.train.evals is None else [in_loop_evals(ctx, mixture)]
     with tracked(relay, cfg.tracking, f"train-{ctx.step.version}", cfg.model_dump(mode="json")) as on_metrics:
         stats = launch_training(cfg.model, cfg.train, cfg.resources, data, ctx.workspace, ctx.out,
-                                on_metrics=on_metrics, hooks=hooks)
+                                on_metrics=on_metrics, hooks=hooks, **starting_point(ctx))
     show_curves(ctx, cfg.train.steps)
     return stats if mixture is None else {**stats, "mixture": drawn}  # the tokens drawn from each source
+
+
+def starting_point(ctx: StepContext) -> dict:
+    """launch_training's init_model, init_step and init_mode for train.init: the parent step's
+    output (at a step it kept), or a Hugging Face model imported here into the work folder,
+    which the hosts pull with it. Nothing without train.init: a random initialisation."""
+    init = ctx.config.train.init
+    if init is None:
+        return {}
+    if init.hf is not None:
+        from training.hf_import import load_hf  # JAX: not for plans
+        from training.loop import save_model, _flatten
+
+        model, params = load_hf(Path(init.hf), seq_len=ctx.config.model.seq_len)
+        if model != ctx.config.model:
+            raise ValueError(f"train.init.hf {init.hf} is a model of config {model.model_dump()}, but the model "
+                             f"section says {ctx.config.model.model_dump()}: set model to the Hugging Face model's")
+        save_model(ctx.work_dir / HF_INIT, model, _flatten(params))
+        ctx.log.info("starting from the Hugging Face model in %s (%s)", init.hf, model)
+        return {"init_model": HF_INIT, "init_mode": "weights"}
+    parent = ctx.step.inputs[INIT]
+    latest = init.step == "latest"
+    step = parent.config.train.steps if latest and init.mode != "weights" else None if latest else init.step
+    ctx.log.info("starting from %s %s (%s) in mode %s", parent.name, parent.version,
+                 "its trained model" if step is None else f"step {step}", init.mode)
+    return {"init_model": ctx.located(INIT), "init_step": step, "init_mode": init.mode}
 
 
 def in_loop_evals(ctx: StepContext, mixture: dict | None):
@@ -110,13 +139,14 @@ def train_step(model_cfg: ModelConfig, train_cfg: TrainConfig, resources: Resour
                tokens: Step | dict[str, Step], tracking: TrackingConfig = TrackingConfig(),
                mixture: dict[str, MixtureSourceConfig] | None = None, tokenizer: Step | None = None,
                documents: Step | None = None, suite: SuiteConfig = SuiteConfig(),
-               validation_fraction: float = 0.01) -> Step:
+               validation_fraction: float = 0.01, init: Step | None = None) -> Step:
     """A train step on one tokenize step, or with `mixture` on one tokenize step per source
     (`tokens`: source name -> step), mixed by the mixture's weights and caps in its order.
 
     With `train.evals` it also reads the `tokenizer` and (for suite tasks) the `documents` the
     suite is cut from (with `suite` and `validation_fraction`, as the evaluate step cuts it). They
-    are unversioned inputs: in-loop evals change what is logged, not what is learned."""
+    are unversioned inputs: in-loop evals change what is logged, not what is learned. With
+    `train.init.from`, `init` is the step it names (an input: its version enters this one's)."""
     from tasks.engine.step import Step  # here, not at the top: see the TYPE_CHECKING import
 
     settings = dict(resources=resources, tracking=tracking, suite=suite, validation_fraction=validation_fraction)
@@ -127,14 +157,19 @@ def train_step(model_cfg: ModelConfig, train_cfg: TrainConfig, resources: Resour
             raise ValueError("train.evals needs the tokenizer step (and for suite tasks the documents step) as "
                              "inputs of the train step: pass train_step(..., tokenizer=..., documents=...)")
         watched = {EVAL_TOKENIZER: tokenizer, **({EVAL_DOCUMENTS: documents} if evals.tasks else {})}
+    starts = train_cfg.init is not None and train_cfg.init.from_ is not None
+    if starts != (init is not None):
+        raise ValueError(f"train.init.from names {train_cfg.init.from_ if starts else None!r} but the train step was "
+                         f"given init={init.name if init is not None else None!r}: pass the step it names as init")
+    parent = {INIT: init} if init is not None else {}
     if mixture is None:
         config = TrainStepConfig(model=model_cfg, train=train_cfg, **settings)
-        inputs = {"tokens": tokens}
+        inputs = {"tokens": tokens, **parent}
     else:
         if not isinstance(tokens, dict) or set(tokens) != set(mixture):
             raise ValueError(f"a mixture's train step takes one tokenize step per source of the mixture "
                              f"({sorted(mixture)}), got {sorted(tokens) if isinstance(tokens, dict) else tokens}")
         config = MixtureTrainStepConfig(model=model_cfg, train=train_cfg, mixture=mixture, **settings)
-        inputs = {f"tokens/{name}": tokens[name] for name in mixture}
+        inputs = {**{f"tokens/{name}": tokens[name] for name in mixture}, **parent}
     return Step(name="train", stage="train", stage_version=STAGE_VERSION, config=config, run=run_train,
                 inputs={**inputs, **watched}, unversioned=frozenset(watched))

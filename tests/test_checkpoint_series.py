@@ -14,7 +14,6 @@ from flows.config import ExperimentConfig
 from flows.plan import recipe
 from tests.conftest import kiln
 from tests.test_scheduler import SMALL_ABLATION, run_names
-from training.config import TrainConfig
 from training.loop import load_model, params_sha256, _flatten
 
 SERIES = {**{k: v for k, v in SMALL_ABLATION.items() if k != "variants"}, "name": "series",
@@ -23,22 +22,23 @@ SERIES = {**{k: v for k, v in SMALL_ABLATION.items() if k != "variants"}, "name"
           "eval": {**SMALL_ABLATION["eval"], "checkpoints": [100, 200, 300]}}
 
 
-def test_the_series_adds_evaluate_steps_and_leaves_other_versions_alone():
+def test_the_series_adds_evaluate_steps_and_leaves_the_other_versions_alone():
     plain = ExperimentConfig.model_validate({**SERIES, "eval": SMALL_ABLATION["eval"]})
     series = ExperimentConfig.model_validate(SERIES)
     steps, before = {s.name: s for s in recipe(series)}, {s.name: s for s in recipe(plain)}
     assert [n for n in steps if n.startswith("evaluate/")] == ["evaluate/step-100", "evaluate/step-200",
                                                                "evaluate/step-300"]
-    assert steps["train"].config.train.keep_params == (100, 200, 300)
-    assert steps["train"].version != before["train"].version  # the output keeps three more models
-    assert steps["tokenize"].version == before["tokenize"].version
-    # without the series every version is what it was before keep_params and eval.step existed
-    assert before["train"].config.train.keep_params == () and before["evaluate"].config.step is None
-    assert "keep_params" not in TrainConfig().model_dump(exclude_defaults=True)
+    assert steps["train"].config.train.keep_checkpoints == (100, 200, 300)
+    # what is kept is a setting: the train step is the same version (a cached one is reused; kiln
+    # plan warns when it lacks a kept step), and so is the plain evaluate step
+    assert steps["train"].version == before["train"].version
+    assert steps["evaluate"].version == before["evaluate"].version
+    assert before["train"].config.train.keep_checkpoints == () and before["evaluate"].config.step is None
+    assert len({steps[f"evaluate/step-{s}"].version for s in (100, 200, 300)}) == 3
     every = ExperimentConfig.model_validate({**SERIES, "eval": {**SERIES["eval"], "checkpoints": "every"}})
-    assert every.train_config().keep_params == (100, 200, 300)
+    assert every.phase_trains()["train"][0].keep_checkpoints == (100, 200, 300)
     with pytest.raises(ValueError, match="outside the run"):
-        ExperimentConfig.model_validate({**SERIES, "eval": {**SERIES["eval"], "checkpoints": [400]}}).train_config()
+        ExperimentConfig.model_validate({**SERIES, "eval": {**SERIES["eval"], "checkpoints": [400]}}).phase_trains()
 
 
 @pytest.mark.ray  # its training (or data workers) starts a local Ray: tests/conftest.py ray_lock

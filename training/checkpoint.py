@@ -37,6 +37,7 @@ class Checkpoints:
 
     def __init__(self, directory: Path, keep: int = 2, gathered: bool = False, asynchronous: bool = True):
         self.gathered = gathered
+        self.directory = Path(directory).absolute()
         self._writing = False  # a save was started whose completion `finished`/`wait` has not yet reported
         multiprocessing = ocp.options.MultiprocessingOptions(primary_host=None if gathered else 0)
         self.manager = ocp.CheckpointManager(
@@ -47,6 +48,15 @@ class Checkpoints:
             item_handlers={"state": ocp.StandardCheckpointHandler(multiprocessing_options=multiprocessing),
                            "meta": ocp.JsonCheckpointHandler(multiprocessing_options=multiprocessing)},
         )
+
+    def folder(self, step: int) -> Path:
+        """The folder orbax wrote for `step` (a complete one, once `finished` reported it)."""
+        return self.directory / str(step)
+
+    def writes_here(self) -> bool:
+        """Whether this process's folder holds the arrays (every process's, for a shared folder,
+        which process 0 copies; only process 0's when `gathered`)."""
+        return jax.process_index() == 0
 
     def latest_step(self) -> int | None:
         """The newest checkpoint, complete on disk when called before any save (as at the start of

@@ -108,6 +108,8 @@ class ModelConfig(ConfigModel):
     # Activations and matmuls run in this dtype; parameters and optimizer state stay float32.
     # Identity: bfloat16 changes the bytes of the result.
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    attention_bias: bool = identity_when_set(False, description="Biases on the q, k and v projections, as in "
+                                             "Qwen2 (training/hf_import.py sets it for a Qwen2 checkpoint).")
 
     @property
     def head_dim(self) -> int:
@@ -173,6 +175,37 @@ class InLoopEvalConfig(ConfigModel):
         return self
 
 
+class InitConfig(ConfigModel):
+    """Where a train step starts (identity: the parent's version enters as an input's, with the
+    step and the mode). docs/starting_points.md.
+
+    mode continue: parameters, optimizer state, step counter and data position: a new phase of the
+        same run; the learning rate is this step's schedule at the restored step.
+    mode reset: parameters and optimizer moments; the step counter, the schedule and the data
+        position start again at 0.
+    mode weights: parameters only; a fresh optimizer and schedule."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    from_: str | None = setting(None, alias="from", description="A train, SFT or DPO step of this experiment "
+                                "by name (`train`, `train/stable`); its version enters this step's version.")
+    hf: str | None = files(None, description="A Hugging Face model folder (Llama or Qwen2; local files), "
+                           "entering the version by its content. Mode `weights` only.")
+    step: Count | Literal["latest"] = Field("latest", description="Which checkpoint of `from`: a step it keeps "
+                                            "(the pipeline makes it keep the steps named here), or its last.")
+    mode: Literal["continue", "reset", "weights"] = "continue"
+
+    @model_validator(mode="after")
+    def _check(self) -> "InitConfig":
+        if (self.from_ is None) == (self.hf is None):
+            raise ValueError("train.init names where to start: give exactly one of `from` (a step of this "
+                             "experiment) and `hf` (a Hugging Face model folder)")
+        if self.hf is not None and (self.mode != "weights" or self.step != "latest"):
+            raise ValueError("train.init.hf: a Hugging Face model has parameters only, so mode must be `weights` "
+                             "(and no step)")
+        return self
+
+
 class TrainConfig(ConfigModel):
     """The optimisation recipe. `batch_size` is global (sequences per step, over all hosts)."""
 
@@ -184,6 +217,9 @@ class TrainConfig(ConfigModel):
     warmup: NonNegative = 30
     schedule: Literal["cosine", "wsd"] = "cosine"
     decay_fraction: OpenFraction = 0.2  # WSD: the last fraction of steps decays linearly to min_lr
+    decay_steps: Count | None = identity_when_set(
+        None, description="WSD: decay over exactly this many last steps instead of `decay_fraction` of them (a "
+        "cooldown branch of a fixed length, whichever step it starts from).")
     weight_decay: NonNegativeFloat = 0.1  # applied to matrices only, never to norms
     grad_clip: NonNegativeFloat = 1.0  # global-norm clipping; 0 turns it off
     beta1: Beta = 0.9
@@ -203,17 +239,35 @@ class TrainConfig(ConfigModel):
     peak_flops: Positive | None = setting(None)
     evals: InLoopEvalConfig | None = setting(None, description="Evaluations during training (held-out bits per "
                                              "byte per source, suite tasks) every N steps; leave out for none.")
-    keep_params: tuple[int, ...] = identity_when_set((), description="Steps whose parameters the train output "
-                                                     "keeps, as `steps/<step>/` model folders: what an "
-                                                     "`eval.checkpoints` series evaluates (the pipeline fills it in "
-                                                     "from there). Identity: it changes the output's files.")
+    keep_checkpoints: tuple[int, ...] = setting((), description="Steps whose whole state (parameters, optimizer "
+                                                "state, step, data position) the train output keeps, under "
+                                                "`steps/<step>/`: what `eval.checkpoints` and the `train.init` of "
+                                                "other steps name (the pipeline fills it in from them). A setting: "
+                                                "what is kept, not what is learned; `kiln plan` warns when a cached "
+                                                "output lacks a step that a step after it needs.")
+    keep_every: Count | None = setting(None, description="Also keep every this many steps (a stable run that "
+                                       "cooldown branches may start from at any of them).")
+    schedule_steps: Count | None = identity_when_set(
+        None, description="The steps the learning-rate schedule spans; None: `steps`. A first phase that a "
+        "`continue` phase extends sets the whole run's, so that the two phases train as one run would.")
+    init: InitConfig | None = identity_when_set(None, description="Start from another step's checkpoint or a "
+                                                "Hugging Face model instead of a random initialisation.")
+
+    @property
+    def kept_steps(self) -> tuple[int, ...]:
+        """Every step the output keeps: `keep_checkpoints` and the multiples of `keep_every`."""
+        every = range(self.keep_every, self.steps + 1, self.keep_every) if self.keep_every else ()
+        return tuple(sorted({*self.keep_checkpoints, *every}))
 
     @model_validator(mode="after")
     def _check(self) -> "TrainConfig":
-        outside = [s for s in self.keep_params if not 1 <= s <= self.steps]
-        if outside or list(self.keep_params) != sorted(set(self.keep_params)):
-            raise ValueError(f"keep_params={list(self.keep_params)} must be distinct increasing steps between 1 and "
-                             f"steps={self.steps}" + (f" ({outside} are not)" if outside else ""))
+        outside = [s for s in self.keep_checkpoints if not 1 <= s <= self.steps]
+        if outside or list(self.keep_checkpoints) != sorted(set(self.keep_checkpoints)):
+            raise ValueError(f"keep_checkpoints={list(self.keep_checkpoints)} must be distinct increasing steps between "
+                             f"1 and steps={self.steps}" + (f" ({outside} are not)" if outside else ""))
+        if self.schedule_steps is not None and self.schedule_steps < self.steps:
+            raise ValueError(f"schedule_steps={self.schedule_steps} is shorter than steps={self.steps}: the schedule "
+                             "spans at least the steps trained")
         if self.evals is not None and self.evals.every % self.log_every:
             raise ValueError(f"train.evals.every={self.evals.every} is not a multiple of log_every={self.log_every}: "
                              "evaluations are logged with the metrics of a log step")

@@ -1,10 +1,13 @@
 """Export a kiln model to the Hugging Face Llama layout, and write its model card.
 
 kiln's model is `LlamaForCausalLM` with other names (see training/model.py), so the export is a
-renaming: Dense kernels [in, out] become Linear weights [out, in]; everything stays float32. The
-folder holds what `LlamaForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained` read:
+renaming (`hf_names`): Dense kernels [in, out] become Linear weights [out, in]; everything stays
+float32. A model with q/k/v biases (`attention_bias`, e.g. an imported Qwen2) is exported as
+`Qwen2ForCausalLM`, whose layout is Llama's plus those biases. training/hf_import.py is the
+inverse. The folder holds what `AutoModelForCausalLM.from_pretrained` and
+`AutoTokenizer.from_pretrained` read:
 
-    config.json              LlamaConfig (rope_theta written flat, as transformers 4 and 5 read it)
+    config.json              LlamaConfig or Qwen2Config (rope_theta written flat, as transformers 4 and 5 read it)
     model.safetensors        the weights under HF names; lm_head.weight only when untied
     generation_config.json   greedy by default, EOS from the tokenizer
     tokenizer.json           the tokenizer step's file, unchanged
@@ -29,28 +32,57 @@ from training.model import param_count
 WEIGHTS_FILE = "model.safetensors"
 
 
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+BIASED = ("q_proj", "k_proj", "v_proj")  # with attention_bias: Qwen2's layout, o_proj has none
+
+
+def hf_names(cfg: ModelConfig) -> dict[tuple[str, ...], str]:
+    """Each kiln parameter's path in the tree -> its Hugging Face tensor name. A path that ends in
+    `kernel` is a Dense kernel [in, out], stored transposed as a Linear weight [out, in]; everything
+    else is stored as it is. training/hf_import.py reads a checkpoint back by this same table."""
+    names = {("embed_tokens", "embedding"): "model.embed_tokens.weight", ("norm", "weight"): "model.norm.weight"}
+    for i in range(cfg.n_layers):
+        layer, prefix = f"layers_{i}", f"model.layers.{i}"
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            names[(layer, norm, "weight")] = f"{prefix}.{norm}.weight"
+        for block, projections in (("self_attn", ATTENTION), ("mlp", MLP)):
+            for name in projections:
+                names[(layer, block, name, "kernel")] = f"{prefix}.{block}.{name}.weight"
+        for name in BIASED if cfg.attention_bias else ():
+            names[(layer, "self_attn", name, "bias")] = f"{prefix}.self_attn.{name}.bias"
+    if not cfg.tie_embeddings:
+        names[("lm_head", "kernel")] = "lm_head.weight"
+    return names
+
+
 def hf_state_dict(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
     """kiln's parameter tree as a flat {HF name: float32 array} dict (Linear weights are [out, in])."""
-    p = {k: v for k, v in params.items()}
-    out = {"model.embed_tokens.weight": p["embed_tokens"]["embedding"], "model.norm.weight": p["norm"]["weight"]}
-    for i in range(cfg.n_layers):
-        layer, prefix = p[f"layers_{i}"], f"model.layers.{i}"
-        out[f"{prefix}.input_layernorm.weight"] = layer["input_layernorm"]["weight"]
-        out[f"{prefix}.post_attention_layernorm.weight"] = layer["post_attention_layernorm"]["weight"]
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            out[f"{prefix}.self_attn.{name}.weight"] = np.asarray(layer["self_attn"][name]["kernel"]).T
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            out[f"{prefix}.mlp.{name}.weight"] = np.asarray(layer["mlp"][name]["kernel"]).T
-    if not cfg.tie_embeddings:
-        out["lm_head.weight"] = np.asarray(p["lm_head"]["kernel"]).T
-    return {k: np.ascontiguousarray(np.asarray(v, dtype=np.float32)) for k, v in out.items()}
+    out = {}
+    for path, name in hf_names(cfg).items():
+        leaf = np.asarray(leaf_at(params, path), dtype=np.float32)
+        out[name] = np.ascontiguousarray(leaf.T if path[-1] == "kernel" else leaf)
+    return out
+
+
+def leaf_at(tree: dict, path: tuple[str, ...]):
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def architecture(cfg: ModelConfig) -> tuple[str, str]:
+    """The transformers class and model_type of the export: Qwen2 is Llama with q, k, v biases."""
+    return ("Qwen2ForCausalLM", "qwen2") if cfg.attention_bias else ("LlamaForCausalLM", "llama")
 
 
 def hf_config(cfg: ModelConfig, bos_id: int, eos_id: int) -> dict:
-    """config.json for `LlamaForCausalLM`."""
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+    """config.json for `LlamaForCausalLM`, or `Qwen2ForCausalLM` when q, k and v have biases (which
+    is what Qwen2 is: Llama with those biases)."""
+    arch, model_type = architecture(cfg)
+    config = {
+        "architectures": [arch],
+        "model_type": model_type,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model,
         "intermediate_size": cfg.d_ff,
@@ -73,6 +105,10 @@ def hf_config(cfg: ModelConfig, bos_id: int, eos_id: int) -> dict:
         "torch_dtype": "float32",  # the weights; a bfloat16-trained model computed its matmuls in bfloat16
         "use_cache": True,
     }
+    if cfg.attention_bias:  # Qwen2's config has no attention_bias or mlp_bias: its q, k, v always have biases
+        del config["attention_bias"], config["mlp_bias"]
+        config.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers)
+    return config
 
 
 def tokenizer_files(tokenizer_json: str, eos_token: str, bos_token: str | None, seq_len: int,
@@ -145,7 +181,9 @@ def model_card(cfg: ModelConfig, n_params: int, name: str, license_id: str | Non
     evaluation results and the kiln commit. `lineage` is the model's lineage tree with its step's
     `config` and `code` (tasks.export.model_lineage; None when the model did not come from a kiln
     store)."""
-    header = ["---", "library_name: transformers", "pipeline_tag: text-generation", "tags:", "- kiln", "- llama"]
+    arch, model_type = architecture(cfg)
+    header = ["---", "library_name: transformers", "pipeline_tag: text-generation", "tags:", "- kiln",
+              f"- {model_type}"]
     if license_id:
         header.append(f"license: {license_id}")
     lines = header + ["---", "", f"# {name}", "",
@@ -157,7 +195,7 @@ def model_card(cfg: ModelConfig, n_params: int, name: str, license_id: str | Non
             ("head dim", cfg.head_dim), ("MLP (SwiGLU) width", cfg.d_ff), ("vocabulary", cfg.vocab_size),
             ("context", cfg.seq_len), ("positions", f"RoPE, theta {cfg.rope_theta:g}"),
             ("norm", f"RMSNorm, eps {cfg.norm_eps:g}"), ("tied embeddings", cfg.tie_embeddings),
-            ("training compute dtype", cfg.compute_dtype)]
+            ("training compute dtype", cfg.compute_dtype)] + [("q/k/v biases", True)] * cfg.attention_bias
     lines += [f"| {k} | {v} |" for k, v in rows]
 
     lines += ["", "## Data lineage", ""]
@@ -183,9 +221,9 @@ def model_card(cfg: ModelConfig, n_params: int, name: str, license_id: str | Non
         for r in eval_table:
             lines.append(f"| {r['task']} | {r['metric']} | {r['value']:.4f} | {r.get('samples') or ''} |")
 
-    lines += ["", "## Usage", "", "```python", "from transformers import AutoTokenizer, LlamaForCausalLM", "",
+    lines += ["", "## Usage", "", "```python", f"from transformers import AutoTokenizer, {arch}", "",
               'tokenizer = AutoTokenizer.from_pretrained("path/to/this/folder")',
-              'model = LlamaForCausalLM.from_pretrained("path/to/this/folder")',
+              f'model = {arch}.from_pretrained("path/to/this/folder")',
               'ids = tokenizer("In the beginning", return_tensors="pt").input_ids',
               "print(tokenizer.decode(model.generate(ids, max_new_tokens=20)[0]))", "```", ""]
     return "\n".join(lines)

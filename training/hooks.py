@@ -14,6 +14,7 @@ process 0 only (`primary`). Their time is not train time: the loop leaves it out
 from __future__ import annotations
 
 import math
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,10 @@ from jax.experimental import multihost_utils
 from training.checkpoint import Checkpoints
 from training.config import ModelConfig, TrainConfig
 from training.metrics import MetricsLog, plot_loss
+
+
+KEPT_DIR = "steps"  # <work folder and output>/steps/<step>/: what train.keep_checkpoints keeps of a step
+KEPT_STATE = "checkpoint"  # steps/<step>/checkpoint/: the whole train state (an orbax folder of that one step)
 
 
 @dataclass
@@ -114,11 +119,12 @@ class Checkpointing:
         self.records, self.on_checkpoint = records, on_checkpoint
         self.saved_at = time.monotonic()  # the time cadence counts from the last save (or the start)
         cfg = ctx.train_cfg
-        self.hook = Hook(self, math.gcd(cfg.checkpoint_every, cfg.log_every))
+        self.keep = set(cfg.kept_steps)
+        self.hook = Hook(self, math.gcd(cfg.checkpoint_every, cfg.log_every, *self.keep))
 
     def __call__(self, info: StepInfo) -> None:
         cfg = self.ctx.train_cfg
-        if (info.step % cfg.checkpoint_every == 0 or info.last
+        if (info.step % cfg.checkpoint_every == 0 or info.last or info.step in self.keep
                 or (info.step % cfg.log_every == 0 and _minutes_passed(self.saved_at, cfg.checkpoint_every_minutes))):
             self._finished(self.checkpoints.wait())  # pushed before the next save starts to drop old steps
             self.checkpoints.save(info.step, info.state, {
@@ -133,6 +139,11 @@ class Checkpointing:
         self.checkpoints.close()
 
     def _finished(self, steps: list[int] | None) -> None:
+        if steps is not None:
+            for step in self.keep.intersection(steps):  # complete on disk: a copy beside the step's model
+                kept = self.ctx.work_dir / KEPT_DIR / str(step) / KEPT_STATE
+                if self.checkpoints.writes_here() and not (kept / str(step)).exists():
+                    shutil.copytree(self.checkpoints.folder(step), kept / str(step))
         if steps is not None and self.ctx.primary:
             plot_loss(self.records(), self.ctx.work_dir / "loss.png", title=f"step {max(steps)}")
             if self.on_checkpoint is not None:

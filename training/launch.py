@@ -55,8 +55,8 @@ DETERMINISTIC_GPU_FLAGS = "--xla_gpu_deterministic_ops=true"
 def launch_training(model_cfg: ModelConfig, train_cfg: TrainConfig, resources: ResourcesConfig,
                     data: DataSource, work: Workspace | Path, out_dir: Path,
                     on_metrics: Callable[[dict], None] | None = None, poll_s: float = 0.5,
-                    objective=None, init_model: Located | Path | None = None,
-                    hooks: Sequence[HookFactory] = ()) -> dict:
+                    objective=None, init_model: Located | Path | str | None = None,
+                    hooks: Sequence[HookFactory] = (), init_step: int | None = None, init_mode: str = "weights") -> dict:
     """Train in Ray task(s) with the resources asked for; relay metrics; return host 0's stats,
     with `hosts`: where each host ran (Ray node id, node IP, device kind).
 
@@ -67,11 +67,14 @@ def launch_training(model_cfg: ModelConfig, train_cfg: TrainConfig, resources: R
     means a folder every host can open as it is.
 
     Post-training passes `objective` (training/posttrain.py) and `init_model`, a training output
-    whose parameters each host loads as its starting point. `hooks` are hook factories
+    whose parameters each host loads as its starting point (a `str`: a folder inside the work
+    folder, which the hosts pull: an imported Hugging Face model); with `init_step`, the state that
+    output kept at that step (`steps/<step>/`), taken as `init_mode` says (train.init: weights,
+    continue or reset; training/config.py InitConfig). `hooks` are hook factories
     (training/hooks.py): pickled to every host, each builds its hooks there (in-loop evals)."""
     if not isinstance(work, Workspace):
         work = Workspace(None, "", "", str(work))
-    if init_model is not None and not isinstance(init_model, Located):
+    if isinstance(init_model, Path):
         init_model = Located(None, "", "", str(init_model))
     work.push()  # what the driver prepared for the hosts (post-training's rows), before they pull
     started_ray, address = _connect(resources)
@@ -96,7 +99,7 @@ def launch_training(model_cfg: ModelConfig, train_cfg: TrainConfig, resources: R
                               scheduling_strategy=_in(group, host), runtime_env=env, max_retries=0)
             .remote(host, resources.hosts, coordinator, model_cfg, train_cfg, data, work,
                     None if work.remote else str(out_dir), queue if host == 0 else None, objective,
-                    init_model, driver, resources.connect_timeout_s, tuple(hooks))
+                    init_model, driver, resources.connect_timeout_s, tuple(hooks), init_step, init_mode)
             for host in range(resources.hosts)
         ]
         results = _wait_relaying(refs, queue, on_metrics, poll_s, functools.partial(_bundle_node, group))
@@ -159,8 +162,9 @@ def _open_tokens(*args):
 
 def _host_main(host: int, hosts: int, coordinator: str | None, model_cfg: ModelConfig,
                train_cfg: TrainConfig, data: DataSource, work: Workspace, out_dir: str | None, queue,
-               objective=None, init_model: Located | None = None, driver: tuple[str, int] | None = None,
-               connect_timeout_s: float = 120, hooks: tuple = ()) -> dict:
+               objective=None, init_model: Located | str | None = None, driver: tuple[str, int] | None = None,
+               connect_timeout_s: float = 120, hooks: tuple = (), init_step: int | None = None,
+               init_mode: str = "weights") -> dict:
     """The body of one host's Ray task: join the JAX runtime, open the data, run the loop.
 
     Everything it reads or writes it reaches through the store: the work folder is pulled into
@@ -175,22 +179,33 @@ def _host_main(host: int, hosts: int, coordinator: str | None, model_cfg: ModelC
             "node_ip": ray.util.get_node_ip_address()}
     if hosts > 1:
         _join_jax_runtime(host, hosts, coordinator, node["node_ip"], connect_timeout_s)
-    from training.loop import load_model, train
+    from training.hooks import KEPT_DIR
+    from training.loop import StartFrom, load_model, train
 
     local = work.pull(host)
     out = Path(out_dir) if out_dir is not None else local / "output"
     batch_at, val_batches = data()
-    init_params = None
+    init_params, start_from = None, None
     if init_model is not None:
-        init_cfg, init_params = load_model(init_model.local())
-        if init_cfg != model_cfg:
-            raise ValueError(f"{init_model.stage}/{init_model.version or init_model.path} holds a model of another "
-                             f"config ({init_cfg}); post-train with its own")
+        named = init_model if isinstance(init_model, str) else f"{init_model.stage}/{init_model.version or init_model.path}"
+        base = local / init_model if isinstance(init_model, str) else init_model.local()
+        folder = base if init_step is None else base / KEPT_DIR / str(init_step)
+        if not (folder / "model.json").is_file():
+            raise FileNotFoundError(f"{named} kept no state of step {init_step} ({folder} is missing): train it "
+                                    "again with that step in train.keep_checkpoints (the pipeline adds the steps "
+                                    "train.init names)")
+        if init_mode == "weights":
+            init_cfg, init_params = load_model(folder)
+            if init_cfg != model_cfg:
+                raise ValueError(f"{named} holds a model of another config ({init_cfg}); start from a model with "
+                                 "this step's model config")
+        else:
+            start_from = StartFrom(folder, init_step, init_mode)
     pushing = host == 0 and work.remote
     try:
         stats = train(model_cfg, train_cfg, batch_at, val_batches, local, out,
                       on_metrics=queue.put if queue is not None else None, objective=objective,
-                      init_params=init_params, shared_work=not work.remote, hooks=hooks,
+                      init_params=init_params, shared_work=not work.remote, hooks=hooks, start_from=start_from,
                       on_checkpoint=(lambda steps: work.push(checkpoint_steps=steps, host=0)) if pushing else None)
         if pushing:
             work.push(output=True, host=0)

@@ -15,8 +15,9 @@ identical parameters, killed or not.
 Outputs. `work_dir` (stable per step version, survives a crash): `checkpoints/`,
 `metrics.jsonl`, `loss.png`, `tensorboard/`. `out_dir` (published when complete): `model.json` (ModelConfig),
 `params.safetensors` (flat "layers_0/mlp/up_proj/kernel" names, float32), `metrics.jsonl`,
-`loss.png`, `tensorboard/` (training/tracking.py), and `steps/<step>/` (model.json and
-params.safetensors at each step of `train.keep_params`). With several processes all of them compute;
+`loss.png`, `tensorboard/` (training/tracking.py), and `steps/<step>/` at each step of
+`train.keep_checkpoints`: model.json and params.safetensors (a model folder like the output
+itself) and `checkpoint/`, the whole train state there (what `train.init` restores). With several processes all of them compute;
 only process 0 writes files.
 
 Everything periodic is a hook (training/hooks.py): validation, the caller's hooks (in-loop
@@ -49,7 +50,7 @@ from safetensors.numpy import load_file, save_file
 
 from training.checkpoint import Checkpoints
 from training.config import ModelConfig, TrainConfig, is_identity, left_out_at_default
-from training.hooks import Checkpointing, Hook, HookFactory, LoopContext, StepInfo, Validation, writers
+from training.hooks import KEPT_DIR, KEPT_STATE, Checkpointing, Hook, HookFactory, LoopContext, StepInfo, Validation, writers
 from training.metrics import MetricsLog, device_peak_flops, plot_loss
 from training.model import flops_per_token, param_count
 from training.optim import make_optimizer
@@ -64,13 +65,14 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, batch_at: Callable[[in
           val_batches: list[np.ndarray], work_dir: Path, out_dir: Path,
           on_metrics: Callable[[dict], None] | None = None, objective=None, init_params: dict | None = None,
           hooks: Sequence[Hook | HookFactory] = (), on_checkpoint: Callable[[list[int]], None] | None = None,
-          shared_work: bool = True) -> dict:
+          shared_work: bool = True, start_from: StartFrom | None = None) -> dict:
     """Train to `train_cfg.steps`, resuming from the latest checkpoint in `work_dir`; write the
     model to `out_dir` and return stats (losses, params_sha256, tokens, seconds, MFU, ...).
 
     Post-training (training/posttrain.py) passes an `objective` (its loss and batch layout: batches
     are then dicts of arrays) and `init_params` (the pretrained model to start from instead of a
-    fresh initialisation); everything else is this same loop. `hooks`: the caller's, as `Hook`s
+    fresh initialisation; `train.init` mode weights); `start_from` another run's kept state
+    (modes continue and reset). Everything else is this same loop. `hooks`: the caller's, as `Hook`s
     or as factories that build them here (training/hooks.py); they run after validation and
     before the writers, so metrics they add are logged. `on_checkpoint(steps)` is called on
     process 0 once a checkpoint's write has finished, with the steps kept, every one complete
@@ -98,6 +100,8 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, batch_at: Callable[[in
         state = program.init(jax.random.PRNGKey(train_cfg.seed))
         if init_params is not None:  # the optimizer state starts at zero either way
             state = {**state, "params": _placed(init_params, program)}
+        elif start_from is not None:
+            state, start = _restored(start_from, program, identity, train_cfg)
     else:
         state, meta = checkpoints.restore(start, program.abstract, program.shardings)
         if meta["identity"] != identity:
@@ -165,7 +169,7 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, batch_at: Callable[[in
     }
     if primary:
         save_model(out_dir, model_cfg, flat)
-        for step in train_cfg.keep_params:
+        for step in _kept(train_cfg, start_from):
             shutil.copytree(work_dir / KEPT_DIR / str(step), out_dir / KEPT_DIR / str(step), dirs_exist_ok=True)
         shutil.copyfile(work_dir / "metrics.jsonl", out_dir / "metrics.jsonl")
         tensorboard.close()
@@ -175,14 +179,51 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, batch_at: Callable[[in
     return stats
 
 
-KEPT_DIR = "steps"  # <out_dir>/steps/<step>/: the parameters of each of train.keep_params
+class StartFrom(NamedTuple):
+    """Another run's state at one of the steps it kept (`<output>/steps/<step>/`), to start from."""
+
+    folder: Path  # the kept step's folder: model.json, params.safetensors, checkpoint/
+    step: int
+    mode: str  # "continue": carry on at its step and data position; "reset": step counter back to 0
+
+
+def _restored(start_from: StartFrom, program: _Program, identity: dict, train_cfg: TrainConfig) -> tuple[dict, int]:
+    """The kept state placed on this run's mesh, and the step this run starts at."""
+    parent = Checkpoints(start_from.folder / KEPT_STATE, asynchronous=False)
+    try:
+        if parent.latest_step() != start_from.step:
+            raise FileNotFoundError(f"{start_from.folder} holds no complete checkpoint of step {start_from.step}: "
+                                    "the run it was kept from did not finish writing it; train that run again")
+        try:
+            state, meta = parent.restore(start_from.step, program.abstract, program.shardings)
+        except Exception as e:
+            raise ValueError(f"the checkpoint in {start_from.folder} does not fit this run's train state ({e}); "
+                             "train.init modes continue and reset need the same model and optimizer (grad_clip on "
+                             "or off alike): use mode weights to take its parameters only") from e
+    finally:
+        parent.close()
+    if meta["identity"]["model"] != identity["model"]:
+        raise ValueError(f"{start_from.folder} is a checkpoint of another model ({meta['identity']['model']}); "
+                         "train.init needs this step's model config to be its parent's")
+    if start_from.mode == "reset":  # moments kept; the schedule and the data order start again
+        return {**state, "step": jax.device_put(np.zeros((), np.int32), program.shardings["step"])}, 0
+    if meta["data_position"] >= train_cfg.steps:
+        raise ValueError(f"train.init continues from step {meta['data_position']}, but train.steps={train_cfg.steps}: "
+                         "a continue phase's steps count from the start of the whole run, so make it larger")
+    return state, meta["data_position"]
+
+
+def _kept(train_cfg: TrainConfig, start_from: StartFrom | None) -> tuple[int, ...]:
+    """The kept steps this run passes: a continue phase starts after its parent's step."""
+    origin = start_from.step if start_from is not None and start_from.mode == "continue" else 0
+    return tuple(s for s in train_cfg.kept_steps if s > origin)
 
 
 def _kept_params(ctx: LoopContext) -> list[Hook]:
-    """At each step of `keep_params`, that step's model (model.json, params.safetensors) into the
-    work folder, which survives a crash and goes to the store with the checkpoints; published
-    with the model under `steps/<step>/`."""
-    keep = set(ctx.train_cfg.keep_params)
+    """At each step of `keep_checkpoints`, that step's model (model.json, params.safetensors) into
+    `<work folder>/steps/<step>/`, which survives a crash and goes to the store with the
+    checkpoints (Checkpointing puts the step's whole state beside it); published with the model."""
+    keep = set(ctx.train_cfg.kept_steps)
     if not keep:
         return []
 

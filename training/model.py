@@ -3,7 +3,8 @@ causal attention, SwiGLU MLP, optionally tied embeddings. Flax Linen, no device 
 
 It follows Hugging Face's `LlamaForCausalLM` exactly, so an export is a renaming:
 RMSNorm is `weight * (x * rsqrt(mean(x^2) + eps))`, RoPE uses `rotate_half` on the two halves of
-each head (not interleaved pairs), the MLP is `down(silu(gate(x)) * up(x))`, and nothing has a bias.
+each head (not interleaved pairs), the MLP is `down(silu(gate(x)) * up(x))`, and nothing has a bias
+unless `attention_bias` is set: then q, k and v have one, as in `Qwen2ForCausalLM` (o_proj none).
 
 Parameter tree (`params` of `init_params`), HF names in brackets; a Dense `kernel` is stored
 [in, out], the transpose of a torch `Linear.weight`:
@@ -14,6 +15,7 @@ Parameter tree (`params` of `init_params`), HF names in brackets; a Dense `kerne
     layers_{i}/self_attn/k_proj/kernel [D, K*Q]     (k_proj)
     layers_{i}/self_attn/v_proj/kernel [D, K*Q]     (v_proj)
     layers_{i}/self_attn/o_proj/kernel [H*Q, D]     (o_proj)
+    layers_{i}/self_attn/{q,k,v}_proj/bias [H*Q], [K*Q], [K*Q]   (...q_proj.bias; attention_bias only)
     layers_{i}/post_attention_layernorm/weight [D]
     layers_{i}/mlp/gate_proj/kernel    [D, F]       (mlp.gate_proj)
     layers_{i}/mlp/up_proj/kernel      [D, F]       (mlp.up_proj)
@@ -25,7 +27,8 @@ V vocab, D d_model, H query heads, K key/value heads, Q head_dim = D / H, F d_ff
 
 How it is computed (the parameters above are stored and initialised exactly as `nn.Dense` would;
 only the matmuls XLA is asked for differ, to suit its CPU backend, see benchmarks/RESULTS.md):
-q, k and v come from one matmul with the three kernels side by side, and so do gate and up;
+q, k and v come from one matmul with the three kernels side by side (and their biases, if any,
+side by side too), and so do gate and up;
 every projection is `project`, whose backward hands XLA the weight gradient as x^T @ dy with x
 on the left, so the gradient dy is never written out transposed. Training's causal attention
 (`causal_attention`) runs in query blocks, each against only the keys at or before it; decoding
@@ -84,14 +87,19 @@ def rotary(x, positions, theta: float):
 
 class Kernel(nn.Module):
     """A projection's [in, out] weight under `<name>/kernel`, drawn as `nn.Dense` draws it (same
-    key, N(0, std)), but returned rather than applied, so kernels can be concatenated."""
+    key, N(0, std)), but returned rather than applied, so kernels can be concatenated. With
+    `bias`, also its [out] bias under `<name>/bias`, zeros as `nn.Dense`'s: (kernel, bias)."""
 
     shape: tuple[int, int]
     std: float
+    bias: bool = False
 
     @nn.compact
     def __call__(self):
-        return self.param("kernel", nn.initializers.normal(self.std), self.shape, jnp.float32)
+        kernel = self.param("kernel", nn.initializers.normal(self.std), self.shape, jnp.float32)
+        if not self.bias:
+            return kernel
+        return kernel, self.param("bias", nn.initializers.zeros, self.shape[1:], jnp.float32)
 
 
 @jax.custom_vjp
@@ -173,10 +181,14 @@ class Attention(nn.Module):
         B, T, D = x.shape
         H, K, Q = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)  # residual projections scaled by depth
-        qkv_kernel = jnp.concatenate([Kernel((D, H * Q), cfg.init_std, name="q_proj")(),
-                                      Kernel((D, K * Q), cfg.init_std, name="k_proj")(),
-                                      Kernel((D, K * Q), cfg.init_std, name="v_proj")()], axis=1)
-        q, k, v = jnp.split(project(x, qkv_kernel.astype(dt)), [H * Q, (H + K) * Q], axis=-1)  # one matmul
+        qkv = [Kernel((D, width), cfg.init_std, cfg.attention_bias, name=name)()
+               for name, width in (("q_proj", H * Q), ("k_proj", K * Q), ("v_proj", K * Q))]
+        if cfg.attention_bias:  # Qwen2's q, k and v biases, added before the rotation as HF does
+            qkv_kernel, qkv_bias = (jnp.concatenate(parts, axis=-1) for parts in zip(*qkv))
+            qkv = project(x, qkv_kernel.astype(dt)) + qkv_bias.astype(dt)
+        else:
+            qkv = project(x, jnp.concatenate(qkv, axis=1).astype(dt))
+        q, k, v = jnp.split(qkv, [H * Q, (H + K) * Q], axis=-1)  # one matmul
         q, k, v = q.reshape(B, T, H, Q), k.reshape(B, T, K, Q), v.reshape(B, T, K, Q)
         q, k = rotary(q, positions, cfg.rope_theta), rotary(k, positions, cfg.rope_theta)
 

@@ -20,16 +20,20 @@ def lr_schedule(cfg: TrainConfig):
 
     cosine: half a cosine from lr down to lr * min_lr_ratio at the last step;
     wsd (warmup-stable-decay): constant lr, then a linear decay to lr * min_lr_ratio over the
-    last `decay_fraction` of the steps (so a run can be extended from a stable-phase checkpoint).
+    last `decay_fraction` of the steps, or the last `decay_steps` (so a run can be extended, or
+    cooled down, from a stable-phase checkpoint).
+    The steps are `schedule_steps` when set (a phase of a longer run), else `steps`.
     """
     peak, floor = cfg.lr, cfg.lr * cfg.min_lr_ratio
-    decay_start = cfg.warmup if cfg.schedule == "cosine" else cfg.steps - max(1, round(cfg.decay_fraction * cfg.steps))
+    steps = cfg.schedule_steps or cfg.steps  # a first phase of a longer run spans the whole run
+    decay = cfg.decay_steps or max(1, round(cfg.decay_fraction * steps))
+    decay_start = cfg.warmup if cfg.schedule == "cosine" else steps - decay
     decay_start = max(decay_start, cfg.warmup)
 
     def schedule(step):
         step = jnp.asarray(step, jnp.float32)
         warm = peak * (step + 1) / max(cfg.warmup, 1)  # the first update already moves
-        progress = jnp.clip((step - decay_start) / max(cfg.steps - 1 - decay_start, 1), 0.0, 1.0)
+        progress = jnp.clip((step - decay_start) / max(steps - 1 - decay_start, 1), 0.0, 1.0)
         if cfg.schedule == "cosine":
             decayed = floor + (peak - floor) * 0.5 * (1 + jnp.cos(math.pi * progress))
         else:
@@ -45,7 +49,19 @@ def matrices_only(params):
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+    """Clipping and AdamW with a unit learning rate: the train step multiplies the updates by the
+    schedule at the state's step counter (`scaled`). optax would evaluate the schedule at a count
+    of its own inside the optimizer state, a second counter that a phase restoring the optimizer
+    state would carry on with: a new schedule would then start where the old one was (Marin met
+    exactly this: a cooldown flat at the minimum learning rate). With one counter, `reset` sets it
+    to 0 and the new schedule starts at its first value."""
     parts = [optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip > 0 else []
-    parts.append(optax.adamw(lr_schedule(cfg), b1=cfg.beta1, b2=cfg.beta2, eps=cfg.eps,
-                             weight_decay=cfg.weight_decay, mask=matrices_only))
+    parts.append(optax.adamw(1.0, b1=cfg.beta1, b2=cfg.beta2, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                             mask=matrices_only))
     return optax.chain(*parts)
+
+
+def scaled(updates, lr):
+    """AdamW's updates at learning rate 1 (-(adam + decay)) times `lr`: the same float32 products
+    as optax's own scaling by -lr, so the parameters are bit for bit what they were."""
+    return jax.tree_util.tree_map(lambda u: u * lr.astype(u.dtype), updates)

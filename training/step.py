@@ -17,7 +17,7 @@ import optax
 
 from training.config import ModelConfig, TrainConfig
 from training.model import forward, init_params
-from training.optim import lr_schedule
+from training.optim import lr_schedule, scaled
 
 
 def init_state(model_cfg: ModelConfig, optimizer: optax.GradientTransformation, key: jax.Array) -> dict:
@@ -58,57 +58,27 @@ def loss_fn(params, batch, model_cfg: ModelConfig):
     return cross_entropy(forward(params, batch[:, :-1], model_cfg), batch[:, 1:])
 
 
+class NextToken:
+    """Pretraining's objective: next-token cross-entropy on an int32 [B, T + 1] batch, no metrics
+    of its own. Post-training's objectives (training/posttrain.py) have the same two methods'
+    shape: `loss(params, batch, model_cfg) -> (loss, metrics)` on their dict batches."""
+
+    name = "next_token"
+
+    def loss(self, params, batch, model_cfg: ModelConfig):
+        return loss_fn(params, batch, model_cfg), {}
+
+
+NEXT_TOKEN = NextToken()
+
+
 def make_train_step(model_cfg: ModelConfig, train_cfg: TrainConfig,
                     optimizer: optax.GradientTransformation, objective=None) -> Callable:
-    """The step body, to be wrapped by `jax.jit` with shardings and `donate_argnums=0`.
-
-    `objective` (post-training, see training/posttrain.py) replaces the next-token loss: its
-    `loss(params, batch, model_cfg) -> (loss, metrics)` takes a dict batch, and its metrics are
-    averaged like the loss and returned beside it. None: pretraining, exactly as before."""
-    if objective is not None:
-        return _make_objective_step(model_cfg, train_cfg, optimizer, objective)
-    grad_fn = jax.value_and_grad(loss_fn)
-    schedule = lr_schedule(train_cfg)
-    M = train_cfg.microbatches
-
-    def gradients(params, batch):
-        if M == 1:
-            return grad_fn(params, batch, model_cfg)
-        # Microbatch m is rows m, m+M, m+2M, ...: each device's contiguous slice of a batch
-        # sharded on `data` then holds part of every microbatch, so nothing moves between devices.
-        B, T1 = batch.shape
-        micro = batch.reshape(B // M, M, T1).transpose(1, 0, 2)  # [M, B/M, T+1]
-
-        def accumulate(carry, mb):
-            loss, grads = grad_fn(params, mb, model_cfg)
-            return (carry[0] + loss, jax.tree_util.tree_map(jnp.add, carry[1], grads)), None
-
-        zeros = (jnp.zeros((), jnp.float32), jax.tree_util.tree_map(jnp.zeros_like, params))
-        (loss, grads), _ = jax.lax.scan(accumulate, zeros, micro)
-        return loss / M, jax.tree_util.tree_map(lambda g: g / M, grads)
-
-    def train_step(state: dict, batch: jax.Array):
-        rng, _step_key = jax.random.split(state["rng"])  # no dropout yet: the key only advances
-        loss, grads = gradients(state["params"], batch)
-        updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
-        params = optax.apply_updates(state["params"], updates)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state["step"])}
-        return {"step": state["step"] + 1, "params": params, "opt_state": opt_state, "rng": rng}, metrics
-
-    return train_step
-
-
-def make_eval_step(model_cfg: ModelConfig, objective=None) -> Callable:
-    """params, batch -> mean validation loss (the objective's, when given); wrap in `jax.jit`."""
-    if objective is not None:
-        return lambda params, batch: objective.loss(params, batch, model_cfg)[0]
-    return lambda params, batch: loss_fn(params, batch, model_cfg)
-
-
-def _make_objective_step(model_cfg: ModelConfig, train_cfg: TrainConfig,
-                         optimizer: optax.GradientTransformation, objective) -> Callable:
-    """`make_train_step` for an objective: the same update, on a dict batch whose arrays all have
-    the batch as their first axis; microbatch m is rows m, m+M, ... as in pretraining."""
+    """The step body, to be wrapped by `jax.jit` with shardings and `donate_argnums=0`: one for
+    pretraining, SFT and DPO. `objective` (None: next-token pretraining) gives the loss and its
+    metrics, averaged like the loss and returned beside it. The learning rate is the schedule at
+    the state's own step counter (training/optim.py), the one counter a new phase resets."""
+    objective = objective or NEXT_TOKEN
     grad_fn = jax.value_and_grad(lambda p, b: objective.loss(p, b, model_cfg), has_aux=True)
     schedule = lr_schedule(train_cfg)
     M = train_cfg.microbatches
@@ -116,24 +86,33 @@ def _make_objective_step(model_cfg: ModelConfig, train_cfg: TrainConfig,
     def gradients(params, batch):
         if M == 1:
             return grad_fn(params, batch)
+        # Microbatch m is rows m, m+M, m+2M, ... of every array of the batch: each device's
+        # contiguous slice of a batch sharded on `data` then holds part of every microbatch, so
+        # nothing moves between devices.
         micro = jax.tree_util.tree_map(
             lambda x: jnp.swapaxes(x.reshape(x.shape[0] // M, M, *x.shape[1:]), 0, 1), batch)  # [M, B/M, ...]
 
         def accumulate(carry, mb):
-            (loss, aux), grads = grad_fn(params, mb)
-            return jax.tree_util.tree_map(jnp.add, carry, ((loss, aux), grads)), None
+            return jax.tree_util.tree_map(jnp.add, carry, grad_fn(params, mb)), None
 
-        (loss0, aux0), _ = jax.eval_shape(grad_fn, params, jax.tree_util.tree_map(lambda x: x[0], micro))
-        zeros = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), ((loss0, aux0), params))
+        shapes = jax.eval_shape(grad_fn, params, jax.tree_util.tree_map(lambda x: x[0], micro))
+        zeros = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
         total, _ = jax.lax.scan(accumulate, zeros, micro)
         return jax.tree_util.tree_map(lambda x: x / M, total)
 
-    def train_step(state: dict, batch: dict):
-        rng, _step_key = jax.random.split(state["rng"])
+    def train_step(state: dict, batch):
+        rng, _step_key = jax.random.split(state["rng"])  # no dropout yet: the key only advances
         (loss, aux), grads = gradients(state["params"], batch)
+        lr = schedule(state["step"])
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
-        params = optax.apply_updates(state["params"], updates)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state["step"]), **aux}
+        params = optax.apply_updates(state["params"], scaled(updates, lr))
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": lr, **aux}
         return {"step": state["step"] + 1, "params": params, "opt_state": opt_state, "rng": rng}, metrics
 
     return train_step
+
+
+def make_eval_step(model_cfg: ModelConfig, objective=None) -> Callable:
+    """params, batch -> mean validation loss (the objective's, when given); wrap in `jax.jit`."""
+    objective = objective or NEXT_TOKEN
+    return lambda params, batch: objective.loss(params, batch, model_cfg)[0]

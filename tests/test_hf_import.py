@@ -1,0 +1,331 @@
+"""Hugging Face import (training/hf_import.py) and the `hf` tokenizer kind.
+
+Checkpoints that transformers writes (random LlamaForCausalLM, tied and untied, and Qwen2ForCausalLM
+with its q/k/v biases; norms and biases randomised too, so a dropped or swapped one shows) come
+back as kiln's model with transformers' logits, also through the key/value cache, and export back
+to folders that transformers loads with the same logits. Configs kiln cannot compute are refused,
+saying why. Those tests need torch (`needs`); the refusals, the inverse of kiln's own export and
+the tokenizer kind do not.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from safetensors.numpy import load_file, save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from tasks.engine.versioning import identity_fields
+from tasks.tokenizer import TokenizerConfig, load_tokenizer, read_tokenizer_meta, tokenizer_step
+from tests.conftest import needs
+from tests.test_loader import run_body
+from training.config import ModelConfig
+from training.export import export_hf, hf_state_dict
+from training.hf_import import load_hf
+from training.model import decode_step, forward, init_cache, init_params
+from training.step import init_state
+
+VOCAB = 320  # the model's; the test tokenizer has fewer tokens, as a padded HF vocabulary does
+TEXT = ("In the beginning God created the heaven and the earth. And the earth was without form, and void; "
+        "and darkness was upon the face of the deep. And God said, Let there be light: and there was light.")
+SPECIAL = ["<unk>", "<s>", "</s>"]
+
+forward = jax.jit(forward, static_argnums=2)
+
+
+# --- folders -------------------------------------------------------------------------------------
+
+
+def tokenizer_folder(folder: Path, tokenizer_config: dict | None = None) -> Path:
+    """A byte-level BPE saved as tokenizer.json, with `tokenizer_config` beside it (None: none)."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok.train_from_iterator([TEXT] * 4, trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIAL,
+                                                            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                            show_progress=False))
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    if tokenizer_config is not None:
+        (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    return folder
+
+
+LLAMA_TOKENS = {"eos_token": "</s>", "bos_token": {"content": "<s>", "special": True}}  # an AddedToken, as HF writes
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    """The tokenizer step's output for a Hugging Face tokenizer folder."""
+    root = tmp_path_factory.mktemp("hf-tokenizer")
+    step = tokenizer_step(TokenizerConfig(kind="hf", path=str(tokenizer_folder(root / "hf", LLAMA_TOKENS))))
+    run_body(step, root / "out", {})
+    return root / "out"
+
+
+def kiln_export(folder: Path, cfg: ModelConfig, tokenizer_dir: Path, seed: int = 0) -> dict:
+    """kiln's own export of random parameters (norms and biases randomised): a Hugging Face folder
+    made without torch. Returns the parameters."""
+    params = init_params(cfg, jax.random.PRNGKey(seed))
+    rng = np.random.default_rng(seed)
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, p: np.asarray(p + (0.2 * rng.standard_normal(p.shape) if path[-1].key in ("weight", "bias")
+                                        else 0), np.float32), params)
+    folder.mkdir(parents=True)
+    export_hf(cfg, params, (tokenizer_dir / "tokenizer.json").read_text(), read_tokenizer_meta(tokenizer_dir), folder)
+    return params
+
+
+@pytest.fixture(scope="module")
+def hf():
+    """torch and transformers, or these tests skipped with the install hint."""
+    return needs("torch"), needs("transformers")
+
+
+def transformers_model(hf, arch: str, **config):
+    """A random transformers model of `arch` (llama, qwen2): matrices N(0, 0.1), norms 1 + N(0, 0.2),
+    biases N(0, 0.2)."""
+    torch, transformers = hf
+    config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[arch]
+    cfg = config_class(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                       num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6,
+                       bos_token_id=1, eos_token_id=2, **config)
+    torch.manual_seed(len(arch))
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            else:
+                p.normal_(0, 0.2 if name.endswith("bias") else 0.1)
+    return model.eval()
+
+
+def torch_logits(hf, model, tokens: np.ndarray) -> np.ndarray:
+    torch, _ = hf
+    with torch.no_grad():
+        return model(torch.from_numpy(tokens.astype(np.int64))).logits.float().numpy()
+
+
+def assert_close(got: np.ndarray, expected: np.ndarray) -> None:
+    rel = np.abs(got - expected).max() / np.abs(expected).max()
+    assert rel < 1e-4, f"max relative difference {rel:.2e}"
+    assert np.abs(expected).max() > 1.0  # the logits are not trivially small
+
+
+def tokens_for(cfg: ModelConfig, T: int = 24) -> np.ndarray:
+    return np.random.default_rng(0).integers(0, cfg.vocab_size, size=(3, T)).astype(np.int32)
+
+
+# --- transformers checkpoints --------------------------------------------------------------------
+
+CASES = {
+    "llama-untied": ("llama", {"tie_word_embeddings": False, "rope_theta": 500.0}),
+    "llama-tied": ("llama", {"tie_word_embeddings": True}),
+    "qwen2-tied": ("qwen2", {"tie_word_embeddings": True, "rope_theta": 1e6}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_imported_checkpoint_gives_transformers_logits_and_round_trips(case, hf, tokenizer_dir, tmp_path):
+    arch, config = CASES[case]
+    model = transformers_model(hf, arch, **config)
+    model.save_pretrained(tmp_path / "hf")
+    cfg, params = load_hf(tmp_path / "hf")
+
+    assert (cfg.attention_bias, cfg.tie_embeddings, cfg.seq_len) == (arch == "qwen2", config["tie_word_embeddings"], 64)
+    assert cfg.rope_theta == config.get("rope_theta", 10000.0) and cfg.norm_eps == 1e-6
+    fresh = init_state(cfg, optax.sgd(0.1), jax.random.PRNGKey(0))["params"]  # what training starts from
+    assert jax.tree_util.tree_structure(params) == jax.tree_util.tree_structure(fresh)
+    assert jax.tree_util.tree_map(lambda a: (a.shape, a.dtype), params) == \
+        jax.tree_util.tree_map(lambda a: (a.shape, a.dtype), fresh)
+
+    tokens = tokens_for(cfg)
+    expected = torch_logits(hf, model, tokens)
+    assert_close(np.asarray(forward(params, tokens, cfg)), expected)
+
+    # the key/value cache path: a prefill of 16 tokens, then one token at a time
+    cache = init_cache(cfg, tokens.shape[0], tokens.shape[1])
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    decoded, cache = decode_step(params, cfg, tokens[:, :16], cache, positions[:, :16])
+    steps = [decoded]
+    for t in range(16, tokens.shape[1]):
+        logits, cache = decode_step(params, cfg, tokens[:, t:t + 1], cache, positions[:, t:t + 1])
+        steps.append(logits)
+    assert_close(np.asarray(jnp.concatenate(steps, axis=1)), expected)
+
+    # kiln -> Hugging Face again: transformers loads it as the same class, with the same logits
+    (tmp_path / "export").mkdir()
+    export_hf(cfg, params, (tokenizer_dir / "tokenizer.json").read_text(), read_tokenizer_meta(tokenizer_dir),
+              tmp_path / "export")
+    _, transformers = hf
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
+    assert type(again).__name__ == type(model).__name__
+    assert_close(torch_logits(hf, again, tokens), expected)
+    assert again.generation_config.eos_token_id == read_tokenizer_meta(tokenizer_dir)["eos_id"]
+
+
+def test_bfloat16_and_sharded_checkpoints_import_exactly(hf, tmp_path):
+    torch, _ = hf
+    model = transformers_model(hf, "qwen2", tie_word_embeddings=False).to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "hf", max_shard_size="50KB")
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    assert len(list((tmp_path / "hf").glob("model-*.safetensors"))) > 1
+
+    cfg, params = load_hf(tmp_path / "hf", seq_len=16)
+    assert cfg.seq_len == 16  # capped; max_position_embeddings is 64
+    ours = hf_state_dict(params, cfg)  # back under HF names, the export's own inverse
+    theirs = {k: v.float().numpy() for k, v in model.state_dict().items()}
+    assert sorted(ours) == sorted(theirs)
+    for name, tensor in theirs.items():
+        assert ours[name].dtype == np.float32 and np.array_equal(ours[name], tensor), name
+
+
+# --- kiln's own exports, and what is refused (no torch) -------------------------------------------
+
+SMALL = ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, seq_len=32,
+                    tie_embeddings=False, rope_theta=2000.0, norm_eps=1e-6, init_std=0.05)
+
+
+@pytest.mark.parametrize("attention_bias", [False, True])
+def test_import_is_the_inverse_of_export(attention_bias, tokenizer_dir, tmp_path):
+    cfg = SMALL.model_copy(update={"attention_bias": attention_bias})
+    params = kiln_export(tmp_path / "hf", cfg, tokenizer_dir)
+    hf_config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert hf_config["architectures"] == ["Qwen2ForCausalLM" if attention_bias else "LlamaForCausalLM"]
+    assert ("model.layers.1.self_attn.k_proj.bias" in load_file(tmp_path / "hf" / "model.safetensors")) == attention_bias
+
+    got_cfg, got = load_hf(tmp_path / "hf")
+    assert got_cfg == cfg
+    assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(params)
+    assert all(jax.tree_util.tree_leaves(jax.tree_util.tree_map(np.array_equal, got, params)))
+
+
+def edited(tokenizer_dir: Path, tmp_path: Path, config: dict | None = None, weights=None, cfg=SMALL) -> Path:
+    """A kiln export with config.json's keys updated by `config` and its tensors by `weights`."""
+    kiln_export(tmp_path / "hf", cfg, tokenizer_dir)
+    path = tmp_path / "hf" / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **(config or {})}))
+    if weights is not None:
+        tensors = load_file(tmp_path / "hf" / "model.safetensors")
+        save_file(weights(tensors), tmp_path / "hf" / "model.safetensors")
+    return tmp_path / "hf"
+
+
+REFUSED = {
+    "llama3-rope": ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling .*unscaled"),
+    "yarn-rope-v5": ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "rope_parameters"),
+    "head-dim": ({"head_dim": 16}, "head_dim 16 with hidden_size 32 and 4 heads"),
+    "mistral": ({"architectures": ["MistralForCausalLM"], "model_type": "mistral"}, "architectures .*Mistral"),
+    "mlp-bias": ({"mlp_bias": True}, "mlp_bias true"),
+    "llama-attention-bias": ({"attention_bias": True}, "o_proj"),
+    "sliding-window": ({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": True,
+                        "sliding_window": 16}, "use_sliding_window true, window 16"),
+    "sliding-layers": ({"layer_types": ["sliding_attention", "full_attention"]}, "sliding_attention"),
+    "gelu": ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    "quantized": ({"quantization_config": {"quant_method": "gptq"}}, "quantization_config"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_configs_kiln_cannot_compute_are_refused_saying_why(case, tokenizer_dir, tmp_path):
+    config, reason = REFUSED[case]
+    with pytest.raises(ValueError, match="kiln's model cannot represent|kiln imports") as e:
+        load_hf(edited(tokenizer_dir, tmp_path, config))
+    assert e.match(reason)
+
+
+def test_tensors_that_do_not_fit_are_refused(tokenizer_dir, tmp_path):
+    # Qwen2's config over Llama's weights: the q/k/v biases it needs are not there
+    folder = edited(tokenizer_dir, tmp_path / "a", {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"})
+    with pytest.raises(ValueError, match="lacks 6 tensors its config.json needs: model.layers.0.self_attn.q_proj.bias"):
+        load_hf(folder)
+    extra = edited(tokenizer_dir, tmp_path / "b", weights=lambda w: {
+        **w, "model.layers.0.self_attn.o_proj.bias": np.zeros(32, np.float32),
+        "model.layers.0.self_attn.rotary_emb.inv_freq": np.zeros(4, np.float32)})  # the buffer is ignored
+    with pytest.raises(ValueError, match=r"no place for 1 tensors of the checkpoint: model.layers.0.self_attn.o_proj.bias$"):
+        load_hf(extra)
+    wrong = edited(tokenizer_dir, tmp_path / "c", {"intermediate_size": 64})
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.gate_proj.weight has shape \[48, 32\], but config.json "
+                                         r"makes it \[64, 32\]"):
+        load_hf(wrong)
+    (wrong / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="neither model.safetensors nor model.safetensors.index.json"):
+        load_hf(wrong)
+    with pytest.raises(FileNotFoundError, match="config.json not found"):
+        load_hf(tmp_path / "nothing")
+
+
+# --- the hf tokenizer kind -----------------------------------------------------------------------
+
+
+def test_hf_tokenizer_is_the_folders_own(tokenizer_dir, tmp_path):
+    source = tokenizer_folder(tmp_path / "hf", LLAMA_TOKENS)
+    assert (tokenizer_dir / "tokenizer.json").read_bytes() == (source / "tokenizer.json").read_bytes()
+    meta = read_tokenizer_meta(tokenizer_dir)
+    hf_tok = Tokenizer.from_file(str(source / "tokenizer.json"))
+    assert (meta["kind"], meta["eos_token"], meta["bos_token"]) == ("hf", "</s>", "<s>")
+    assert (meta["eos_id"], meta["bos_id"]) == (hf_tok.token_to_id("</s>"), hf_tok.token_to_id("<s>"))
+    assert meta["special_tokens"] == {t: hf_tok.token_to_id(t) for t in SPECIAL}
+    assert meta["vocab_size"] == hf_tok.get_vocab_size()
+    assert load_tokenizer(tokenizer_dir).encode(TEXT).ids == hf_tok.encode(TEXT).ids
+
+
+def hf_version(folder: Path) -> str:
+    return tokenizer_step(TokenizerConfig(kind="hf", path=str(folder))).version
+
+
+def test_hf_tokenizer_version_follows_content_not_path(tmp_path):
+    base = hf_version(tokenizer_folder(tmp_path / "a", LLAMA_TOKENS))
+    assert hf_version(tokenizer_folder(tmp_path / "elsewhere", LLAMA_TOKENS)) == base
+    other = tokenizer_folder(tmp_path / "weights-beside", LLAMA_TOKENS)
+    (other / "model.safetensors").write_bytes(b"new weights beside the same tokenizer")
+    assert hf_version(other) == base
+    assert hf_version(tokenizer_folder(tmp_path / "b", {**LLAMA_TOKENS, "eos_token": "<unk>"})) != base
+    changed = tokenizer_folder(tmp_path / "c", LLAMA_TOKENS)
+    (changed / "tokenizer.json").write_text((changed / "tokenizer.json").read_text().replace('"<unk>"', '"<pad>"'))
+    assert hf_version(changed) != base
+    # the kinds that were there before have no path in their versions
+    assert "path" not in identity_fields(TokenizerConfig()) and "path" not in identity_fields(
+        TokenizerConfig(kind="bpe", vocab_size=1000))
+    assert "attention_bias" not in identity_fields(ModelConfig())
+    assert identity_fields(ModelConfig(attention_bias=True))["attention_bias"] is True
+
+
+def test_hf_tokenizer_special_tokens_from_the_folder(tmp_path):
+    # Qwen2's way: no BOS (null in tokenizer_config.json), though config.json names a bos_token_id
+    qwen = tokenizer_folder(tmp_path / "qwen", {"eos_token": "</s>", "bos_token": None})
+    (qwen / "config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 0}))
+    run_body(tokenizer_step(TokenizerConfig(kind="hf", path=str(qwen))), tmp_path / "qwen-out", {})
+    meta = read_tokenizer_meta(tmp_path / "qwen-out")
+    assert (meta["eos_token"], meta["bos_token"], meta["bos_id"]) == ("</s>", None, None)
+    # no tokenizer_config.json: the ids in config.json (a list's first), then generation_config.json
+    ids = tokenizer_folder(tmp_path / "ids")
+    (ids / "config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
+    (ids / "generation_config.json").write_text(json.dumps({"bos_token_id": 1}))
+    run_body(tokenizer_step(TokenizerConfig(kind="hf", path=str(ids))), tmp_path / "ids-out", {})
+    meta = read_tokenizer_meta(tmp_path / "ids-out")
+    assert (meta["eos_token"], meta["eos_id"], meta["bos_token"], meta["bos_id"]) == ("</s>", 2, "<s>", 1)
+
+
+def test_hf_tokenizer_errors(tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "tokenizer.model").write_bytes(b"sentencepiece")
+    with pytest.raises(FileNotFoundError, match="tokenizer.json not found: tokenizer kind 'hf' reads a fast"):
+        hf_version(tmp_path / "empty")
+    with pytest.raises(ValueError, match="names no EOS token"):
+        hf_version(tokenizer_folder(tmp_path / "no-eos"))
+    with pytest.raises(ValueError, match="eos token '<eot>' is not in its tokenizer.json"):
+        hf_version(tokenizer_folder(tmp_path / "bad-eos", {"eos_token": "<eot>"}))
+    with pytest.raises(ValueError, match="kind 'hf' needs path"):
+        TokenizerConfig(kind="hf")
+    with pytest.raises(ValueError, match="path applies to kind 'hf' only"):
+        TokenizerConfig(path=str(tmp_path))
+    with pytest.raises(ValueError, match="leave special_tokens, eos_token, bos_token out"):
+        TokenizerConfig(kind="hf", path=str(tmp_path), special_tokens=("<s>", "</s>"), eos_token="</s>",
+                        bos_token="<s>")

@@ -1,0 +1,199 @@
+"""Import a Hugging Face checkpoint as kiln's model: the inverse of training/export.py.
+
+`load_hf(folder)` reads a local folder (nothing is downloaded) holding `config.json` and
+`model.safetensors`, or shards listed in `model.safetensors.index.json`, of a `LlamaForCausalLM`
+or a `Qwen2ForCausalLM` (Llama with biases on q, k and v: kiln's `attention_bias`). Tensors are
+renamed by the export's own table (`training.export.hf_names`) and Linear weights [out, in]
+transposed back to Dense kernels [in, out]; nothing is permuted, since kiln's RoPE is HF's
+`rotate_half` layout. Every tensor becomes float32 (bfloat16 exactly), as kiln's parameters are.
+
+What kiln's model cannot compute is refused with the reason, before any weight is read: RoPE
+scaling (Llama 3.1's, YaRN, ...), a sliding window in use, biases other than Qwen2's q/k/v, an
+activation other than SiLU, a head_dim other than hidden_size / num_attention_heads, quantized
+weights, and other architectures. A tensor the config does not account for is refused too.
+
+Plain numpy and `safetensors`: no JAX device work, no torch, no Prefect.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+from safetensors import safe_open
+
+from training.config import ModelConfig
+from training.export import hf_names, leaf_at
+from training.model import init_params
+
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+INDEX_FILE = "model.safetensors.index.json"
+WEIGHTS_FILE = "model.safetensors"
+# Buffers some older checkpoints saved beside the weights; kiln computes them from rope_theta.
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def load_hf(folder: Path, seq_len: int | None = None) -> tuple[ModelConfig, dict]:
+    """The model in a Hugging Face folder: its ModelConfig and a parameter tree shaped as
+    `training.model.init_params` makes it, of float32 numpy arrays (in host memory: the caller
+    places them on devices, sharded as it likes).
+
+    `seq_len` caps the config's `max_position_embeddings`, which kiln's seq_len would otherwise
+    take: it sizes training's buffers and the default generation length."""
+    folder = Path(folder)
+    cfg = model_config(read_config(folder), seq_len, folder)
+    return cfg, kiln_params(read_tensors(folder), cfg, folder)
+
+
+def read_config(folder: Path) -> dict:
+    path = folder / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: {folder} is not a Hugging Face model folder "
+                                "(kiln imports local folders only; download one with `hf download` first)")
+    return json.loads(path.read_text())
+
+
+# --- config.json -> ModelConfig ------------------------------------------------------------------
+
+
+def architecture(hf: dict, folder: Path) -> str:
+    archs = hf.get("architectures") or []
+    known = [a for a in archs if a in ARCHITECTURES]
+    if len(archs) > 1 or (archs and not known):
+        raise ValueError(f"{folder}: architectures {archs}: kiln imports one of {sorted(ARCHITECTURES)}")
+    model_type = ARCHITECTURES[known[0]] if known else hf.get("model_type")
+    if model_type not in ARCHITECTURES.values() or hf.get("model_type", model_type) != model_type:
+        raise ValueError(f"{folder}: model_type {hf.get('model_type')!r}: kiln imports Llama and Qwen2 decoders "
+                         f"({', '.join(sorted(ARCHITECTURES))})")
+    return model_type
+
+
+def rope_theta(hf: dict) -> float:
+    parameters = hf.get("rope_parameters") or {}  # transformers 5 nests it; 4 writes it flat
+    return float(hf.get("rope_theta", parameters.get("rope_theta", 10000.0)))
+
+
+def unsupported(hf: dict, model_type: str) -> list[str]:
+    """Why kiln's model cannot compute this config, one reason each (empty: it can)."""
+    reasons = []
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        reasons.append(f"hidden_act {act!r} (kiln's MLP is SwiGLU, silu)")
+    for key in ("rope_scaling", "rope_parameters"):
+        rope = hf.get(key) or {}
+        kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else rope
+        if kind != "default":
+            reasons.append(f"{key} {rope} (kiln's RoPE is unscaled: rope_type default)")
+    partial = hf.get("partial_rotary_factor", (hf.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        reasons.append(f"partial_rotary_factor {partial} (kiln rotates every head dimension)")
+    hidden, heads, head_dim = hf.get("hidden_size") or 0, hf.get("num_attention_heads") or 1, hf.get("head_dim")
+    if hidden % heads or head_dim not in (None, hidden // heads):
+        reasons.append(f"head_dim {head_dim} with hidden_size {hidden} and {heads} heads "
+                       "(kiln's head_dim is hidden_size / num_attention_heads)")
+    if model_type == "llama" and hf.get("attention_bias"):
+        reasons.append("attention_bias true (Llama's puts biases on q, k, v and o_proj; kiln's attention_bias "
+                       "is Qwen2's, on q, k and v only)")
+    if hf.get("mlp_bias"):
+        reasons.append("mlp_bias true (kiln's MLP has no biases)")
+    if hf.get("use_sliding_window"):
+        reasons.append(f"use_sliding_window true, window {hf.get('sliding_window')} (kiln attends to every "
+                       "earlier position)")
+    other_layers = sorted(set(hf.get("layer_types") or ["full_attention"]) - {"full_attention"})
+    if other_layers:
+        reasons.append(f"layer_types {other_layers} (kiln's layers are all full_attention)")
+    if hf.get("quantization_config"):
+        reasons.append("quantization_config (kiln imports float weights: float32, float16 or bfloat16)")
+    return reasons
+
+
+def model_config(hf: dict, seq_len: int | None, folder: Path) -> ModelConfig:
+    """ModelConfig from a config.json's dict: `training.export.hf_config`'s inverse."""
+    model_type = architecture(hf, folder)
+    reasons = unsupported(hf, model_type)
+    if reasons:
+        raise ValueError(f"{folder}: kiln's model cannot represent this {model_type} checkpoint: " + "; ".join(reasons))
+    max_positions = hf.get("max_position_embeddings") or seq_len
+    if max_positions is None:
+        raise ValueError(f"{folder}: config.json has no max_position_embeddings: pass seq_len")
+    try:
+        return ModelConfig(vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
+                           n_heads=hf["num_attention_heads"],
+                           n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+                           d_ff=hf["intermediate_size"], seq_len=min(max_positions, seq_len or max_positions),
+                           rope_theta=rope_theta(hf), tie_embeddings=hf.get("tie_word_embeddings", False),
+                           norm_eps=hf.get("rms_norm_eps", 1e-6), init_std=hf.get("initializer_range", 0.02),
+                           attention_bias=model_type == "qwen2")
+    except KeyError as e:
+        raise ValueError(f"{folder}: config.json has no {e.args[0]}") from None
+
+
+# --- safetensors -> kiln's parameter tree ---------------------------------------------------------
+
+
+def read_tensors(folder: Path) -> dict[str, np.ndarray]:
+    """Every tensor of the checkpoint, by HF name, as float32."""
+    index = folder / INDEX_FILE
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (folder / WEIGHTS_FILE).is_file():
+        files = [WEIGHTS_FILE]
+    else:
+        raise FileNotFoundError(f"{folder} has neither {WEIGHTS_FILE} nor {INDEX_FILE}: kiln reads safetensors "
+                                "checkpoints only (load a pytorch_model.bin one in transformers and "
+                                "`save_pretrained` it again to convert it)")
+    tensors = {}
+    for name in files:
+        path = folder / name
+        with safe_open(str(path), framework="numpy") as f:
+            for key in f.keys():
+                if f.get_slice(key).get_dtype() == "BF16":  # numpy has no bfloat16: read its bits
+                    tensors[key] = _bfloat16(path, key)
+                else:
+                    tensors[key] = f.get_tensor(key).astype(np.float32, copy=False)
+    return tensors
+
+
+def _bfloat16(path: Path, key: str) -> np.ndarray:
+    """A bfloat16 tensor of a safetensors file as float32 (exact: bfloat16 is float32's top half).
+    The file is an 8-byte header length, a JSON header with each tensor's byte offsets, the data."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        info = json.loads(f.read(n))[key]
+    begin, end = info["data_offsets"]
+    bits = np.fromfile(path, dtype="<u2", count=(end - begin) // 2, offset=8 + n + begin)
+    return (bits.astype(np.uint32) << 16).view(np.float32).reshape(info["shape"])
+
+
+def kiln_params(tensors: dict[str, np.ndarray], cfg: ModelConfig, folder: Path) -> dict:
+    """The HF tensors as kiln's parameter tree, each checked against the shape kiln's model gives it."""
+    tensors = dict(tensors)
+    shapes = jax.eval_shape(lambda key: init_params(cfg, key), jax.random.PRNGKey(0))
+    missing, params = [], {}
+    for path, name in hf_names(cfg).items():
+        expected = leaf_at(shapes, path).shape
+        if path[-1] == "kernel":
+            expected = expected[::-1]  # a Linear weight, [out, in]
+        if name not in tensors:
+            missing.append(name)
+            continue
+        tensor = tensors.pop(name)
+        if tensor.shape != expected:
+            raise ValueError(f"{folder}: {name} has shape {list(tensor.shape)}, but config.json makes it "
+                             f"{list(expected)}")
+        node = params
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = np.ascontiguousarray(tensor.T if path[-1] == "kernel" else tensor)
+    if missing:
+        raise ValueError(f"{folder}: the checkpoint lacks {len(missing)} tensors its config.json needs: "
+                         f"{', '.join(missing[:6])}{' ...' if len(missing) > 6 else ''}")
+    if cfg.tie_embeddings:
+        tensors.pop("lm_head.weight", None)  # some checkpoints save the tied copy too
+    extra = sorted(k for k in tensors if not k.endswith(IGNORED_SUFFIXES))
+    if extra:
+        raise ValueError(f"{folder}: kiln's model has no place for {len(extra)} tensors of the checkpoint: "
+                         f"{', '.join(extra[:6])}{' ...' if len(extra) > 6 else ''}")
+    return params
