@@ -28,6 +28,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tokenizers import Tokenizer
 
+from evaluation.generate import prefill
 from evaluation.scoring import WINDOW, bucket_for, buckets, make_token_scorer, pad_rows
 from training.config import ModelConfig
 from training.model import decode_step, init_cache, param_count
@@ -168,8 +169,8 @@ class KilnLM(TemplateLM):
     # --- greedy generation -----------------------------------------------------------------------
 
     def _prefill_fn(self, params, tokens, positions, cache):
-        logits, cache = decode_step(params, self.cfg, tokens, cache, positions)
-        return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32), cache
+        logits, cache = prefill(params, self.cfg, tokens, cache, positions)  # logits of the last position only
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
 
     def _decode_fn(self, params, last, positions, cache, steps: int):
         """`steps` greedy tokens after `last` [B], in one compiled loop; returns them [B, steps]."""

@@ -1,12 +1,13 @@
-"""Sampling text from a kiln model (`kiln generate`): prefill the prompt, then decode token by
-token with the model's key/value cache (training.model.init_cache / decode_step), in one
-compiled loop.
+"""Sampling text from a kiln model (`kiln generate`, `kiln serve-model`): prefill the prompts,
+then decode token by token with the model's key/value cache (training.model.init_cache /
+decode_step), in one compiled loop that ends once every row is done. `sample_batch` runs several
+prompts as one batch, each row with its own settings and the tokens it would get alone.
 
 Each new token is drawn from softmax(logits / temperature), restricted to the smallest set of
 most likely tokens whose probabilities add up to at least `top_p` (nucleus sampling, Holtzman
-et al. 2020). Randomness comes from one PRNG key made from the seed, folded with the token's
-index, so the same seed, prompt and settings give the same text. Temperature 0 is greedy: the
-argmax at every step, no randomness.
+et al. 2020). Randomness comes from one PRNG key per row made from its seed, folded with the
+token's index, so the same seed, prompt and settings give the same text, alone or in a batch.
+Temperature 0 is greedy: the argmax at every step, no randomness.
 
 Models: a train, SFT or DPO output folder (`model.json`, `params.safetensors`; the tokenizer is
 found through its lineage, or given), or an export folder (Hugging Face layout: `config.json`,
@@ -39,6 +40,38 @@ class Model:
     eos_id: int
     bos_id: int | None = None
 
+    @property
+    def start_id(self) -> int:
+        """The token before every training document, so before a text prompt: BOS, else EOS."""
+        return self.eos_id if self.bos_id is None else self.bos_id
+
+
+MAX_LOGPROBS = 20  # alternatives per token at most (`top_logprobs`; vLLM's default limit too)
+
+
+@dataclass(frozen=True)
+class Request:
+    """One row of a batch: prompt ids, how many new tokens at most, and how to draw them."""
+
+    prompt: list[int]
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_ids: tuple[int, ...] = ()  # end the row after any of these (not returned)
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """A row's new tokens (before the stop token, if one ended it), the model's log-probability of
+    each (log-softmax of its logits, float32, before temperature or top-p), and per token the
+    `top_logprobs` most likely (id, log-probability) pairs, most likely first."""
+
+    ids: list[int]
+    logprobs: list[float]
+    top: list[list[tuple[int, float]]]
+    stopped: bool  # a stop id ended it (else max_tokens did)
+
 
 def sample(model: Model, prompt: list[int], max_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
            seed: int = 0, stop_ids: tuple[int, ...] = ()) -> list[int]:
@@ -49,46 +82,155 @@ def sample(model: Model, prompt: list[int], max_tokens: int, temperature: float 
     if not 0 < max_tokens < T:
         raise ValueError(f"max_tokens={max_tokens} must be between 1 and the model's context of {T} tokens "
                          "minus one (the prompt needs at least one)")
-    if temperature < 0 or not 0 < top_p <= 1:
-        raise ValueError(f"temperature={temperature} must be >= 0 and top_p={top_p} in (0, 1]")
-    prompt = (list(prompt) or [model.eos_id if model.bos_id is None else model.bos_id])[-(T - max_tokens):]
-    ids = _sample_ids(model.params, jnp.asarray([prompt], jnp.int32), jax.random.PRNGKey(seed),
-                      jnp.float32(temperature), jnp.float32(top_p), cfg=model.cfg, max_tokens=max_tokens)
-    out = np.asarray(ids).tolist()
-    stops = {model.eos_id, *stop_ids}
-    return out[:next((i for i, t in enumerate(out) if t in stops), len(out))]
+    prompt = (list(prompt) or [model.start_id])[-(T - max_tokens):]
+    row = Request(prompt, max_tokens, temperature, top_p, seed, (model.eos_id, *stop_ids))
+    return sample_batch(model, [row])[0].ids
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_tokens"))
-def _sample_ids(params, prompt, key, temperature, top_p, *, cfg: ModelConfig, max_tokens: int):
-    """prompt [1, P] -> [max_tokens] sampled ids: one prefill, then a scan of single-token steps."""
-    P = prompt.shape[1]
-    cache = init_cache(cfg, 1, P + max_tokens)
-    logits, cache = decode_step(params, cfg, prompt, cache, jnp.arange(P, dtype=jnp.int32)[None])
+def sample_batch(model: Model, rows: list[Request], top_logprobs: int | None = None,
+                 pad_rows_to: int | None = None) -> list[Sampled]:
+    """Each row's new tokens, all rows in one prefill and one compiled decoding loop, each row as
+    it would come out alone: its own PRNG key (from its seed, folded with the token's index),
+    temperature, top-p and stops; left padding that nothing attends to (position -1).
 
-    def step(carry, i):
-        logits, pos, cache = carry  # logits [1, V]: the distribution of the token at `pos`
-        token = pick(logits, jax.random.fold_in(key, i), temperature, top_p)
+    Shapes are padded to few sizes (rows to `pad_rows_to`, else a power of two; prompt and new
+    tokens to `evaluation.scoring.buckets`), so a server compiles a handful of times. The loop
+    ends as soon as every row has stopped, so a generous max_tokens costs nothing once rows are
+    done. `top_logprobs` None: no log-probabilities at all (`Sampled.logprobs` and `top` empty),
+    which saves a log-softmax over the vocabulary per token."""
+    from evaluation.scoring import bucket_for, buckets
+
+    T = model.cfg.seq_len
+    for r in rows:
+        if not r.prompt or r.max_tokens < 1 or len(r.prompt) + r.max_tokens > T:
+            raise ValueError(f"a prompt of {len(r.prompt)} tokens and max_tokens={r.max_tokens} do not fit the "
+                             f"model's context of {T} tokens (the prompt needs at least one, max_tokens too)")
+        if r.temperature < 0 or not 0 < r.top_p <= 1:
+            raise ValueError(f"temperature={r.temperature} must be >= 0 and top_p={r.top_p} in (0, 1]")
+    if top_logprobs is not None and not 0 <= top_logprobs <= MAX_LOGPROBS:
+        raise ValueError(f"top_logprobs={top_logprobs} must be between 0 and {MAX_LOGPROBS}")
+    B = max(len(rows), pad_rows_to or 1 << (len(rows) - 1).bit_length())
+    sizes = buckets(T)
+    P = bucket_for(max(len(r.prompt) for r in rows), sizes)
+    W = bucket_for(max(r.max_tokens for r in rows), sizes)
+    n_stops = max(4, *(len(r.stop_ids) for r in rows))
+    tokens, positions = np.zeros((B, P), np.int32), np.full((B, P), -1, np.int32)
+    keys, stops = np.zeros((B, 2), np.uint32), np.full((B, n_stops), -1, np.int32)
+    settings = np.zeros((3, B), np.float32)  # temperature, top_p, max_tokens (0: a padding row)
+    settings[1] = 1.0
+    for b, r in enumerate(rows):
+        tokens[b, P - len(r.prompt):] = r.prompt
+        positions[b, P - len(r.prompt):] = np.arange(len(r.prompt))
+        keys[b] = seed_key(r.seed)
+        stops[b, :len(r.stop_ids)] = r.stop_ids
+        settings[:, b] = r.temperature, r.top_p, r.max_tokens
+    ids, logprobs, top_ids, top_lps = jax.device_get(_decode_rows(
+        model.params, tokens, positions, keys, settings[0], settings[1], settings[2].astype(np.int32), stops,
+        cfg=model.cfg, cache_len=P + W, top_k=top_k_size(top_logprobs)))
+    out = []
+    for b, r in enumerate(rows):
+        row = ids[b, :r.max_tokens].tolist()
+        n = next((i for i, t in enumerate(row) if t in r.stop_ids), len(row))
+        if top_logprobs is None:
+            out.append(Sampled(row[:n], [], [], n < len(row)))
+            continue
+        top = [list(zip(top_ids[b, i, :top_logprobs].tolist(), top_lps[b, i, :top_logprobs].tolist()))
+               for i in range(n)]
+        out.append(Sampled(row[:n], logprobs[b, :n].tolist(), top, n < len(row)))
+    return out
+
+
+def seed_key(seed: int) -> np.ndarray:
+    """A raw PRNG key (uint32 [2]) from any integer seed, taken modulo 2**64; for seeds in
+    [0, 2**32) it is `jax.random.PRNGKey(seed)`."""
+    seed %= 1 << 64
+    return np.array([seed >> 32, seed & 0xFFFFFFFF], np.uint32)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "cache_len", "top_k"))
+def _decode_rows(params, tokens, positions, keys, temperature, top_p, max_new, stop_ids, *, cfg: ModelConfig,
+                 cache_len: int, top_k: int | None):
+    """Left-padded prompts tokens, positions [B, P] -> new tokens [B, W] (W = cache_len - P), their
+    log-probabilities [B, W] and the top_k most likely alternatives' ids and log-probabilities
+    [B, W, top_k] (top_k None: no log-probabilities, zeros). Row b is done after max_new[b]
+    tokens or one in stop_ids[b]; what a done row draws after that is never read. One prefill,
+    then a while loop of one-token steps that ends once every row is done."""
+    B, P = tokens.shape
+    W = cache_len - P
+    logits, cache = prefill(params, cfg, tokens, init_cache(cfg, B, cache_len), positions)
+
+    def emit(i, logits, out, done):  # draw token i of every row from logits [B, V]; record it
+        token = pick(logits, jax.vmap(jax.random.fold_in, (0, None))(keys, i), temperature, top_p)
+        ids, lps, top_ids, top_lps = out
+        ids = ids.at[:, i].set(token)
+        if top_k is not None:
+            logp = jax.nn.log_softmax(logits, axis=-1)
+            lps = lps.at[:, i].set(jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0])
+        if top_k:
+            best, alternatives = jax.lax.top_k(logp, top_k)
+            top_ids, top_lps = top_ids.at[:, i].set(alternatives), top_lps.at[:, i].set(best)
+        done = done | (token[:, None] == stop_ids).any(axis=-1) | (i + 1 >= max_new)
+        return token, (ids, lps, top_ids, top_lps), done
+
+    out = (jnp.zeros((B, W), jnp.int32), jnp.zeros((B, W), jnp.float32),
+           jnp.zeros((B, W, top_k or 0), jnp.int32), jnp.zeros((B, W, top_k or 0), jnp.float32))
+    token, out, done = emit(0, logits, out, jnp.zeros((B,), bool))
+
+    def step(state):
+        i, token, pos, cache, out, done = state
         logits, cache = decode_step(params, cfg, token[:, None], cache, pos[:, None])
-        return (logits[:, 0], pos + 1, cache), token[0]
+        token, out, done = emit(i, logits[:, 0], out, done)
+        return i + 1, token, pos + 1, cache, out, done
 
-    _, ids = jax.lax.scan(step, (logits[:, -1], jnp.full((1,), P, jnp.int32), cache), jnp.arange(max_tokens))
-    return ids
+    state = (jnp.int32(1), token, positions[:, -1] + 1, cache, out, done)
+    return jax.lax.while_loop(lambda s: (s[0] < W) & ~s[-1].all(), step, state)[4]
 
 
-def pick(logits, key, temperature, top_p):
-    """One token per row of logits [B, V]: the argmax at temperature 0, else a draw from the
-    temperature-scaled distribution cut to its top-p nucleus."""
+def prefill(params, cfg: ModelConfig, tokens, cache: dict, positions):
+    """training.model.decode_step over whole prompts [B, P], with the output layer on the last
+    position only: logits [B, V]. The other positions' logits are never read, and at a GPT-2
+    vocabulary they cost more than the rest of the model (prefill 8x faster at the tiny_cpu shape)."""
+    from evaluation.scoring import output_logits, trunk
+
+    index = cache["index"]
+    pos = jax.lax.dynamic_update_slice(cache["pos"], positions, (0, index))
+    hidden, layers = trunk(params, tokens, positions, cfg, {"index": index, "pos": pos, "layers": cache["layers"]})
+    return output_logits(params, hidden[:, -1], cfg), {"index": index + tokens.shape[1], "pos": pos, "layers": layers}
+
+
+def pick(logits, keys, temperature, top_p):
+    """One token per row of logits [B, V], row b with its own PRNG key keys[b], temperature[b] and
+    top_p[b]: the argmax at temperature 0, else a draw from the temperature-scaled distribution
+    cut to its top-p nucleus. The draw is skipped when every row is greedy, and the nucleus's sort
+    when no sampled row cuts one (top_p 1): work no row needs, and no row's token depends on it."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    scaled = logits / jnp.maximum(temperature, 1e-6)
+
+    def draw():
+        scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+        scaled = jax.lax.cond(jnp.any((temperature > 0) & (top_p < 1)), lambda: _nucleus(scaled, top_p),
+                              lambda: scaled)
+        drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+        return jnp.where(temperature > 0, drawn, greedy)
+
+    return jax.lax.cond(jnp.any(temperature > 0), draw, lambda: greedy)
+
+
+def _nucleus(scaled, top_p):
+    """Logits [B, V] with every token outside its row's top-p nucleus at -inf (none when top_p is 1)."""
     probs = jax.nn.softmax(scaled, axis=-1)
     order = jnp.argsort(-probs, axis=-1)
     sorted_probs = jnp.take_along_axis(probs, order, axis=-1)
     before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs  # mass of the more likely tokens
-    keep_sorted = before < top_p  # the most likely token is always kept
-    keep = jnp.zeros_like(keep_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(keep_sorted)
-    drawn = jax.random.categorical(key, jnp.where(keep, scaled, -jnp.inf), axis=-1).astype(jnp.int32)
-    return jnp.where(temperature > 0, drawn, greedy)
+    keep_sorted = (before < top_p[:, None]) | (top_p[:, None] >= 1)  # the most likely token is always kept
+    keep = jnp.zeros_like(keep_sorted).at[jnp.arange(scaled.shape[0])[:, None], order].set(keep_sorted)
+    return jnp.where(keep, scaled, -jnp.inf)
+
+
+def top_k_size(k: int | None) -> int | None:
+    """The alternatives computed per token for a request of `k`: 0, 1 or MAX_LOGPROBS (sliced to
+    k after), so that the compiled functions come in a few variants, not twenty-two; None (no
+    log-probabilities) stays None."""
+    return None if k is None else 0 if k == 0 else 1 if k == 1 else MAX_LOGPROBS
 
 
 def generate(model: Model, prompt: str, max_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0,
@@ -97,7 +239,6 @@ def generate(model: Model, prompt: str, max_tokens: int = 64, temperature: float
     template (training/posttrain.py), the answer starts after the assistant token and ends at
     the end-of-turn token. Without, the prompt continues a document (EOS/BOS before it, as
     between training documents)."""
-    start = model.eos_id if model.bos_id is None else model.bos_id
     stop_ids: tuple[int, ...] = ()
     if chat:
         from training.posttrain import END_OF_TURN, ChatTemplate
@@ -108,7 +249,7 @@ def generate(model: Model, prompt: str, max_tokens: int = 64, temperature: float
         tok = Tokenizer.from_str(model.tokenizer.to_str())
         tok.encode_special_tokens = True  # special-token strings in the prompt stay text, as in training
         ids = tok.encode(prompt, add_special_tokens=False).ids
-    out = sample(model, [start, *ids], max_tokens, temperature, top_p, seed, stop_ids)
+    out = sample(model, [model.start_id, *ids], max_tokens, temperature, top_p, seed, stop_ids)
     return model.tokenizer.decode(out, skip_special_tokens=False)
 
 

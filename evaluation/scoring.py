@@ -47,9 +47,17 @@ def bucket_for(length: int, sizes: list[int]) -> int:
 def final_hidden(params, tokens, cfg: ModelConfig):
     """The final norm's output [B, T, D] for tokens [B, T] at positions 0..T-1."""
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    _, state = Llama(cfg).apply({"params": params}, tokens, positions, mutable=["intermediates"],
-                                capture_intermediates=lambda mdl, method: mdl.name == "norm" and method == "__call__")
-    return state["intermediates"]["norm"]["__call__"][0]
+    return trunk(params, tokens, positions, cfg)[0]
+
+
+def trunk(params, tokens, positions, cfg: ModelConfig, cache: dict | None = None):
+    """The final norm's output [B, T, D], and the new cache layers when run over a key/value
+    `cache` (training.model.decode_step's), without the output layer: the model's own logits are
+    unused, and XLA drops them."""
+    (_, layers), state = Llama(cfg).apply(
+        {"params": params}, tokens, positions, cache, mutable=["intermediates"],
+        capture_intermediates=lambda mdl, method: mdl.name == "norm" and method == "__call__")
+    return state["intermediates"]["norm"]["__call__"][0], layers
 
 
 def output_logits(params, hidden, cfg: ModelConfig):
@@ -57,6 +65,16 @@ def output_logits(params, hidden, cfg: ModelConfig):
     dt = jnp.dtype(cfg.compute_dtype)
     weight = params["embed_tokens"]["embedding"].T if cfg.tie_embeddings else params["lm_head"]["kernel"]
     return jnp.dot(hidden.astype(dt), weight.astype(dt)).astype(jnp.float32)
+
+
+def window_logprobs(params, inputs, targets, starts, window: int, cfg: ModelConfig):
+    """The log-softmax [B, window, V] at positions starts[b] .. starts[b] + window - 1 of each row
+    of inputs [B, L] (positions 0..L-1), and the targets there [B, window]."""
+    hidden = final_hidden(params, inputs, cfg)  # [B, L, D]
+    index = starts[:, None] + jnp.arange(window)[None, :]  # [B, window]
+    hidden = jnp.take_along_axis(hidden, index[..., None], axis=1)
+    logits = output_logits(params, hidden, cfg)  # [B, window, V]
+    return logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True), jnp.take_along_axis(targets, index, axis=1)
 
 
 def make_token_scorer(cfg: ModelConfig) -> Callable:
@@ -68,17 +86,27 @@ def make_token_scorer(cfg: ModelConfig) -> Callable:
     """
 
     def score(params, inputs, targets, starts, window: int):
-        hidden = final_hidden(params, inputs, cfg)  # [B, L, D]
-        index = starts[:, None] + jnp.arange(window)[None, :]  # [B, window]
-        hidden = jnp.take_along_axis(hidden, index[..., None], axis=1)
-        targets = jnp.take_along_axis(targets, index, axis=1)
-        logits = output_logits(params, hidden, cfg)  # [B, window, V]
-        target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-        logprob = target_logit - jax.nn.logsumexp(logits, axis=-1)
-        greedy = jnp.argmax(logits, axis=-1) == targets
-        return logprob, greedy
+        logp, targets = window_logprobs(params, inputs, targets, starts, window, cfg)
+        return jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0], jnp.argmax(logp, axis=-1) == targets
 
     return jax.jit(score, static_argnums=4)
+
+
+def make_prompt_scorer(cfg: ModelConfig) -> Callable:
+    """jit(params, inputs [B, L], targets [B, L], top_k) -> (logprob [B, L], top ids and log-probabilities
+    [B, L, top_k]): every position of every row, by the token scorer's computation (an echoed
+    prompt's log-probabilities in `kiln serve-model` agree with the lm-eval adapter's)."""
+
+    def score(params, inputs, targets, top_k: int):
+        logp, targets = window_logprobs(params, inputs, targets, jnp.zeros(inputs.shape[0], jnp.int32),
+                                        inputs.shape[1], cfg)
+        chosen = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+        if not top_k:
+            return chosen, jnp.zeros(logp.shape[:-1] + (0,), jnp.int32), logp[..., :0]
+        best, ids = jax.lax.top_k(logp, top_k)
+        return chosen, ids, best
+
+    return jax.jit(score, static_argnums=3)
 
 
 def pad_rows(rows: list[np.ndarray], length: int, n_rows: int, fill: int = 0) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""`kiln`: run, plan and trace experiments. See `kiln --help`."""
+"""`kiln`: run, plan and trace experiments, and sample from or serve the models they make. See `kiln --help`."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ EPILOG = """examples:
   kiln lineage kiln_store/acquire/<version>      the tree back to the raw sources
   kiln verify --store kiln_store                 check every artefact against its recorded sha256s
   kiln generate kiln_store/sft/<version> --prompt "Who made the light?" --chat   sample from a model
+  kiln serve-model kiln_store/sft/<version>     an OpenAI-compatible API at http://127.0.0.1:8000/v1
   kiln why configs/tiny_cpu.yaml kjv/01-001      which data stage kept or dropped a document, and why
   kiln serve configs/tiny_cpu.yaml               serve deployments on the server at PREFECT_API_URL
 
@@ -100,6 +101,18 @@ def parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="apply the chat template (post-trained models); "
                      "the answer ends at the end-of-turn token")
     gen.add_argument("--tokenizer", help="tokenizer step output folder (default: found through lineage)")
+
+    sm = command("serve-model", "Serve a trained, post-trained or exported model over an OpenAI-compatible "
+                 "HTTP API (/v1/models, /v1/completions, /v1/chat/completions; docs/serving.md) until SIGTERM "
+                 "or Ctrl-C; concurrent requests run in batches.",
+                 "kiln serve-model kiln_store/export/<version> --port 8000 --name my-model")
+    sm.add_argument("path", help="a train, sft or dpo output folder, or an export folder")
+    sm.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine "
+                    "only; the server has no authentication)")
+    sm.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    sm.add_argument("--tokenizer", help="tokenizer step output folder (default: found through lineage)")
+    sm.add_argument("--name", help="the model's name in the API (default: <stage>/<version> of the folder)")
+    sm.add_argument("--max-batch", type=int, default=8, help="prompts run together at most (default 8)")
 
     why = command("why", "Show which data stage kept or dropped a document, with its scores.",
                   "kiln why configs/tiny_cpu.yaml chichewa/01-001")
@@ -301,6 +314,17 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_serve_model(args) -> int:
+    from evaluation.server import serve_model
+
+    try:
+        serve_model(Path(args.path), args.host, args.port, None if args.tokenizer is None else Path(args.tokenizer),
+                    args.name, args.max_batch)
+    except (ValueError, FileNotFoundError) as e:
+        raise KilnUserError(str(e)) from None
+    return 0
+
+
 def cmd_why(args) -> int:
     from tasks.engine.judging import explain
 
@@ -337,7 +361,7 @@ def cmd_serve(args) -> int:
 
 
 COMMANDS = {"run": cmd_run, "plan": cmd_plan, "compare": cmd_compare, "lineage": cmd_lineage, "verify": cmd_verify,
-            "generate": cmd_generate, "why": cmd_why, "serve": cmd_serve}
+            "generate": cmd_generate, "serve-model": cmd_serve_model, "why": cmd_why, "serve": cmd_serve}
 
 KEY_STATS = ["documents", "docs_out", "tokens", "unigram_entropy", "final_loss", "final_val_loss",
              "next_passage_acc", "next_passage_chance", "last_word_acc", "bits_per_byte"]

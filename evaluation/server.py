@@ -1,0 +1,594 @@
+"""`kiln serve-model`: an OpenAI-compatible HTTP server over one kiln model (a train, SFT, DPO or
+export folder), so that lm-eval's API models (`local-completions`), chat clients, LLM judges and
+RL rollouts reach it the way they reach vLLM. FastAPI routes, uvicorn serving, on 127.0.0.1 by
+default; docs/serving.md is the user's page.
+
+    GET  /v1/models               the one model served here, under its name
+    POST /v1/completions          text or token-id prompts; echo; logprobs of the prompt and of the
+                                  new tokens; max_tokens, temperature, top_p, stop, seed
+    POST /v1/chat/completions     messages rendered with the model's chat template (SFT and DPO
+                                  outputs have its tokens); 400 for a model without them
+    POST /tokenize, /detokenize   vLLM's tokenizer endpoints, and GET /tokenizer_info: with them
+                                  lm-eval finds the tokenizer on the server (its "remote" backend)
+
+Requests are gathered for a few milliseconds (or until `max_batch` prompts wait) and run as one
+batch: new tokens by `evaluation.generate.sample_batch` (one prefill and one compiled decoding
+loop over the KV cache, each row as it would come out alone), an echoed prompt's
+log-probabilities by `evaluation.scoring.make_prompt_scorer` (the lm-eval adapter's
+computation). If a batch fails, its requests run again one by one, so an error fails only the
+request that causes it. A bad request gets a 4xx with an OpenAI-style body, `{"error": {"message",
+"type", "param", "code"}}`, whose message says what to change; the server goes on answering.
+
+No Prefect and no Ray here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import queue
+import secrets
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Literal
+
+import jax
+import numpy as np
+from fastapi import FastAPI, Request as HttpRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationInfo, field_validator
+from starlette.exceptions import HTTPException
+from tokenizers import Tokenizer
+
+from evaluation.generate import MAX_LOGPROBS, Model, Request, Sampled, sample_batch, top_k_size
+from evaluation.scoring import bucket_for, buckets, make_prompt_scorer, pad_rows
+from training.posttrain import CHAT_SPECIAL_TOKENS, CHAT_TEMPLATE, END_OF_TURN, ChatTemplate
+
+WINDOW_S = 0.005  # how long the first request of a batch waits for company
+SCORE_FLOATS = 1 << 28  # log-probabilities one scoring call holds at most (1 GiB of float32)
+DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI's and vLLM's
+
+
+# --- request bodies ----------------------------------------------------------------------------------
+
+
+class ApiError(Exception):
+    """A request the server cannot answer: HTTP status, and the message the client gets."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+
+# Fields of OpenAI's API that kiln does not implement: accepted at their neutral values only.
+NEUTRAL_ONLY = {
+    "n": ((1,), "only n=1 is supported: send the request n times with different seeds"),
+    "best_of": ((None, 1), "only best_of=1 is supported"),
+    "stream": ((False,), "streaming is not supported: send stream=false and read the whole answer"),
+    "presence_penalty": ((0,), "penalties are not supported: leave them out (or 0)"),
+    "frequency_penalty": ((0,), "penalties are not supported: leave them out (or 0)"),
+    "logit_bias": ((None, {}), "logit_bias is not supported: leave it out"),
+    "suffix": ((None, ""), "suffix (insertion) is not supported: leave it out"),
+}
+
+
+class _Body(BaseModel):
+    """What both endpoints take. Fields OpenAI defines that kiln does not implement are accepted
+    at their neutral values only (n=1, no penalties, no streaming); any other field is an error."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None  # None: the model served here
+    max_tokens: StrictInt | None = Field(None, ge=0)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    stop: StrictStr | list[StrictStr] | None = None
+    seed: StrictInt | None = None  # None: a fresh random seed
+    n: StrictInt = 1
+    stream: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    @field_validator(*NEUTRAL_ONLY, check_fields=False)
+    @classmethod
+    def _neutral(cls, v, info: ValidationInfo):
+        allowed, advice = NEUTRAL_ONLY[info.field_name]
+        if v not in allowed:
+            raise ValueError(advice)
+        return v
+
+    def stop_strings(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        return [s for s in stops if s]
+
+
+class CompletionBody(_Body):
+    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    echo: bool = False
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    best_of: StrictInt | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _not_empty(cls, v):
+        if isinstance(v, list) and (not v or any(isinstance(p, list) and not p for p in v)):
+            raise ValueError("a prompt is a string, a list of strings, a list of token ids or a list of such "
+                             "lists, none of them empty (for nothing before the completion, send \"\")")
+        return v
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: StrictStr
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # name, tool_calls, ...: not used by the template
+    role: Literal["system", "user", "assistant"]
+    content: StrictStr | list[TextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatBody(_Body):
+    messages: Annotated[list[Message], Field(min_length=1)]
+    max_completion_tokens: StrictInt | None = Field(None, ge=0)
+    logprobs: bool = False
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+
+class TokenizeBody(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    prompt: StrictStr
+    add_special_tokens: bool = False  # kiln's tokenizers add none either way
+
+
+class DetokenizeBody(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    tokens: list[StrictInt]
+
+
+# --- the engine: batches of jobs on the model --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Job:
+    """One prompt of a request, as the engine runs it."""
+
+    row: Request  # prompt ids, max_tokens (may be 0), sampling settings, stop ids
+    score_prompt: bool = False  # echo with logprobs: each prompt token's log-probability
+    top_logprobs: int | None = None  # alternatives per token; None: no log-probabilities asked for
+
+
+@dataclass(frozen=True)
+class Result:
+    prompt_logprobs: list[float | None] | None  # None unless score_prompt; the first token's is None
+    prompt_top: list[list[tuple[int, float]]] | None
+    sampled: Sampled
+
+
+class Engine:
+    """Runs a batch of jobs: one scoring pass over the prompts to echo with logprobs, one
+    `sample_batch` over the prompts that want new tokens. A lone prompt runs as one row, several
+    as `max_batch` rows (padded), so that each function compiles for two batch sizes only."""
+
+    def __init__(self, model: Model, max_batch: int = 8):
+        self.model, self.max_batch = model, max_batch
+        self.scorer = make_prompt_scorer(model.cfg)
+        self.buckets = buckets(model.cfg.seq_len)
+
+    def run(self, jobs: list[Job]) -> list[Result]:
+        scored = self._score([j for j in jobs if j.score_prompt])
+        wanting = [j for j in jobs if j.row.max_tokens > 0]
+        k = max((j.top_logprobs for j in wanting if j.top_logprobs is not None), default=None)
+        sampled = iter(sample_batch(self.model, [j.row for j in wanting], k, self.rows(len(wanting)))
+                       if wanting else [])
+        empty = Sampled([], [], [], False)
+        return [Result(*(next(scored) if j.score_prompt else (None, None)),
+                       next(sampled) if j.row.max_tokens > 0 else empty) for j in jobs]
+
+    def rows(self, n: int, cap: int | None = None) -> int:
+        """Rows to run `n` prompts as: 1 alone, else max_batch (or `cap`, if smaller)."""
+        return 1 if n == 1 else max(n, min(self.max_batch, cap or self.max_batch))
+
+    def _score(self, jobs: list[Job]):
+        """(log-probabilities, top alternatives) of each job's prompt tokens, in order. Rows go
+        through the scorer in groups whose log-softmax fits SCORE_FLOATS."""
+        seqs = [np.asarray(j.row.prompt, np.int32) for j in jobs]
+        k = top_k_size(max((j.top_logprobs or 0 for j in jobs), default=0))
+        L = bucket_for(max((len(s) - 1 for s in seqs), default=1) or 1, self.buckets)
+        cap = max(1, SCORE_FLOATS // (L * self.model.cfg.vocab_size))
+        out = []
+        for start in range(0, len(jobs), cap):
+            group = seqs[start:start + cap]
+            B = self.rows(len(group), cap)
+            logprob, top_ids, top_lps = jax.device_get(self.scorer(
+                self.model.params, pad_rows([s[:-1] for s in group], L, B), pad_rows([s[1:] for s in group], L, B), k))
+            for b, (job, s) in enumerate(zip(jobs[start:start + cap], group)):
+                n, wanted = len(s) - 1, job.top_logprobs or 0
+                top = [list(zip(top_ids[b, i, :wanted].tolist(), top_lps[b, i, :wanted].tolist())) for i in range(n)]
+                out.append(([None, *logprob[b, :n].tolist()], [[], *top]))
+        return iter(out)
+
+
+class Batcher:
+    """Gathers jobs from any thread and runs them on the engine in batches of up to `max_batch`,
+    in a thread of its own (the one that touches the model). `submit` returns a future."""
+
+    def __init__(self, engine: Engine, max_batch: int, window_s: float = WINDOW_S):
+        self.engine, self.max_batch, self.window_s = engine, max_batch, window_s
+        self.jobs: queue.Queue = queue.Queue()
+        self.batch_sizes: list[int] = []  # of every batch run, for tests and logs
+        self.closed = False
+        self.thread = threading.Thread(target=self._loop, name="kiln-batcher", daemon=True)
+        self.thread.start()
+
+    def submit(self, job: Job) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if self.closed:
+            future.set_exception(ApiError(503, "the server is shutting down: retry on another", kind="server_error"))
+        else:
+            self.jobs.put((job, future))
+        return future
+
+    def close(self, timeout_s: float = 30) -> None:
+        """Stop taking jobs, finish those already taken, then end the thread."""
+        self.closed = True
+        self.jobs.put(None)
+        self.thread.join(timeout_s)
+
+    def _loop(self) -> None:
+        while True:
+            first = self.jobs.get()
+            if first is None:
+                return
+            batch, deadline = [first], time.monotonic() + self.window_s
+            while len(batch) < self.max_batch:
+                try:
+                    item = self.jobs.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    break
+                if item is None:
+                    self.jobs.put(None)  # seen again once this batch is done
+                    break
+                batch.append(item)
+            self.batch_sizes.append(len(batch))
+            self._run(batch)
+
+    def _run(self, batch: list) -> None:
+        try:
+            results = self.engine.run([job for job, _ in batch])
+        except Exception as e:  # noqa: BLE001 - it goes to the request, and the batch is retried alone
+            if len(batch) == 1:
+                batch[0][1].set_exception(e)
+                return
+            for item in batch:  # one of them caused it: run each alone, so only that one fails
+                self._run([item])
+            return
+        for (_, future), result in zip(batch, results):
+            future.set_result(result)
+
+
+# --- turning requests into jobs and results into OpenAI's answers ----------------------------------
+
+
+class Service:
+    """The served model under its name: validation, tokenization and answers around the batcher."""
+
+    def __init__(self, model: Model, name: str, max_batch: int = 8):
+        self.model, self.name = model, name
+        self.created = int(time.time())
+        self.batcher = Batcher(Engine(model, max_batch), max_batch)
+        self.tok = Tokenizer.from_str(model.tokenizer.to_str())
+        self.tok.encode_special_tokens = False  # text prompts: special-token strings become their tokens, as in HF
+        self.template, self.no_template = None, ""
+        missing = [t for t in CHAT_SPECIAL_TOKENS if model.tokenizer.token_to_id(t) is None]
+        if missing:
+            self.no_template = f"its tokenizer lacks the chat tokens {missing}"
+        else:
+            self.template, self.end_id = ChatTemplate(model.tokenizer), model.tokenizer.token_to_id(END_OF_TURN)
+        self._pieces: dict[int, str] = {}
+
+    # --- helpers --------------------------------------------------------------------------------
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.name:
+            raise ApiError(404, f"the model {name!r} is not served here: this server serves {self.name!r} "
+                           "(GET /v1/models); send that name, or leave `model` out", "model")
+
+    def piece(self, token: int) -> str:
+        if token not in self._pieces:
+            self._pieces[token] = self.model.tokenizer.decode([token], skip_special_tokens=False)
+        return self._pieces[token]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.model.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def check_fits(self, ids: list[int], max_tokens: int, param: str) -> None:
+        T = self.model.cfg.seq_len
+        if len(ids) + max_tokens > T:
+            raise ApiError(400, f"this model's context is {T} tokens, but the request asks for "
+                           f"{len(ids) + max_tokens}: {len(ids)} in the prompt and max_tokens={max_tokens}; "
+                           "shorten the prompt or lower max_tokens", param)
+        bad = [t for t in ids if not 0 <= t < self.model.cfg.vocab_size]
+        if bad:
+            raise ApiError(400, f"token ids {bad[:5]} are outside this model's vocabulary of "
+                           f"{self.model.cfg.vocab_size}", param)
+
+    def row(self, body: _Body, ids: list[int], max_tokens: int, stop_ids: tuple[int, ...]) -> Request:
+        seed = secrets.randbits(64) if body.seed is None else body.seed
+        return Request(ids, max_tokens, body.temperature, body.top_p, seed, stop_ids)
+
+    async def run(self, jobs: list[Job]) -> list[Result]:
+        return await asyncio.gather(*(asyncio.wrap_future(self.batcher.submit(j)) for j in jobs))
+
+    def cut(self, sampled: Sampled, stops: list[str]) -> tuple[list[int], str, str]:
+        """(the tokens kept, their text, finish_reason) after cutting at the first stop string."""
+        text = self.decode(sampled.ids)
+        at = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+        if at < 0:
+            return sampled.ids, text, "stop" if sampled.stopped else "length"
+        ends = np.cumsum([len(self.piece(t)) for t in sampled.ids])
+        keep = int(np.searchsorted(ends, at, side="left")) + 1 if at > 0 else 0  # through the token holding `at`
+        return sampled.ids[:keep], text[:at], "stop"
+
+    def usage(self, prompts: int, completions: int) -> dict:
+        return {"prompt_tokens": prompts, "completion_tokens": completions, "total_tokens": prompts + completions}
+
+    # --- /v1/completions ----------------------------------------------------------------------------
+
+    async def completions(self, body: CompletionBody) -> dict:
+        self.check_model(body.model)
+        max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+        several = isinstance(body.prompt, list) and not isinstance(body.prompt[0], int)
+        prompts = body.prompt if several else [body.prompt]
+        encoded = []  # (ids, the prompt's text for echo, whether the first id is the start token kiln added)
+        for p in prompts:
+            if isinstance(p, str):
+                encoded.append(([self.model.start_id, *self.tok.encode(p, add_special_tokens=False).ids], p, True))
+            else:
+                encoded.append((list(p), None, False))
+            self.check_fits(encoded[-1][0], max_tokens, "prompt")
+        want_logprobs = body.logprobs is not None
+        jobs = [Job(self.row(body, ids, max_tokens, (self.model.eos_id,)), body.echo and want_logprobs, body.logprobs)
+                for ids, _, _ in encoded]
+        results = await self.run(jobs)
+        choices, used = [], 0
+        for i, ((ids, text, added), result) in enumerate(zip(encoded, results)):
+            new, new_text, finish = self.cut(result.sampled, body.stop_strings())
+            used += spent(new, result.sampled)
+            prompt_text = (text if text is not None else self.decode(ids)) if body.echo else ""
+            logprobs = None
+            if want_logprobs:
+                tokens, lps, tops = [], [], []
+                if body.echo:
+                    tokens, lps, tops = list(ids), list(result.prompt_logprobs), list(result.prompt_top)
+                n = len(new)
+                tokens += new
+                lps += result.sampled.logprobs[:n]
+                tops += result.sampled.top[:n]
+                logprobs = self.completion_logprobs(tokens, lps, tops, body.logprobs, hidden=int(body.echo and added))
+            choices.append({"index": i, "text": prompt_text + new_text, "logprobs": logprobs, "finish_reason": finish})
+        return {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": int(time.time()),
+                "model": self.name, "choices": choices,
+                "usage": self.usage(sum(len(ids) for ids, _, _ in encoded), used)}
+
+    def completion_logprobs(self, tokens: list[int], lps: list, tops: list, k: int, hidden: int) -> dict:
+        """OpenAI's completion logprobs. `top_logprobs[i]`: the k most likely tokens at i and the token
+        chosen (as vLLM); null where nothing came before. `text_offset[i]`: where token i's text starts
+        in `text`; the first `hidden` tokens (the start token before a text prompt) add none."""
+        offsets, at = [], 0
+        top_dicts: list[dict | None] = []
+        for i, (token, lp, top) in enumerate(zip(tokens, lps, tops)):
+            offsets.append(at)
+            at += 0 if i < hidden else len(self.piece(token))
+            if lp is None:
+                top_dicts.append(None)
+                continue
+            entry = {}
+            for alt, alt_lp in [*top[:k], (token, lp)]:
+                entry.setdefault(self.piece(alt), alt_lp)
+            top_dicts.append(entry)
+        return {"tokens": [self.piece(t) for t in tokens], "token_logprobs": lps, "top_logprobs": top_dicts,
+                "text_offset": offsets}
+
+    # --- /v1/chat/completions ----------------------------------------------------------------------
+
+    async def chat(self, body: ChatBody) -> dict:
+        self.check_model(body.model)
+        if self.template is None:
+            raise ApiError(400, f"{self.name} has no chat template ({self.no_template}): chat needs a post-trained "
+                           "model, an SFT or DPO output or its export; for this model use /v1/completions", "messages")
+        try:
+            ids, _ = self.template.encode([{"role": m.role, "content": m.text()} for m in body.messages],
+                                          add_generation_prompt=True)
+        except ValueError as e:
+            raise ApiError(400, str(e), "messages") from None
+        ids = [self.model.start_id, *ids]
+        limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        max_tokens = self.model.cfg.seq_len - len(ids) if limit is None else limit
+        if max_tokens < 1 and limit is None:
+            raise ApiError(400, f"the messages take {len(ids)} tokens, all of this model's context of "
+                           f"{self.model.cfg.seq_len}: send fewer or shorter messages", "messages")
+        self.check_fits(ids, max_tokens, "messages")
+        k = (body.top_logprobs or 0) if body.logprobs else None
+        (result,) = await self.run([Job(self.row(body, ids, max_tokens, (self.model.eos_id, self.end_id)),
+                                        top_logprobs=k)])
+        new, text, finish = self.cut(result.sampled, body.stop_strings())
+        logprobs = None
+        if body.logprobs:
+            logprobs = {"content": [self.chat_logprob(t, lp, top[:k]) for t, lp, top in
+                                    zip(new, result.sampled.logprobs, result.sampled.top)]}
+        return {"id": f"chatcmpl-{secrets.token_hex(12)}", "object": "chat.completion", "created": int(time.time()),
+                "model": self.name,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                             "finish_reason": finish}],
+                "usage": self.usage(len(ids), spent(new, result.sampled))}
+
+    def chat_logprob(self, token: int, lp: float, top: list[tuple[int, float]]) -> dict:
+        def entry(t: int, value: float) -> dict:
+            piece = self.piece(t)
+            return {"token": piece, "logprob": value, "bytes": list(piece.encode("utf-8"))}
+
+        return {**entry(token, lp), "top_logprobs": [entry(t, v) for t, v in top]}
+
+    # --- the rest ---------------------------------------------------------------------------------------
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [self.model_card()]}
+
+    def model_card(self) -> dict:
+        return {"id": self.name, "object": "model", "created": self.created, "owned_by": "kiln",
+                "max_model_len": self.model.cfg.seq_len}
+
+    def tokenizer_info(self) -> dict:
+        tok = self.model.tokenizer
+        bos = None if self.model.bos_id is None else tok.id_to_token(self.model.bos_id)
+        return {"tokenizer_class": "kiln", "eos_token": tok.id_to_token(self.model.eos_id), "bos_token": bos,
+                "pad_token": None, "model_max_length": self.model.cfg.seq_len,
+                "chat_template": CHAT_TEMPLATE if self.template is not None else None}
+
+
+def spent(kept: list[int], sampled: Sampled) -> int:
+    """Completion tokens: those kept, and the stop token that ended them (when no stop string did)."""
+    return len(kept) + int(sampled.stopped and len(kept) == len(sampled.ids))
+
+
+# --- the app -----------------------------------------------------------------------------------------
+
+
+def error_body(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+               code: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status)
+
+
+def _validation_message(e: RequestValidationError) -> tuple[str, str | None]:
+    """One line per problem pydantic found, each naming the field and what it got."""
+    lines, param = [], None
+    for err in e.errors():
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        field = ".".join(loc) or "body"
+        param = param or (loc[0] if loc else None)
+        if err["type"] == "json_invalid":
+            return (f"the request body is not valid JSON ({err.get('ctx', {}).get('error', 'parse error')}): "
+                    "send a JSON object with Content-Type: application/json"), None
+        if err["type"] == "extra_forbidden":
+            lines.append(f"{field}: not a field kiln serve-model takes (docs/serving.md lists them)")
+        elif err["type"] == "missing":
+            lines.append(f"{field}: required")
+        else:
+            got = err.get("input")
+            lines.append(f"{field}: {err['msg'].removeprefix('Value error, ')} (got {got!r:.80})")
+    return "; ".join(lines), param
+
+
+def create_app(service: Service) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        await asyncio.to_thread(service.batcher.close)
+
+    app = FastAPI(title="kiln serve-model", lifespan=lifespan)
+    app.state.service = service
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: HttpRequest, e: ApiError):
+        return error_body(e.status, e.message, e.param, e.kind, "model_not_found" if e.status == 404 else None)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: HttpRequest, e: RequestValidationError):
+        message, param = _validation_message(e)
+        return error_body(400, message, param)
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: HttpRequest, e: HTTPException):
+        hint = " (this server has GET /v1/models, POST /v1/completions, POST /v1/chat/completions)"
+        return error_body(e.status_code, f"{request.method} {request.url.path}: {e.detail}{hint}",
+                          kind="invalid_request_error" if e.status_code < 500 else "server_error")
+
+    @app.exception_handler(Exception)
+    async def _failed(request: HttpRequest, e: Exception):
+        return error_body(500, f"the model failed on this request: {type(e).__name__}: {e}", kind="server_error")
+
+    @app.get("/v1/models")
+    async def models():
+        return service.models()
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str):
+        service.check_model(name)
+        return service.model_card()
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionBody):
+        return await service.completions(body)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatBody):
+        return await service.chat(body)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        return service.tokenizer_info()
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeBody):
+        ids = service.tok.encode(body.prompt, add_special_tokens=False).ids
+        return {"tokens": ids, "count": len(ids), "max_model_len": service.model.cfg.seq_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeBody):
+        return {"prompt": service.decode(body.tokens)}
+
+    return app
+
+
+def default_name(path: Path) -> str:
+    """`<stage>/<version>` of a store folder (train/3f9c0a1b2c4d), else the folder's name."""
+    path = Path(path).resolve()
+    return f"{path.parent.name}/{path.name}" if (path / "lineage.json").is_file() else path.name
+
+
+def serve_model(path: Path, host: str = "127.0.0.1", port: int = 8000, tokenizer_dir: Path | None = None,
+                name: str | None = None, max_batch: int = 8) -> None:
+    """Load the model at `path` and serve it until SIGTERM or SIGINT: then stop taking connections,
+    answer the requests in flight, and return."""
+    import uvicorn
+
+    from evaluation.generate import load
+
+    if max_batch < 1:
+        raise ValueError(f"--max-batch {max_batch}: give at least 1")
+    model = load(Path(path), tokenizer_dir)
+    service = Service(model, name or default_name(path), max_batch)
+    url = f"http://{host}:{port}/v1"
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            if self.started:
+                print(f"kiln serve-model: {service.name} at {url} (context {model.cfg.seq_len} tokens, "
+                      f"batches of up to {max_batch}); SIGTERM or Ctrl-C stops it", flush=True)
+
+    config = uvicorn.Config(create_app(service), host=host, port=port, log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=30)
+    # uvicorn handles SIGTERM/SIGINT (stop accepting, finish requests in flight), then raises the
+    # signal again for the handler it found: a no-op one, so a clean stop exits 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    Server(config).run()
+

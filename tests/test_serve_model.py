@@ -1,0 +1,331 @@
+"""`kiln serve-model` on the tiny model tests/test_generate.py trains (its tokenizer has the chat
+tokens), served on 127.0.0.1: lm-eval's own `local-completions` model scores a local task through
+it with the in-process adapter's log-likelihoods; the openai client gets completions and chat
+completions; greedy text is `evaluation.generate`'s; a prompt's tokens are the same alone and in
+a batch; bad requests get 4xx answers that say what is wrong; SIGTERM stops it cleanly."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import uvicorn
+import yaml
+
+from evaluation.adapter import KilnLM
+from evaluation.generate import Request, generate, load, sample
+from evaluation.server import Batcher, Job, Service, create_app
+from tests.conftest import free_port, kiln, server, tail, wait_until
+from tests.test_generate import PROMPT, store  # noqa: F401  (a fixture)
+from tests.test_training_kjv_data import kjv_text
+from training.export import export_hf
+
+NAME = "kiln-tiny"
+
+
+@contextlib.contextmanager
+def serving(service: Service):
+    """uvicorn in a thread on a free port of 127.0.0.1; yields the base URL; stopped after, also on failure."""
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(create_app(service), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: srv.started or not thread.is_alive(), 60, "the in-thread server to start")
+        assert srv.started, "uvicorn stopped before it was serving"
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        srv.should_exit = True
+        thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def export_dir(store, tmp_path_factory) -> Path:  # noqa: F811
+    model = load(store / "train" / "m0")
+    tokenizer = store / "tokenizer" / "t0"
+    out = tmp_path_factory.mktemp("export")
+    export_hf(model.cfg, model.params, (tokenizer / "tokenizer.json").read_text(),
+              json.loads((tokenizer / "tokenizer_meta.json").read_text()), out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def model(export_dir):
+    return load(export_dir)
+
+
+@pytest.fixture(scope="module")
+def served(model):
+    service = Service(model, NAME, max_batch=8)
+    with serving(service) as url:
+        yield url, service
+
+
+@pytest.fixture(scope="module")
+def kiln_lm(model) -> KilnLM:
+    return KilnLM(model.cfg, model.params, model.tokenizer, model.eos_id, model.bos_id, batch_size=8)
+
+
+def write_task(folder: Path) -> Path:
+    """A local multiple-choice task over KJV lines: a line's first words, and which of three endings
+    (its own, two others') follows them. Short, so every request fits the 64-token context whole."""
+    lines = [ln.split() for ln in kjv_text(20_000).splitlines() if len(ln.split()) >= 12][:30]
+    rows = []
+    for i in range(8):
+        words = lines[i]
+        endings = [" ".join(words[6:10]), " ".join(lines[i + 10][6:10]), " ".join(lines[i + 20][6:10])]
+        rows.append({"context": " ".join(words[:6]), "choices": endings, "label": 0})
+    data = folder / "kjv_endings.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    task = {"task": "kjv_endings", "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(data)}},
+            "test_split": "test", "output_type": "multiple_choice", "doc_to_text": "context",
+            "doc_to_choice": "choices", "doc_to_target": "label", "metadata": {"version": 1},
+            "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}]}
+    path = folder / "kjv_endings.yaml"
+    path.write_text(yaml.safe_dump(task, sort_keys=False))
+    return path
+
+
+def test_lm_eval_local_completions_scores_as_the_adapter_does(served, kiln_lm, export_dir, tmp_path):
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    from evaluation.harness import evaluate, load_task, task_manager
+
+    url, service = served
+    T = kiln_lm.cfg.seq_len
+    task_file = str(write_task(tmp_path))
+    (task,) = load_task(task_manager(False), task_file)
+    requests = []
+    for doc in task.test_docs():
+        requests += task.construct_requests(doc, task.doc_to_text(doc), metadata=("kjv_endings", 0, 1))
+    pairs = [kiln_lm._encode_pair(*r.args) for r in requests]
+    assert len(requests) == 24 and all(len(c) + len(x) < T for c, x in pairs)  # nothing cut on either side
+
+    expected = kiln_lm.loglikelihood(requests, disable_tqdm=True)
+    # The export's tokenizer (transformers, offline), two requests of four prompts each at a time.
+    api = LocalCompletionsAPI(base_url=f"{url}/v1/completions", model=NAME, tokenizer=str(export_dir),
+                              tokenizer_backend="huggingface", max_length=T, batch_size=4, num_concurrent=2,
+                              max_retries=1)
+    got = api.loglikelihood(requests, disable_tqdm=True)
+    for req, (logprob, greedy), (want, want_greedy) in zip(requests, got, expected):
+        assert logprob == pytest.approx(want, abs=1e-4), req.args
+        assert greedy == want_greedy, req.args
+    assert max(service.batcher.batch_sizes) > 1  # concurrent requests ran as one batch
+
+    # Without a tokenizer named, lm-eval finds the server's own (/tokenizer_info, /tokenize).
+    remote = LocalCompletionsAPI(base_url=f"{url}/v1/completions", model=NAME, max_length=T, batch_size=8,
+                                 max_retries=1)
+    assert remote.tokenizer_backend == "remote"
+    assert [lp for lp, _ in remote.loglikelihood(requests[:8], disable_tqdm=True)] == pytest.approx(
+        [lp for lp, _ in expected[:8]], abs=1e-4)
+
+    # generate_until (greedy, stop strings, max_gen_toks) says what the adapter's greedy decoding says.
+    from lm_eval.api.instance import Instance
+
+    gen = [Instance("generate_until", {}, (r.args[0], {"until": ["\n\n"], "max_gen_toks": 12}), i)
+           for i, r in enumerate(requests[::3])]
+    texts = api.generate_until(gen, disable_tqdm=True)
+    assert texts == kiln_lm.generate_until(gen, disable_tqdm=True) and sum(bool(t) for t in texts) > 4
+
+    # And lm-eval's whole evaluation through the server: the accuracy those log-likelihoods give.
+    acc = np.mean([np.argmax([lp for lp, _ in expected[i:i + 3]]) == 0 for i in range(0, 24, 3)])
+    assert evaluate(api, [task_file], [], None)["results"]["kjv_endings"]["acc,none"] == pytest.approx(acc)
+
+
+def test_openai_client_completions_and_chat(served, model):
+    from openai import BadRequestError, NotFoundError, OpenAI
+
+    url, _ = served
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list().data] == [NAME]
+    done = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=16, temperature=0)
+    assert done.object == "text_completion" and done.choices[0].finish_reason in ("stop", "length")
+    assert done.choices[0].text == generate(model, PROMPT, max_tokens=16, temperature=0.0)
+    assert done.usage.prompt_tokens == 1 + len(model.tokenizer.encode(PROMPT).ids)  # the start token, then the text
+
+    seeded = [client.completions.create(model=NAME, prompt=PROMPT, max_tokens=16, temperature=1.0, top_p=0.9,
+                                        seed=s).choices[0].text for s in (7, 7, 8, 9, 10)]
+    assert seeded[0] == seeded[1] and len(set(seeded)) > 2
+
+    chat = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Who made the light?"}],
+                                          max_tokens=16, temperature=0, logprobs=True, top_logprobs=2)
+    choice = chat.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.message.content == generate(model, "Who made the light?", max_tokens=16, temperature=0.0, chat=True)
+    assert len(choice.logprobs.content) == chat.usage.completion_tokens - (choice.finish_reason == "stop")
+    for entry in choice.logprobs.content:  # greedy: the chosen token is the most likely one
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob) and entry.logprob <= 0
+
+    with pytest.raises(NotFoundError, match="not served here"):
+        client.completions.create(model="gpt-4", prompt="x", max_tokens=1)
+    with pytest.raises(BadRequestError, match="context is 64 tokens"):
+        client.completions.create(model=NAME, prompt=PROMPT, max_tokens=64)
+
+
+def test_greedy_echo_and_batches_agree_with_kiln(served, model, kiln_lm):
+    url, service = served
+    prompt = [model.start_id, *model.tokenizer.encode(PROMPT).ids]
+    greedy = sample(model, prompt, 16, temperature=0.0)
+    answer = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 16, "temperature": 0,
+                                                       "logprobs": 0}, timeout=60).json()["choices"][0]
+    assert answer["text"] == model.tokenizer.decode(greedy, skip_special_tokens=False)
+    assert answer["logprobs"]["tokens"] == [model.tokenizer.decode([t], skip_special_tokens=False) for t in greedy]
+
+    # echo with logprobs: each prompt token's log-probability, as the adapter scores it
+    ids = model.tokenizer.encode(kjv_text(2_000).splitlines()[3]).ids[:15]
+    echoed = httpx.post(f"{url}/v1/completions", json={"prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 3},
+                        timeout=60).json()["choices"][0]
+    logprobs = echoed["logprobs"]
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    assert echoed["text"] == model.tokenizer.decode(ids, skip_special_tokens=False)
+    for cut in (1, 7, 14):
+        (want, _), = kiln_lm.score_continuations([(ids[:cut], ids[cut:])])
+        assert sum(logprobs["token_logprobs"][cut:]) == pytest.approx(want, abs=1e-4)
+    for lp, top in zip(logprobs["token_logprobs"][1:], logprobs["top_logprobs"][1:]):
+        assert 3 <= len(top) <= 4 and lp in top.values() and max(top.values()) >= lp
+
+    # A prompt's tokens and log-probabilities are the same alone and in any batch (prompts and
+    # lengths within one bucket, 16, so that this compiles little).
+    rows = [Job(Request(prompt, 12, 0.0), top_logprobs=0),
+            Job(Request(prompt[:3], 16, 1.0, 0.8, seed=5), top_logprobs=0),
+            Job(Request(ids[:14], 9, 0.7, 1.0, seed=2, stop_ids=(model.eos_id,)), top_logprobs=0),
+            Job(Request(ids, 0), score_prompt=True, top_logprobs=0),
+            Job(Request(prompt * 2, 5, 1.0, seed=11), score_prompt=True, top_logprobs=0)]
+    engine = service.batcher.engine  # the served one: what it compiled, this reuses
+    together = engine.run(rows)
+    assert together[1].sampled.ids != sample(model, prompt[:3], 16, 1.0, 0.8, seed=6)  # the seed matters
+    for job, batched in zip(rows, together):
+        (alone,) = engine.run([job])
+        assert batched.sampled.ids == alone.sampled.ids
+        assert len(alone.sampled.logprobs) == len(alone.sampled.ids)
+        assert np.allclose(batched.sampled.logprobs, alone.sampled.logprobs, atol=1e-5)
+        if job.score_prompt:
+            assert np.allclose(batched.prompt_logprobs[1:], alone.prompt_logprobs[1:], atol=1e-5)
+    assert together[0].sampled.ids == sample(model, prompt, 12, 0.0)
+
+    # The same through HTTP: concurrent requests are batched and answered as they are one by one.
+    bodies = [{"prompt": PROMPT, "max_tokens": 10 + i, "temperature": 0.9, "seed": i} for i in range(6)]
+    one_by_one = [httpx.post(f"{url}/v1/completions", json=b, timeout=60).json()["choices"][0]["text"] for b in bodies]
+    before, window = len(service.batcher.batch_sizes), service.batcher.window_s
+    service.batcher.window_s = 1.0  # so that all six land in one batch, however loaded the machine
+    try:
+        with httpx.Client(timeout=60) as client, concurrent.futures.ThreadPoolExecutor(6) as pool:
+            at_once = list(pool.map(lambda b: client.post(f"{url}/v1/completions", json=b), bodies))
+    finally:
+        service.batcher.window_s = window
+    assert [r.json()["choices"][0]["text"] for r in at_once] == one_by_one
+    assert max(service.batcher.batch_sizes[before:]) > 1, service.batcher.batch_sizes[before:]
+
+
+def test_an_error_in_a_batch_fails_only_its_request():
+    class Poisoned:  # an engine that fails any batch holding the prompt [666]
+        def run(self, jobs):
+            if any(j.row.prompt == [666] for j in jobs):
+                raise RuntimeError("poisoned")
+            return [j.row.prompt for j in jobs]
+
+    batcher = Batcher(Poisoned(), max_batch=8, window_s=0.5)
+    try:
+        futures = [batcher.submit(Job(Request(p, 1))) for p in ([1], [666], [2], [3])]
+        assert [f.exception(30) is not None for f in futures] == [False, True, False, False]
+        assert [futures[i].result() for i in (0, 2, 3)] == [[1], [2], [3]]
+        assert batcher.batch_sizes[0] == 4  # one batch, then each alone
+    finally:
+        batcher.close()
+
+
+BAD = [  # (method, path, body (None: send `raw`), raw bytes, status, words the message must contain)
+    ("POST", "/v1/completions", None, b'{"prompt": "x", ', 400, "not valid JSON"),
+    ("POST", "/v1/completions", None, b'["a list"]', 400, "dictionary"),
+    ("POST", "/v1/completions", {"max_tokens": 4}, None, 400, "prompt: required"),
+    ("POST", "/v1/completions", {"prompt": 12}, None, 400, "prompt"),
+    ("POST", "/v1/completions", {"prompt": []}, None, 400, "none of them empty"),
+    ("POST", "/v1/completions", {"prompt": [[1, 2], []]}, None, 400, "none of them empty"),
+    ("POST", "/v1/completions", {"prompt": "x", "max_tokens": -1}, None, 400, "max_tokens"),
+    ("POST", "/v1/completions", {"prompt": "x", "max_tokens": "ten"}, None, 400, "max_tokens"),
+    ("POST", "/v1/completions", {"prompt": "x " * 70, "max_tokens": 4}, None, 400, "context is 64 tokens"),
+    ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 64}, None, 400, "lower max_tokens"),
+    ("POST", "/v1/completions", {"prompt": "x", "model": "llama-70b"}, None, 404, "not served here"),
+    ("POST", "/v1/completions", {"prompt": "x", "n": 2}, None, 400, "only n=1"),
+    ("POST", "/v1/completions", {"prompt": "x", "top_p": 0}, None, 400, "top_p"),
+    ("POST", "/v1/completions", {"prompt": "x", "top_p": 1.5}, None, 400, "top_p"),
+    ("POST", "/v1/completions", {"prompt": "x", "temperature": -1}, None, 400, "temperature"),
+    ("POST", "/v1/completions", {"prompt": "x", "logprobs": 50}, None, 400, "logprobs"),
+    ("POST", "/v1/completions", {"prompt": "x", "stream": True}, None, 400, "streaming is not supported"),
+    ("POST", "/v1/completions", {"prompt": "x", "frequency_penalty": 0.5}, None, 400, "penalties"),
+    ("POST", "/v1/completions", {"prompt": "x", "beam_width": 4}, None, 400, "beam_width: not a field"),
+    ("POST", "/v1/completions", {"prompt": [1, 2, 99999]}, None, 400, "outside this model's vocabulary"),
+    ("POST", "/v1/completions", {"prompt": "x", "seed": "abc"}, None, 400, "seed"),
+    ("POST", "/v1/completions", {"prompt": "x", "stop": 3}, None, 400, "stop"),
+    ("POST", "/v1/chat/completions", {"messages": []}, None, 400, "messages"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, None, 400, "role"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x " * 80}]}, None, 400,
+     "context of 64"),
+    ("GET", "/v1/completions", None, None, 405, "Method Not Allowed"),
+    ("POST", "/v1/embeddings", {"input": "x"}, None, 404, "Not Found"),
+]
+
+
+def test_bad_requests_get_4xx_that_say_what_is_wrong(served, model):
+    url, _ = served
+    with httpx.Client(base_url=url, timeout=60) as client:
+        for method, path, body, raw, status, words in BAD:
+            r = client.request(method, path, json=body, content=raw,
+                               headers={"content-type": "application/json"} if raw is not None else None)
+            assert r.status_code == status, (path, body or raw, r.text)
+            error = r.json()["error"]
+            assert words in error["message"] and error["type"], (body or raw, error)
+        good = client.post("/v1/completions", json={"prompt": "And", "max_tokens": 2, "temperature": 0})
+        assert good.status_code == 200 and good.json()["choices"][0]["text"]
+
+    from fastapi.testclient import TestClient
+
+    from tasks.tokenizer import build_gpt2
+
+    base = Service(model.__class__(model.cfg, model.params, build_gpt2(("<|endoftext|>",)), model.eos_id), "base")
+    with TestClient(create_app(base)) as client:  # a model whose tokenizer has no chat tokens
+        r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 400 and "has no chat template" in r.json()["error"]["message"]
+
+
+def test_kiln_serve_model_prints_its_url_and_exits_0_on_sigterm(store, tmp_path):  # noqa: F811
+    port = free_port()
+    log = tmp_path / "serve.log"
+    ready = f"kiln serve-model: tiny at http://127.0.0.1:{port}/v1"
+    with server("kiln serve-model", [sys.executable, "-m", "flows.cli", "serve-model", str(store / "train" / "m0"),
+                                     "--port", str(port), "--name", "tiny", "--max-batch", "4"],
+                log, lambda: ready in tail(log), env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout_s=120) as proc:
+        url = f"http://127.0.0.1:{port}/v1"
+        assert httpx.get(f"{url}/models", timeout=10).json()["data"][0]["id"] == "tiny"
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:  # in flight (compiling) when SIGTERM comes
+            answer = pool.submit(httpx.post, f"{url}/completions", json={"prompt": PROMPT, "max_tokens": 30},
+                                 timeout=60)
+            time.sleep(1.0)  # a fresh server compiles for seconds before it answers
+            sent = time.monotonic()
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"still running 20 s after SIGTERM:\n{tail(log)}") from None
+            took = time.monotonic() - sent
+            assert proc.returncode == 0, tail(log)
+            assert answer.result().status_code == 200  # the request in flight was answered
+        assert took < 10, took
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{url}/models", timeout=5)
+
+
+def test_kiln_serve_model_says_what_is_wrong_with_a_path(tmp_path):
+    bad = kiln("serve-model", str(tmp_path / "nothing"), check=False)
+    assert bad.returncode == 2 and "neither a training output" in bad.stderr
