@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 
@@ -19,17 +20,21 @@ from tasks.engine.lineage import lineage_tree, read_lineage
 from tasks.engine.step import Step, StepContext
 from tasks.engine.store import LINEAGE
 from tasks.tokenizer import TOKENIZER_FILE, load_tokenizer, read_tokenizer_meta
-from training.config import ConfigModel
+from training.config import ConfigModel, LoraConfig, identity_when_set
 
 STAGE_VERSION = 1
 
 
 class ExportConfig(ConfigModel):
-    """What the card says about the model. Both fields change README.md, so both are identity."""
+    """What the export holds and what its card says: every field changes the files, so all are identity."""
 
     name: str = Field("kiln-model", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
                       description="Title of the model card; a hub-style repository name.")
     license: str | None = Field(None, description="License id for the card's metadata, e.g. apache-2.0.")
+    lora: Literal["merged", "adapter"] = identity_when_set(
+        "merged", description="For a model trained with train.lora: `merged`, a plain Hugging Face folder; "
+        "`adapter`, also the adapters as a peft adapter folder in `adapter/` (peft loads it onto the base "
+        "model's export).")
 
 
 def model_lineage(model_dir: Path) -> dict | None:
@@ -56,6 +61,18 @@ def run_export(ctx: StepContext) -> dict:
     template_file = Path(model_dir) / "chat_template.jinja"
     chat_template = template_file.read_text(encoding="utf-8") if template_file.is_file() else None
     stats = export_hf(cfg, params, tokenizer_json, meta, ctx.out, chat_template)
+    if config.lora == "adapter":
+        from safetensors.numpy import load_file
+
+        from training.export import export_adapter
+        from training.loop import LORA_DIR
+
+        lora_dir = Path(model_dir) / LORA_DIR
+        if not (lora_dir / "lora.json").is_file():
+            raise ValueError(f"export.lora is `adapter` but {model_dir} was not trained with train.lora (no {LORA_DIR}/): "
+                             "use lora: merged")
+        lora = LoraConfig.model_validate_json((lora_dir / "lora.json").read_text())
+        stats.update(export_adapter(cfg, lora, load_file(str(lora_dir / "adapters.safetensors")), ctx.out / "adapter"))
 
     eval_table = None
     if "evaluation" in ctx.inputs:

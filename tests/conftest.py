@@ -40,12 +40,12 @@ REPO = Path(__file__).resolve().parent.parent
 # lm-eval's `hf` model) need torch, which `uv run --dev` does not install. .ci/run installs it on
 # the machines that ship its CPU wheel and sets KILN_TESTS_NEED_TORCH=1 there, so that a missing
 # torch fails those tests instead of skipping them unseen.
-TORCH_MISSING = ("needs {name}, which `uv run --dev` does not install: add torch and accelerate with "
-                 "`uv pip install torch accelerate` (on Linux pick the CPU build: README, \"The PyTorch checks\")")
+TORCH_MISSING = ("needs {name}, which `uv run --dev` does not install: add torch, accelerate and peft with "
+                 "`uv pip install torch accelerate peft` (on Linux pick the CPU build: README, \"The PyTorch checks\")")
 
 
 def needs(name: str):
-    """The module `name` (torch, accelerate, transformers), or this test module skipped, saying how
+    """The module `name` (torch, accelerate, transformers, peft), or this test module skipped, saying how
     to install it; a failure instead where KILN_TESTS_NEED_TORCH=1 says it must be there."""
     import importlib
 

@@ -175,6 +175,15 @@ class InLoopEvalConfig(ConfigModel):
         return self
 
 
+class LoraConfig(ConfigModel):
+    """LoRA adapters (training/lora.py): only they train; the model stays as it started."""
+
+    rank: Count = 8
+    alpha: Positive = Field(16.0, description="The update is scaled by alpha / rank (peft's lora_alpha).")
+    targets: tuple[Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], ...] = Field(
+        ("q_proj", "v_proj"), min_length=1, description="The projections of every layer that get an adapter.")
+
+
 class InitConfig(ConfigModel):
     """Where a train step starts (identity: the parent's version enters as an input's, with the
     step and the mode). docs/starting_points.md.
@@ -252,6 +261,9 @@ class TrainConfig(ConfigModel):
         "`continue` phase extends sets the whole run's, so that the two phases train as one run would.")
     init: InitConfig | None = identity_when_set(None, description="Start from another step's checkpoint or a "
                                                 "Hugging Face model instead of a random initialisation.")
+    lora: LoraConfig | None = identity_when_set(None, description="Train LoRA adapters only, the parameters "
+                                                "frozen (docs/starting_points.md); the output is the merged model "
+                                                "and the adapters beside it.")
 
     @property
     def kept_steps(self) -> tuple[int, ...]:

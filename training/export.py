@@ -65,6 +65,32 @@ def hf_state_dict(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
     return out
 
 
+def export_adapter(cfg: ModelConfig, lora, adapters: dict[str, np.ndarray], out_dir: Path) -> dict:
+    """A LoRA train output's adapters (training/lora.py; flat "layers_0/self_attn/q_proj/a" names) as
+    a `peft` adapter folder: adapter_config.json and adapter_model.safetensors, which
+    `peft.PeftModel.from_pretrained(base, folder)` loads onto the export of the base model. kiln's
+    update W + (alpha/rank) A B of a kernel [in, out] is peft's W + (lora_alpha/r) B' A' of the
+    Linear weight [out, in], with lora_A' = A.T [r, in] and lora_B' = B.T [out, r]."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for path, name in hf_names(cfg).items():
+        key = "/".join(path[:-1])
+        if path[-1] == "kernel" and f"{key}/a" in adapters:
+            prefix = f"base_model.model.{name.removesuffix('.weight')}"
+            tensors[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(adapters[f"{key}/a"].T, np.float32)
+            tensors[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(adapters[f"{key}/b"].T, np.float32)
+    if len(tensors) != len(adapters):
+        raise ValueError(f"{len(adapters)} adapter arrays but {len(tensors)} found a projection of this model: "
+                         "the adapters belong to another model config")
+    save_file(tensors, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
+              "target_modules": sorted(lora.targets), "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+              "use_rslora": False, "inference_mode": True, "base_model_name_or_path": None}
+    (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return {"adapter_tensors": len(tensors), "adapter_params": int(sum(t.size for t in tensors.values()))}
+
+
 def leaf_at(tree: dict, path: tuple[str, ...]):
     for key in path:
         tree = tree[key]

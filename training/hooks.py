@@ -25,8 +25,9 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from training.checkpoint import Checkpoints
-from training.config import ModelConfig, TrainConfig
+from training.config import LoraConfig, ModelConfig, TrainConfig
 from training.metrics import MetricsLog, plot_loss
+from training.step import model_params
 
 
 KEPT_DIR = "steps"  # <work folder and output>/steps/<step>/: what train.keep_checkpoints keeps of a step
@@ -42,10 +43,12 @@ class StepInfo:
     state: dict  # {"params", "opt_state", ...}: this host's train state, on its devices
     step_metrics: dict  # the step's own metrics (loss, lr, grad_norm), on device: fetching one waits for the step
     metrics: dict | None  # the record measured at a log step (else None); hooks may add entries
+    lora: LoraConfig | None = None  # train.lora: the state's params are then the frozen base
 
     @property
     def params(self) -> dict:
-        return self.state["params"]
+        """The parameters the model computes with at this step (with LoRA: merged with the adapters)."""
+        return model_params(self.state, self.lora)
 
 
 class Hook(NamedTuple):

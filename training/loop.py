@@ -55,7 +55,7 @@ from training.metrics import MetricsLog, device_peak_flops, plot_loss
 from training.model import flops_per_token, param_count
 from training.optim import make_optimizer
 from training.sharding import batch_sharding, make_mesh, put_batch, state_shardings
-from training.step import init_state, make_eval_step, make_train_step
+from training.step import init_state, make_eval_step, make_train_step, model_params
 from training.tracking import TENSORBOARD_DIR, TensorBoardLog
 
 log = logging.getLogger("kiln.training")
@@ -136,7 +136,7 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, batch_at: Callable[[in
         record = clock.record(done) if done % train_cfg.log_every == 0 or last else clock.wait(metrics)
         if record is not None:
             last_loss = record.pop("last_loss")
-        info = StepInfo(done, last, state, metrics, record)
+        info = StepInfo(done, last, state, metrics, record, train_cfg.lora)
         for hook in due:  # hook time is not train time
             with clock.paused():
                 hook.fn(info)
@@ -146,11 +146,12 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, batch_at: Callable[[in
     checkpointing.close()
 
     # Publish: parameters gathered to host memory (a collective with several processes).
-    params = jax.device_get(multihost_utils.process_allgather(state["params"], tiled=True)
-                            if jax.process_count() > 1 else state["params"])
+    model = model_params(state, train_cfg.lora)  # with LoRA: the merged model
+    params = jax.device_get(multihost_utils.process_allgather(model, tiled=True)
+                            if jax.process_count() > 1 else model)
     val_loss = validating.last
     if validating.batches and start == train_cfg.steps:  # resumed at the end: the last evaluation died
-        val_loss = validating.loss(state["params"])
+        val_loss = validating.loss(model)
     flat = _flatten(params)
     trained = train_cfg.steps - start
     stats = {
@@ -169,6 +170,10 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, batch_at: Callable[[in
     }
     if primary:
         save_model(out_dir, model_cfg, flat)
+        if train_cfg.lora is not None:  # the adapters alone, for a peft export (training/export.py)
+            save_adapters(out_dir / LORA_DIR, train_cfg.lora, _flatten(jax.device_get(
+                multihost_utils.process_allgather(state["adapters"], tiled=True)
+                if jax.process_count() > 1 else state["adapters"])))
         for step in _kept(train_cfg, start_from):
             shutil.copytree(work_dir / KEPT_DIR / str(step), out_dir / KEPT_DIR / str(step), dirs_exist_ok=True)
         shutil.copyfile(work_dir / "metrics.jsonl", out_dir / "metrics.jsonl")
@@ -235,6 +240,15 @@ def _kept_params(ctx: LoopContext) -> list[Hook]:
                 save_model(ctx.work_dir / KEPT_DIR / str(info.step), ctx.model_cfg, _flatten(params))
 
     return [Hook(save, math.gcd(*keep))]
+
+
+LORA_DIR = "lora"  # <out_dir>/lora/: lora.json (the LoraConfig) and adapters.safetensors (a/b per target)
+
+
+def save_adapters(folder: Path, cfg, flat: dict[str, np.ndarray]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "lora.json").write_text(cfg.model_dump_json(indent=2) + "\n")
+    save_file(flat, str(folder / "adapters.safetensors"))
 
 
 def save_model(folder: Path, model_cfg: ModelConfig, flat: dict[str, np.ndarray]) -> None:
@@ -322,7 +336,7 @@ def _program(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: jax.sharding.
         raise ValueError(f"batch_size={train_cfg.batch_size} does not split over the mesh's {mesh.shape['data']} "
                          "data-parallel devices: make it a multiple of that")
     optimizer = make_optimizer(train_cfg)
-    make_state = lambda key: init_state(model_cfg, optimizer, key)  # noqa: E731
+    make_state = lambda key: init_state(model_cfg, optimizer, key, train_cfg.lora)  # noqa: E731
     abstract = jax.eval_shape(make_state, jax.random.PRNGKey(0))
     shardings = state_shardings(abstract, mesh, train_cfg.mesh.strategy)
     if objective is None:
@@ -346,14 +360,19 @@ def load_model(out_dir: Path) -> tuple[ModelConfig, dict]:
     """The ModelConfig and float32 parameter tree of a published training output."""
     out_dir = Path(out_dir)
     cfg = ModelConfig.model_validate_json((out_dir / "model.json").read_text())
-    params: dict = {}
-    for name, array in load_file(str(out_dir / "params.safetensors")).items():
+    return cfg, unflatten(load_file(str(out_dir / "params.safetensors")))
+
+
+def unflatten(flat: dict[str, np.ndarray]) -> dict:
+    """A tree of device arrays from flat "layers_0/mlp/up_proj/kernel" names (`_flatten`'s inverse)."""
+    tree: dict = {}
+    for name, array in flat.items():
         *parents, leaf = name.split("/")
-        node = params
+        node = tree
         for p in parents:
             node = node.setdefault(p, {})
         node[leaf] = jax.numpy.asarray(array)
-    return cfg, params
+    return tree
 
 
 def params_sha256(flat: dict[str, np.ndarray]) -> str:

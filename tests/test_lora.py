@@ -1,0 +1,129 @@
+"""LoRA (`train.lora`, training/lora.py) in the one training loop: only the adapters train and hold
+optimizer state, the base parameters stay bit for bit, the published model is the merged one;
+DPO's reference is the base; exports: merged (transformers' logits equal kiln's) and a peft
+adapter folder that peft loads onto the base export with the same logits."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from tests.conftest import needs
+from tests.test_hf_import import LLAMA_TOKENS, tokenizer_folder
+from tests.test_loader import run_body
+from tests.test_training_kjv_data import WindowBatches, kjv_tokens
+from tasks.tokenizer import TokenizerConfig, read_tokenizer_meta, tokenizer_step
+from training.config import LoraConfig, ModelConfig, TrainConfig
+from tasks.engine.step import Step
+from tasks.export import ExportConfig, export_step
+from training.export import export_hf
+from training.hooks import Hook
+from training.lora import merged
+from training.loop import LORA_DIR, _flatten, load_model, params_sha256, train, unflatten
+from training.model import forward, init_params
+from training.posttrain import DPOObjective, reference_logprobs
+
+LORA = LoraConfig(rank=4, alpha=8.0, targets=("q_proj", "v_proj", "down_proj"))
+forward = jax.jit(forward, static_argnums=2)
+
+
+def sha(params) -> str:
+    return params_sha256(_flatten(jax.device_get(params)))
+
+
+@pytest.fixture(scope="module")
+def base():
+    tokens, vocab = kjv_tokens()
+    model = ModelConfig(vocab_size=vocab, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=192, seq_len=64)
+    return tokens, model, jax.device_get(init_params(model, jax.random.PRNGKey(7)))
+
+
+def test_only_the_adapters_train_and_the_published_model_is_the_merged_one(base, tmp_path):
+    tokens, model, start = base
+    cfg = TrainConfig(batch_size=16, steps=30, lr=1e-2, warmup=3, log_every=10, eval_every=10, checkpoint_every=30,
+                      peak_flops=1e11, lora=LORA)
+    data = WindowBatches(tokens, cfg.batch_size, model.seq_len, seed=cfg.seed)
+    seen = {}
+
+    def last(info):
+        seen["base"] = sha(info.state["params"])
+        seen["opt_shapes"] = {tuple(x.shape) for x in jax.tree_util.tree_leaves(info.state["opt_state"]) if x.ndim}
+        seen["adapter_shapes"] = {tuple(x.shape) for x in jax.tree_util.tree_leaves(info.state["adapters"])}
+
+    stats = train(model, cfg, data.batch_at, data.val_batches(16), tmp_path / "work", tmp_path / "out",
+                  init_params=start, hooks=[Hook(last, every=30)])
+    assert seen["base"] == sha(start)  # the base parameters are bit for bit what they were
+    assert seen["opt_shapes"] == seen["adapter_shapes"]  # moments of the adapters, of nothing else
+    assert seen["adapter_shapes"] == {(64, 4), (4, 64), (4, 32), (192, 4)}  # q [64,64], v [64,32], down [192,64]
+    _, published = load_model(tmp_path / "out")
+    nested = unflatten(load_file(str(tmp_path / "out" / LORA_DIR / "adapters.safetensors")))
+    assert sha(published) == stats["params_sha256"]
+    recomputed = _flatten(jax.device_get(merged(jax.device_put(start), jax.device_put(nested), LORA)))
+    for name, value in _flatten(published).items():  # W + (alpha/rank) A B, to float rounding
+        np.testing.assert_allclose(value, recomputed[name], rtol=1e-6, atol=1e-7, err_msg=name)
+    assert sha(published) != sha(start)
+    moved = [k for k, v in _flatten(published).items() if not np.array_equal(v, _flatten(start)[k])]
+    assert sorted({k.split("/")[2] for k in moved}) == ["down_proj", "q_proj", "v_proj"]  # nothing else changed
+
+
+def test_dpo_with_lora_scores_against_the_base(base, tmp_path):
+    """DPO's reference log-probabilities are the base model's (no second copy held): at the start
+    the adapters change nothing, so the first step's loss is log 2 exactly as without LoRA."""
+    tokens, model, start = base
+    rng = np.random.default_rng(0)
+    rows = 8
+    inputs = rng.integers(0, model.vocab_size, size=(rows, 2, model.seq_len)).astype(np.int32)
+    arrays = {"inputs": inputs, "targets": np.roll(inputs, -1, axis=2),
+              "loss_mask": np.ones((rows, 2, model.seq_len), np.float32)}
+    arrays["loss_mask"][:, :, : model.seq_len // 2] = 0
+    arrays["ref_logp"] = reference_logprobs(start, arrays, model, batch_size=4)
+    objective = DPOObjective(0.1)
+    cfg = TrainConfig(batch_size=4, steps=6, lr=1e-2, warmup=1, log_every=1, eval_every=6, checkpoint_every=6,
+                      weight_decay=0.0, peak_flops=1e11, lora=LORA)
+    batch_at = lambda step: {k: v[(step * 4) % rows:(step * 4) % rows + 4] for k, v in arrays.items()}  # noqa: E731
+    spec = objective.batch_spec(4, model.seq_len)
+    batch_at = (lambda f: lambda step: {k: f(step)[k].astype(spec[k][1]) for k in spec})(batch_at)
+    train(model, cfg, batch_at, [], tmp_path / "work", tmp_path / "out", objective=objective, init_params=start)
+    from training.metrics import read_metrics
+
+    records = read_metrics(tmp_path / "out" / "metrics.jsonl")
+    assert records[0]["loss"] == pytest.approx(np.log(2), rel=1e-5) and records[-1]["loss"] < records[0]["loss"]
+
+
+def test_merged_and_adapter_exports_give_kiln_logits(base, tmp_path):
+    torch, transformers, peft = needs("torch"), needs("transformers"), needs("peft")
+    tokens, model, start = base
+    step = tokenizer_step(TokenizerConfig(kind="hf", path=str(tokenizer_folder(tmp_path / "hf", LLAMA_TOKENS))))
+    run_body(step, tmp_path / "tokenizer", {})
+    tokenizer_json, meta = (tmp_path / "tokenizer" / "tokenizer.json").read_text(), read_tokenizer_meta(tmp_path / "tokenizer")
+    cfg = TrainConfig(batch_size=16, steps=20, lr=1e-2, warmup=2, log_every=10, eval_every=10, checkpoint_every=20,
+                      peak_flops=1e11, lora=LORA)
+    data = WindowBatches(tokens, cfg.batch_size, model.seq_len, seed=cfg.seed)
+    train(model, cfg, data.batch_at, [], tmp_path / "work", tmp_path / "out", init_params=start)
+    _, trained = load_model(tmp_path / "out")
+
+    (tmp_path / "base").mkdir()
+    export_hf(model, start, tokenizer_json, meta, tmp_path / "base")
+    # the export step: the merged model as a Hugging Face folder, and the adapters in adapter/
+    fake = Step(name="train", stage="train", stage_version=1, config=cfg, run=None)
+    exported = export_step(ExportConfig(lora="adapter"), model=fake, tokenizer=step)
+    stats = run_body(exported, tmp_path / "merged", {"model": tmp_path / "out", "tokenizer": tmp_path / "tokenizer"})
+    assert stats["adapter_tensors"] == 2 * 3 * model.n_layers
+    adapter = tmp_path / "merged" / "adapter"
+    ids = np.random.default_rng(1).integers(0, model.vocab_size, size=(2, 40)).astype(np.int32)
+    expected = np.asarray(forward(trained, ids, model))
+
+    def logits(m):
+        with torch.no_grad():
+            return m(torch.from_numpy(ids.astype(np.int64))).logits.float().numpy()
+
+    def close(got):
+        rel = np.abs(got - expected).max() / np.abs(expected).max()
+        assert rel < 1e-4, f"max relative difference {rel:.2e}"
+
+    close(logits(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()))
+    base_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval()
+    assert np.abs(logits(base_model) - expected).max() > 1e-3  # the adapters do change the logits
+    close(logits(peft.PeftModel.from_pretrained(base_model, adapter).eval()))
