@@ -41,7 +41,8 @@ class InLoopEvals:
 
     cfg: InLoopEvalConfig
     tokenizer: Located
-    sources: tuple[tuple[str, Located], ...]  # (name, tokenize output) whose validation split is scored
+    # (name, tokenize output, mixture weight) of each source; weight 0: an eval-only source
+    sources: tuple[tuple[str, Located, float], ...]
     suite_tasks: tuple[str, ...] = ()  # kiln suite tasks written under <work folder>/SUITE_DIR
 
     def __call__(self, ctx: LoopContext) -> list[Hook]:
@@ -53,13 +54,13 @@ class _Evaluations:
         from evaluation.adapter import KilnLM
         from evaluation.suite import task_configs
         from tasks.tokenizer import load_tokenizer, read_tokenizer_meta
-        from training.data import TokenDataset
 
         self.cfg, self.ctx = spec.cfg, ctx
         folder = spec.tokenizer.local()
         meta = read_tokenizer_meta(folder)
         self.tokenizer = load_tokenizer(folder)
-        self.heldout = {name: TokenDataset(tokens.local(), "validation") for name, tokens in spec.sources} \
+        # the driver (tasks/train.py) left out the sources with nothing held out
+        self.heldout = {name: held_out(tokens.local(), weight) for name, tokens, weight in spec.sources} \
             if spec.cfg.heldout_tokens else {}
         self.suite = task_configs(ctx.work_dir / SUITE_DIR, spec.suite_tasks) if spec.suite_tasks else []
         # One adapter for the whole run: its compiled functions are kept, its parameters replaced.
@@ -99,6 +100,19 @@ class _Evaluations:
                 out[f"eval/{short_name(row['task'])}/{row['metric']}"] = row["value"]
             out["eval/tasks_seconds"] = time.perf_counter() - t0
         return out
+
+
+def held_out(folder: Path, weight: float):
+    """The tokens scored for a source, as the mixture's validation takes them (training/data.py):
+    its validation split; for an eval-only source (weight 0), never trained on, its train split
+    when that is empty. None when neither has two tokens."""
+    from training.data import TokenDataset
+
+    for split in ("validation",) if weight > 0 else ("validation", "train"):
+        dataset = TokenDataset(folder, split)
+        if dataset.n_tokens >= 2:
+            return dataset
+    return None
 
 
 def prepare_suite(documents: Path, work_dir: Path, cfg: InLoopEvalConfig, suite, validation_fraction: float) -> dict:

@@ -111,16 +111,22 @@ def starting_point(ctx: StepContext) -> dict:
 def in_loop_evals(ctx: StepContext, mixture: dict | None):
     """The hook factory of train.evals (evaluation/in_loop.py), with its suite tasks cut into the
     work folder, which the hosts pull."""
-    from evaluation.in_loop import InLoopEvals, prepare_suite  # JAX and lm-eval: not for plans
+    from evaluation.in_loop import InLoopEvals, held_out, prepare_suite  # JAX and lm-eval: not for plans
 
     cfg: TrainStepConfig = ctx.config
     evals = cfg.train.evals
-    sources = (("heldout", ctx.located("tokens")),) if mixture is None else tuple(
-        (name, ctx.located(f"tokens/{name}")) for name in mixture)
+    sources = []
+    for name, input_name, weight in ([("heldout", "tokens", 1.0)] if mixture is None else
+                                     [(n, f"tokens/{n}", m.weight) for n, m in mixture.items()]):
+        if held_out(ctx.inputs[input_name], weight) is None:
+            ctx.log.warning("in-loop evals: source %s has no held-out tokens to score (its validation split is "
+                            "empty): no eval/%s/bpb curve; raise tokenize.validation_fraction for one", name, name)
+        else:
+            sources.append((name, ctx.located(input_name), weight))
     if evals.tasks:
         counts = prepare_suite(ctx.inputs[EVAL_DOCUMENTS], ctx.work_dir, evals, cfg.suite, cfg.validation_fraction)
         ctx.log.info("in-loop evals every %d steps: suite %s examples from held-out documents", evals.every, counts)
-    return InLoopEvals(evals, ctx.located(EVAL_TOKENIZER), sources, tuple(evals.tasks))
+    return InLoopEvals(evals, ctx.located(EVAL_TOKENIZER), tuple(sources), tuple(evals.tasks))
 
 
 def show_curves(ctx: StepContext, steps: int) -> None:

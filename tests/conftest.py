@@ -69,14 +69,17 @@ def pytest_configure(config):
 # --no-loadscope-reorder` xdist hands out files in collection order, so the long ones start early
 # instead of leaving one worker alone with the two-node test at the end; files that hold the Ray
 # lock exclusively (two_nodes, private_ray) sit between files that start no Ray.
-LONGEST_FIRST = ["test_two_nodes.py",  # ~180, Ray lock exclusive
+LONGEST_FIRST = ["test_phases.py",  # ~210: four kiln runs of a cooldown experiment
+                 "test_two_nodes.py",  # ~180, Ray lock exclusive
                  "test_foundation.py",  # ~150, no Ray
                  "test_deployments.py",  # ~110, no Ray
                  "test_scheduler.py",  # ~100
                  "test_private_ray.py",  # ~110, Ray lock exclusive
                  "test_training_task.py", "test_training_sharding.py", "test_gpu_check.py", "test_posttrain.py",
                  "test_training_loop.py", "test_lm_eval_hf.py", "test_remote_workspace.py", "test_redis_locks.py",
-                 "test_servers_end.py", "test_training_launch.py", "test_serve_shutdown.py"]
+                 "test_servers_end.py", "test_training_launch.py", "test_serve_shutdown.py",
+                 "test_checkpoint_series.py", "test_hf_pipeline.py", "test_train_init.py", "test_in_loop_evals.py",
+                 "test_serve_model.py", "test_lora.py"]
 
 
 def pytest_collection_modifyitems(config, items):

@@ -82,7 +82,7 @@ def test_in_loop_bits_per_byte_and_task_accuracy_equal_the_evaluate_steps(kjv_da
     counts = prepare_suite(kjv_data.documents, work, evals, suite, VALIDATION_FRACTION)
     assert counts["next_passage"] > evals.limit
     hook = InLoopEvals(evals, Located(None, "", "", str(kjv_data.tokenizer)),
-                       (("heldout", Located(None, "", "", str(kjv_data.tokens))),), ("next_passage",))
+                       (("heldout", Located(None, "", "", str(kjv_data.tokens)), 1.0),), ("next_passage",))
     train(model, cfg, loader.batch, validation_batches(val, cfg.batch_size, model.seq_len, 2), work, out,
           hooks=[hook])
 

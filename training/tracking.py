@@ -19,6 +19,7 @@ No Prefect, no Ray here; tensorboardX and wandb are imported only when used.
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 from pathlib import Path
 from typing import Callable, Iterator, Literal
@@ -102,8 +103,11 @@ def wandb_run(cfg: WandbConfig | None, name: str, config: dict) -> Iterator[Call
     except ImportError:
         raise ImportError("tracking.wandb is set but wandb is not installed: pip install \"kiln[wandb]\" "
                           "(or uv sync --extra wandb), or remove tracking.wandb from the config") from None
+    # $WANDB_DIR read now, not when wandb first set itself up in this process: a long-lived driver
+    # (kiln serve, a test session) whose environment changed writes where it now says.
     run = wandb.init(project=cfg.project, entity=cfg.entity, mode=cfg.mode, name=name, id=name, config=config,
-                     resume="allow", reinit="create_new", settings=wandb.Settings(console="off", silent=True))
+                     resume="allow", reinit="create_new", dir=os.environ.get("WANDB_DIR") or None,
+                     settings=wandb.Settings(console="off", silent=True))
     failed = True
     try:
         yield lambda record: run.log(scalars(record), step=record["step"])
