@@ -140,6 +140,10 @@ class RunSettings(ConfigModel):
                                    "share a store); without it, lock files beside the store's local root.")
     lock_lease_s: float = setting(30.0, gt=0, description="A Redis lock's lease: renewed while its holder lives, "
                                   "released this long after a holder dies.")
+    verify: Literal["sizes", "full"] = setting(
+        "sizes", description="How a finished step is checked before it counts as cached: `sizes`, one listing "
+        "of its folder against the file names and sizes its lineage recorded (nothing read or downloaded); "
+        "`full`, every file's sha256 recomputed (every byte read), as `kiln verify` does.")
 
 
 class PhaseConfig(ConfigModel):

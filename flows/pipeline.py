@@ -33,7 +33,7 @@ def run_experiment(experiment: Experiment, store: Store, until: str | None = Non
     scaling forecast), then the comparison of the variants; raises StepsFailed if any step failed."""
     settings = experiment.run
     how = dict(max_concurrent=settings.max_concurrent, workers=settings.workers, force=frozenset(force),
-               lock_url=settings.lock_url, lease_s=settings.lock_lease_s)
+               lock_url=settings.lock_url, lease_s=settings.lock_lease_s, verify=settings.verify)
     runs = execute(select(experiment.steps, until), store, **how)
     if until is None and not failures(runs):
         seen = {(r.stage, r.version) for r in runs}
@@ -81,7 +81,8 @@ def evaluate_flow(config: ExperimentConfig, store: str | None = None, force: lis
     steps = [s for s in experiment.steps if s.stage == "evaluate"]
     settings = experiment.run
     runs = execute(steps, Store(store), max_concurrent=settings.max_concurrent, workers=settings.workers,
-                   force=frozenset(force), lock_url=settings.lock_url, lease_s=settings.lock_lease_s)
+                   force=frozenset(force), lock_url=settings.lock_url, lease_s=settings.lock_lease_s,
+                   verify=settings.verify)
     if failures(runs):
         raise StepsFailed(runs)
     return runs

@@ -1,7 +1,8 @@
-"""Artefact checksums: publishing records a sha256 per output file in lineage.json;
+"""Artefact checksums: publishing records a sha256 and a size per output file in lineage.json;
 `verify_output` names each file that no longer matches (or lineage.json, when it is cut short);
-`kiln verify` checks a whole store and exits 1 naming the damage; a flipped byte in a published
-params.safetensors makes the next `kiln run` recompute that step."""
+`kiln verify` checks a whole store and exits 1 naming the damage. A cache hit checks names and
+sizes only (`check_output`: nothing read), so a file gone or cut short is recomputed by the next
+`kiln run`; with `run.verify: full` a flipped byte in params.safetensors is too."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 import yaml
 
 from flows.cli import main
-from tasks.engine.store import LINEAGE, Store, file_checksums, is_verifiable, verify_output
+from tasks.engine.store import LINEAGE, Store, check_output, file_checksums, is_verifiable, verify_output
 from tests.conftest import kiln
 
 
@@ -53,6 +54,26 @@ def test_publish_records_checksums_and_verify_names_what_changed(tmp_path, capsy
     text = (other / LINEAGE).read_text()  # a lineage.json cut short is damage too
     (other / LINEAGE).write_text(text[: len(text) // 2])
     assert verify_output(store, "tokenize", "bbbbbbbbbbbb") == [LINEAGE]
+
+
+def test_a_cache_hit_checks_names_and_sizes_without_reading_a_byte(tmp_path):
+    store = Store(tmp_path / "store")
+    out = publish(store, "tokenize", "dddddddddddd", {"shard.bin": b"t" * 1000, "meta.json": b"{}"})
+    record = json.loads((out / LINEAGE).read_text())
+    assert record["sizes"] == {"shard.bin": 1000, "meta.json": 2} and check_output(store, "tokenize", "dddddddddddd") == []
+    # an 8 GB file (sparse: nothing on disk) whose recorded size fits: the check opens no file, so it
+    # cannot see that the content is not what was hashed (kiln verify does)
+    with open(out / "shard.bin", "r+b") as f:
+        f.truncate(8 << 30)
+    record["sizes"]["shard.bin"] = 8 << 30
+    (out / LINEAGE).write_text(json.dumps(record))
+    assert check_output(store, "tokenize", "dddddddddddd") == []
+    (out / "meta.json").write_bytes(b"{ }")  # one byte longer: cut short or grown is not whole
+    assert check_output(store, "tokenize", "dddddddddddd") == ["meta.json"]
+    (out / "shard.bin").unlink()
+    assert check_output(store, "tokenize", "dddddddddddd") == ["meta.json", "shard.bin"]
+    (out / LINEAGE).write_text("{")
+    assert check_output(store, "tokenize", "dddddddddddd") == [LINEAGE]
 
 
 def test_lineage_from_before_checksums_is_accepted_unverified(tmp_path, capsys):
@@ -100,6 +121,10 @@ def test_a_flipped_byte_in_params_is_found_and_the_next_run_recomputes(tmp_path)
     assert checked.returncode == 1
     assert re.search(rf"MISMATCH +train/{params.parent.name}: .*params\.safetensors", checked.stdout), checked.stdout
 
+    same_size = kiln("run", str(config), "--store", str(store), "--until", "train")
+    assert status_of(same_size.stdout, "train") == "cached"  # the default check reads nothing
+    raw = yaml.safe_load(config.read_text())
+    config.write_text(yaml.safe_dump({**raw, "run": {"verify": "full"}}))
     again = kiln("run", str(config), "--store", str(store), "--until", "train")
     assert status_of(again.stdout, "train") == "ran" and status_of(again.stdout, "tokenize") == "cached"
     assert "params.safetensors" in again.stderr  # the warning names the file

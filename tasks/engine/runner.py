@@ -26,7 +26,7 @@ from prefect.context import get_run_context
 from tasks.engine.caching import result_storage, step_cache_policy
 from tasks.engine.lineage import build_lineage, now, publish_to_prefect
 from tasks.engine.step import Shown, Step, StepContext
-from tasks.engine.store import Store, verify_output
+from tasks.engine.store import Store, check_output, verify_output
 
 
 class StepFailed(RuntimeError):
@@ -226,14 +226,15 @@ def configured_task(step: Step, store: Store, forced: bool, lock_url: str | None
     )
 
 
-def prepare(step: Step, store: Store, forced: bool, log: logging.Logger) -> None:
+def prepare(step: Step, store: Store, forced: bool, log: logging.Logger, verify: str = "sizes") -> None:
     """Before a step is submitted: what the store holds for it may only be a hit if it is whole.
 
-    A forced step loses its output; so does one whose files no longer match the checksums its
-    lineage recorded (a warning names them). A Prefect record whose output folder is gone is
-    dropped, so it cannot count as a cache hit."""
-    damaged = [] if forced or not store.is_done(step.stage, step.version) else \
-        verify_output(store, step.stage, step.version)
+    A forced step loses its output; so does one whose files are gone or no longer the size its
+    lineage recorded (`verify` "sizes": one listing, nothing read), or with `verify` "full" no
+    longer match the recorded sha256s (every byte read: `kiln verify`'s check); a warning names
+    them. A Prefect record whose output folder is gone is dropped, so it cannot count as a hit."""
+    check = verify_output if verify == "full" else check_output
+    damaged = [] if forced or not store.is_done(step.stage, step.version) else check(store, step.stage, step.version)
     if damaged:
         log.warning("%s %s: %s no longer match(es) what was published; recomputing it", step.name,
                     step.version, ", ".join(damaged))

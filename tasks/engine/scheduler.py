@@ -27,12 +27,14 @@ class MissingInput(RuntimeError):
 
 
 def execute(steps: list[Step], store: Store, *, max_concurrent: int = 1, workers: int = 1,
-            force: frozenset[str] = frozenset(), lock_url: str | None = None, lease_s: float = 30.0) -> list[StepRun]:
+            force: frozenset[str] = frozenset(), lock_url: str | None = None, lease_s: float = 30.0,
+            verify: str = "sizes") -> list[StepRun]:
     """Run `steps` (upstream first; a step's inputs outside the list must already be in the store),
     each once per version. Returns how each went, in the order given.
 
     `force` names stages (or step names) to recompute even if their version exists. `lock_url`
-    (redis://...) puts the step locks in Redis, shared by runners on other machines.
+    (redis://...) puts the step locks in Redis, shared by runners on other machines. `verify`:
+    how a done step is checked before it counts as cached (runner.py `prepare`).
     """
     locks = {"lock_url": lock_url, "lease_s": lease_s}
     graph = {s.key: s for s in steps}  # one step per version, whichever variant named it first
@@ -63,7 +65,8 @@ def execute(steps: list[Step], store: Store, *, max_concurrent: int = 1, workers
                     break
                 if all(k in finished for k in needs[step.key]):
                     waiting.remove(step)
-                    future = _submit(step, store, workers, [futures[k] for k in needs[step.key]], force, locks)
+                    future = _submit(step, store, workers, [futures[k] for k in needs[step.key]], force, locks,
+                                     verify)
                     futures[step.key] = future
                     running[future] = (step, time.perf_counter())
             if not running:
@@ -74,9 +77,10 @@ def execute(steps: list[Step], store: Store, *, max_concurrent: int = 1, workers
     return [finished[s.key] for s in order]
 
 
-def _submit(step: Step, store: Store, workers: int, wait_for: list, force: frozenset[str], locks: dict):
+def _submit(step: Step, store: Store, workers: int, wait_for: list, force: frozenset[str], locks: dict,
+            verify: str = "sizes"):
     forced = step.stage in force or step.name in force
-    prepare(step, store, forced, get_run_logger())
+    prepare(step, store, forced, get_run_logger(), verify)
     return configured_task(step, store, forced, **locks).submit(step.key, quote(step), store.root, workers,
                                                                 wait_for=wait_for)
 

@@ -2,8 +2,11 @@
 
 A folder is done exactly when its `lineage.json` exists. Outputs are written under a temporary
 name and renamed into place, so a crash mid-write leaves a `.tmp-*` folder that nothing reads.
-`lineage.json` records a sha256 per output file (`files`); `verify_output` checks a published
-folder against it, so a file changed or cut short after publishing is never taken as done.
+`lineage.json` records a sha256 and a size per output file (`files`, `sizes`). A run's cache
+hit costs no reading of outputs: `check_output` compares one listing of the folder with the
+recorded names and sizes (a file gone or cut short is not done), in time independent of the
+bytes, and on a remote store without downloading anything. `verify_output` recomputes every
+sha256, for `kiln verify` and `run.verify: full`.
 The root is a local path (default `./kiln_store`, or `KILN_STORE`) or any fsspec URL (`gs://`,
 `s3://`, ...): a remote store publishes by uploading the folder and writing `lineage.json` last,
 and downloads inputs into a local cache before a stage reads them.
@@ -98,6 +101,7 @@ class Store:
         """Record each file's sha256 in `lineage["files"]`, write `lineage.json` into `tmp` last,
         then move it into place. Returns the location."""
         lineage["files"] = file_checksums(tmp)
+        lineage["sizes"] = {rel: (tmp / rel).stat().st_size for rel in lineage["files"]}
         (tmp / (LINEAGE + ".part")).write_text(json.dumps(lineage, indent=2, sort_keys=True))
         if self.is_local:
             final = Path(self.output(stage, version))
@@ -327,18 +331,42 @@ def _sha256(f) -> str:
     return digest.hexdigest()
 
 
+def check_output(store: Store, stage: str, version: str) -> list[str]:
+    """The files of a published output that are missing or not the size its lineage recorded
+    (lineage.json itself when it is unreadable): what a cache hit checks. One listing of the
+    folder, no file opened, so it costs the same for 1 KB and 20 GB, locally and on `s3://`.
+    Lineage from before sizes were recorded is checked for the files' presence only."""
+    record = _lineage_of(store, stage, version)
+    if record is None:
+        return [LINEAGE]
+    base = store._fs_path(stage, version)
+    listed = {info["name"].rstrip("/")[len(base.rstrip("/")) + 1:]: info.get("size")
+              for info in store.fs.find(base, detail=True).values()}
+    sizes = record.get("sizes") or {}
+    return [rel for rel in sorted(record.get("files") or {})
+            if rel not in listed or (rel in sizes and listed[rel] != sizes[rel])]
+
+
+def _lineage_of(store: Store, stage: str, version: str) -> dict | None:
+    """The output's lineage record, or None when it is missing, unreadable or of another step."""
+    try:
+        with store.fs.open(f"{store._fs_path(stage, version)}/{LINEAGE}", "r") as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or record.get("stage") != stage or record.get("version") != version:
+        return None
+    return record
+
+
 def verify_output(store: Store, stage: str, version: str) -> list[str]:
     """The files of a published output that are missing or no longer match the sha256 its
     lineage recorded: empty when it is whole. `lineage.json` itself is named when it is missing
     or unreadable. Lineage written before checksums were recorded has none to compare: such an
     output is accepted unverified (`is_verifiable` tells them apart)."""
     base = store._fs_path(stage, version)
-    try:
-        with store.fs.open(f"{base}/{LINEAGE}", "r") as f:
-            record = json.load(f)
-    except (OSError, ValueError):
-        return [LINEAGE]
-    if not isinstance(record, dict) or record.get("stage") != stage or record.get("version") != version:
+    record = _lineage_of(store, stage, version)
+    if record is None:
         return [LINEAGE]
     bad = []
     for rel, expected in sorted((record.get("files") or {}).items()):
