@@ -23,6 +23,7 @@ import hashlib
 import importlib.util
 import io
 import json
+import os
 import re
 from collections import Counter
 from dataclasses import dataclass
@@ -55,12 +56,20 @@ class SourceConfig(ConfigModel):
                           "without one gets `<file>:<line>`. Document ids are `<name>/<own id>`.")
     storage_options: dict[str, Any] | None = setting(
         None, description="fsspec storage options for URL paths, e.g. `{client_kwargs: {endpoint_url: ...}}` "
-        "for an S3-compatible server, or credentials; never part of a version.")
+        "for an S3-compatible server; never part of a version. Credentials only as `${ENV_VAR}` references, "
+        "read from the environment when the files are opened (a literal one is refused: it would be written "
+        "into lineage and Prefect's database), or from fsspec's own configuration (AWS_* variables, ...).")
     split: str = "train"
     limit: int | None = Field(None, ge=1, description="Keep only the first N documents of this source.")
 
     @model_validator(mode="after")
     def _check(self) -> "SourceConfig":
+        literal = literal_credentials(self.storage_options or {})
+        if literal:
+            raise ValueError(f"storage_options.{literal[0]} holds a literal credential, which kiln would write into "
+                             "lineage.json and Prefect's database: put it in an environment variable and write "
+                             "'${NAME}' (read when the files are opened), or leave credentials to fsspec's own "
+                             "configuration (e.g. AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY)")
         if self.kind == "package" and self.package not in PACKAGE_CORPORA:
             raise ValueError(f"package must be one of {sorted(PACKAGE_CORPORA)}, got {self.package!r}")
         if self.kind != "package" and not self.paths:
@@ -187,6 +196,41 @@ def expand_paths(patterns: list[str]) -> list[Path]:
     return found
 
 
+CREDENTIAL = re.compile(r"key|secret|token|password|passwd|credential", re.IGNORECASE)
+ENV_REFERENCE = re.compile(r"^\$\{([A-Za-z_][A-Za-z0-9_]*)\}$")
+
+
+def literal_credentials(options: dict, prefix: str = "") -> list[str]:
+    """The dotted paths of values under credential-like keys (key, secret, token, password, ...)
+    that are not `${ENV_VAR}` references."""
+    found = []
+    for name, value in options.items():
+        path = f"{prefix}{name}"
+        if isinstance(value, dict):
+            found += literal_credentials(value, path + ".")
+        elif CREDENTIAL.search(str(name)) and value is not None and not (
+                isinstance(value, str) and ENV_REFERENCE.match(value)):
+            found.append(path)
+    return found
+
+
+def from_environment(options: dict, source: str) -> dict:
+    """`options` with every `${ENV_VAR}` string replaced by that variable's value, at the moment
+    the files are opened (never stored)."""
+    def resolve(value):
+        if isinstance(value, dict):
+            return {k: resolve(v) for k, v in value.items()}
+        match = ENV_REFERENCE.match(value) if isinstance(value, str) else None
+        if match is None:
+            return value
+        if match.group(1) not in os.environ:
+            raise KeyError(f"source {source}: storage_options names ${{{match.group(1)}}}, which is not set in this "
+                           "process's environment: set it where kiln runs (and on the Ray nodes that read sources)")
+        return os.environ[match.group(1)]
+
+    return resolve(options)
+
+
 def source_files(src: SourceConfig) -> list[SourceFile]:
     """Every file a `files` source reads, in the order given (each glob's matches sorted)."""
     found: list[SourceFile] = []
@@ -196,7 +240,7 @@ def source_files(src: SourceConfig) -> list[SourceFile]:
             continue
         import fsspec
 
-        fs, path = fsspec.core.url_to_fs(pattern, **(src.storage_options or {}))
+        fs, path = fsspec.core.url_to_fs(pattern, **from_environment(src.storage_options or {}, src.name))
         fs.invalidate_cache()  # what the files are now, not what this process listed before
         matches = sorted(fs.glob(path)) if glob.has_magic(path) and "http" not in fs.protocol else \
             ([path] if fs.exists(path) else [])

@@ -1,0 +1,65 @@
+"""No secrets at rest: a source's credentials live in the environment (`${ENV_VAR}` in
+storage_options), are read when its files are opened, and appear nowhere kiln writes: not the
+store (lineage, outputs, locks, Prefect results), not Prefect's database, not the run's output. A
+literal credential in a config is refused, naming the field."""
+
+from __future__ import annotations
+
+import json
+import secrets
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tasks.acquire import SourceConfig
+from tests.conftest import kiln, moto_server, prefect_server_process
+
+
+def files_holding(root: Path, needle: bytes) -> list[str]:
+    return [str(p) for p in root.rglob("*") if p.is_file() and needle in p.read_bytes()]
+
+
+def test_a_literal_credential_is_refused():
+    with pytest.raises(ValueError, match=r"storage_options\.secret holds a literal credential"):
+        SourceConfig(name="s", kind="files", paths=["s3://b/*.jsonl"], storage_options={"key": "${K}", "secret": "x"})
+    with pytest.raises(ValueError, match=r"storage_options\.client_kwargs\.aws_session_token"):
+        SourceConfig(name="s", kind="files", paths=["s3://b/*.jsonl"],
+                     storage_options={"client_kwargs": {"aws_session_token": "abc"}})
+    SourceConfig(name="s", kind="files", paths=["s3://b/*.jsonl"],  # endpoints and references are fine
+                 storage_options={"key": "${K}", "client_kwargs": {"endpoint_url": "http://127.0.0.1:9"}})
+
+
+def test_a_planted_secret_is_nowhere_kiln_writes(tmp_path, monkeypatch):
+    import s3fs
+
+    key, secret = f"AKIA{secrets.token_hex(8).upper()}", secrets.token_urlsafe(24)
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    records = "".join(json.dumps({"id": i, "text": f"In the beginning was document {i}, " * 20}) + "\n"
+                      for i in range(12))
+    with moto_server() as endpoint, prefect_server_process() as (env, _):
+        fs = s3fs.S3FileSystem(key=key, secret=secret, client_kwargs={"endpoint_url": endpoint})
+        fs.mkdir("corpus")
+        fs.pipe("corpus/notes.jsonl", records.encode())
+        config = {"name": "secrets", "data": {"sources": [{
+            "name": "notes", "kind": "files", "paths": ["s3://corpus/*.jsonl"],
+            "storage_options": {"key": "${KILN_TEST_S3_KEY}", "secret": "${KILN_TEST_S3_SECRET}",
+                                "client_kwargs": {"endpoint_url": endpoint}}}]}}
+        path, store = tmp_path / "secrets.yaml", tmp_path / "store"
+        path.write_text(yaml.safe_dump(config))
+        run = kiln("run", str(path), "--store", str(store), "--until", "acquire",
+                   env={**env, "KILN_TEST_S3_KEY": key, "KILN_TEST_S3_SECRET": secret})
+        (lineage,) = store.glob("acquire/*/lineage.json")
+        assert json.loads(lineage.read_text())["stats"]["documents"] == 12  # it read them with the secret
+        assert "${KILN_TEST_S3_SECRET}" in lineage.read_text()  # the reference is recorded, not its value
+        for needle in (secret, key):
+            assert needle not in run.stdout + run.stderr
+            assert files_holding(store, needle.encode()) == []
+            assert files_holding(Path(env["PREFECT_HOME"]), needle.encode()) == []  # the database too
+        assert any(Path(env["PREFECT_HOME"]).rglob("*.db"))  # where Prefect keeps it, and it was searched
+
+        without = kiln("run", str(path), "--store", str(tmp_path / "other"), "--until", "acquire", env=env,
+                       check=False)
+        assert without.returncode != 0 and "KILN_TEST_S3_KEY" in without.stdout + without.stderr
