@@ -203,11 +203,20 @@ def from_python(path: Path) -> Experiment:
     return Experiment(getattr(module, "NAME", path.stem), {k: Branch(list(v)) for k, v in built.items()}, run)
 
 
+_PYTHON_EXPERIMENTS: dict[tuple, Experiment] = {}  # (file, mtime, size) -> what it built, in this process
+
+
 def load_experiment(path: str | Path) -> Experiment:
-    """A YAML config or a Python experiment file, as an experiment."""
+    """A YAML config or a Python experiment file, as an experiment. A Python file is executed
+    once per process while it stays unchanged: `kiln run` checks the plan and then runs it in a
+    flow, and the file's `experiment()` may do work or have effects of its own."""
     path = Path(path)
     if path.suffix == ".py":
         if not path.exists():
             raise ConfigError(f"{path}: no such experiment file")
-        return from_python(path)
+        stat = path.stat()
+        key = (str(path.resolve()), stat.st_mtime_ns, stat.st_size)
+        if key not in _PYTHON_EXPERIMENTS:
+            _PYTHON_EXPERIMENTS[key] = from_python(path)
+        return _PYTHON_EXPERIMENTS[key]
     return from_config(load_config(path), str(path))

@@ -218,6 +218,9 @@ TOY_EXPERIMENT = textwrap.dedent('''
 
 
     def experiment():
+        if os.environ.get("KILN_TOY_CALLS"):  # a file that counts the calls
+            with open(os.environ["KILN_TOY_CALLS"], "a") as f:
+                f.write("called\\n")
         root = Step("root", "toy", 1, Toy(name="root"), work)
         good = Step("leaf", "toy", 1, Toy(name="good"), work, inputs={"root": root})
         bad = Step("leaf", "toy", 1, Toy(name="bad"), work, inputs={"root": root})
@@ -246,8 +249,11 @@ def test_a_python_experiment_plans_runs_fails_and_recovers_like_a_yaml_one(tmp_p
     assert [(e["name"], e["variants"]) for e in plan] == [
         ("root", ["good", "bad"]), ("leaf/good", ["good"]), ("leaf/bad", ["bad"]), ("after/bad", ["bad"])]
 
-    failed = kiln("run", str(path), "--store", str(store), env={"KILN_TOY_FAIL": "1"}, check=False)
+    calls = tmp_path / "calls.txt"
+    failed = kiln("run", str(path), "--store", str(store), env={"KILN_TOY_FAIL": "1", "KILN_TOY_CALLS": str(calls)},
+                  check=False)
     assert failed.returncode == 1, failed.stderr[-3000:]
+    assert calls.read_text() == "called\n"  # built once for the plan check and the flow together
     assert run_names(failed.stdout) == {"root": "ran", "leaf/good": "ran", "leaf/bad": "failed", "after/bad": "not run"}
     assert "leaf/bad failed" in failed.stderr and "bad broke (planted)" in failed.stderr
     assert "after/bad not run: its input leaf/bad failed" in failed.stderr
