@@ -113,3 +113,67 @@ def test_two_runners_without_a_shared_lock_folder_compute_each_step_once(redis_u
     rows = [run_names(out) for out, _ in outs]
     for name in ("first", "second", "third"):
         assert sorted(r[name] for r in rows) == ["cached", "ran"], rows
+
+
+SLOW_TOY = textwrap.dedent('''
+    """One step that takes a while, holding its lock in Redis."""
+    import os
+    import time
+
+    from flows.config import RunSettings
+    from tasks.engine.step import Step
+    from training.config import ConfigModel
+
+    RUN = RunSettings(lock_url=os.environ["KILN_TEST_LOCK_URL"], lock_lease_s=1.5)
+
+
+    class Toy(ConfigModel):
+        name: str
+
+
+    def work(ctx):
+        time.sleep(6)
+        (ctx.out / "out.txt").write_text(ctx.config.name)
+        return {"name": ctx.config.name}
+
+
+    def experiment():
+        return [Step("slow", "toy_lease", 1, Toy(name="slow"), work)]
+''')
+
+
+def test_a_runner_that_loses_its_lease_fails_the_step_instead_of_publishing(redis_url, tmp_path):
+    """Another runner's id in the lock's key (what a lease that ran out during a stall lets happen)
+    while the step computes: the holder's next renewal finds it, and the step fails saying so,
+    publishing nothing. The unit: the renewer reports the loss for that key."""
+    import redis
+
+    manager = RedisLockManager(redis_url, lease_s=1.0)
+    assert manager.acquire_lock("step-lost", holder="me")
+    redis.Redis.from_url(redis_url).set("kiln:lock:step-lost", "thief")
+    from tasks.engine.redis_lock import lease_lost
+
+    deadline = time.monotonic() + 10
+    while lease_lost("step-lost") is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert "another runner's" in (lease_lost("step-lost") or "")
+
+    path, store = tmp_path / "slow.py", tmp_path / "store"
+    path.write_text(SLOW_TOY)
+    env = {**os.environ, "KILN_TEST_LOCK_URL": redis_url}
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", str(path), "--store", str(store)], cwd=REPO,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    client = redis.Redis.from_url(redis_url)
+    try:
+        deadline = time.monotonic() + 120
+        while not client.keys("kiln:lock:toy_lease-*") and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (key,) = client.keys("kiln:lock:toy_lease-*")
+        client.set(key, "another-runner")
+        out, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, err[-3000:]
+    assert run_names(out) == {"slow": "failed"}
+    assert "did not publish it" in err and "another runner's" in err
+    assert not list(store.glob("toy_lease/*/lineage.json"))

@@ -97,12 +97,15 @@ class _Renewer:
 
     def __init__(self):
         self.held: dict[tuple[str, str], tuple[RedisLockManager, str]] = {}
+        self.failing_since: dict[tuple[str, str], float] = {}  # renewals failing since (monotonic)
+        self.lost: dict[str, str] = {}  # step key -> why this process no longer holds its lock
         self.lock = threading.Lock()
         self.thread: threading.Thread | None = None
 
     def hold(self, manager: RedisLockManager, key: str, holder: str) -> None:
         with self.lock:
             self.held[(manager.url, key)] = (manager, holder)
+            self.lost.pop(key, None)
             if self.thread is None:
                 self.thread = threading.Thread(target=self._run, name="kiln-lock-renewer", daemon=True)
                 self.thread.start()
@@ -116,12 +119,32 @@ class _Renewer:
             with self.lock:
                 held = list(self.held.items())
             interval = min([m.lease_ms for _, (m, _) in held] or [3000]) / 3000
-            for (_, key), (manager, holder) in held:
+            for (url, key), (manager, holder) in held:
+                why = None
                 try:
-                    manager.client.eval(RENEW, 1, PREFIX + key, holder, manager.lease_ms)
-                except redis.RedisError as e:  # retried next round: a third of the lease is left
-                    log.warning("could not renew the lock of %s at %s: %s", key, manager.url, e)
+                    if manager.client.eval(RENEW, 1, PREFIX + key, holder, manager.lease_ms):
+                        self.failing_since.pop((url, key), None)
+                    else:
+                        why = "its lease had run out and the key was gone or another runner's"
+                except redis.RedisError as e:  # retried next round, until the lease would have run out
+                    since = self.failing_since.setdefault((url, key), time.monotonic())
+                    log.warning("could not renew the lock of %s at %s: %s", key, url, e)
+                    if time.monotonic() - since >= manager.lease_ms / 1000:
+                        why = f"renewing it failed for a whole lease ({manager.lease_ms / 1000:g} s): {e}"
+                if why is not None:
+                    with self.lock:
+                        self.held.pop((url, key), None)
+                        self.failing_since.pop((url, key), None)
+                        self.lost[key] = f"the lock of {key} at {url} was lost: {why}"
+                    log.error("%s", self.lost[key])
             time.sleep(interval)
 
 
 _renewer = _Renewer()
+
+
+def lease_lost(key: str) -> str | None:
+    """Why this process lost the Redis lock of step `key` while holding it, or None: a runner that
+    lost its lock must not publish, since another runner may be computing the same step."""
+    with _renewer.lock:
+        return _renewer.lost.get(key)

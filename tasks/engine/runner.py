@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import sys
 import logging
 import shutil
 import time
@@ -84,6 +85,12 @@ def run_step_body(step: Step, store: Store, workers: int, log: logging.Logger) -
             raise StepFailed(f"stage {step.name!r} (version {step.version}) failed: "
                              f"{type(e).__name__}: {e}") from e
         raise
+    lost = _lease_lost(step.key)
+    if lost is not None:
+        store.discard(tmp)
+        raise StepFailed(f"stage {step.name!r} (version {step.version}) computed its output but did not publish it: "
+                         f"{lost}; another runner may be computing it. Rerun (it resumes from its checkpoints); "
+                         "if the lock server was unreachable, raise run.lock_lease_s")
     stats = {**(stats or {}), "seconds": round(time.perf_counter() - t0, 3)}
     lineage = build_lineage(step, store, stats, started, now(), _run_ids(), upstream)
     store.publish(tmp, step.stage, step.version, lineage)
@@ -93,6 +100,12 @@ def run_step_body(step: Step, store: Store, workers: int, log: logging.Logger) -
     publish_shown(step, ctx.shown)
     progress.finish()
     return _record(step, lineage)
+
+
+def _lease_lost(key: str) -> str | None:
+    """Why this process lost the Redis lock of `key` (run.lock_url), or None; file locks are never lost."""
+    redis_lock = sys.modules.get("tasks.engine.redis_lock")  # imported only where Redis locks are used
+    return None if redis_lock is None else redis_lock.lease_lost(key)
 
 
 def _remove_leftovers(store: Store, step: Step) -> None:
