@@ -79,7 +79,7 @@ class Experiment:
         kept: dict[str, set[int]] = {}
         for branch in self.branches.values():
             for step in upstream_order(branch.steps):
-                if step.stage == "train":
+                if step.stage == "train" and hasattr(step.config, "train"):  # not an output named by its place
                     kept.setdefault(step.key, set()).update(step.config.train.keep_checkpoints)
         return {key: tuple(sorted(steps)) for key, steps in kept.items()}
 

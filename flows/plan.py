@@ -10,6 +10,7 @@ runs them.
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -32,7 +33,7 @@ from tasks.train import train_step
 from tasks.engine.step import Step, upstream_order
 from tasks.engine.store import Store
 from tasks.engine.caching import lock_manager
-from training.config import ModelConfig
+from training.config import ConfigModel, ModelConfig
 
 if TYPE_CHECKING:
     from flows.experiment import Experiment
@@ -100,7 +101,9 @@ def train_steps(config: ExperimentConfig, tokens: Step | dict[str, Step], tokeni
     model_cfg = model_of(config)
     steps: dict[str, Step] = {}
     for name, (train_cfg, mixture) in config.phase_trains().items():
-        parent = steps[train_cfg.init.from_] if train_cfg.init is not None and train_cfg.init.from_ else None
+        parent = None
+        if train_cfg.init is not None and train_cfg.init.from_:
+            parent = steps.get(train_cfg.init.from_) or published_step(train_cfg.init.from_, name)
         step = train_step(model_cfg, train_cfg, config.resources, tokens=tokens, mixture=mixture,
                           tracking=config.tracking, tokenizer=tokenizer, documents=documents, suite=config.eval.suite,
                           validation_fraction=config.tokenize.validation_fraction, init=parent)
@@ -144,6 +147,31 @@ def after_training(config: ExperimentConfig, models: dict[str, Step], tokenizer:
             final = dpo_step(pt.dpo, model=final, tokenizer=tokenizer, pairs=chat, tracking=config.tracking)
     exported = export_step(config.export, model=final, tokenizer=tokenizer, evaluation=evaluation)
     return [*models.values(), *series, *evaluations.values(), final, exported]
+
+
+class PublishedConfig(ConfigModel):
+    """A step that is already in the store, named by its place there (train.init.from)."""
+
+    stage: str
+    version: str
+
+
+def published_step(place: str, child: str) -> Step:
+    """`<stage>/<version>` of a train, SFT or DPO output already in the store, as a step whose
+    version is that version: a cache hit when it is there, an error naming it when it is not."""
+    match = re.fullmatch(r"(train|sft|dpo)/([0-9a-f]{12})", place)
+    if match is None:
+        raise ValueError(f"{child}: train.init.from {place!r} is neither a train step before it (`train`, "
+                         "`train/<phase>`) nor a published output `train/<version>` (or sft/, dpo/)")
+
+    def missing(ctx):
+        raise FileNotFoundError(f"{place} is not in the store: {child} starts from it (train.init.from); "
+                                "run the experiment that made it into this store, or name a step of this one")
+
+    step = Step(name=f"init/{match[1]}-{match[2]}", stage=match[1], stage_version=0,
+                config=PublishedConfig(stage=match[1], version=match[2]), run=missing)
+    step.__dict__["version"] = match[2]  # its place in the store is its version
+    return step
 
 
 def model_of(config: ExperimentConfig) -> ModelConfig:
@@ -225,10 +253,14 @@ def missing_kept_step(step: Step, store: Store) -> str | None:
     (what a train output keeps is a setting, so its version, and the cache hit, stay)."""
     from training.hooks import KEPT_DIR
 
-    if step.stage == "train" and step.config.train.init is not None and "init" in step.inputs:
+    if step.stage == "train" and "init" in step.inputs and step.config.train.init is not None:
         parent, init = step.inputs["init"], step.config.train.init
-        needed = None if init.mode == "weights" and init.step == "latest" else (
-            parent.config.train.steps if init.step == "latest" else init.step)
+        if init.mode == "weights" and init.step == "latest":
+            return None
+        needed = init.step
+        if init.step == "latest":  # the parent's last step: what it trained, once it is done
+            needed = store.read_lineage(parent.stage, parent.version)["stats"].get("steps") \
+                if store.is_done(parent.stage, parent.version) else None
     elif step.stage == "evaluate" and step.config.step is not None:
         parent, needed = step.inputs["model"], step.config.step
     else:

@@ -102,7 +102,7 @@ def starting_point(ctx: StepContext) -> dict:
         return {"init_model": HF_INIT, "init_mode": "weights"}
     parent = ctx.step.inputs[INIT]
     latest = init.step == "latest"
-    step = parent.config.train.steps if latest and init.mode != "weights" else None if latest else init.step
+    step = ctx.input_stats[INIT]["steps"] if latest and init.mode != "weights" else None if latest else init.step
     ctx.log.info("starting from %s %s (%s) in mode %s", parent.name, parent.version,
                  "its trained model" if step is None else f"step {step}", init.mode)
     return {"init_model": ctx.located(INIT), "init_step": step, "init_mode": init.mode}

@@ -127,3 +127,34 @@ def test_cooldown_branches_share_the_stable_run_resume_bitwise_and_rerun_alone(t
     third = run_names(kiln("run", str(config), "--store", str(store), "--until", "evaluate").stdout)
     assert third["train"] == "cached" and third["train/cooldown/step=20"] == "cached"
     assert third["train/cooldown/step=60"] == "ran"
+
+
+@pytest.mark.ray  # its training starts a local Ray: tests/conftest.py ray_lock
+def test_starting_from_a_published_version_and_a_step_it_did_not_keep(tmp_path, capsys):
+    """`train.init.from: train/<version>` names an output already in the store (made by another
+    experiment): weights from its last step work; a step it did not keep is a plan warning and a
+    failed step, both naming what to do."""
+    store = tmp_path / "store"
+    first = {**BASE, "name": "first", "train": {**BASE["train"], "steps": 8}}
+    first_path = tmp_path / "first.yaml"
+    first_path.write_text(yaml.safe_dump(first, sort_keys=False))
+    kiln("run", str(first_path), "--store", str(store), "--until", "train")
+    parent = steps_of(first)["train"].version
+
+    child = {**BASE, "name": "child", "train": {**BASE["train"], "steps": 6, "lr": 1.0e-3,
+                                                "init": {"from": f"train/{parent}", "mode": "weights"}}}
+    child_path = tmp_path / "child.yaml"
+    child_path.write_text(yaml.safe_dump(child, sort_keys=False))
+    ran = run_names(kiln("run", str(child_path), "--store", str(store), "--until", "train").stdout)
+    assert ran[f"init/train-{parent}"] == "cached" and ran["train"] == "ran"
+    (lineage,) = [p for p in store.glob("train/*/lineage.json") if p.parent.name != parent]
+    started = {i["name"]: i for i in json.loads(lineage.read_text())["inputs"]}["init"]
+    assert (started["stage"], started["version"]) == ("train", parent)
+
+    kept = {**child, "train": {**child["train"], "init": {"from": f"train/{parent}", "step": 4, "mode": "continue"},
+                               "steps": 10}}
+    child_path.write_text(yaml.safe_dump(kept, sort_keys=False))
+    assert main(["plan", str(child_path), "--store", str(store)]) == 0
+    assert f"needs step 4 of init/train-{parent}" in capsys.readouterr().err
+    failed = kiln("run", str(child_path), "--store", str(store), "--until", "train", check=False)
+    assert failed.returncode == 1 and "kept no state of step 4" in failed.stderr

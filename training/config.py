@@ -196,8 +196,10 @@ class InitConfig(ConfigModel):
 
     model_config = ConfigDict(populate_by_name=True)
 
-    from_: str | None = setting(None, alias="from", description="A train, SFT or DPO step of this experiment "
-                                "by name (`train`, `train/stable`); its version enters this step's version.")
+    from_: str | None = setting(None, alias="from", description="A train step of this experiment by name "
+                                "(`train`, `train/stable`), or an output already in the store by its place "
+                                "(`train/<version>`, `sft/<version>`, `dpo/<version>`); its version enters this "
+                                "step's version.")
     hf: str | None = files(None, description="A Hugging Face model folder (Llama or Qwen2; local files), "
                            "entering the version by its content. Mode `weights` only.")
     step: Count | Literal["latest"] = Field("latest", description="Which checkpoint of `from`: a step it keeps "
