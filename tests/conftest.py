@@ -63,6 +63,14 @@ def pytest_configure(config):
     from training.reaper import watch_this_process
 
     watch_this_process()
+    # Ray's uv hook gives a cluster's workers the driver's `uv run` command line, but its parser
+    # knows no `--dev`: under `uv run --dev pytest` they would run without the dev group and could
+    # not import the tests' own modules (a DataSource defined in a test). The cluster's own Python,
+    # this venv, has them: the hook is off for every driver a test starts, here and in subprocesses.
+    os.environ["RAY_ENABLE_UV_RUN_RUNTIME_ENV"] = "0"
+    constants = sys.modules.get("ray._private.ray_constants")
+    if constants is not None:
+        constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = False
 
 
 # The files that take longest, longest first (seconds on 2 cores, 2026-12-02). With `--dist loadfile
