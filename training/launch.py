@@ -35,7 +35,7 @@ import ray
 from ray._private import ray_constants
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.queue import Empty, Queue
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from training.config import ModelConfig, ResourcesConfig, TrainConfig
 from training.data import MixtureData, MixtureInput, open_mixture, read_meta
@@ -85,7 +85,10 @@ def launch_training(model_cfg: ModelConfig, train_cfg: TrainConfig, resources: R
         if not _wait_ready(group, timeout_s=120):
             raise RuntimeError(f"Ray cannot place {resources.hosts} host task(s) of {bundle}: the cluster has "
                                f"{ray.cluster_resources()}; lower resources.* or add nodes")
-        queue = Queue(actor_options={"num_cpus": 0})
+        # On the driver's own node: the relay must outlive any host's node (a node that dies
+        # is reported as its host's failure, not as the queue's).
+        queue = Queue(actor_options={"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(
+            ray.get_runtime_context().get_node_id(), soft=False)})
         coordinator = None
         if resources.hosts > 1:  # a free port on host 0's node, for JAX's coordinator
             probe = ray.remote(_free_address).options(num_cpus=0, scheduling_strategy=_in(group, 0))
