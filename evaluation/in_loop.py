@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import jax
-from jax.experimental import multihost_utils
 
 from tasks.engine.store import Located
 from training.config import InLoopEvalConfig
@@ -70,8 +69,9 @@ class _Evaluations:
     def __call__(self, info: StepInfo) -> None:
         params = info.params
         if jax.process_count() > 1:  # every host gathers (a collective); host 0 evaluates
-            params = jax.tree_util.tree_map(jax.numpy.asarray,
-                                            multihost_utils.process_allgather(params, tiled=True))
+            from training.loop import on_host
+
+            params = jax.tree_util.tree_map(jax.numpy.asarray, on_host(params))
         if not self.ctx.primary or info.metrics is None:
             return
         info.metrics.update(self.evaluate(params))

@@ -274,8 +274,8 @@ def _with_kept_steps(trains: dict, eval_cfg: EvalConfig) -> dict:
     for cfg, _ in trains.values():
         init = cfg.init
         if init is not None and init.from_ in trains:
-            step = trains[init.from_][0].steps if init.step == "latest" else init.step
-            if init.mode != "weights" or init.step != "latest":
+            step = init.kept_step(trains[init.from_][0].steps)
+            if step is not None:
                 kept[init.from_].add(step)
     last = list(trains)[-1]
     last_cfg = trains[last][0]

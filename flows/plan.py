@@ -255,12 +255,9 @@ def missing_kept_step(step: Step, store: Store) -> str | None:
 
     if step.stage == "train" and "init" in step.inputs and step.config.train.init is not None:
         parent, init = step.inputs["init"], step.config.train.init
-        if init.mode == "weights" and init.step == "latest":
-            return None
-        needed = init.step
-        if init.step == "latest":  # the parent's last step: what it trained, once it is done
-            needed = store.read_lineage(parent.stage, parent.version)["stats"].get("steps") \
-                if store.is_done(parent.stage, parent.version) else None
+        trained = store.read_lineage(parent.stage, parent.version)["stats"].get("steps") \
+            if store.is_done(parent.stage, parent.version) else None  # `latest`: what it trained
+        needed = init.kept_step(trained)
     elif step.stage == "evaluate" and step.config.step is not None:
         parent, needed = step.inputs["model"], step.config.step
     else:

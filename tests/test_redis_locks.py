@@ -115,31 +115,11 @@ def test_two_runners_without_a_shared_lock_folder_compute_each_step_once(redis_u
         assert sorted(r[name] for r in rows) == ["cached", "ran"], rows
 
 
-SLOW_TOY = textwrap.dedent('''
-    """One step that takes a while, holding its lock in Redis."""
-    import os
-    import time
-
-    from flows.config import RunSettings
-    from tasks.engine.step import Step
-    from training.config import ConfigModel
-
-    RUN = RunSettings(lock_url=os.environ["KILN_TEST_LOCK_URL"], lock_lease_s=1.5)
-
-
-    class Toy(ConfigModel):
-        name: str
-
-
-    def work(ctx):
-        time.sleep(6)
-        (ctx.out / "out.txt").write_text(ctx.config.name)
-        return {"name": ctx.config.name}
-
-
-    def experiment():
-        return [Step("slow", "toy_lease", 1, Toy(name="slow"), work)]
-''')
+# TOY's kind of step, one of it, slower, under a short lease
+SLOW_TOY = (TOY.replace("lock_lease_s=5", "lock_lease_s=1.5").replace("time.sleep(2)", "time.sleep(6)")
+            .split("def experiment():")[0]
+            + 'def experiment():\n    return [Step("slow", "toy_lease", 1, Toy(name="slow"), work)]\n')
+assert "lock_lease_s=1.5" in SLOW_TOY and "time.sleep(6)" in SLOW_TOY
 
 
 def test_a_runner_that_loses_its_lease_fails_the_step_instead_of_publishing(redis_url, tmp_path):

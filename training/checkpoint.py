@@ -53,11 +53,6 @@ class Checkpoints:
         """The folder orbax wrote for `step` (a complete one, once `finished` reported it)."""
         return self.directory / str(step)
 
-    def writes_here(self) -> bool:
-        """Whether this process's folder holds the arrays (every process's, for a shared folder,
-        which process 0 copies; only process 0's when `gathered`)."""
-        return jax.process_index() == 0
-
     def latest_step(self) -> int | None:
         """The newest checkpoint, complete on disk when called before any save (as at the start of
         a run); during a run orbax counts the one being written too."""

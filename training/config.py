@@ -206,6 +206,14 @@ class InitConfig(ConfigModel):
                                             "(the pipeline makes it keep the steps named here), or its last.")
     mode: Literal["continue", "reset", "weights"] = "continue"
 
+    def kept_step(self, parent_steps: int | None) -> int | None:
+        """The step of the parent whose kept state this start reads (`parent_steps`: the steps the
+        parent trains, for `latest`; None when not known yet); None also for mode weights from
+        the last step, which reads the parent's published model instead."""
+        if self.step != "latest":
+            return self.step
+        return None if self.mode == "weights" else parent_steps
+
     @model_validator(mode="after")
     def _check(self) -> "InitConfig":
         if (self.from_ is None) == (self.hf is None):

@@ -13,6 +13,7 @@ process 0 only (`primary`). Their time is not train time: the loop leaves it out
 
 from __future__ import annotations
 
+import functools
 import math
 import shutil
 import time
@@ -45,9 +46,10 @@ class StepInfo:
     metrics: dict | None  # the record measured at a log step (else None); hooks may add entries
     lora: LoraConfig | None = None  # train.lora: the state's params are then the frozen base
 
-    @property
+    @functools.cached_property
     def params(self) -> dict:
-        """The parameters the model computes with at this step (with LoRA: merged with the adapters)."""
+        """The parameters the model computes with at this step (with LoRA: merged with the
+        adapters, once for every hook of the step)."""
         return model_params(self.state, self.lora)
 
 
@@ -143,9 +145,11 @@ class Checkpointing:
 
     def _finished(self, steps: list[int] | None) -> None:
         if steps is not None:
-            for step in self.keep.intersection(steps):  # complete on disk: a copy beside the step's model
+            # complete on disk: a copy beside the step's model, by process 0, whose folder holds the
+            # arrays (all of them in a shared folder; the gathered state when each has its own)
+            for step in self.keep.intersection(steps):
                 kept = self.ctx.work_dir / KEPT_DIR / str(step) / KEPT_STATE
-                if self.checkpoints.writes_here() and not (kept / str(step)).exists():
+                if self.ctx.primary and not (kept / str(step)).exists():
                     shutil.copytree(self.checkpoints.folder(step), kept / str(step))
         if steps is not None and self.ctx.primary:
             plot_loss(self.records(), self.ctx.work_dir / "loss.png", title=f"step {max(steps)}")

@@ -121,8 +121,7 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, batch_at: Callable[[in
     validating = Validation(ctx, val_batches)
     hooks = [*validating.hooks, *caller, *writers(ctx, metrics_log, tensorboard, on_metrics),
              *_kept_params(ctx), checkpointing.hook]
-    clock = _Clock(model_cfg, train_cfg, objective)
-    last_loss = resumed_loss
+    clock = _Clock(model_cfg, train_cfg, objective, resumed_loss)
 
     for step in range(start, train_cfg.steps):
         batch = _put(_checked(batch_at(step), model_cfg, train_cfg, objective), program.data_sharding)
@@ -134,8 +133,6 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, batch_at: Callable[[in
         if not due:
             continue
         record = clock.record(done) if done % train_cfg.log_every == 0 or last else clock.wait(metrics)
-        if record is not None:
-            last_loss = record.pop("last_loss")
         info = StepInfo(done, last, state, metrics, record, train_cfg.lora)
         for hook in due:  # hook time is not train time
             with clock.paused():
@@ -147,15 +144,14 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, batch_at: Callable[[in
 
     # Publish: parameters gathered to host memory (a collective with several processes).
     model = model_params(state, train_cfg.lora)  # with LoRA: the merged model
-    params = jax.device_get(multihost_utils.process_allgather(model, tiled=True)
-                            if jax.process_count() > 1 else model)
+    params = on_host(model)
     val_loss = validating.last
     if validating.batches and start == train_cfg.steps:  # resumed at the end: the last evaluation died
         val_loss = validating.loss(model)
     flat = _flatten(params)
     trained = train_cfg.steps - start
     stats = {
-        "final_loss": last_loss,
+        "final_loss": clock.last_loss,
         "final_val_loss": val_loss,
         "params_sha256": params_sha256(flat),
         "param_count": param_count(params),
@@ -171,9 +167,7 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, batch_at: Callable[[in
     if primary:
         save_model(out_dir, model_cfg, flat)
         if train_cfg.lora is not None:  # the adapters alone, for a peft export (training/export.py)
-            save_adapters(out_dir / LORA_DIR, train_cfg.lora, _flatten(jax.device_get(
-                multihost_utils.process_allgather(state["adapters"], tiled=True)
-                if jax.process_count() > 1 else state["adapters"])))
+            save_adapters(out_dir / LORA_DIR, train_cfg.lora, _flatten(on_host(state["adapters"])))
         for step in _kept(train_cfg, start_from):
             shutil.copytree(work_dir / KEPT_DIR / str(step), out_dir / KEPT_DIR / str(step), dirs_exist_ok=True)
         shutil.copyfile(work_dir / "metrics.jsonl", out_dir / "metrics.jsonl")
@@ -234,8 +228,7 @@ def _kept_params(ctx: LoopContext) -> list[Hook]:
 
     def save(info: StepInfo) -> None:
         if info.step in keep:
-            params = jax.device_get(multihost_utils.process_allgather(info.params, tiled=True)
-                                    if jax.process_count() > 1 else info.params)
+            params = on_host(info.params)
             if ctx.primary:
                 save_model(ctx.work_dir / KEPT_DIR / str(info.step), ctx.model_cfg, _flatten(params))
 
@@ -243,6 +236,12 @@ def _kept_params(ctx: LoopContext) -> list[Hook]:
 
 
 LORA_DIR = "lora"  # <out_dir>/lora/: lora.json (the LoraConfig) and adapters.safetensors (a/b per target)
+
+
+def on_host(tree):
+    """A tree of (possibly sharded) device arrays whole in this host's memory (a collective with
+    several processes: every one calls it)."""
+    return jax.device_get(multihost_utils.process_allgather(tree, tiled=True) if jax.process_count() > 1 else tree)
 
 
 def save_adapters(folder: Path, cfg, flat: dict[str, np.ndarray]) -> None:
@@ -265,7 +264,7 @@ class _Clock:
     steps: what hooks take (evaluation, saving, pushing, logging) is left out, and each
     evaluating hook logs its own seconds (training/evals.py)."""
 
-    def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, objective):
+    def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, objective, last_loss: float | None):
         self.tokens_per_step = train_cfg.batch_size * model_cfg.seq_len
         if objective is not None:
             self.tokens_per_step *= objective.sequences_per_row()
@@ -273,6 +272,7 @@ class _Clock:
         self.peak, self.peak_source = device_peak_flops(train_cfg.peak_flops)
         self.pending, self.interval_steps, self.train_seconds = [], 0, 0.0
         self.t_interval = time.perf_counter()
+        self.last_loss = last_loss  # the checkpoint's, on a resume that trains no further step
 
     def stepped(self, metrics: dict) -> None:
         self.pending.append(metrics)
@@ -299,7 +299,7 @@ class _Clock:
         for name in fetched[-1]:  # an objective's own metrics (DPO's margin, accuracy), interval means
             if name not in ("loss", "lr", "grad_norm"):
                 record[name] = float(np.mean([m[name] for m in fetched]))
-        record["last_loss"] = float(fetched[-1]["loss"])  # taken off by the loop: the run's final loss
+        self.last_loss = float(fetched[-1]["loss"])  # the last step's: the run's final loss
         self.pending, self.interval_steps = [], 0
         self.t_interval = time.perf_counter()
         return record
