@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import yaml
 from pydantic import Field
 
-from training.config import ConfigModel, setting
+from training.config import ConfigModel, identity_when_set
 
 if TYPE_CHECKING:
     from training.posttrain import ChatTemplate
@@ -36,7 +36,10 @@ GENERATION, PREFERENCE = "kiln_chat_generation", "kiln_chat_preference"
 class ChatEvalConfig(ConfigModel):
     limit: int | None = Field(64, ge=1)  # examples per task (the first of the eval split)
     max_gen_toks: int = Field(32, ge=1)
-    batch_size: int = setting(16, ge=1)
+    batch_size: int = identity_when_set(16, ge=1, description="Sequences per forward pass. Identity: batch "
+                                        "shape changes the last bits of the scores, and so which token greedy "
+                                        "decoding picks at a near tie (DPO's generated rejections come from it); 16 "
+                                        "keeps the versions made when it was a setting.")
 
 
 def write_tasks(conversations: list[dict], pairs: list[dict], template: ChatTemplate, out_dir: Path,

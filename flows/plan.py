@@ -233,17 +233,26 @@ def step_status(step: Step, store: Store, lock_url: str | None = None) -> str:
 
 
 def code_drift(step: Step, store: Store) -> str | None:
-    """A warning when a done step's stage code differs from the code that produced it.
+    """A warning when a done step's code differs from the code that produced it: the stage's
+    module and every kiln module it imports (lineage `module_hashes`; an output made before those
+    were recorded is compared by its stage module alone).
 
     Code is not part of the version (so comments don't fork artefacts); if the change does
     alter outputs, bump the stage's STAGE_VERSION or rerun with --force.
     """
-    from tasks.engine.lineage import source_hash
+    from tasks.engine.lineage import module_hashes, source_hash
 
     recorded = store.read_lineage(step.stage, step.version).get("code", {})
-    if recorded.get("source_sha256") and recorded["source_sha256"] != source_hash(step):
-        return (f"{step.name}: its stage source changed since this output was made (commit "
-                f"{str(recorded.get('commit'))[:10]}); if outputs would differ, bump STAGE_VERSION or --force it")
+    since = (f"since this output was made (commit {str(recorded.get('commit'))[:10]}); if outputs would differ, "
+             "bump STAGE_VERSION or --force it")
+    if recorded.get("module_hashes"):
+        now, then = module_hashes(step), recorded["module_hashes"]
+        changed = sorted(m for m in now.keys() | then.keys() if now.get(m) != then.get(m))
+        if changed:
+            more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+            return f"{step.name}: its code changed ({', '.join(changed[:3])}{more}) {since}"
+    elif recorded.get("source_sha256") and recorded["source_sha256"] != source_hash(step):
+        return f"{step.name}: its stage source changed {since}"
     return None
 
 

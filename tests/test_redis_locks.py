@@ -157,3 +157,35 @@ def test_a_runner_that_loses_its_lease_fails_the_step_instead_of_publishing(redi
     assert run_names(out) == {"slow": "failed"}
     assert "did not publish it" in err and "another runner's" in err
     assert not list(store.glob("toy_lease/*/lineage.json"))
+
+
+def test_a_lease_that_ran_out_goes_to_exactly_one_runner_and_its_old_holder_cannot_free_it(redis_url):
+    """Redis has no takeover code to race: the server itself ends a lease (the key's expiry), taking
+    is one SET NX, and release and renewal compare the holder in the same Lua call as they act. So
+    two runners that both find a lease gone cannot both take it, and the holder whose lease ran out
+    (a long stall) cannot delete its successor's lock on the way out."""
+    import threading
+
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    old = RedisLockManager(redis_url, lease_s=30)
+    assert old.acquire_lock("step-stale", holder="stalled")
+    client.delete("kiln:lock:step-stale")  # its lease ran out during a stall: the server dropped the key
+    start, got = threading.Barrier(2, timeout=30), {}
+
+    def contend(name: str) -> None:
+        start.wait()
+        got[name] = RedisLockManager(redis_url, lease_s=30).acquire_lock("step-stale", holder=name, acquire_timeout=0)
+
+    threads = [threading.Thread(target=contend, args=(n,)) for n in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    (winner,) = [name for name, ok in got.items() if ok]
+    assert sorted(got) == ["a", "b"]
+    old.release_lock("step-stale", holder="stalled")  # warns; must not delete the winner's lock
+    assert client.get("kiln:lock:step-stale") == winner.encode()
+    RedisLockManager(redis_url).release_lock("step-stale", holder=winner)
+    assert not client.exists("kiln:lock:step-stale")

@@ -4,10 +4,12 @@ keeps result records (inside the store), and the lock that makes concurrent runs
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
-import json
 import os
 import socket
+import time
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
@@ -19,7 +21,7 @@ import pydantic_core
 from prefect.cache_policies import CachePolicy
 from prefect.locking.filesystem import FileSystemLockManager
 from prefect.transactions import IsolationLevel
-from prefect.types._datetime import now
+from prefect.types._datetime import now, parse_datetime
 
 if TYPE_CHECKING:
     from tasks.engine.store import Store
@@ -83,54 +85,118 @@ class StaleAwareLockManager(FileSystemLockManager):
     linked into place, which either creates the complete lock file or fails because one exists.
     Lock files have no expiry by default, so a runner killed with SIGKILL would leave every later
     run of that step waiting forever: host and pid are recorded beside the holder, and a lock
-    held by a dead process on this host counts as free.
+    held by a dead process on this host (or past its expiry) counts as free.
+
+    Removing a lock file is the dangerous part: two runners that both read the same stale record
+    must not both remove "it", since the second would remove the fresh lock the first had linked
+    in its place, and then both would hold the step. So every removal (a takeover, a release)
+    happens under an exclusive `flock` of the lock folder and only if the file still holds the
+    very bytes that were judged stale (or released): a compare-and-delete. Creation needs no such
+    guard: `os.link` is atomic and never replaces a file. `flock` on a folder works between
+    processes and threads of one machine, which is what file locks are for (several machines
+    share locks through Redis, `run.lock_url`).
     """
 
     def acquire_lock(self, key, holder, acquire_timeout=None, hold_timeout=None) -> bool:
         self._ensure_lock_files_directory_exists()
         path = self._lock_path_for_key(key)
+        deadline = None if acquire_timeout is None else time.monotonic() + acquire_timeout
         while True:
-            if self.is_locked(key) and not self.is_lock_holder(key, holder):
-                if not self.wait_for_lock(key, acquire_timeout):
-                    return False
-            expiration = now("UTC") + timedelta(seconds=hold_timeout) if hold_timeout is not None else None
-            record = {"holder": holder, "expiration": str(expiration) if expiration else None,
-                      "host": socket.gethostname(), "pid": os.getpid()}
+            seen = _read(path)
+            if seen is not None:
+                info = _parse(seen, path)
+                if info["holder"] == holder:
+                    self._locks[key] = info
+                    return True
+                if not _stale(info):
+                    left = None if deadline is None else max(deadline - time.monotonic(), 0)
+                    if left == 0 or not self.wait_for_lock(key, left):
+                        return False
+                    continue
+                self._remove_if_unchanged(path, seen)
+                continue  # free now, unless another runner linked its lock first: look again
+            record = _record(holder, hold_timeout)
             private = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
             private.write_bytes(pydantic_core.to_json(record))
             try:
                 os.link(private, path)
             except FileExistsError:
-                if self.is_lock_holder(key, holder):
-                    return True
-                continue  # another runner took it between our check and our link: wait again
+                continue  # another runner took it between our read and our link
             finally:
                 private.unlink()
-            self._locks[key] = {**record, "expiration": expiration, "path": path}
+            self._locks[key] = {**record, "expiration": _expiry(record), "path": path}
             return True
 
     async def aacquire_lock(self, key, holder, acquire_timeout=None, hold_timeout=None) -> bool:
         return self.acquire_lock(key, holder, acquire_timeout, hold_timeout)
 
     def is_locked(self, key: str, use_cache: bool = False) -> bool:
-        info = self._get_lock_info(key, use_cache=use_cache)
-        if info is None:
-            return False
-        dead_holder = (info.get("host") == socket.gethostname() and info.get("pid") is not None
-                       and not _alive(info["pid"]))
-        expired = info.get("expiration") is not None and info["expiration"] < now("UTC")
-        if dead_holder or expired:
-            # Two runners may both see the stale lock: whichever unlinks second finds it gone.
-            Path(info["path"]).unlink(missing_ok=True)
+        """Whether a live holder has the lock. A stale lock counts as free but is left in place:
+        only `acquire_lock` removes it, by compare-and-delete."""
+        seen = _read(self._lock_path_for_key(key))
+        if seen is None:
             self._locks.pop(key, None)
             return False
-        return True
+        info = _parse(seen, self._lock_path_for_key(key))
+        self._locks[key] = info
+        return not _stale(info)
 
     def release_lock(self, key: str, holder: str) -> None:
-        if not self.is_lock_holder(key, holder):
+        path = self._lock_path_for_key(key)
+        seen = _read(path)
+        if seen is None or _parse(seen, path)["holder"] != holder:
             raise ValueError(f"No lock held by {holder} for the step with cache key {key}")
-        Path(self._lock_path_for_key(key)).unlink(missing_ok=True)
+        self._remove_if_unchanged(path, seen)
         self._locks.pop(key, None)
+
+    def _remove_if_unchanged(self, path: Path, seen: bytes) -> bool:
+        """Delete the lock file at `path` if it still holds exactly `seen`; True if it did."""
+        with _folder_locked(self.lock_files_directory):
+            if _read(path) != seen:
+                return False
+            path.unlink()
+            return True
+
+
+def _record(holder: str, hold_timeout: float | None) -> dict:
+    expiration = now("UTC") + timedelta(seconds=hold_timeout) if hold_timeout is not None else None
+    return {"holder": holder, "expiration": str(expiration) if expiration else None,
+            "host": socket.gethostname(), "pid": os.getpid()}
+
+
+def _read(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return None
+
+
+def _parse(raw: bytes, path: Path) -> dict:
+    info = pydantic_core.from_json(raw)
+    return {**info, "expiration": _expiry(info), "path": path}
+
+
+def _expiry(info: dict):
+    return parse_datetime(info["expiration"]) if info.get("expiration") else None
+
+
+def _stale(info: dict) -> bool:
+    """A lock whose holder process died on this host, or whose expiry passed."""
+    dead_holder = (info.get("host") == socket.gethostname() and info.get("pid") is not None
+                   and not _alive(info["pid"]))
+    expired = info.get("expiration") is not None and info["expiration"] < now("UTC")
+    return dead_holder or expired
+
+
+@contextlib.contextmanager
+def _folder_locked(folder: Path):
+    """An exclusive `flock` of `folder` itself (no file of its own to leave behind)."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing the last descriptor releases the flock
 
 
 def _alive(pid: int) -> bool:

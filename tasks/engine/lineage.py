@@ -4,6 +4,7 @@ the tree from any artefact back to its raw inputs.
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import inspect
 import json
@@ -19,7 +20,7 @@ from typing import Any
 
 from tasks.engine.step import Step
 from tasks.engine.store import LINEAGE, Store
-from tasks.engine.versioning import identity_fields
+from tasks.engine.versioning import file_sha256, identity_fields
 
 PACKAGES = ["kiln", "prefect", "ray", "jax", "jaxlib", "flax", "optax", "numpy", "tokenizers",
             "fasttext-numpy2-wheel", "lm-eval", "pydantic"]
@@ -43,9 +44,85 @@ def git_state() -> dict:
 
 
 def source_hash(step: Step) -> str:
-    """Hash of the module that defines the stage body: what `kiln plan` compares across runs."""
+    """Hash of the module that defines the stage body (what `kiln plan` compared before lineage
+    recorded `module_hashes`; kept so older outputs are still compared)."""
     path = inspect.getsourcefile(step.run)
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:12] if path else ""
+
+
+KILN_PACKAGES = ("flows", "tasks", "training", "evaluation")
+
+
+def module_hashes(step: Step) -> dict[str, str]:
+    """sha256 (12 hex) of the module that defines the stage body and of every kiln module it
+    imports, directly or through others (KILN_PACKAGES, in this repo), by path relative to the
+    repo: what `kiln plan` compares across runs, so an edit in `training/model.py` warns for the
+    train steps it made. Imports are read from the source, so those inside functions (JAX and
+    lm-eval load when a step runs, not when it is planned) count; those under `if TYPE_CHECKING:`
+    never run and do not."""
+    path = inspect.getsourcefile(step.run)
+    if not path:
+        return {}
+    root = Path(path).resolve()
+    start = [root, *_module_files(_repo_name(root).removesuffix(".py").replace("/", "."))]  # with its packages
+    return {_repo_name(p): file_sha256(p)[:12] for p in _module_closure(start)}
+
+
+def _repo_name(path: Path) -> str:
+    """A module's path relative to the repo; a module elsewhere (an experiment file) by its name."""
+    return path.relative_to(REPO).as_posix() if path.is_relative_to(REPO) else path.name
+
+
+def _module_closure(start: list[Path]) -> list[Path]:
+    seen, todo = set(), list(start)
+    while todo:
+        path = todo.pop()
+        if path not in seen:
+            seen.add(path)
+            stat = path.stat()
+            todo += [Path(p) for p in _kiln_imports(str(path), stat.st_mtime_ns, stat.st_size)]
+    return sorted(seen)
+
+
+@lru_cache(maxsize=1024)
+def _kiln_imports(path: str, mtime_ns: int, size: int) -> tuple[str, ...]:
+    """The kiln module files that `path` imports (cached while the file stays the same)."""
+    package = _repo_name(Path(path)).removesuffix(".py").replace("/", ".").removesuffix(".__init__")
+    if not Path(path).name == "__init__.py":
+        package = package.rpartition(".")[0]
+    names = []
+    for node in _executed(ast.parse(Path(path).read_bytes())):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join([*up, *([base] if base else [])])
+            names += [base, *(f"{base}.{a.name}" for a in node.names)]
+    return tuple(sorted({str(f) for name in names for f in _module_files(name)}))
+
+
+def _executed(tree: ast.AST):
+    """Every node of `tree` that can run, i.e. all but the bodies of `if TYPE_CHECKING:`."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            todo += node.orelse
+        else:
+            todo += list(ast.iter_child_nodes(node))
+
+
+def _module_files(name: str) -> list[Path]:
+    """The files importing module `name` runs, if it is kiln's: each package's __init__ and the module."""
+    parts = name.split(".")
+    if parts[0] not in KILN_PACKAGES:
+        return []
+    found = [REPO.joinpath(*parts[:i], "__init__.py") for i in range(1, len(parts) + 1)]
+    found.append(REPO.joinpath(*parts[:-1], parts[-1] + ".py"))
+    return [f.resolve() for f in found if f.is_file()]
 
 
 @lru_cache(maxsize=1)
@@ -83,7 +160,7 @@ def build_lineage(step: Step, store: Store, stats: dict, started: str, ended: st
              "flow_run_id": upstream.get(name, {}).get("prefect", {}).get("flow_run_id")}
             for name, s in step.inputs.items()
         ],
-        "code": {**git_state(), "source_sha256": source_hash(step)},
+        "code": {**git_state(), "source_sha256": source_hash(step), "module_hashes": module_hashes(step)},
         "environment": environment(),
         "prefect": run_ids,
         "started": started,

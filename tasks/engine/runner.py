@@ -54,9 +54,13 @@ def _run_ids() -> dict:
             "task_run_id": str(ctx.task_run.id)}
 
 
-def run_step_body(step: Step, store: Store, workers: int, log: logging.Logger) -> dict:
-    """Compute a step's output and publish it; returns the small record Prefect persists."""
-    if store.is_done(step.stage, step.version):
+def run_step_body(step: Step, store: Store, workers: int, log: logging.Logger, replace: bool = False) -> dict:
+    """Compute a step's output and publish it; returns the small record Prefect persists.
+
+    `replace` (`--force`): compute it even though it is published, and swap the new output in at
+    publish; until then the old one stays whole and readable for any run that reads it. This runs
+    under the step's lock, so two runners never compute or swap the same version at once."""
+    if not replace and store.is_done(step.stage, step.version):
         # Published by another runner (or a store copied without its Prefect records).
         lineage = store.read_lineage(step.stage, step.version)
         log.info("%s %s already in the store; not recomputed", step.name, step.version)
@@ -222,10 +226,11 @@ class ProgressArtifact:
 
 
 @task(persist_result=True, result_serializer="json")
-def step_task(cache_key: str, step: Step, store_root: str, workers: int) -> dict:
-    """The Prefect task every step runs as; `cache_key` is `<stage>-<version>`."""
+def step_task(cache_key: str, step: Step, store_root: str, workers: int, replace: bool = False) -> dict:
+    """The Prefect task every step runs as; `cache_key` is `<stage>-<version>`; `replace`: forced
+    (`run_step_body`)."""
     with _watched(step):
-        return run_step_body(step, Store(store_root), workers, get_run_logger())
+        return run_step_body(step, Store(store_root), workers, get_run_logger(), replace)
 
 
 def configured_task(step: Step, store: Store, forced: bool, lock_url: str | None = None, lease_s: float = 30.0):
@@ -242,18 +247,21 @@ def configured_task(step: Step, store: Store, forced: bool, lock_url: str | None
 def prepare(step: Step, store: Store, forced: bool, log: logging.Logger, verify: str = "sizes") -> None:
     """Before a step is submitted: what the store holds for it may only be a hit if it is whole.
 
-    A forced step loses its output; so does one whose files are gone or no longer the size its
-    lineage recorded (`verify` "sizes": one listing, nothing read), or with `verify` "full" no
-    longer match the recorded sha256s (every byte read: `kiln verify`'s check); a warning names
-    them. A Prefect record whose output folder is gone is dropped, so it cannot count as a hit."""
+    A step whose files are gone or no longer the size its lineage recorded (`verify` "sizes": one
+    listing, nothing read), or with `verify` "full" no longer match the recorded sha256s (every
+    byte read: `kiln verify`'s check), loses its output; a warning names them. A Prefect record
+    whose output folder is gone is dropped, so it cannot count as a hit. A forced step keeps both:
+    its task skips the cache (`refresh_cache`) and replaces the output once it has the step's lock
+    and a new one (`run_step_body`), so a run reading the old output meanwhile loses nothing."""
+    if forced:
+        return
     check = verify_output if verify == "full" else check_output
-    damaged = [] if forced or not store.is_done(step.stage, step.version) else check(store, step.stage, step.version)
+    damaged = check(store, step.stage, step.version) if store.is_done(step.stage, step.version) else []
     if damaged:
         log.warning("%s %s: %s no longer match(es) what was published; recomputing it", step.name,
                     step.version, ", ".join(damaged))
-    if forced or damaged:
         store.unpublish(step.stage, step.version)
-    if forced or damaged or not store.is_done(step.stage, step.version):
+    if damaged or not store.is_done(step.stage, step.version):
         drop_result_record(store, step)
 
 

@@ -81,7 +81,7 @@ def _submit(step: Step, store: Store, workers: int, wait_for: list, force: froze
             verify: str = "sizes"):
     forced = step.stage in force or step.name in force
     prepare(step, store, forced, get_run_logger(), verify)
-    return configured_task(step, store, forced, **locks).submit(step.key, quote(step), store.root, workers,
+    return configured_task(step, store, forced, **locks).submit(step.key, quote(step), store.root, workers, forced,
                                                                 wait_for=wait_for)
 
 

@@ -9,17 +9,23 @@ bytes, and on a remote store without downloading anything. `verify_output` recom
 sha256, for `kiln verify` and `run.verify: full`.
 The root is a local path (default `./kiln_store`, or `KILN_STORE`) or any fsspec URL (`gs://`,
 `s3://`, ...): a remote store publishes by uploading the folder and writing `lineage.json` last,
-and downloads inputs into a local cache before a stage reads them.
+and downloads inputs into a local cache before a stage reads them. Replacing a published version
+(`--force`) swaps the new folder in at publish, in one step on a local store (`publish` says what
+a reader sees meanwhile, locally and remotely).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import fcntl
+import functools
 import hashlib
 import json
 import os
 import shutil
+import sys
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,19 +105,27 @@ class Store:
 
     def publish(self, tmp: Path, stage: str, version: str, lineage: dict) -> str:
         """Record each file's sha256 in `lineage["files"]`, write `lineage.json` into `tmp` last,
-        then move it into place. Returns the location."""
+        then move it into place. Returns the location.
+
+        What a reader of `<stage>/<version>/` sees while a version is replaced (a `--force` rerun,
+        or a leftover without lineage): on a local store, the old folder until one `renameat2`
+        exchanges it with the new one, then the new; never nothing, never a mix (see
+        `_move_into_place` for filesystems without the exchange). On an fsspec store, which has no
+        rename, the old `lineage.json` (the commit marker) goes first, then the old files, then
+        the new files are uploaded and the new `lineage.json` last: a reader sees the old whole
+        version, then none (not done), then the new whole version, never a half one as done."""
         lineage["files"] = file_checksums(tmp)
         lineage["sizes"] = {rel: (tmp / rel).stat().st_size for rel in lineage["files"]}
         (tmp / (LINEAGE + ".part")).write_text(json.dumps(lineage, indent=2, sort_keys=True))
         if self.is_local:
             final = Path(self.output(stage, version))
-            if final.exists():  # an unfinished leftover (no lineage.json) or a forced rerun
-                shutil.rmtree(final)
             os.replace(tmp / (LINEAGE + ".part"), tmp / LINEAGE)
-            os.rename(tmp, final)
+            _move_into_place(tmp, final)
             return str(final)
         dest = self._fs_path(stage, version)
         if self.fs.exists(dest):
+            if self.fs.exists(f"{dest}/{LINEAGE}"):
+                self.fs.rm_file(f"{dest}/{LINEAGE}")  # no longer done before any file of it goes
             self.fs.rm(dest, recursive=True)
         for path in sorted(tmp.rglob("*")):
             if path.is_file() and path.name != LINEAGE + ".part":
@@ -156,6 +170,53 @@ class Store:
 
     def workspace(self, stage: str, version: str) -> "Workspace":
         return Workspace(self.root, stage, version)
+
+
+def _move_into_place(new: Path, final: Path) -> None:
+    """Rename the complete folder `new` to `final`, replacing whatever is there in one step.
+
+    A rename onto an absent (or empty) folder is atomic. A non-empty one, the previous output of a
+    forced rerun, cannot be renamed over, so the two are swapped with Linux's
+    `renameat2(RENAME_EXCHANGE)` (ext4, XFS, btrfs, tmpfs; Linux 3.15+) and the old one, now at
+    `new`'s name, is deleted: `final` names a whole version at every moment. Where the exchange is
+    missing (other systems, NFS, FUSE), the old folder is renamed aside first, which leaves
+    `final` absent between two renames: a reader then sees no version for that instant, never a
+    partial one, and a crash there leaves a version that is simply not done (rerun it)."""
+    try:
+        os.rename(new, final)
+        return
+    except OSError as e:
+        if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+            raise
+    if not _exchange(new, final):
+        aside = new.with_name(new.name + "-old")
+        os.rename(final, aside)
+        os.rename(new, final)
+        new = aside
+    shutil.rmtree(new)
+
+
+RENAME_EXCHANGE = 2  # linux/fs.h
+AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (`renameat2` with RENAME_EXCHANGE); False where the system or
+    filesystem cannot."""
+    renameat2 = getattr(_libc(), "renameat2", None) if sys.platform == "linux" else None
+    if renameat2 is None:
+        return False
+    if renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EXDEV):
+        return False
+    raise OSError(err, f"cannot swap {a} with {b}: {os.strerror(err)}")
+
+
+@functools.lru_cache(maxsize=None)
+def _libc():
+    return ctypes.CDLL(None, use_errno=True)
 
 
 @contextlib.contextmanager

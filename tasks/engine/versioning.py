@@ -76,11 +76,11 @@ def content_identity(value: Any) -> Any:
 
 def _content(path: Path, depth: int = 0) -> Any:
     if path.is_dir():
-        return {"folder": path.name, "files": {f.relative_to(path).as_posix(): _sha256(f)
+        return {"folder": path.name, "files": {f.relative_to(path).as_posix(): file_sha256(f)
                                                for f in sorted(path.rglob("*")) if f.is_file()}}
     if path.suffix in YAML_SUFFIXES and depth < 4:
         return {"yaml": _yaml_content(path, depth)}
-    return {"file": path.name, "sha256": _sha256(path)}
+    return {"file": path.name, "sha256": file_sha256(path)}
 
 
 def _yaml_content(path: Path, depth: int) -> Any:
@@ -94,7 +94,7 @@ def _yaml_content(path: Path, depth: int) -> Any:
     try:
         data = yaml.load(path.read_text(), Loader=Loader)
     except (yaml.YAMLError, UnicodeDecodeError):
-        return {"sha256": _sha256(path)}
+        return {"sha256": file_sha256(path)}
 
     def named(text: str) -> Path | None:
         for candidate in (Path(text), path.parent / text):  # lm-eval resolves against the cwd
@@ -109,7 +109,7 @@ def _yaml_content(path: Path, depth: int) -> Any:
         if isinstance(node, dict):
             if len(node) == 1 and "!function" in node:  # module.function, beside the YAML
                 module = path.parent / (str(node["!function"]).rsplit(".", 1)[0] + ".py")
-                return {"!function": node["!function"], **({"sha256": _sha256(module)} if module.is_file() else {})}
+                return {"!function": node["!function"], **({"sha256": file_sha256(module)} if module.is_file() else {})}
             return {str(k): walk(v) for k, v in node.items()}
         if isinstance(node, list):
             return [walk(v) for v in node]
@@ -122,7 +122,9 @@ def _yaml_content(path: Path, depth: int) -> Any:
     return walk(data)
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """A file's sha256, computed once per process while its size and mtime stay: what a file a
+    stage reads outside its config (a model file) contributes to the step's fingerprint."""
     stat = path.stat()
     return _sha256_of(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
 
