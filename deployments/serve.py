@@ -1,11 +1,14 @@
 """`kiln serve`: register kiln's deployments on a Prefect server and run them when triggered.
 
-Three deployments, all taking the experiment config as their typed parameter (so the UI shows
-a form filled with the served config's values):
+Three deployments (four with a canary), all taking the experiment config as their typed
+parameter (so the UI shows a form filled with the served config's values):
 - `pipeline`: the whole lifecycle, each step cached by version;
 - `data-refresh`: on a cron schedule (daily by default), re-reads the sources and reruns what
   changed, up to tokenization;
 - `evaluate`: only the evaluate steps of the config (every variant's); a model not yet trained is an error naming it.
+  A trigger also runs it whenever a pipeline run has computed a branch's final train step, on that branch's config;
+- `canary` (with `--canary CONFIG`): that config daily into a fresh store, checked against its `canary:` bounds
+  (flows/canary.py).
 
 Stopping (SIGTERM or SIGINT): Prefect stops serving, then kiln pauses the deployments' schedules
 itself, giving up after `pause_timeout_s` when the server no longer answers (Prefect's own pause
@@ -22,6 +25,7 @@ import threading
 from flows.config import ExperimentConfig
 
 DEFAULT_CRON = "0 3 * * *"  # daily at 03:00
+CANARY_CRON = "0 5 * * *"  # daily at 05:00, after the data refresh
 
 
 class NoServer(RuntimeError):
@@ -45,33 +49,61 @@ def check_server() -> str:
     return url
 
 
-def deployments(config: ExperimentConfig, store: str, cron: str, refresh_until: str):
+def deployments(config: ExperimentConfig, store: str, cron: str, refresh_until: str,
+                canary: ExperimentConfig | None = None, canary_cron: str = CANARY_CRON,
+                canary_root: str | None = None, **where) -> list:
+    """The deployments `kiln serve` runs and `kiln deploy` registers to a work pool (`where`:
+    `work_pool_name`, `job_variables`). `evaluate` also runs on its own whenever a pipeline run
+    computes a branch's final model (`evaluate_trigger`); `canary` is there when a canary config
+    is given, on its daily schedule."""
     from prefect.deployments.runner import EntrypointType
 
+    from flows.canary import canary as canary_flow
     from flows.pipeline import data_refresh, evaluate_flow, pipeline
 
-    common = dict(entrypoint_type=EntrypointType.MODULE_PATH, tags=["kiln", config.name])
+    common = dict(entrypoint_type=EntrypointType.MODULE_PATH, tags=["kiln", config.name], **where)
     params = {"config": config.model_dump(mode="json"), "store": store}
-    return [
+    served = [
         pipeline.to_deployment(name="pipeline", parameters=params, **common,
                                description="Raw text to an evaluated, exported model."),
         data_refresh.to_deployment(name="data-refresh", cron=cron,
                                    parameters={**params, "until": refresh_until}, **common,
                                    description=f"Re-read sources, rerun what changed up to {refresh_until}."),
-        evaluate_flow.to_deployment(name="evaluate", parameters=params, **common,
-                                    description="Evaluate the config's checkpoint (cache hit if done)."),
+        evaluate_flow.to_deployment(name="evaluate", parameters=params, triggers=[evaluate_trigger()], **common,
+                                    description="Evaluate the config's checkpoint (cache hit if done); runs "
+                                    "by itself on each model a pipeline run trains."),
     ]
+    if canary is not None:
+        served.append(canary_flow.to_deployment(
+            name="canary", cron=canary_cron, **{**common, "tags": ["kiln", "canary", canary.name]},
+            parameters={"config": canary.model_dump(mode="json"), "store_root": canary_root or f"{store}-canary"},
+            description="The canary config into a fresh store of the day; fails naming any result out of bounds."))
+    return served
+
+
+def evaluate_trigger():
+    """Run `evaluate` on the model a pipeline run has just trained: on each `kiln.step.completed`
+    of a branch's final train step, with that branch's config and store from the event's payload
+    (tasks/engine/events.py)."""
+    from prefect.events.schemas.deployment_triggers import DeploymentEventTrigger
+
+    from tasks.engine.events import FINAL_MODEL, STEP_COMPLETED
+
+    return DeploymentEventTrigger(
+        name="kiln: evaluate each trained model", expect={STEP_COMPLETED},
+        match={"prefect.resource.id": "kiln.step.train.*", **FINAL_MODEL},
+        parameters={"config": "{{ event.payload.config }}", "store": "{{ event.payload.store }}"})
 
 
 def serve(config: ExperimentConfig, store: str, cron: str = DEFAULT_CRON, refresh_until: str = "tokenize",
-          limit: int | None = None, pause_timeout_s: float = 10.0) -> None:
+          limit: int | None = None, pause_timeout_s: float = 10.0, canary: ExperimentConfig | None = None) -> None:
     """Blocks, running triggered and scheduled runs, until SIGTERM or SIGINT; then pauses the
     deployments' schedules (see the module docstring)."""
     import prefect
 
     url = check_server()
     os.environ.setdefault("KILN_STORE", store)
-    served = deployments(config, store, cron, refresh_until)
+    served = deployments(config, store, cron, refresh_until, canary=canary)
     _unwinding.clear()
     if threading.current_thread() is threading.main_thread():
         # SIGTERM before Prefect's runner has put in its own handler (it does once it starts) must

@@ -8,7 +8,7 @@ so editing `eval` never reruns training.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -140,10 +140,32 @@ class RunSettings(ConfigModel):
                                    "share a store); without it, lock files beside the store's local root.")
     lock_lease_s: float = setting(30.0, gt=0, description="A Redis lock's lease: renewed while its holder lives, "
                                   "released this long after a holder dies.")
+    slot_limits: dict[str, Annotated[int, Field(ge=1)]] = setting(
+        {}, description="The size of each slot limit a step's resources.slots may name, e.g. `{gpu: 8}` for the "
+        "GPUs the runs share; every config that shares a limit gives it the same size (a different one is an "
+        "error naming both).")
     verify: Literal["sizes", "full"] = setting(
         "sizes", description="How a finished step is checked before it counts as cached: `sizes`, one listing "
         "of its folder against the file names and sizes its lineage recorded (nothing read or downloaded); "
         "`full`, every file's sha256 recomputed (every byte read), as `kiln verify` does.")
+    notify_webhook: str | None = setting(
+        None, pattern=r"^(https?://|block:)", description="Where a failed kiln flow run (pipeline, experiment, "
+        "data-refresh, evaluate, canary) is reported, through a Prefect notification block: an `http(s)://` URL "
+        "gets a JSON POST (Prefect's CustomWebhookNotificationBlock) with the flow-run id, name, state and "
+        "message; `block:<type>/<name>` loads a saved block (e.g. `block:slack-webhook/team`), which keeps a "
+        "secret URL out of the config (flows/notify.py).")
+
+
+class CanaryConfig(ConfigModel):
+    """What a healthy run of the canary's config reaches (flows/canary.py); None: not checked."""
+
+    max_final_loss: float | None = setting(None, gt=0, description="The last training loss of each branch's final model.")
+    min_steps: int | None = setting(None, ge=0, description="Training steps the final model must have run.")
+    max_wall_s: float | None = setting(None, gt=0, description="Seconds the whole canary run may take.")
+    min: dict[str, float] = setting({}, description="Evaluate metric -> its lowest healthy value (e.g. "
+                                    "`next_passage_acc: 0.3`); a metric the run does not report fails the check.")
+    max: dict[str, float] = setting({}, description="Evaluate metric -> its highest healthy value (e.g. "
+                                    "`bits_per_byte: 1.8`).")
 
 
 class PhaseConfig(ConfigModel):
@@ -183,7 +205,7 @@ class ExperimentConfig(ConfigModel):
     posttrain: PosttrainConfig | None = Field(None, description="Optional SFT and DPO after pretraining.")
     scaling: ScalingConfig | None = Field(
         None, description="An isoFLOP sweep instead of one model: its runs replace `model`, `train`, `eval`, "
-        "`export` and `posttrain`, and the fits and forecast check follow (docs/scaling.md).")
+        "`export` and `posttrain`, and the fits and forecast check follow (docs/scaling_laws.md).")
     resources: ResourcesConfig = ResourcesConfig()
     run: RunSettings = RunSettings()
     variants: dict[str, dict[str, Any]] = setting(
@@ -193,6 +215,9 @@ class ExperimentConfig(ConfigModel):
     grid: dict[str, list[Any]] = setting(
         {}, description="Dotted path -> values: one branch per point of their cartesian product (crossed with "
         "`variants` when both are given).")
+    canary: CanaryConfig | None = setting(
+        None, description="Bounds for `kiln canary` and the `canary` deployment (flows/canary.py): a daily run "
+        "of this config into a fresh store fails, naming the metric, when a result leaves them.")
     tracking: TrackingConfig = setting(
         TrackingConfig(), description="Training metrics beyond metrics.jsonl and TensorBoard (always written): "
         "`wandb` logs every train, SFT and DPO step to Weights & Biases. Enters no version.")

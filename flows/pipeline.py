@@ -11,6 +11,7 @@ from prefect import flow
 
 from flows.config import ExperimentConfig
 from flows.experiment import Experiment, from_config, load_experiment
+from flows.notify import notify_failure
 from flows.plan import select, with_followups
 from tasks.engine.runner import StepRun
 from tasks.engine.scheduler import execute, failures
@@ -33,8 +34,9 @@ def run_experiment(experiment: Experiment, store: Store, until: str | None = Non
     scaling forecast), then the comparison of the variants; raises StepsFailed if any step failed."""
     settings = experiment.run
     how = dict(max_concurrent=settings.max_concurrent, workers=settings.workers, force=frozenset(force),
-               lock_url=settings.lock_url, lease_s=settings.lock_lease_s, verify=settings.verify)
-    runs = execute(select(experiment.steps, until), store, **how)
+               lock_url=settings.lock_url, lease_s=settings.lock_lease_s, verify=settings.verify,
+               slot_limits=settings.slot_limits)
+    runs = execute(select(experiment.steps, until), store, announce=final_models(experiment), **how)
     if until is None and not failures(runs):
         seen = {(r.stage, r.version) for r in runs}
         more = [s for s in with_followups(experiment, store).steps if (s.stage, s.version) not in seen]
@@ -48,7 +50,7 @@ def run_experiment(experiment: Experiment, store: Store, until: str | None = Non
     return runs
 
 
-@flow(name="pipeline", log_prints=True)
+@flow(name="pipeline", log_prints=True, on_failure=[notify_failure])
 def pipeline(config: ExperimentConfig, store: str | None = None, until: str | None = None,
              force: list[str] = []) -> list[StepRun]:
     """Raw text to an evaluated, exported model (or, with `scaling`, to a fitted scaling law), for
@@ -56,14 +58,14 @@ def pipeline(config: ExperimentConfig, store: str | None = None, until: str | No
     return run_experiment(from_config(config), Store(store), until, force)
 
 
-@flow(name="experiment", log_prints=True)
+@flow(name="experiment", log_prints=True, on_failure=[notify_failure])
 def experiment_flow(path: str, store: str | None = None, until: str | None = None,
                     force: list[str] = []) -> list[StepRun]:
     """The steps a Python experiment file builds (its `experiment()` function)."""
     return run_experiment(load_experiment(path), Store(store), until, force)
 
 
-@flow(name="data-refresh", log_prints=True)
+@flow(name="data-refresh", log_prints=True, on_failure=[notify_failure])
 def data_refresh(config: ExperimentConfig, store: str | None = None, until: str = "tokenize") -> list[StepRun]:
     """Re-read the sources and rerun whatever changed downstream, up to `until`.
 
@@ -73,7 +75,7 @@ def data_refresh(config: ExperimentConfig, store: str | None = None, until: str 
     return pipeline(config=config, store=store, until=until)
 
 
-@flow(name="evaluate", log_prints=True)
+@flow(name="evaluate", log_prints=True, on_failure=[notify_failure])
 def evaluate_flow(config: ExperimentConfig, store: str | None = None, force: list[str] = []) -> list[StepRun]:
     """Evaluate the config's trained model(s): only the evaluate steps run, and a model that is not
     in the store yet is an error that names it."""
@@ -86,6 +88,22 @@ def evaluate_flow(config: ExperimentConfig, store: str | None = None, force: lis
     if failures(runs):
         raise StepsFailed(runs)
     return runs
+
+
+def final_models(experiment: Experiment) -> dict[str, dict]:
+    """Step key -> what its `kiln.step.completed` event adds (tasks/engine/events.py), for the last
+    train step of each branch of a YAML experiment: that branch's whole config, so the
+    `evaluate` deployment's trigger evaluates exactly that model. A scaling sweep's many runs are left
+    out (its evaluation belongs to its own steps)."""
+    out = {}
+    for variant, branch in experiment.branches.items():
+        if branch.config is None or branch.config.scaling is not None:
+            continue
+        trains = [s for s in experiment.branch_steps(variant) if s.stage == "train"]
+        if trains:
+            config = branch.config.model_copy(update={"variants": {}, "grid": {}})
+            out[trains[-1].key] = {"config": config.model_dump(mode="json"), "variant": variant}
+    return out
 
 
 def publish_lineage(final: StepRun) -> None:

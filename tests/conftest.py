@@ -81,6 +81,7 @@ LONGEST_FIRST = ["test_phases.py",  # ~210: four kiln runs of a cooldown experim
                  "test_two_nodes.py",  # ~180, Ray lock exclusive
                  "test_foundation.py",  # ~150, no Ray
                  "test_deployments.py",  # ~110, no Ray
+                 "test_team_server.py",  # ~150 (loaded: 360): PostgreSQL, a Prefect server, a worker; no Ray
                  "test_scheduler.py",  # ~100
                  "test_private_ray.py",  # ~110, Ray lock exclusive
                  "test_training_task.py", "test_training_sharding.py", "test_gpu_check.py", "test_posttrain.py",

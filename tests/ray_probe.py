@@ -1,8 +1,9 @@
 """A kiln driver for the Ray tests, run as `python -m tests.ray_probe OUT STEPS`: a data stage's
 map over two Ray workers, then training in a Ray host task, both on kiln's own Ray (whatever
 RAY_ADDRESS says is honoured as kiln would). At the first training step it writes what the
-test checks while the run is live (the Ray address, the process tree and every socket it
-listens on) to OUT/live.json and prints `live`; at the end `done`."""
+test checks while the run is live (the Ray address; the process trees of this driver and of the
+local Ray's keeper, and every socket they listen on) to OUT/live.json and prints `live`; at the
+end `done`."""
 
 from __future__ import annotations
 
@@ -44,8 +45,12 @@ def main(out: Path, steps: int) -> None:
     import ray
 
     from tasks.engine.parallel import map_shards
+    from training import local_ray
     from training.config import ModelConfig, ResourcesConfig, TrainConfig
     from training.launch import launch_training
+    from training.reaper import watch_this_process
+
+    watch_this_process()  # as kiln's CLI does
 
     assert map_shards(square, list(range(4)), workers=2) == [0, 1, 4, 9]  # starts kiln's Ray
     model = ModelConfig(vocab_size=256, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64, seq_len=32)
@@ -55,9 +60,12 @@ def main(out: Path, steps: int) -> None:
 
     def on_metrics(record: dict) -> None:
         if not seen:
-            tree, addresses = listening(os.getpid())
+            keeper = local_ray.read_head(local_ray.ray_dir())["pid"]
+            driver_tree, driver_addresses = listening(os.getpid())
+            keeper_tree, keeper_addresses = listening(keeper)
             (out / "live.json").write_text(json.dumps(
-                {"gcs": ray.get_runtime_context().gcs_address, "tree": tree, "listening": addresses}))
+                {"gcs": ray.get_runtime_context().gcs_address, "keeper": keeper, "driver_tree": driver_tree,
+                 "keeper_tree": keeper_tree, "listening": driver_addresses + keeper_addresses}))
             print("live", flush=True)
         seen.append(record)
 
@@ -65,7 +73,7 @@ def main(out: Path, steps: int) -> None:
                             functools.partial(random_batches, 4, 32, 256), out / "work", out / "out",
                             on_metrics=on_metrics)
     (out / "stats.json").write_text(json.dumps({"ray_cluster": stats["ray_cluster"], "steps": stats["steps"]}))
-    ray.shutdown()
+    local_ray.disconnect()
     print("done", flush=True)
 
 

@@ -1,8 +1,9 @@
 """kiln's local Ray is its own: beside a Ray someone else started on the machine (or only the
-ray_current_cluster file a killed one left), kiln starts a private instance on 127.0.0.1 and
+ray_current_cluster file a killed one left), kiln starts its own instance on 127.0.0.1 and
 leaves the other alone; nothing it starts listens outside loopback; and when a kiln driver is
-SIGKILLed, no Ray process of its run outlives it by 10 s. Both tests hold the Ray lock
-exclusively (tests/conftest.py): they count processes and sockets, and start Ray nodes."""
+SIGKILLed, no process of its run outlives it by 10 s, and the local Ray it was the only user of
+ends within its idle time. Both tests hold the Ray lock exclusively (tests/conftest.py): they
+count processes and sockets, and start Ray nodes."""
 
 from __future__ import annotations
 
@@ -36,7 +37,9 @@ def ray_tmp():
 
 
 def probe_env(ray_tmp: Path) -> dict:
-    env = {**os.environ, "RAY_TMPDIR": str(ray_tmp), "PYTHONPATH": str(REPO)}
+    # kiln's own Ray in a folder of this test's, ended 2 s after its last run
+    env = {**os.environ, "RAY_TMPDIR": str(ray_tmp), "PYTHONPATH": str(REPO), "KILN_RAY_DIR": str(ray_tmp / "kiln"),
+           "KILN_RAY_IDLE_S": "2"}
     # kiln must keep its Ray on loopback by itself (conftest sets this for the other tests)
     env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
     env.pop("RAY_ADDRESS", None)
@@ -103,7 +106,7 @@ def test_beside_a_foreign_ray_head_kiln_starts_its_own_on_loopback(ray_tmp, tmp_
         assert_loopback_only(live)
         assert live["gcs"] != address
         assert json.loads((tmp_path / "stats.json").read_text()) == {
-            "ray_cluster": f"in-process ({live['gcs']})", "steps": 3}
+            "ray_cluster": f"kiln local Ray ({live['gcs']})", "steps": 3}
         # the foreign instance: every process alive, its address file as it was
         assert all(psutil.pid_exists(pid) and psutil.Process(pid).create_time() == t for pid, t in foreign.items())
         assert address_file.read_text() == recorded
@@ -113,15 +116,19 @@ def test_beside_a_foreign_ray_head_kiln_starts_its_own_on_loopback(ray_tmp, tmp_
 def test_beside_a_stale_ray_address_file_and_nothing_outlives_a_sigkill(ray_tmp, tmp_path):
     """A Ray head killed without `ray stop` leaves ray_current_cluster behind. kiln ignores it;
     then the kiln driver's process group is SIGKILLed mid-training (as a user's Ctrl-\\ or the
-    OOM killer would), and within 10 s none of the processes of its run is alive."""
+    OOM killer would), and within 10 s none of the processes of its run is alive (the driver's
+    own and its host task on the local Ray); the local Ray, used by no other run, ends after its
+    idle time (2 s here), every process of it."""
     (ray_tmp / "ray").mkdir()
     (ray_tmp / "ray" / "ray_current_cluster").write_text(f"127.0.0.1:{free_port()}")
     with stopped_on_exit(start_probe(tmp_path, 100_000, probe_env(ray_tmp))) as probe:
         wait_for_line(probe, tmp_path, "live")
         live = json.loads((tmp_path / "live.json").read_text())
-        started = {pid: psutil.Process(pid).create_time() for pid in live["tree"] if psutil.pid_exists(pid)}
+        started = {pid: psutil.Process(pid).create_time() for pid in live["driver_tree"] + live["keeper_tree"]
+                   if psutil.pid_exists(pid)}
         names = {pid: psutil.Process(pid).name() for pid in started}
         assert "ray::_host_main" in names.values(), names
+        run = {pid for pid in started if pid in live["driver_tree"] or names[pid] == "ray::_host_main"}
         os.killpg(probe.pid, signal.SIGKILL)
         probe.wait(timeout=30)
     killed = time.monotonic()
@@ -134,9 +141,11 @@ def test_beside_a_stale_ray_address_file_and_nothing_outlives_a_sigkill(ray_tmp,
         except psutil.NoSuchProcess:
             return False
 
-    def survivors() -> dict[int, str]:
-        return {pid: names[pid] for pid, t in started.items() if alive(pid, t)}
+    def survivors(pids) -> dict[int, str]:
+        return {pid: names[pid] for pid in pids if alive(pid, started[pid])}
 
     with contextlib.suppress(TimeoutError):  # polled: done as soon as the last one is gone
-        wait_until(lambda: not survivors(), 10 - (time.monotonic() - killed), "the run's processes to end")
-    assert not survivors(), f"alive 10 s after the kill: {survivors()}"
+        wait_until(lambda: not survivors(run), 10 - (time.monotonic() - killed), "the run's processes to end")
+    assert not survivors(run), f"alive 10 s after the kill: {survivors(run)}"
+    wait_until(lambda: not survivors(started), 90, "the local Ray's processes to end once unused",
+               detail=lambda: f"alive: {survivors(started)}; keeper log:\n{tail(ray_tmp / 'kiln' / 'keeper.log')}")

@@ -5,9 +5,9 @@ buffers and its data position in one long-lived process. With `hosts > 1` the ta
 distributed runtime (as the hosts of a TPU pod do): host 0 runs the coordinator, every host
 computes on its share of each global batch, and only host 0 writes metrics and the output.
 
-Ray: a local Ray started in this process by default (quiet, no dashboard); a cluster when the
-config or RAY_ADDRESS names one. The caller waits here while progress comes back through a
-`ray.util.queue.Queue` to `on_metrics`. Nothing on the Ray side imports Prefect (a Ray worker
+Ray: kiln's local Ray by default (training/local_ray.py: one per machine, shared by its runs,
+on loopback only); a cluster when the config or RAY_ADDRESS names one. The caller waits here
+while progress comes back through a `ray.util.queue.Queue` to `on_metrics`. Nothing on the Ray side imports Prefect (a Ray worker
 that did would start its own Prefect server).
 
 Determinism on GPU: the tasks run with XLA_FLAGS=--xla_gpu_deterministic_ops=true (unless
@@ -22,25 +22,22 @@ import functools
 import os
 import socket
 import sys
-import tempfile
 import threading
 import time
 import traceback
-import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 
 import numpy as np
 import ray
-from ray._private import ray_constants
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.queue import Empty, Queue
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
+from training import local_ray
 from training.config import ModelConfig, ResourcesConfig, TrainConfig
 from training.data import MixtureData, MixtureInput, open_mixture, read_meta
 from tasks.engine.store import Located, Workspace
-from training.reaper import watch_this_process
 
 if TYPE_CHECKING:  # JAX: imported by the hosts, not by a driver that only plans
     from training.hooks import HookFactory
@@ -82,9 +79,7 @@ def launch_training(model_cfg: ModelConfig, train_cfg: TrainConfig, resources: R
     group = placement_group([bundle] * resources.hosts, strategy="SPREAD")
     queue = None
     try:
-        if not _wait_ready(group, timeout_s=120):
-            raise RuntimeError(f"Ray cannot place {resources.hosts} host task(s) of {bundle}: the cluster has "
-                               f"{ray.cluster_resources()}; lower resources.* or add nodes")
+        _wait_placed(group, bundle, resources.hosts)
         # On the driver's own node: the relay must outlive any host's node (a node that dies
         # is reported as its host's failure, not as the queue's).
         queue = Queue(actor_options={"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(
@@ -111,13 +106,13 @@ def launch_training(model_cfg: ModelConfig, train_cfg: TrainConfig, resources: R
         # Where it ran (never identity), for the lineage: the cluster's address as given, or the
         # Ray running in this process, and each host's node.
         return {**{k: v for k, v in results[0].items() if k != "host"}, "hosts": [r["host"] for r in results],
-                "ray_cluster": address or f"in-process ({ray.get_runtime_context().gcs_address})"}
+                "ray_cluster": address or _local_cluster()}
     finally:
         if queue is not None:
             queue.shutdown(force=True)
         remove_placement_group(group)
         if started_ray:
-            ray.shutdown()
+            local_ray.disconnect()
 
 
 class TokenSource(NamedTuple):
@@ -271,40 +266,34 @@ def _exit_with_driver(node_id: str, pid: int, poll_s: float = 0.5) -> None:
     if ray.get_runtime_context().get_node_id() != node_id:
         return
 
-    started = _process_start(pid)
+    started = local_ray.process_start(pid)
 
     def watch() -> None:
-        while started is not None and _process_start(pid) == started:
+        while started is not None and local_ray.process_start(pid) == started:
             time.sleep(poll_s)
         os._exit(1)
 
     threading.Thread(target=watch, name="kiln-driver-watch", daemon=True).start()
 
 
-def _process_start(pid: int) -> str | None:
-    """The start time of a live (not zombie) process from /proc, None when it is gone: a pid
-    that was reused by a newer process gives a different value."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2:].split()
-    return None if fields[0] in ("Z", "X") else fields[19]
-
-
 def _connect(resources: ResourcesConfig) -> tuple[bool, str | None]:
-    """Join the configured or RAY_ADDRESS cluster, reuse a Ray already running in this process,
-    or start a private local one sized to the request. Returns (whether this call started Ray,
-    the cluster address joined, if any)."""
+    """Join the configured or RAY_ADDRESS cluster, reuse the Ray this process is connected to,
+    or join kiln's local Ray (training/local_ray.py: shared by the machine's runs, started by the
+    first). Returns (whether this call connected, so must disconnect; the cluster address joined,
+    if any)."""
     address = resources.ray_address or os.environ.get("RAY_ADDRESS")
     if ray.is_initialized():  # the caller's Ray: a cluster if an address is set, else in-process
         return False, address
     if address:
         join_ray(address)
         return False, address
-    start_local_ray(num_cpus=resources.hosts * resources.cpus_per_host,
-                    num_gpus=resources.hosts * resources.gpus_per_host or None)
+    local_ray.connect()
     return True, None
+
+
+def _local_cluster() -> str:
+    gcs = ray.get_runtime_context().gcs_address
+    return f"kiln local Ray ({gcs})" if local_ray.connected() else f"in-process ({gcs})"
 
 
 def join_ray(address: str) -> None:
@@ -322,59 +311,6 @@ def join_ray(address: str) -> None:
           file=sys.stderr, flush=True)
 
 
-def local_ray_dir() -> str:
-    """kiln's own Ray session folder: never /tmp/ray, so a Ray the user started there (and its
-    ray_current_cluster file, live or stale) is neither read nor touched."""
-    return os.path.join(tempfile.gettempdir(), f"kiln-ray-{os.getuid()}")
-
-
-def start_local_ray(num_cpus: int, num_gpus: int | None = None, attempts: int = 5) -> None:
-    """Start kiln's private Ray in this process: every service on 127.0.0.1, quiet, no dashboard.
-
-    `address="local"` always starts a new instance: without it Ray attaches to any other Ray on
-    the machine (a `ray start --head`, or only the ray_current_cluster file a killed one left),
-    and then refuses num_cpus. Ray rewrites 127.0.0.1 to the machine's address unless
-    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (read at import into ray_constants, and by the node
-    processes Ray spawns), so both are set while the node starts; a single-node Ray needs no
-    other address. If this process dies without shutting Ray down, training/reaper.py's watcher
-    ends the node's processes, and each host task watches its driver too (_exit_with_driver)."""
-    # When this process runs under `uv run`, Ray's uv hook would copy the repository for every
-    # job and start workers through `uv run` in the copy. A local Ray's workers can simply run
-    # this interpreter. (The flag is RAY_ENABLE_UV_RUN_RUNTIME_ENV, read when ray is imported,
-    # which may have happened before this module was; ray.init reads the constant.)
-    saved = ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV, ray_constants.ENABLE_RAY_CLUSTER
-    saved_env = os.environ.get(ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR)
-    ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = False
-    ray_constants.ENABLE_RAY_CLUSTER = False
-    os.environ[ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR] = "0"
-    watch_this_process()  # the node and workers Ray starts end with this process
-    try:
-        for attempt in range(attempts):
-            try:
-                with warnings.catch_warnings():
-                    # Ray starts its node processes with fork + exec, which is safe next to JAX's
-                    # threads; Python warns about every such fork once JAX is imported.
-                    warnings.filterwarnings("ignore", r"os\.fork\(\) was called", RuntimeWarning)
-                    ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
-                             log_to_driver=False, logging_level="ERROR", _node_ip_address="127.0.0.1",
-                             _temp_dir=local_ray_dir())
-                return
-            except Exception:
-                # Ray gives its node a fixed 30 s to register; an overloaded machine can miss
-                # that (seen at a load of 10 on 2 cores). Start again after a pause that grows;
-                # the last failure propagates.
-                ray.shutdown()
-                if attempt == attempts - 1:
-                    raise
-                time.sleep(5 * (attempt + 1))
-    finally:
-        ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV, ray_constants.ENABLE_RAY_CLUSTER = saved
-        if saved_env is None:
-            os.environ.pop(ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR, None)
-        else:
-            os.environ[ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR] = saved_env
-
-
 def _bundle(resources: ResourcesConfig) -> dict:
     bundle = {"CPU": resources.cpus_per_host}
     if resources.gpus_per_host:
@@ -388,9 +324,30 @@ def _in(group, index: int) -> PlacementGroupSchedulingStrategy:
     return PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=index)
 
 
-def _wait_ready(group, timeout_s: float) -> bool:
-    ready, _ = ray.wait([group.ready()], timeout=timeout_s)
-    return bool(ready)
+def _wait_placed(group, bundle: dict, hosts: int, unplaceable_s: float = 120, report_s: float = 30) -> None:
+    """Wait until Ray has placed the hosts' bundles. What the cluster can hold is waited for as
+    long as it takes, said after 5 s and then every `report_s`: other steps hold it (kiln's local
+    Ray is shared by the machine's runs, so a train step waits for another run's to end). What
+    exceeds the whole cluster fails: at once on kiln's local Ray, after `unplaceable_s` on a
+    cluster (which may be adding nodes)."""
+    total = ray.cluster_resources()
+    fits = all(total.get(name, 0) >= amount * hosts for name, amount in bundle.items())
+    if not fits and local_ray.connected():
+        raise RuntimeError(
+            f"this step asks Ray for {hosts} host task(s) of {bundle}, more than kiln's local Ray on this machine "
+            f"has ({ {k: v for k, v in total.items() if k in bundle} }): lower resources.cpus_per_host (or hosts), "
+            f"or give the local Ray more logical CPUs than cores with {local_ray.CPUS_ENV} (it takes effect when "
+            "the local Ray next starts: `python -m training.local_ray stop` once no run uses it)")
+    ready, start, timeout_s = group.ready(), time.monotonic(), 5.0
+    while not ray.wait([ready], timeout=timeout_s)[0]:
+        timeout_s = report_s
+        waited = time.monotonic() - start
+        if not fits and waited >= unplaceable_s:
+            raise RuntimeError(f"Ray cannot place {hosts} host task(s) of {bundle}: the cluster has {total}; "
+                               "lower resources.* or add nodes")
+        free = ray.available_resources()
+        print(f"kiln: waited {waited:.0f} s for Ray to place {hosts} host task(s) of {bundle}: other steps hold "
+              f"them (free now: { {name: free.get(name, 0) for name in bundle} })", file=sys.stderr, flush=True)
 
 
 def _worker_env(resources: ResourcesConfig) -> dict:

@@ -9,6 +9,11 @@ half second and, once this process has exited (or is a zombie), SIGKILLs the one
 are still the same processes (pid and start time). A process that exits normally has shut its
 children down already, so the watcher then finds nothing to do.
 
+One descendant is not this process's to end: the keeper of kiln's shared local Ray
+(training/local_ray.py), which other runs may be using, ends its node itself once none is. It
+and its node's processes carry KILN_RAY_KEEPER=1 in their environment and are left alone,
+except by the keeper's own watcher.
+
 Run as `python -m training.reaper PID`.
 """
 
@@ -23,6 +28,8 @@ from pathlib import Path
 
 import psutil
 
+KEEPER_MARK = "KILN_RAY_KEEPER"  # training/local_ray.py sets it in its keeper's environment
+
 _watcher: subprocess.Popen | None = None
 
 
@@ -36,25 +43,41 @@ def watch_this_process() -> None:
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
 
+def _kept_apart(proc: psutil.Process) -> bool:
+    """Whether `proc` belongs to the shared local Ray's keeper (training/local_ray.py)."""
+    try:
+        return proc.environ().get(KEEPER_MARK) == "1"
+    except psutil.Error:
+        return False
+
+
 def watch(pid: int, poll_s: float = 0.5) -> None:
     driver = psutil.Process(pid)
+    spare_keepers = not _kept_apart(driver)  # a keeper's own watcher ends the keeper's node
     seen: dict[int, float] = {}
+    apart: set[int] = set()
     while True:
         try:
             if driver.status() == psutil.STATUS_ZOMBIE:
                 break
             for child in driver.children(recursive=True):
-                if child.pid != os.getpid() and child.pid not in seen:
-                    try:
-                        seen[child.pid] = child.create_time()
-                    except psutil.Error:  # it ended (or hid) between listing and asking: nothing to end
-                        continue
+                if child.pid == os.getpid() or child.pid in seen or child.pid in apart:
+                    continue
+                if spare_keepers and _kept_apart(child):
+                    apart.add(child.pid)
+                    continue
+                try:
+                    seen[child.pid] = child.create_time()
+                except psutil.Error:  # it ended (or hid) between listing and asking: nothing to end
+                    continue
         except psutil.NoSuchProcess:
             break
         time.sleep(poll_s)
     for child, started in seen.items():
         try:
-            if psutil.Process(child).create_time() == started:
+            proc = psutil.Process(child)
+            # asked again: one seen between fork and exec did not carry the keeper's mark yet
+            if proc.create_time() == started and not (spare_keepers and _kept_apart(proc)):
                 os.kill(child, signal.SIGKILL)
         except (psutil.Error, ProcessLookupError):  # already gone: what the reaper wanted
             continue

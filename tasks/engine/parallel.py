@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import ray
 
 from tasks.engine.store import Located
-from training.launch import join_ray, start_local_ray
+from training import local_ray
+from training.launch import join_ray
 
 if TYPE_CHECKING:
     from tasks.engine.step import StepContext
@@ -46,16 +47,16 @@ class Places:
         return cls({str(path): ctx.located(name) for name, path in ctx.inputs.items()}, outputs, dirs)
 
 
-def ensure_ray(num_cpus: int | None = None) -> None:
-    """Start kiln's private local Ray in-process (loopback only, beside any other Ray on the
-    machine), or join the cluster named by RAY_ADDRESS; once."""
+def ensure_ray() -> None:
+    """Join kiln's local Ray (training/local_ray.py: one per machine, loopback only, beside any
+    other Ray on it), or the cluster named by RAY_ADDRESS; once."""
     if ray.is_initialized():
         return
     address = os.environ.get("RAY_ADDRESS")
     if address:
         join_ray(address)
     else:
-        start_local_ray(num_cpus=num_cpus or os.cpu_count())
+        local_ray.connect()
 
 
 def map_shards(fn: Callable[[Any], Any], items: Sequence[Any], workers: int = 1,
@@ -74,7 +75,7 @@ def map_shards(fn: Callable[[Any], Any], items: Sequence[Any], workers: int = 1,
             if on_result:
                 on_result(i, results[-1])
         return results
-    ensure_ray(workers)
+    ensure_ray()
     if places is None:
         refs = [ray.remote(num_cpus=1)(fn).remote(item) for item in items]
     else:

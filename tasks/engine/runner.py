@@ -54,8 +54,12 @@ def _run_ids() -> dict:
             "task_run_id": str(ctx.task_run.id)}
 
 
-def run_step_body(step: Step, store: Store, workers: int, log: logging.Logger, replace: bool = False) -> dict:
+def run_step_body(step: Step, store: Store, workers: int, log: logging.Logger, replace: bool = False,
+                  slots: dict | None = None) -> dict:
     """Compute a step's output and publish it; returns the small record Prefect persists.
+
+    `slots` ({limits, lock_url, lease_s}: the run's settings): a step whose config names a slot
+    limit (`resources.slots`) computes holding its slots (tasks/engine/slots.py).
 
     `replace` (`--force`): compute it even though it is published, and swap the new output in at
     publish; until then the old one stays whole and readable for any run that reads it. This runs
@@ -77,7 +81,8 @@ def run_step_body(step: Step, store: Store, workers: int, log: logging.Logger, r
                       work_dir=work, log=log, workers=workers, on_progress=progress, store_root=store.root)
     started, t0 = now(), time.perf_counter()
     try:
-        stats = step.run(ctx)
+        with _slots_held(step, slots, log):
+            stats = step.run(ctx)
     except BaseException as e:
         store.discard(tmp)
         record = store.failure_record(step.stage, step.version)
@@ -104,6 +109,33 @@ def run_step_body(step: Step, store: Store, workers: int, log: logging.Logger, r
     publish_shown(step, ctx.shown)
     progress.finish()
     return _record(step, lineage)
+
+
+def _slots_held(step: Step, slots: dict | None, log: logging.Logger):
+    from tasks.engine import slots as slot_pools
+
+    want = slot_pools.wanted(step.config)
+    if want is None:
+        return contextlib.nullcontext()
+    settings = slots or {}
+    return slot_pools.held(*want, settings.get("limits", {}), settings.get("lock_url"), settings.get("lease_s", 30.0),
+                           log, on_wait=_show_waiting)
+
+
+def _show_waiting(waiting: bool) -> None:
+    """The task run's state while it waits for slots: `Waiting for slots`, a Running state of that
+    name, which the UI shows; `Running` again once it has them. Prefect 3 records a task run's
+    states from the events its engine emits (the API has no such task run to set a state on until
+    the recorder wrote it), so this emits the same state-change event the engine would."""
+    from prefect.states import Running
+    from prefect.utilities.engine import emit_task_run_state_change_event
+
+    task_run = get_run_context().task_run
+    emit_task_run_state_change_event(task_run=task_run, initial_state=task_run.state,
+                                     validated_state=Running(name=WAITING_FOR_SLOTS if waiting else "Running"))
+
+
+WAITING_FOR_SLOTS = "Waiting for slots"
 
 
 def _lease_lost(key: str) -> str | None:
@@ -226,11 +258,12 @@ class ProgressArtifact:
 
 
 @task(persist_result=True, result_serializer="json")
-def step_task(cache_key: str, step: Step, store_root: str, workers: int, replace: bool = False) -> dict:
-    """The Prefect task every step runs as; `cache_key` is `<stage>-<version>`; `replace`: forced
-    (`run_step_body`)."""
+def step_task(cache_key: str, step: Step, store_root: str, workers: int, replace: bool = False,
+              slots: dict | None = None) -> dict:
+    """The Prefect task every step runs as; `cache_key` is `<stage>-<version>`; `replace`: forced,
+    `slots`: the run's slot settings (`run_step_body`)."""
     with _watched(step):
-        return run_step_body(step, Store(store_root), workers, get_run_logger(), replace)
+        return run_step_body(step, Store(store_root), workers, get_run_logger(), replace, slots)
 
 
 def configured_task(step: Step, store: Store, forced: bool, lock_url: str | None = None, lease_s: float = 30.0):

@@ -17,6 +17,7 @@ from prefect import get_run_logger
 from prefect.futures import as_completed
 from prefect.utilities.annotations import quote
 
+from tasks.engine.events import emit_step_completed
 from tasks.engine.runner import StepRun, configured_task, prepare
 from tasks.engine.step import Step
 from tasks.engine.store import Store
@@ -28,15 +29,20 @@ class MissingInput(RuntimeError):
 
 def execute(steps: list[Step], store: Store, *, max_concurrent: int = 1, workers: int = 1,
             force: frozenset[str] = frozenset(), lock_url: str | None = None, lease_s: float = 30.0,
-            verify: str = "sizes") -> list[StepRun]:
+            verify: str = "sizes", slot_limits: dict[str, int] | None = None,
+            announce: dict[str, dict] | None = None) -> list[StepRun]:
     """Run `steps` (upstream first; a step's inputs outside the list must already be in the store),
     each once per version. Returns how each went, in the order given.
 
     `force` names stages (or step names) to recompute even if their version exists. `lock_url`
     (redis://...) puts the step locks in Redis, shared by runners on other machines. `verify`:
-    how a done step is checked before it counts as cached (runner.py `prepare`).
+    how a done step is checked before it counts as cached (runner.py `prepare`). `slot_limits`: the
+    size of each slot limit a step's `resources.slots` may name (tasks/engine/slots.py), held in
+    Redis at `lock_url` or in files on this machine. Each step computed (not cached) emits
+    `kiln.step.completed` as it finishes, with `announce[key]` in its payload (tasks/engine/events.py).
     """
     locks = {"lock_url": lock_url, "lease_s": lease_s}
+    slots = {"limits": dict(slot_limits or {}), "lock_url": lock_url, "lease_s": lease_s}
     graph = {s.key: s for s in steps}  # one step per version, whichever variant named it first
     order = list(graph.values())
     needs = {k: [u.key for u in s.inputs.values() if u.key in graph] for k, s in graph.items()}
@@ -66,7 +72,7 @@ def execute(steps: list[Step], store: Store, *, max_concurrent: int = 1, workers
                 if all(k in finished for k in needs[step.key]):
                     waiting.remove(step)
                     future = _submit(step, store, workers, [futures[k] for k in needs[step.key]], force, locks,
-                                     verify)
+                                     verify, slots)
                     futures[step.key] = future
                     running[future] = (step, time.perf_counter())
             if not running:
@@ -74,15 +80,17 @@ def execute(steps: list[Step], store: Store, *, max_concurrent: int = 1, workers
             future = next(as_completed(list(running)))
             step, t0 = running.pop(future)
             finished[step.key] = _outcome(step, future, store, round(time.perf_counter() - t0, 2))
+            if finished[step.key].status == "ran":
+                emit_step_completed(finished[step.key], store.root, (announce or {}).get(step.key))
     return [finished[s.key] for s in order]
 
 
 def _submit(step: Step, store: Store, workers: int, wait_for: list, force: frozenset[str], locks: dict,
-            verify: str = "sizes"):
+            verify: str = "sizes", slots: dict | None = None):
     forced = step.stage in force or step.name in force
     prepare(step, store, forced, get_run_logger(), verify)
     return configured_task(step, store, forced, **locks).submit(step.key, quote(step), store.root, workers, forced,
-                                                                wait_for=wait_for)
+                                                                slots, wait_for=wait_for)
 
 
 def _outcome(step: Step, future, store: Store, seconds: float) -> StepRun:
@@ -101,11 +109,11 @@ def failures(runs: list[StepRun]) -> list[StepRun]:
 
 @contextlib.contextmanager
 def _shared_ray(steps: list[Step], store: Store, max_concurrent: int, workers: int):
-    """One Ray for every step of the run that needs one, started before any: with several steps
-    at once, a step that started its own would shut it down under the others when it finishes;
-    one after another, each would pay Ray's start (seconds, and a failure risk on a loaded
-    machine) again. Sized so that `max_concurrent` of the largest request fit (logical CPUs: Ray
-    shares them out, it does not pin). A run with a single Ray step leaves it its own Ray."""
+    """One connection to Ray for every step of the run that needs one, made before any: with
+    several steps at once, a step that connected itself would disconnect under the others when it
+    finishes. The local Ray is the machine's (training/local_ray.py), with its logical CPUs: steps
+    that ask for more than are free wait for them. A run with a single Ray step leaves it to
+    connect itself."""
     to_run = [s for s in steps if not store.is_done(s.stage, s.version)]
     cpus = [c for c in (_ray_cpus(s) for s in to_run) if c]
     if workers > 1:
@@ -116,14 +124,15 @@ def _shared_ray(steps: list[Step], store: Store, max_concurrent: int, workers: i
     import ray
 
     from tasks.engine.parallel import ensure_ray
+    from training import local_ray
 
     started = not ray.is_initialized()
-    ensure_ray(max_concurrent * max(cpus))
+    ensure_ray()
     try:
         yield
     finally:
         if started:
-            ray.shutdown()
+            local_ray.disconnect()
 
 
 def _ray_cpus(step: Step) -> int:

@@ -1,0 +1,99 @@
+"""kiln's local Ray is the machine's: runs that start side by side join one, started by the first
+(training/local_ray.py); a train step that wants CPUs another run's step holds waits for them
+instead of failing; one that asks for more than the machine's Ray has fails at once, saying how
+to change that; and once no run uses it, its keeper ends it, every process of it."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.conftest import REPO, scratch, stop_group, tail, wait_until
+
+pytestmark = pytest.mark.ray_heavy  # starts Ray nodes of its own: tests/conftest.py ray_lock
+
+
+def start(out: Path, name: str, cpus: int, env: dict, hold: bool = False) -> subprocess.Popen:
+    with open(out / f"{name}.log", "ab") as log:
+        return subprocess.Popen([sys.executable, "-m", "tests.local_ray_probe", str(out), name, str(cpus),
+                                 *(["hold"] if hold else [])], cwd=REPO, env=env, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def finished(proc: subprocess.Popen, out: Path, name: str, timeout_s: float = 600) -> int:
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"{name} did not finish in {timeout_s} s; its log ends:\n{tail(out / f'{name}.log')}")
+
+
+def said(out: Path, name: str, text: str, proc: subprocess.Popen) -> bool:
+    if text in tail(out / f"{name}.log", 10**6):
+        return True
+    assert proc.poll() is None, f"{name} exited {proc.returncode} before saying {text!r}:\n{tail(out / f'{name}.log')}"
+    return False
+
+
+def alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_runs_share_one_local_ray_queue_for_its_cpus_and_it_ends_when_unused(tmp_path):
+    with scratch("lr") as folder, contextlib.ExitStack() as stack:
+        ray_dir = folder / "ray"
+        env = {**os.environ, "PYTHONPATH": str(REPO), "KILN_RAY_DIR": str(ray_dir), "KILN_RAY_CPUS": "2",
+               "KILN_RAY_IDLE_S": "2"}
+        env.pop("RAY_ADDRESS", None)
+        out = folder
+        procs = {}
+
+        def launch(name: str, cpus: int, hold: bool = False) -> subprocess.Popen:
+            procs[name] = start(out, name, cpus, env, hold)
+            stack.callback(stop_group, procs[name], 5)
+            return procs[name]
+
+        # A's step holds both CPUs of the machine's Ray until the test releases it
+        a = launch("a", 2, hold=True)
+        wait_until(lambda: (out / "a.started").exists() or said(out, "a", "never", a), 600, "a's host to start",
+                   detail=lambda: tail(out / "a.log"))
+        b = launch("b", 2)
+        wait_until(lambda: said(out, "b", "for Ray to place 1 host task(s)", b), 300, "b to wait for the CPUs",
+                   detail=lambda: tail(out / "b.log"))
+        assert not (out / "b.started").exists()  # b waits: its host has not started beside a's
+        # a step that can never fit says so at once, while the others run
+        c = launch("c", 3)
+        assert finished(c, out, "c", 300) != 0
+        c_said = tail(out / "c.log", 10**6)
+        assert "more than kiln's local Ray on this machine has" in c_said and "KILN_RAY_CPUS" in c_said, c_said
+
+        head = json.loads((ray_dir / "head.json").read_text())
+        keeper = psutil.Process(head["pid"])
+        tree = [keeper, *keeper.children(recursive=True)]
+        assert any("raylet" in p.name() for p in tree), [p.name() for p in tree]
+
+        (out / "a.release").touch()
+        assert finished(a, out, "a") == 0, tail(out / "a.log")
+        assert finished(b, out, "b") == 0, tail(out / "b.log")  # a's exit (and its reaper) left b's Ray alone
+        ran = {name: json.loads((out / f"{name}.json").read_text()) for name in ("a", "b")}
+        assert ran["a"]["gcs"] == ran["b"]["gcs"] == head["address"]
+        assert ran["a"]["keeper"] == ran["b"]["keeper"] == head["pid"]
+        assert ran["a"]["ray_cluster"] == f"kiln local Ray ({ran['a']['gcs']})"
+        assert ran["a"]["gcs"].startswith("127.0.0.1:")
+        assert float((out / "b.started").read_text()) > float((out / "a.started").read_text())
+        log = (ray_dir / "keeper.log").read_text()
+        assert log.count("kiln local Ray up") == 1, log  # one keeper served the three runs
+
+        # nobody uses it now: the keeper ends its Ray within the idle time (2 s) and its shutdown
+        wait_until(lambda: not any(alive(p) for p in tree), 90, "the keeper and its Ray to end", detail=lambda: tail(ray_dir / "keeper.log"))
+        assert not (ray_dir / "head.json").exists()
+        assert "unused for 2 s" in (ray_dir / "keeper.log").read_text()

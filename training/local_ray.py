@@ -1,0 +1,311 @@
+"""kiln's local Ray: one per machine, shared by every kiln run on it, on 127.0.0.1 only.
+
+Six `kiln run`s started at once on a 2-core machine, each starting a Ray of its own (a GCS, a
+raylet, agents and workers apiece), overloaded it: five never registered their node and failed.
+So a run that needs a local Ray joins the one kiln already keeps on this machine, and only the
+first starts it. It is kept by a *keeper*, `python -m training.local_ray`, a process of its own
+session that starts Ray's node in itself (`start_local_ray`), writes its address to `head.json`
+and ends it once no run has used it for `KILN_RAY_IDLE_S` seconds (default 10), so that runs one
+after another, or a resumed run after a crash, find it up.
+
+Who uses it is kept by the kernel, not by a count a crash could leave wrong: every run that
+joined holds a shared `flock` on `users.lock` for as long as it is connected, and the keeper
+stops only when it can take that lock exclusively. A run killed with SIGKILL lets go of its lock
+with its last file descriptor; Ray ends that driver's workers (and kiln's host tasks watch their
+driver too). The keeper holds `start.lock` while it starts, so runs that arrive meanwhile wait
+for its node instead of starting more. Everything lives in `ray_dir()`: one per user and Python
+environment (the raylet starts every run's workers with the keeper's interpreter, so a run from
+another virtual environment must not share it), never /tmp/ray, so a Ray the user started is
+neither joined nor touched.
+
+The keeper's Ray has as many logical CPUs as the machine has cores (or `KILN_RAY_CPUS`): a train
+step that asks for them waits for another run's to finish rather than both fighting over the
+cores. A step that asks for more than there are fails at once, saying so.
+
+`python -m training.local_ray status` prints the keeper's record, `... stop` stops it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+from training.reaper import KEEPER_MARK, watch_this_process  # the keeper's mark: reapers leave it alone
+
+IDLE_ENV = "KILN_RAY_IDLE_S"  # how long the keeper keeps an unused Ray, seconds
+CPUS_ENV = "KILN_RAY_CPUS"  # its logical CPUs, when not the machine's core count
+DIR_ENV = "KILN_RAY_DIR"  # its folder, when not the one per user and environment
+START_TIMEOUT_S = 600  # for a keeper's start: its own retries on a loaded machine take minutes
+
+_users_fd: int | None = None  # this process's shared hold on users.lock, while it is connected
+
+
+def ray_dir() -> Path:
+    """The keeper's folder: one per user and interpreter prefix, or `KILN_RAY_DIR` (tests give
+    each their own). Short, for Ray's unix sockets under it (paths under 108 bytes)."""
+    if os.environ.get(DIR_ENV):
+        return Path(os.environ[DIR_ENV])
+    env = hashlib.sha256(os.path.realpath(sys.prefix).encode()).hexdigest()[:8]
+    return Path(tempfile.gettempdir()) / f"kiln-ray-{os.getuid()}-{env}"
+
+
+def logical_cpus() -> int:
+    value = os.environ.get(CPUS_ENV)
+    if value is None:
+        return os.cpu_count() or 1
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{CPUS_ENV}={value!r}: give a whole number of CPUs, at least 1")
+    return int(value)
+
+
+def idle_seconds() -> float:
+    value = os.environ.get(IDLE_ENV, "10")
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0:
+        raise ValueError(f"{IDLE_ENV}={value!r}: give the seconds the local Ray stays up unused, 0 or more")
+    return seconds
+
+
+# --- a run's side ------------------------------------------------------------------------------
+
+def connect() -> dict:
+    """Join kiln's local Ray, starting its keeper if none is up; returns the keeper's record
+    ({address, pid, started, cpus}). Call `disconnect()` when done (or exit)."""
+    global _users_fd
+    import ray
+
+    if _users_fd is not None and ray.is_initialized():
+        return read_head(ray_dir())
+    folder = ray_dir()
+    folder.mkdir(mode=0o700, exist_ok=True)
+    users = os.open(folder / "users.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(users, fcntl.LOCK_SH)  # waits only while a keeper is ending its Ray
+        with _flocked(folder / "start.lock"):
+            head = read_head(folder) or _start_keeper(folder)
+        # The keeper's Ray turns Ray's token authentication on (unless RAY_AUTH_MODE says
+        # otherwise), its token in ~/.ray/auth_token: loopback is open to every user of the
+        # machine, the token to this one. A driver that joins must turn it on too.
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available)
+
+        maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+        with _loopback_only():
+            ray.init(address=head["address"], log_to_driver=False, logging_level="ERROR",
+                     _node_ip_address="127.0.0.1")
+    except BaseException:
+        os.close(users)
+        raise
+    _users_fd = users
+    print(f"kiln: joined kiln's local Ray at {head['address']} ({head['cpus']} CPUs; keeper pid {head['pid']})",
+          file=sys.stderr, flush=True)
+    return head
+
+
+def disconnect() -> None:
+    """Leave the local Ray (the driver's connection and the hold on it); the keeper ends it once
+    no run holds it."""
+    global _users_fd
+    import ray
+
+    ray.shutdown()
+    if _users_fd is not None:
+        os.close(_users_fd)
+        _users_fd = None
+
+
+def connected() -> bool:
+    return _users_fd is not None
+
+
+def read_head(folder: Path) -> dict | None:
+    """The keeper's record, if that keeper is alive (the same process: pid and start time)."""
+    try:
+        head = json.loads((folder / "head.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return head if process_start(head["pid"]) == head["started"] else None
+
+
+def _start_keeper(folder: Path) -> dict:
+    """Start a keeper (in a session of its own, so it outlives this run) and wait for its node;
+    called holding start.lock."""
+    log = folder / "keeper.log"
+    (folder / "head.json").unlink(missing_ok=True)
+    with open(log, "ab") as out:
+        keeper = subprocess.Popen([sys.executable, "-m", "training.local_ray", "keep"],
+                                  cwd=Path(__file__).resolve().parent.parent, env={**os.environ, KEEPER_MARK: "1"},
+                                  stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+    print(f"kiln: starting kiln's local Ray (keeper pid {keeper.pid}, log {log})", file=sys.stderr, flush=True)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        head = read_head(folder)
+        if head is not None and head["pid"] == keeper.pid:
+            return head
+        if keeper.poll() is not None:
+            raise RuntimeError(f"kiln's local Ray did not start: its keeper exited {keeper.returncode}; "
+                               f"{log} ends:\n{_tail(log)}")
+        time.sleep(0.2)
+    keeper.kill()
+    raise RuntimeError(f"kiln's local Ray did not start within {START_TIMEOUT_S} s; {log} ends:\n{_tail(log)}")
+
+
+# --- the keeper --------------------------------------------------------------------------------
+
+def keep() -> None:
+    """Start the node, say where it is, and end it once nobody has held users.lock for the idle
+    time (or on SIGTERM/SIGINT)."""
+    import ray
+
+    folder, idle_s, cpus = ray_dir(), idle_seconds(), logical_cpus()
+    stopping = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stopping.append(True))
+    start_local_ray(num_cpus=cpus, attempts=8)  # once per machine: worth a few more on a loaded one
+    head = {"address": ray.get_runtime_context().gcs_address, "pid": os.getpid(),
+            "started": process_start(os.getpid()), "cpus": cpus}
+    tmp = folder / f"head.json.{os.getpid()}"
+    tmp.write_text(json.dumps(head))
+    tmp.replace(folder / "head.json")
+    print(f"kiln local Ray up: {head}", flush=True)
+    users = os.open(folder / "users.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    idle_since = None
+    while not stopping:
+        time.sleep(0.5)
+        try:
+            fcntl.flock(users, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # a run holds it
+            idle_since = None
+            continue
+        idle_since = idle_since or time.monotonic()
+        if time.monotonic() - idle_since >= idle_s:
+            break  # ends holding the lock: a run that comes now waits, then starts a new keeper
+        fcntl.flock(users, fcntl.LOCK_UN)
+    (folder / "head.json").unlink(missing_ok=True)
+    ray.shutdown()
+    print("kiln local Ray stopped: " + ("signalled" if stopping else f"unused for {idle_s:g} s"), flush=True)
+
+
+@contextlib.contextmanager
+def _loopback_only():
+    """Ray settings for a node and drivers on 127.0.0.1 alone.
+
+    Ray rewrites 127.0.0.1 to the machine's address unless RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
+    (read at import into ray_constants, and by the node processes Ray spawns), so both are set.
+    When this process runs under `uv run`, Ray's uv hook would copy the repository for every job
+    and start workers through `uv run` in the copy; a local Ray's workers simply run the keeper's
+    interpreter (RAY_ENABLE_UV_RUN_RUNTIME_ENV, read when ray is imported, which may have happened
+    before this module was; ray.init reads the constant)."""
+    from ray._private import ray_constants
+
+    saved = ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV, ray_constants.ENABLE_RAY_CLUSTER
+    saved_env = os.environ.get(ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR)
+    ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = False
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    os.environ[ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR] = "0"
+    try:
+        yield
+    finally:
+        ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV, ray_constants.ENABLE_RAY_CLUSTER = saved
+        if saved_env is None:
+            os.environ.pop(ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR, None)
+        else:
+            os.environ[ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR] = saved_env
+
+
+def start_local_ray(num_cpus: int, num_gpus: int | None = None, attempts: int = 5) -> None:
+    """Start a Ray node in this process: every service on 127.0.0.1, quiet, no dashboard, its
+    session in `ray_dir()`. The keeper's way to start; a run joins it with `connect`.
+
+    `address="local"` always starts a new instance: without it Ray attaches to any other Ray on
+    the machine (a `ray start --head`, or only the ray_current_cluster file a killed one left),
+    and then refuses num_cpus. If this process dies without shutting Ray down, training/reaper.py's
+    watcher ends the node's processes."""
+    import ray
+
+    watch_this_process()  # the node and workers Ray starts end with this process
+    with _loopback_only():
+        for attempt in range(attempts):
+            try:
+                with warnings.catch_warnings():
+                    # Ray starts its node processes with fork + exec, which is safe next to JAX's
+                    # threads; Python warns about every such fork once JAX is imported.
+                    warnings.filterwarnings("ignore", r"os\.fork\(\) was called", RuntimeWarning)
+                    ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
+                             log_to_driver=False, logging_level="ERROR", _node_ip_address="127.0.0.1",
+                             _temp_dir=str(ray_dir()))
+                return
+            except Exception:
+                # Ray gives its node a fixed 30 s to register; an overloaded machine can miss
+                # that (seen at a load of 10 on 2 cores). Start again after a pause that grows;
+                # the last failure propagates.
+                ray.shutdown()
+                if attempt == attempts - 1:
+                    raise
+                time.sleep(5 * (attempt + 1))
+
+
+@contextlib.contextmanager
+def _flocked(path: Path):
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def process_start(pid: int) -> str | None:
+    """The start time of a live (not zombie) process from /proc, None when it is gone: a pid
+    that was reused by a newer process gives a different value."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()
+    return None if fields[0] in ("Z", "X") else fields[19]
+
+
+def _tail(path: Path, chars: int = 3000) -> str:
+    try:
+        return path.read_text(errors="replace")[-chars:]
+    except OSError:
+        return "(no log)"
+
+
+def main(argv: list[str]) -> int:
+    command = argv[0] if argv else "status"
+    folder = ray_dir()
+    if command == "keep":
+        keep()
+        return 0
+    head = read_head(folder)
+    if command == "status":
+        print(json.dumps(head) if head else f"no kiln local Ray is up ({folder})")
+        return 0
+    if command == "stop":
+        if head:
+            os.kill(head["pid"], signal.SIGTERM)
+            while process_start(head["pid"]) == head["started"]:
+                time.sleep(0.2)
+        return 0
+    print(f"usage: python -m training.local_ray [status | stop | keep] (got {command!r})", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
