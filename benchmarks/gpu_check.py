@@ -6,6 +6,11 @@ lacks): for configs/small_gpu.yaml and configs/medium_gpu.yaml, bfloat16 as conf
   ratio   kiln (training.loop.train) / the bare jitted JAX loop of benchmarks/train_bench.py,
           same model, optimizer, batches and microbatches
   hash    whether two kiln runs of the same config end with the same parameter sha256
+  variants  kiln with fused attention, with full remat and with document masking (train.attention,
+          train.remat, train.document_mask): tokens/s against the plain run, final loss, the form run
+  memory  the capacity planner's predicted bytes per device (training/capacity.py, compiled in a CPU
+          subprocess for the same model, batch and device count) next to the device's measured peak
+          (`memory_stats()["peak_bytes_in_use"]` after the first run; a CPU reports none)
 
 kiln runs twice per config (the second run reuses the compiled step: no compile counted either
 way) and the faster run counts; the bare loop runs once between them. `--device cpu` is a dry run
@@ -17,6 +22,9 @@ without a GPU. Imports training/, jax, flax, optax, numpy, pydantic, yaml: no Pr
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -68,6 +76,7 @@ def check(preset: str, device: str, steps: int, peak: float) -> bool:
     n_params = param_count(jax.eval_shape(lambda: init_params(model, jax.random.PRNGKey(0))))
     t0 = time.perf_counter()
     first = run_kiln(model, cfg, batches)
+    measured = measured_peak()  # the plain kiln run's, before any other run on this device
     bare = run_bare(model, cfg, batches)
     second = run_kiln(model, cfg, batches)
     kiln = max(first["tokens_per_s"], second["tokens_per_s"])
@@ -77,7 +86,38 @@ def check(preset: str, device: str, steps: int, peak: float) -> bool:
           f"({cfg.microbatches} microbatches), {steps} steps, {time.perf_counter() - t0:.0f} s\n"
           f"  MFU {mfu:.1%}   kiln {kiln:.0f} tokens/s   bare jax {bare:.0f} tokens/s   kiln / bare = {kiln / bare:.3f}\n"
           f"  same parameter hash in two runs: {'yes' if same else 'NO'} ({first['params_sha256'][:16]})", flush=True)
+    print(f"  memory per device: planner {predicted_gib(model, cfg):.3f} GiB predicted, measured peak {measured}",
+          flush=True)
+    eos = int(batches[0][0, model.seq_len // 2])  # a token the batches hold: each row is cut into documents there
+    for name, update in (("fused attention", {"attention": "fused"}), ("full remat", {"remat": "full"}),
+                         ("document mask", {"document_mask": True, "eos_id": eos})):
+        stats = run_kiln(model, cfg.model_copy(update=update), batches)
+        print(f"  {name}: {stats['tokens_per_s']:.0f} tokens/s ({stats['tokens_per_s'] / kiln:.3f} x plain), final "
+              f"loss {stats['final_loss']:.4f} (plain {first['final_loss']:.4f}), attention {stats['attention']}, "
+              f"remat {stats['remat']}", flush=True)
     return same
+
+
+def measured_peak() -> str:
+    """The first device's peak memory so far, as its allocator reports it (GPUs and TPUs)."""
+    stats = jax.devices()[0].memory_stats()
+    if not stats or "peak_bytes_in_use" not in stats:
+        return f"n/a ({jax.devices()[0].platform} reports no memory stats)"
+    return f"{stats['peak_bytes_in_use'] / 2**30:.3f} GiB"
+
+
+def predicted_gib(model: ModelConfig, cfg) -> float:
+    """training/capacity.py's total bytes per device for this run, planned on as many simulated CPU
+    devices as this machine has devices (a subprocess: it starts its own JAX on the CPU)."""
+    from training.capacity import total_bytes
+
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    done = subprocess.run([sys.executable, "-m", "training.capacity", "--model", model.model_dump_json(),
+                           "--train", cfg.model_dump_json(), "--devices", str(jax.device_count())],
+                          capture_output=True, text=True, env=env, timeout=1200)
+    if done.returncode != 0:
+        raise SystemExit(f"the capacity planner failed: {done.stderr[-2000:]}")
+    return total_bytes(json.loads(done.stdout.strip().splitlines()[-1])) / 2**30
 
 
 def main() -> None:

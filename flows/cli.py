@@ -14,6 +14,7 @@ EPILOG = """examples:
   kiln run configs/ablation_cpu.yaml             every variant; shared steps run once
   kiln run experiments/two_widths.py             a Python experiment file, like a YAML one
   kiln plan configs/tiny_cpu.yaml --json         every step's name, version, path, status, variants
+  kiln capacity configs/medium_gpu.yaml --devices 8   per-device memory, fit and step time, no GPU needed
   kiln compare configs/ablation_cpu.yaml         one row per variant: what it changed, its results
   kiln compare CONFIG --over steps               each metric against the training step (eval.checkpoints)
   kiln lineage kiln_store/acquire/<version>      the tree back to the raw sources
@@ -22,6 +23,9 @@ EPILOG = """examples:
   kiln serve-model kiln_store/sft/<version>     an OpenAI-compatible API at http://127.0.0.1:8000/v1
   kiln why configs/tiny_cpu.yaml kjv/01-001      which data stage kept or dropped a document, and why
   kiln serve configs/tiny_cpu.yaml               serve deployments on the server at PREFECT_API_URL
+  kiln server start --dir /srv/kiln-server       a team's Prefect server on PostgreSQL, with Redis for step locks
+  kiln deploy configs/tiny_cpu.yaml --pool cpus --store /shared/kiln_store   deployments for `prefect worker start --pool cpus`
+  kiln canary configs/tiny_cpu.yaml              a fresh run of the day, checked against the config's canary: bounds
 
 The store is ./kiln_store unless --store or KILN_STORE says otherwise (a path or fsspec URL).
 Runs use Prefect's ephemeral API unless PREFECT_API_URL names a server."""
@@ -68,6 +72,23 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--until", metavar="STAGE")
     pl.add_argument("--json", action="store_true",
                     help="a JSON list of {name, stage, version, path, status, variants}")
+
+    ca = command("capacity", "Compile the train step for the config's mesh on simulated CPU devices (no "
+                 "GPU, no parameters allocated) and print per device: parameter, optimizer and gradient bytes, "
+                 "the compiler's temporaries, FLOPs per step, whether it fits each named device, and the step "
+                 "time at an assumed MFU (docs/capacity.md).",
+                 "kiln capacity configs/llama3_8b_gpu.yaml --devices 8 --device h100-80gb --strategy dp")
+    ca.add_argument("config", help="experiment YAML")
+    ca.add_argument("--devices", type=int, help="simulated devices the mesh spans (default: the config's "
+                    "resources, hosts x gpus_per_host or TPU chips; 8 for a CPU config)")
+    ca.add_argument("--device", nargs="+", metavar="KIND", help="devices to check the fit against (default: "
+                    "h100-80gb h200-141gb a100-40gb a100-80gb tpu-v4 tpu-v5e)")
+    ca.add_argument("--mfu", type=float, default=0.4, help="assumed MFU for the step time (default 0.4)")
+    ca.add_argument("--memory-fraction", type=float, default=0.75, help="share of a GPU's memory JAX may use "
+                    "(XLA_PYTHON_CLIENT_MEM_FRACTION; default 0.75, JAX's preallocation)")
+    ca.add_argument("--remat", choices=["none", "full", "dots_saveable", "offload"], help="override train.remat")
+    ca.add_argument("--strategy", choices=["dp", "fsdp"], help="override train.mesh.strategy")
+    ca.add_argument("--json", action="store_true", help="the numbers as JSON (bytes per device)")
 
     co = command("compare", "One row per variant (or sweep run): its overrides, losses, eval metrics, "
                  "bits per byte, parameters, tokens and seconds, read from the store.",
@@ -129,7 +150,56 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--cron", default="0 3 * * *", help="data-refresh schedule (default: daily at 03:00)")
     serve.add_argument("--refresh-until", default="tokenize", metavar="STAGE",
                        help="the last stage data-refresh reruns (default: tokenize)")
+    serve.add_argument("--canary", metavar="CONFIG", help="also serve a `canary` deployment of this config (one "
+                       "with a `canary:` section) on a daily schedule")
+    add_team_commands(command)
     return p
+
+
+def add_team_commands(command) -> None:
+    """`kiln server`, `kiln deploy` and `kiln canary`: kiln for a team (docs/operating.md)."""
+    sv = command("server", "Start, stop or show a team's Prefect server on PostgreSQL with Redis for step locks, "
+                 "all daemons whose data, logs and pids live in DIR (docs/operating.md).",
+                 "kiln server start --dir /srv/kiln-server --port 4200")
+    sv.add_argument("action", choices=["start", "stop", "status"])
+    sv.add_argument("--dir", default="kiln_server", help="the folder the server's database, logs and pids live in "
+                    "(default ./kiln_server; created; as root it is handed to the `postgres` user, which must be "
+                    "able to reach it)")
+    sv.add_argument("--host", default="127.0.0.1", help="address the Prefect API and Redis listen on (default "
+                    "127.0.0.1: this machine only; PostgreSQL always listens on 127.0.0.1)")
+    sv.add_argument("--port", type=int, default=4200, help="the Prefect server's port (default 4200)")
+    sv.add_argument("--pg-port", type=int, default=5433, help="PostgreSQL's port on 127.0.0.1 (default 5433)")
+    sv.add_argument("--redis-port", type=int, default=6380, help="Redis's port (default 6380)")
+    sv.add_argument("--timeout", type=float, default=300, help="seconds start waits for everything to answer "
+                    "(default 300)")
+
+    de = command("deploy", "Register the pipeline, data-refresh and evaluate deployments (and a canary) to a "
+                 "Prefect `process` work pool (created if missing) on the server at PREFECT_API_URL, for "
+                 "`prefect worker start --pool NAME` to run on the machines that compute.",
+                 "kiln deploy configs/tiny_cpu.yaml --pool gpus --store s3://team/kiln --lock-url redis://10.0.0.5:6380/0")
+    de.add_argument("config", help="experiment YAML: the deployments' default parameters")
+    de.add_argument("--pool", required=True, help="the work pool's name")
+    de.add_argument("--store", help="the store every worker writes to: a URL or an absolute path all of them mount "
+                    "(default $KILN_STORE)")
+    de.add_argument("--lock-url", help="redis://HOST:PORT/DB for the step locks (replaces the config's run.lock_url)")
+    de.add_argument("--ray-address", help="the Ray cluster the runs' training uses (RAY_ADDRESS in their "
+                    "environment; default: each worker machine's local Ray)")
+    de.add_argument("--cron", default="0 3 * * *", help="data-refresh schedule (default: daily at 03:00)")
+    de.add_argument("--refresh-until", default="tokenize", metavar="STAGE")
+    de.add_argument("--canary", metavar="CONFIG", help="also deploy a `canary` of this config (with a `canary:` "
+                    "section), daily at --canary-cron")
+    de.add_argument("--canary-cron", default="0 5 * * *", help="the canary's schedule (default: daily at 05:00)")
+    de.add_argument("--canary-store", help="the root of the canary's stores of the day (default: <store>-canary)")
+
+    cn = command("canary", "Run a config into a fresh store of the day and check its `canary:` bounds (final loss, "
+                 "steps, evaluate metrics, wall time); exits 1 naming each result out of bounds.",
+                 "kiln canary configs/tiny_cpu.yaml --store-root /shared/kiln-canary")
+    cn.add_argument("config", help="experiment YAML with a `canary:` section")
+    cn.add_argument("--store-root", default="kiln_canary", help="where the stores of each day go: <root>/<YYYY-MM-DD> "
+                    "(default ./kiln_canary)")
+    cn.add_argument("--day", help="the day's store to use (default today, UTC)")
+    cn.add_argument("--check-only", action="store_true", help="check the day's finished store without running "
+                    "anything (the wall time is then not checked)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -213,6 +283,17 @@ def cmd_plan(args) -> int:
 
         rows = [[s.name, s.version, s.status, ",".join(s.variants) or "-", s.path] for s in steps]
         print_table(["step", "version", "status", "variants", "path"], rows, "status")
+    return 0
+
+
+def cmd_capacity(args) -> int:
+    from flows.capacity import capacity, print_report
+
+    try:
+        r = capacity(args.config, args.devices, args.device, args.mfu, args.memory_fraction, args.remat, args.strategy)
+    except (ValueError, RuntimeError) as e:  # a config the mesh cannot take, an unknown device, a failed compile
+        raise KilnUserError(str(e)) from None
+    print_report(r, args.config, args.json)
     return 0
 
 
@@ -353,15 +434,77 @@ def cmd_serve(args) -> int:
     config, store = _config(args.config), _store(args.store)
     from deployments.serve import NoServer, serve
 
+    canary = _config(args.canary) if args.canary else None
     try:
-        serve(config, store.root, cron=args.cron, refresh_until=args.refresh_until)
+        serve(config, store.root, cron=args.cron, refresh_until=args.refresh_until, canary=canary)
     except NoServer as e:
         raise KilnUserError(str(e)) from None
     return 0
 
 
+def cmd_server(args) -> int:
+    from flows import server
+
+    folder = Path(args.dir).resolve()
+    try:
+        if args.action == "start":
+            state = server.start(folder, args.host, server.Ports(args.port, args.pg_port, args.redis_port),
+                                 args.timeout)
+            print(server.how_to_use(state))
+        elif args.action == "stop":
+            stopped = server.stop(folder)
+            print(f"kiln server: stopped {', '.join(stopped)} in {folder}" if stopped
+                  else f"kiln server: nothing of it runs in {folder}")
+        else:
+            rows = server.status(folder)
+            from flows.terminal import print_table
+
+            print_table(["service", "state", "address"], [list(r) for r in rows], "state")
+            return 0 if all(r[1].startswith("running") for r in rows) else 1
+    except server.ServerError as e:
+        raise KilnUserError(str(e)) from None
+    return 0
+
+
+def cmd_deploy(args) -> int:
+    _prefect_defaults()
+    config = _config(args.config)
+    canary = _config(args.canary) if args.canary else None
+    from deployments.pool import DeployError, NoServer, deploy
+
+    try:
+        deploy(config, args.store, args.pool, cron=args.cron, refresh_until=args.refresh_until,
+               lock_url=args.lock_url, ray_address=args.ray_address, canary=canary, canary_cron=args.canary_cron,
+               canary_root=args.canary_store)
+    except (NoServer, DeployError, ValueError) as e:
+        raise KilnUserError(str(e)) from None
+    return 0
+
+
+def cmd_canary(args) -> int:
+    _prefect_defaults()
+    config = _config(args.config)
+    from flows.canary import CanaryFailed, canary, canary_store, check, today
+    from flows.pipeline import StepsFailed
+    from tasks.engine.store import Store
+
+    root = args.store_root if "://" in args.store_root else str(Path(args.store_root).resolve())
+    try:
+        if args.check_only:
+            found = check(config, Store(canary_store(root, args.day or today())))
+        else:
+            found = canary(config=config, store_root=root, day=args.day)
+    except (CanaryFailed, StepsFailed) as e:
+        print(f"kiln: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(found, indent=2, default=str))
+    return 0
+
+
 COMMANDS = {"run": cmd_run, "plan": cmd_plan, "compare": cmd_compare, "lineage": cmd_lineage, "verify": cmd_verify,
             "generate": cmd_generate, "serve-model": cmd_serve_model, "why": cmd_why, "serve": cmd_serve}
+COMMANDS["capacity"] = cmd_capacity
+COMMANDS.update({"server": cmd_server, "deploy": cmd_deploy, "canary": cmd_canary})
 
 KEY_STATS = ["documents", "docs_out", "tokens", "unigram_entropy", "final_loss", "final_val_loss",
              "next_passage_acc", "next_passage_chance", "last_word_acc", "bits_per_byte"]

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from evaluation.suite import SuiteConfig
 from training.config import (ConfigModel, Fraction, MixtureSourceConfig, ModelConfig, ResourcesConfig, TrainConfig,
                              setting)
+from training.data import read_meta
 from training.launch import TokenSource, launch_training, token_data
 from training.tracking import TrackingConfig, tracked
 
@@ -59,7 +60,8 @@ def run_train(ctx: StepContext) -> dict:
     mixture = cfg.mixture if isinstance(cfg, MixtureTrainStepConfig) else None
     tokens = ctx.located("tokens") if mixture is None else [
         TokenSource(name, ctx.located(f"tokens/{name}"), s.weight, s.max_epochs) for name, s in mixture.items()]
-    data, drawn = token_data(tokens, cfg.model, cfg.train)
+    train_cfg = with_eos(cfg.train, tokens[0].tokens if isinstance(tokens, list) else tokens)
+    data, drawn = token_data(tokens, cfg.model, train_cfg)
     ctx.log.info("training %d steps of %d x %d tokens on %d host(s)", cfg.train.steps, cfg.train.batch_size,
                  cfg.model.seq_len, cfg.resources.hosts)
     if mixture is not None:
@@ -76,10 +78,23 @@ def run_train(ctx: StepContext) -> dict:
 
     hooks = [] if cfg.train.evals is None else [in_loop_evals(ctx, mixture)]
     with tracked(relay, cfg.tracking, f"train-{ctx.step.version}", cfg.model_dump(mode="json")) as on_metrics:
-        stats = launch_training(cfg.model, cfg.train, cfg.resources, data, ctx.workspace, ctx.out,
+        stats = launch_training(cfg.model, train_cfg, cfg.resources, data, ctx.workspace, ctx.out,
                                 on_metrics=on_metrics, hooks=hooks, **starting_point(ctx))
     show_curves(ctx, cfg.train.steps)
     return stats if mixture is None else {**stats, "mixture": drawn}  # the tokens drawn from each source
+
+
+def with_eos(train_cfg: TrainConfig, tokens) -> TrainConfig:
+    """train.document_mask cuts documents at the tokens' EOS: `eos_id` filled in from their meta
+    (a mixture's sources share one tokenizer, which the loader checks). A setting, because the
+    tokens' version, an input of this step's, already fixes it."""
+    if not train_cfg.document_mask:
+        return train_cfg
+    eos = read_meta(tokens.local())["eos_id"]
+    if train_cfg.eos_id is not None and train_cfg.eos_id != eos:
+        raise ValueError(f"train.eos_id={train_cfg.eos_id}, but the tokens' EOS id is {eos}: leave train.eos_id out "
+                         "(the train step fills it in)")
+    return train_cfg.model_copy(update={"eos_id": eos})
 
 
 def starting_point(ctx: StepContext) -> dict:

@@ -274,6 +274,30 @@ class TrainConfig(ConfigModel):
     lora: LoraConfig | None = identity_when_set(None, description="Train LoRA adapters only, the parameters "
                                                 "frozen (docs/starting_points.md); the output is the merged model "
                                                 "and the adapters beside it.")
+    # How the step runs on a device, and what it trains on beyond the plain cross-entropy
+    # (training/step.py `next_token`, training/model.py); pretraining's next-token objective only.
+    attention: Literal["auto", "query_blocks", "fused"] = setting(
+        "auto", description="Training's attention: `query_blocks` (kiln's, fastest on a CPU), `fused` "
+        "(jax.nn.dot_product_attention: cuDNN's flash attention on a GPU with bfloat16, XLA's elsewhere), `auto`: "
+        "query_blocks on a CPU, fused on a GPU or TPU. A setting, like the mesh: the forms agree to float rounding "
+        "(tests/test_model_features.py), not bit for bit, and the form a run used is in its stats (`attention`).")
+    remat: Literal["none", "full", "dots_saveable", "offload"] = identity_when_set(
+        "none", description="Rematerialisation of each decoder block (jax.checkpoint): `full` keeps only each "
+        "block's input and recomputes the rest in the backward pass, `dots_saveable` keeps the matmul outputs, "
+        "`offload` moves those to host memory and back. Less activation memory for more compute (`kiln capacity` "
+        "shows how much). The same math, but identity: on CPU the loss and gradients were bit for bit those "
+        "without remat in float32 and differed in the last bits (up to 2.4e-4) with bfloat16 compute.")
+    document_mask: bool = identity_when_set(
+        False, description="Attention stays inside each document of a packed row, and rotary positions restart "
+        "at each document's first token (the documents are cut after each EOS, as Llama 3 trains). Decoding is "
+        "unchanged (one document per row).")
+    z_loss: NonNegativeFloat = identity_when_set(
+        0.0, description="Adds this times mean(logsumexp(logits)^2) to the loss trained on (PaLM's z-loss, "
+        "e.g. 1e-4), logged as `z_loss`; the logged `loss` stays the cross-entropy.")
+    eos_id: NonNegative | None = setting(
+        None, description="The EOS id `document_mask` cuts documents at. The train step fills it in from its "
+        "tokens' tokenizer (whose version is already in this step's), so leave it out; a value that differs "
+        "from the tokens' is an error.")
 
     @property
     def kept_steps(self) -> tuple[int, ...]:
@@ -348,6 +372,10 @@ class ResourcesConfig(ConfigModel):
     # How long a host waits to join the others (JAX's coordinator on host 0's node) before the
     # step fails with an error naming the host and the address it tried.
     connect_timeout_s: Count = setting(120)
+    slots: str | None = setting(None, pattern=r"^[A-Za-z0-9_.-]+$", description="A slot limit this step holds "
+                                "hosts x gpus_per_host slots of (one per host without GPUs) while it trains, so "
+                                "that runs never double-book the accelerators; its size is run.slot_limits' "
+                                "(tasks/engine/slots.py: Redis at run.lock_url, else files on this machine).")
 
 
 def model_and_train(path: str) -> tuple[ModelConfig, TrainConfig]:

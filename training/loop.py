@@ -55,7 +55,7 @@ from training.metrics import MetricsLog, device_peak_flops, plot_loss
 from training.model import flops_per_token, param_count
 from training.optim import make_optimizer
 from training.sharding import batch_sharding, make_mesh, put_batch, state_shardings
-from training.step import init_state, make_eval_step, make_train_step, model_params
+from training.step import compiler_options, how_it_runs, init_state, make_eval_step, make_train_step, model_params
 from training.tracking import TENSORBOARD_DIR, TensorBoardLog
 
 log = logging.getLogger("kiln.training")
@@ -163,6 +163,7 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, batch_at: Callable[[in
         "devices": jax.device_count(),
         "processes": jax.process_count(),
         "platform": jax.devices()[0].platform,
+        **how_it_runs(model_cfg, train_cfg, objective),  # attention form, remat: where and how, not what
     }
     if primary:
         save_model(out_dir, model_cfg, flat)
@@ -351,8 +352,9 @@ def _program(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: jax.sharding.
     return _Program(
         abstract, shardings, data_sharding,
         init=jax.jit(make_state, out_shardings=shardings),
-        train_step=train_step.lower(abstract, batch).compile(),
-        eval_step=jax.jit(make_eval_step(model_cfg, objective), in_shardings=(shardings["params"], data_sharding)),
+        train_step=train_step.lower(abstract, batch).compile(compiler_options=compiler_options(train_cfg)),
+        eval_step=jax.jit(make_eval_step(model_cfg, objective, train_cfg),
+                          in_shardings=(shardings["params"], data_sharding)),
     )
 
 

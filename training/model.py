@@ -31,8 +31,15 @@ q, k and v come from one matmul with the three kernels side by side (and their b
 side by side too), and so do gate and up;
 every projection is `project`, whose backward hands XLA the weight gradient as x^T @ dy with x
 on the left, so the gradient dy is never written out transposed. Training's causal attention
-(`causal_attention`) runs in query blocks, each against only the keys at or before it; decoding
-attends over the key/value cache with a mask (`cached_attention`).
+runs in query blocks, each against only the keys at or before it (`causal_attention`, fastest on
+a CPU), or as `jax.nn.dot_product_attention` (`fused_attention`: cuDNN's flash attention on a
+GPU); decoding attends over the key/value cache with a mask (`cached_attention`).
+
+How a forward runs, none of which changes the math (training/config.py TrainConfig: `attention`,
+`remat`, `document_mask`): `attention` picks the form above; `remat` recomputes each decoder
+block's activations in the backward pass instead of keeping them (`jax.checkpoint` with a policy);
+`segments` [B, T] (document ids of packed sequences, `segment_ids`) keep attention inside each
+document and restart the rotary positions at each document's first token.
 
 Inference: `forward` gives float32 logits for a batch; `init_cache` and `decode_step` run
 prefill and token-by-token decoding with a key/value cache, all usable under `jax.jit`.
@@ -135,9 +142,10 @@ def query_blocks(T: int) -> list[tuple[int, int]]:
     return list(zip(edges[:-1], edges[1:]))
 
 
-def causal_attention(q, k, v):
+def causal_attention(q, k, v, segments=None):
     """Grouped-query causal attention of one sequence per row, position i seeing keys 0..i:
-    q [B, T, H, Q], k and v [B, T, K, Q] -> [B, T, H*Q].
+    q [B, T, H, Q], k and v [B, T, K, Q] -> [B, T, H*Q]. With `segments` [B, T] (each position's
+    document, `segment_ids`) only the keys 0..i of its own document.
 
     Laid out for XLA's batched matmuls: heads first, and the H/K query heads that share a key
     head stacked as rows in (position, head) order, [B, K, T*H/K, Q], so each query block is a
@@ -152,10 +160,39 @@ def causal_attention(q, k, v):
     for t0, t1 in query_blocks(T):
         scores = (rows[:, :, t0 * G:t1 * G] @ keys_t[..., :t1]).astype(jnp.float32) / math.sqrt(Q)
         row_pos = t0 + jnp.arange((t1 - t0) * G) // G  # [(t1 - t0) G]
-        scores = jnp.where(jnp.arange(t1) <= row_pos[:, None], scores, _MASKED)
+        visible = jnp.arange(t1) <= row_pos[:, None]  # [(t1 - t0) G, t1]
+        if segments is not None:
+            visible = visible & (segments[:, row_pos, None] == segments[:, None, :t1])[:, None]  # [B, 1, rows, t1]
+        scores = jnp.where(visible, scores, _MASKED)
         outs.append(jax.nn.softmax(scores, axis=-1).astype(q.dtype) @ values[:, :, :t1])
     out = jnp.concatenate(outs, axis=2) if len(outs) > 1 else outs[0]  # [B, K, T*G, Q]
     return out.reshape(B, K, T, G * Q).transpose(0, 2, 1, 3).reshape(B, T, H * Q)
+
+
+def fused_attention(q, k, v, segments=None, implementation: str | None = None):
+    """Grouped-query causal attention as one `jax.nn.dot_product_attention` call: q [B, T, H, Q],
+    k and v [B, T, K, Q] -> [B, T, H*Q]. `implementation` "cudnn" is cuDNN's fused flash attention
+    (GPU, bfloat16 or float16 only), "xla" (or None) the plain softmax(QK^T)V that XLA fuses as
+    it can. With `segments`, a [B, 1, T, T] mask keeps each query inside its document."""
+    B, T, H, Q = q.shape
+    mask = None if segments is None else (segments[:, :, None] == segments[:, None, :])[:, None]
+    out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=implementation)
+    return out.reshape(B, T, H * Q)
+
+
+def segment_ids(tokens, eos_id: int):
+    """Each position's document in a packed row: tokens [B, T] -> int32 [B, T], counting the EOS
+    tokens before it. An EOS belongs to the document it ends (the tokenize step writes each
+    document as `[bos] tokens eos`), so the token after it starts the next one."""
+    is_eos = (tokens == eos_id).astype(jnp.int32)
+    return jnp.cumsum(is_eos, axis=1) - is_eos
+
+
+def document_positions(segments):
+    """Rotary positions that restart at 0 at each document's first token: [B, T] -> int32 [B, T]."""
+    t = jnp.broadcast_to(jnp.arange(segments.shape[1], dtype=jnp.int32), segments.shape)
+    starts = jnp.concatenate([jnp.ones_like(segments[:, :1], bool), segments[:, 1:] != segments[:, :-1]], axis=1)
+    return t - jax.lax.cummax(jnp.where(starts, t, 0), axis=1)
 
 
 def cached_attention(q, k, v, positions, kv_pos):
@@ -174,9 +211,10 @@ def cached_attention(q, k, v, positions, kv_pos):
 
 class Attention(nn.Module):
     cfg: ModelConfig
+    attention: str = "query_blocks"  # training's form: query_blocks, or fused_xla / fused_cudnn (`fused_attention`)
 
     @nn.compact
-    def __call__(self, x, positions, layer_cache=None, cache_pos=None, index=None):
+    def __call__(self, x, positions, layer_cache=None, cache_pos=None, index=None, segments=None):
         cfg, dt = self.cfg, _dtype(self.cfg)
         B, T, D = x.shape
         H, K, Q = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -192,8 +230,10 @@ class Attention(nn.Module):
         q, k, v = q.reshape(B, T, H, Q), k.reshape(B, T, K, Q), v.reshape(B, T, K, Q)
         q, k = rotary(q, positions, cfg.rope_theta), rotary(k, positions, cfg.rope_theta)
 
-        if layer_cache is None:  # training / full forward: one causal run, position i sees 0..i
-            out = causal_attention(q, k, v)
+        if layer_cache is None and self.attention != "query_blocks":  # training / full forward, fused
+            out = fused_attention(q, k, v, segments, self.attention.removeprefix("fused_"))
+        elif layer_cache is None:  # training / full forward: one causal run, position i sees 0..i
+            out = causal_attention(q, k, v, segments)
         else:  # decoding: write this chunk at slot `index`, attend over the whole cache
             k = jax.lax.dynamic_update_slice(layer_cache["k"], k.astype(layer_cache["k"].dtype), (0, index, 0, 0))
             v = jax.lax.dynamic_update_slice(layer_cache["v"], v.astype(layer_cache["v"].dtype), (0, index, 0, 0))
@@ -218,34 +258,56 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     cfg: ModelConfig
+    attention: str = "query_blocks"
 
     @nn.compact
-    def __call__(self, x, positions, layer_cache=None, cache_pos=None, index=None):
+    def __call__(self, x, positions, layer_cache=None, cache_pos=None, index=None, segments=None):
         cfg, dt = self.cfg, _dtype(self.cfg)
-        h, layer_cache = Attention(cfg, name="self_attn")(
-            RMSNorm(cfg.norm_eps, dt, name="input_layernorm")(x), positions, layer_cache, cache_pos, index)
+        h, layer_cache = Attention(cfg, self.attention, name="self_attn")(
+            RMSNorm(cfg.norm_eps, dt, name="input_layernorm")(x), positions, layer_cache, cache_pos, index, segments)
         x = x + h
         x = x + MLP(cfg, name="mlp")(RMSNorm(cfg.norm_eps, dt, name="post_attention_layernorm")(x))
         return x, layer_cache
 
 
+def remat_policy(remat: str):
+    """The `jax.checkpoint` policy of `train.remat`: what each block's backward may keep from its
+    forward instead of recomputing it. full: nothing but the block's input; dots_saveable: the
+    matmul outputs (the elementwise work between them is recomputed); offload: the matmul
+    outputs without a batch dimension, moved to host memory (pinned_host) and back."""
+    if remat == "full":
+        return jax.checkpoint_policies.nothing_saveable
+    if remat == "dots_saveable":
+        return jax.checkpoint_policies.dots_saveable
+    if remat == "offload":
+        return jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host")
+    raise ValueError(f"train.remat={remat!r}: choose none, full, dots_saveable or offload")
+
+
 class Llama(nn.Module):
-    """tokens [B, T] int32, positions [B, T] int32 -> float32 logits [B, T, V] (and the cache)."""
+    """tokens [B, T] int32, positions [B, T] int32 -> float32 logits [B, T, V] (and the cache).
+
+    `attention` and `remat` say how training's forward runs (module docstring); `segments` [B, T]
+    the documents of packed rows, attention kept inside each (training only, not with a cache)."""
 
     cfg: ModelConfig
+    attention: str = "query_blocks"
+    remat: str = "none"
 
     @nn.compact
-    def __call__(self, tokens, positions, cache=None):
+    def __call__(self, tokens, positions, cache=None, segments=None):
         cfg, dt = self.cfg, _dtype(self.cfg)
         embed = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=dt, param_dtype=jnp.float32,
                          embedding_init=nn.initializers.normal(cfg.init_std), name="embed_tokens")
         x = embed(tokens)
+        # Remat wraps the block, so the parameter tree keeps its names (layers_{i}/...).
+        block = Block if self.remat == "none" else nn.remat(Block, policy=remat_policy(self.remat))
         new_layers = []
         for i in range(cfg.n_layers):
             layer_cache = None if cache is None else cache["layers"][i]
-            x, layer_cache = Block(cfg, name=f"layers_{i}")(
+            x, layer_cache = block(cfg, self.attention, name=f"layers_{i}")(
                 x, positions, layer_cache,
-                None if cache is None else cache["pos"], None if cache is None else cache["index"])
+                None if cache is None else cache["pos"], None if cache is None else cache["index"], segments)
             new_layers.append(layer_cache)
         x = RMSNorm(cfg.norm_eps, dt, name="norm")(x)
         if cfg.tie_embeddings:
@@ -288,10 +350,17 @@ def flops_per_token(cfg: ModelConfig) -> float:
     return 6.0 * n_matmul + 12.0 * cfg.n_layers * cfg.n_heads * Q * cfg.seq_len
 
 
-def forward(params, tokens, cfg: ModelConfig):
-    """tokens [B, T] int32 -> float32 logits [B, T, V], positions 0..T-1."""
-    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    logits, _ = Llama(cfg).apply({"params": params}, tokens, positions)
+def forward(params, tokens, cfg: ModelConfig, *, attention: str = "query_blocks", remat: str = "none",
+            segments=None):
+    """tokens [B, T] int32 -> float32 logits [B, T, V], positions 0..T-1; with `segments` [B, T]
+    (`segment_ids`) each document of a packed row attends only to itself, at positions from 0.
+    `attention` (query_blocks, fused_xla, fused_cudnn) and `remat` (none, full, dots_saveable,
+    offload) change how it runs, not what it computes (TrainConfig says each one's bits)."""
+    if segments is None:
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    else:
+        positions = document_positions(segments)
+    logits, _ = Llama(cfg, attention, remat).apply({"params": params}, tokens, positions, None, segments)
     return logits
 
 

@@ -4,11 +4,14 @@
 The state is a plain dict of arrays, {"step", "params", "opt_state", "rng"}, so orbax saves and
 restores it without custom types. A batch is int32 [B, T + 1]: inputs are [:, :-1], targets
 [:, 1:]. Sharding is decided by the caller (`training.sharding`) through jit's shardings; nothing
-here knows about devices.
+here knows about devices beyond their platform, which picks the attention form (`attention_form`)
+and the compiler options (`compiler_options`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Callable
 
 import jax
@@ -17,7 +20,7 @@ import optax
 
 from training.config import LoraConfig, ModelConfig, TrainConfig
 from training.lora import init_adapters, merged
-from training.model import forward, init_params
+from training.model import forward, init_params, segment_ids
 from training.optim import lr_schedule, scaled
 
 
@@ -65,23 +68,123 @@ def _cross_entropy_bwd(saved, g):
 cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def cross_entropy_and_z(logits, targets, coef: float):
+    """(`cross_entropy`, coef * mean(logsumexp(logits)^2)): the cross-entropy and PaLM's z-loss
+    (Chowdhery et al. 2022, section 5), which pulls the softmax normaliser towards 1 so the
+    logits cannot drift. Both come from one logsumexp, and the gradient of any weighting of the
+    two is one fused pass: d ce = (softmax - onehot) / n, d z = 2 coef lse softmax / n."""
+    return _cross_entropy_and_z_fwd(logits, targets, coef)[0]
+
+
+def _cross_entropy_and_z_fwd(logits, targets, coef):
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return (jnp.mean(lse - picked), coef * jnp.mean(lse * lse)), (logits, targets, lse)
+
+
+def _cross_entropy_and_z_bwd(coef, saved, g):
+    logits, targets, lse = saved
+    g_ce, g_z = g
+    onehot = targets[..., None] == jnp.arange(logits.shape[-1], dtype=targets.dtype)
+    softmax = jnp.exp(logits - lse[..., None])
+    weight = (g_ce + 2 * coef * g_z * lse[..., None]) / targets.size  # softmax's factor, per position
+    return softmax * weight - onehot * (g_ce / targets.size), None
+
+
+cross_entropy_and_z.defvjp(_cross_entropy_and_z_fwd, _cross_entropy_and_z_bwd)
+
+
 def loss_fn(params, batch, model_cfg: ModelConfig):
     """Mean next-token cross-entropy (nats) over every position of the batch, in float32."""
     return cross_entropy(forward(params, batch[:, :-1], model_cfg), batch[:, 1:])
 
 
+@dataclasses.dataclass(frozen=True)
 class NextToken:
-    """Pretraining's objective: next-token cross-entropy on an int32 [B, T + 1] batch, no metrics
-    of its own. Post-training's objectives (training/posttrain.py) have the same two methods'
-    shape: `loss(params, batch, model_cfg) -> (loss, metrics)` on their dict batches."""
+    """Pretraining's objective: next-token cross-entropy on an int32 [B, T + 1] batch.
+    Post-training's objectives (training/posttrain.py) have the same two methods' shape:
+    `loss(params, batch, model_cfg) -> (loss, metrics)` on their dict batches.
+
+    How the forward runs (`attention`: a form `attention_form` resolved; `remat`) changes no
+    math. `eos_id` set: document masking (segments from the EOS tokens of the inputs). `z_loss`
+    > 0: the loss trained on is the cross-entropy plus the z term, and the metrics report both,
+    `loss` the cross-entropy alone (comparable with runs without it, and with the validation
+    loss) and `z_loss` the weighted term. The defaults are `loss_fn`, bit for bit."""
+
+    attention: str = "query_blocks"
+    remat: str = "none"
+    eos_id: int | None = None
+    z_loss: float = 0.0
 
     name = "next_token"
 
     def loss(self, params, batch, model_cfg: ModelConfig):
-        return loss_fn(params, batch, model_cfg), {}
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        segments = None if self.eos_id is None else segment_ids(inputs, self.eos_id)
+        logits = forward(params, inputs, model_cfg, attention=self.attention, remat=self.remat, segments=segments)
+        if self.z_loss == 0:
+            return cross_entropy(logits, targets), {}
+        ce, z = cross_entropy_and_z(logits, targets, self.z_loss)
+        return ce + z, {"loss": ce, "z_loss": z}
 
 
 NEXT_TOKEN = NextToken()
+
+
+def attention_form(choice: str, model_cfg: ModelConfig, platform: str) -> str:
+    """`train.attention` resolved for a platform (jax.devices()[0].platform): query_blocks,
+    fused_xla or fused_cudnn. auto is kiln's query blocks on a CPU, where they are fastest
+    (benchmarks/RESULTS.md), and the fused form elsewhere: cuDNN's flash attention on a GPU where
+    cuDNN takes the shapes (bfloat16, head_dim a multiple of 8 up to 128), XLA's otherwise."""
+    if choice == "query_blocks" or (choice == "auto" and platform == "cpu"):
+        return "query_blocks"
+    cudnn = (platform == "gpu" and model_cfg.compute_dtype == "bfloat16"
+             and model_cfg.head_dim % 8 == 0 and model_cfg.head_dim <= 128)
+    return "fused_cudnn" if cudnn else "fused_xla"
+
+
+def next_token(model_cfg: ModelConfig, train_cfg: TrainConfig, platform: str | None = None) -> NextToken:
+    """Pretraining's objective as `train` configures it, on `platform` (None: JAX's default)."""
+    if train_cfg.document_mask and train_cfg.eos_id is None:
+        raise ValueError("train.document_mask needs the EOS id that separates the documents: train.eos_id (the "
+                         "train step fills it in from its tokens; a caller of training.loop.train sets it)")
+    return NextToken(attention_form(train_cfg.attention, model_cfg, platform or jax.default_backend()),
+                     train_cfg.remat, train_cfg.eos_id if train_cfg.document_mask else None, train_cfg.z_loss)
+
+
+def compiler_options(train_cfg: TrainConfig, platform: str | None = None) -> dict | None:
+    """XLA options the train step compiles with: `lowered.compile(compiler_options=...)`.
+
+    With remat on a CPU, XLA's CPU pipeline drops the optimisation barriers that jax.checkpoint
+    places (its pass cse_barrier_expander) before it schedules, and then runs the recomputation
+    during the forward pass, where it saves nothing: an 8-layer test model's step kept 57.5 MB of
+    temporaries with full remat against 60.5 MB without, and 9.8 MB with that pass left out, the
+    same gradients bit for bit. GPU and TPU pipelines keep the barriers; nothing to set there."""
+    if train_cfg.remat != "none" and (platform or jax.default_backend()) == "cpu":
+        return {"xla_disable_hlo_passes": "cse_barrier_expander"}
+    return None
+
+
+def how_it_runs(model_cfg: ModelConfig, train_cfg: TrainConfig, objective=None) -> dict:
+    """The attention form and remat a run used, for its stats and lineage (never its version)."""
+    if objective is not None and not isinstance(objective, NextToken):
+        return {"attention": "query_blocks", "remat": "none"}
+    return {"attention": attention_form(train_cfg.attention, model_cfg, jax.default_backend()),
+            "remat": train_cfg.remat}
+
+
+def check_objective_options(train_cfg: TrainConfig, objective) -> None:
+    """Post-training objectives run the plain forward: refuse the options only pretraining has."""
+    if objective is None or isinstance(objective, NextToken):
+        return
+    set_here = [f"{name}={getattr(train_cfg, name)!r}" for name, plain in
+                (("remat", "none"), ("document_mask", False), ("z_loss", 0.0)) if getattr(train_cfg, name) != plain]
+    if train_cfg.attention == "fused":
+        set_here.append("attention='fused'")
+    if set_here:
+        raise ValueError(f"train.{', train.'.join(set_here)} apply to pretraining's next-token objective; the "
+                         f"{objective.name} objective computes with the plain forward: leave them out")
 
 
 def make_train_step(model_cfg: ModelConfig, train_cfg: TrainConfig,
@@ -91,8 +194,11 @@ def make_train_step(model_cfg: ModelConfig, train_cfg: TrainConfig,
     gives the loss and its metrics, averaged like the loss and returned beside it. What trains is
     the state's `params`, or with `train.lora` its `adapters` (the loss is then the merged
     model's, and `params` stay as they are). The learning rate is the schedule at the state's
-    own step counter (training/optim.py), the one counter a new phase resets."""
-    objective = objective or NEXT_TOKEN
+    own step counter (training/optim.py), the one counter a new phase resets. Without an
+    objective, pretraining's is built from `train_cfg` (`next_token`: attention form, remat,
+    document masking, z-loss) for JAX's default platform."""
+    check_objective_options(train_cfg, objective)
+    objective = objective or next_token(model_cfg, train_cfg)
     lora = train_cfg.lora
     trained = "params" if lora is None else "adapters"  # what has gradients and optimizer state
 
@@ -128,13 +234,18 @@ def make_train_step(model_cfg: ModelConfig, train_cfg: TrainConfig,
         lr = schedule(state["step"])
         updates, opt_state = optimizer.update(grads, state["opt_state"], state[trained])
         new = optax.apply_updates(state[trained], scaled(updates, lr))
+        # An objective may report its own `loss` in aux, overriding the one trained on (next-token with
+        # z-loss: the cross-entropy without the z term).
         metrics = {"loss": loss_value, "grad_norm": optax.tree.norm(grads), "lr": lr, **aux}
         return {**state, "step": state["step"] + 1, trained: new, "opt_state": opt_state, "rng": rng}, metrics
 
     return train_step
 
 
-def make_eval_step(model_cfg: ModelConfig, objective=None) -> Callable:
-    """params, batch -> mean validation loss (the objective's, when given); wrap in `jax.jit`."""
-    objective = objective or NEXT_TOKEN
+def make_eval_step(model_cfg: ModelConfig, objective=None, train_cfg: TrainConfig | None = None) -> Callable:
+    """params, batch -> mean validation loss (the objective's, when given); wrap in `jax.jit`.
+    With `train_cfg` and no objective, pretraining's as `next_token` configures it, the z term
+    left out: the validation loss is the cross-entropy, with or without z-loss."""
+    if objective is None:
+        objective = NEXT_TOKEN if train_cfg is None else dataclasses.replace(next_token(model_cfg, train_cfg), z_loss=0.0)
     return lambda params, batch: objective.loss(params, batch, model_cfg)[0]

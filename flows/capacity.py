@@ -1,0 +1,73 @@
+"""`kiln capacity CONFIG`: whether an experiment's train step fits a device, before renting one.
+
+The experiment's model (with its tokenizer's vocabulary, as the pipeline trains it) and train
+sections go to training/capacity.py in a fresh process that starts JAX with N simulated CPU
+devices (the device count can only be set before JAX starts). There the real train step is
+compiled for the config's mesh from abstract shapes, and this prints what each device holds,
+whether it fits each named device, and the step time at an assumed MFU. docs/capacity.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from training.capacity import DEFAULT_MEMORY_FRACTION, DEVICES, report, table
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def planned(model_cfg, train_cfg, devices: int, timeout_s: float = 1800) -> dict:
+    """training/capacity.py's plan of one config on `devices` simulated devices, in a subprocess."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["PYTHONPATH"] = f"{REPO}{os.pathsep}{env['PYTHONPATH']}" if env.get("PYTHONPATH") else str(REPO)
+    done = subprocess.run([sys.executable, "-m", "training.capacity", "--model", model_cfg.model_dump_json(),
+                           "--train", train_cfg.model_dump_json(by_alias=True), "--devices", str(devices)],
+                          capture_output=True, text=True, env=env, timeout=timeout_s)
+    if done.returncode != 0:
+        lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
+        raise RuntimeError(f"planning on {devices} simulated devices failed: {lines[-1] if lines else done.returncode}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def default_devices(resources) -> int:
+    """The accelerators a config's resources ask for (hosts x GPUs or TPU chips per host), else 8."""
+    per_host = resources.tpus_per_host if resources.tpu_hosts else resources.gpus_per_host
+    return resources.hosts * per_host if per_host else 8
+
+
+def capacity(config_path: str, devices: int | None = None, targets: list[str] | None = None, mfu: float = 0.4,
+             memory_fraction: float = DEFAULT_MEMORY_FRACTION, remat: str | None = None,
+             strategy: str | None = None) -> dict:
+    """The report for an experiment config on `devices` simulated devices (None: as many as its
+    resources ask for); `remat` and `strategy` override its train section."""
+    from flows.config import load_config
+    from flows.plan import model_of
+
+    config = load_config(config_path)
+    train = config.train
+    if remat is not None:
+        train = train.model_copy(update={"remat": remat})
+    if strategy is not None:
+        train = train.model_copy(update={"mesh": train.mesh.model_copy(update={"strategy": strategy})})
+    if train.document_mask and train.eos_id is None:  # any id: no shape depends on it
+        train = train.model_copy(update={"eos_id": 0})
+    train = type(train).model_validate(train.model_dump(by_alias=True))  # re-checked with the overrides
+    model, note = model_of(config), None
+    if "vocab_size" in config.model.model_fields_set and config.model.vocab_size != model.vocab_size:
+        # A preset with another tokenizer's vocabulary (Llama 3's) is planned as written.
+        note = (f"vocab_size {config.model.vocab_size} as the model section gives it; `kiln run` with this "
+                f"tokenizer would train {model.vocab_size}")
+        model = model.model_copy(update={"vocab_size": config.model.vocab_size})
+    r = report(planned(model, train, devices or default_devices(config.resources)), targets or list(DEVICES), mfu, memory_fraction)
+    return {**r, "note": note} if note else r
+
+
+def print_report(r: dict, config_path: str, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps({"config": config_path, **r}, indent=2))
+    else:
+        print(f"{config_path}:\n{table(r)}" + (f"\nnote: {r['note']}" if r.get("note") else ""))

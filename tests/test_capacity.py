@@ -1,0 +1,88 @@
+"""The capacity planner (training/capacity.py, `kiln capacity`): the real train step compiled on
+simulated devices, its per-device numbers consistent with the shardings and with kiln's FLOP count."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import pytest
+
+from training.capacity import fits, report, table
+from training.config import ModelConfig, TrainConfig
+from training.model import flops_per_token, init_params, param_count
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, seq_len=64)
+TRAIN = TrainConfig(batch_size=8, steps=10, warmup=1)
+
+
+@pytest.fixture(scope="module")
+def plans() -> dict:
+    """dp, fsdp and fsdp with full remat on 4 simulated devices, in one fresh JAX process."""
+    script = textwrap.dedent(f"""
+        import json, os
+        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        from training.capacity import plan
+        from training.config import MeshConfig, ModelConfig, TrainConfig
+        model = ModelConfig.model_validate_json({MODEL.model_dump_json()!r})
+        train = TrainConfig.model_validate_json({TRAIN.model_dump_json()!r})
+        out = {{}}
+        for name, strategy, remat in (("dp", "dp", "none"), ("fsdp", "fsdp", "none"), ("fsdp_full", "fsdp", "full")):
+            cfg = train.model_copy(update={{"mesh": MeshConfig(strategy=strategy), "remat": remat}})
+            out[name] = plan(model, cfg)
+        print(json.dumps(out))
+    """)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_bytes_per_device_follow_the_shardings(plans):
+    params = jax.eval_shape(lambda: init_params(MODEL, jax.random.PRNGKey(0)))
+    leaves = jax.tree_util.tree_leaves(params)
+    n = param_count(params)
+    # fsdp splits every matrix over the 4 devices (each of this model's has a dimension 4 divides);
+    # the norm weights, vectors, stay whole
+    matrices = sum(math.prod(a.shape) for a in leaves if a.ndim == 2)
+    vectors = n - matrices
+    dp, fsdp = plans["dp"], plans["fsdp"]
+    assert dp["devices"] == fsdp["devices"] == 4 and dp["param_count"] == n
+    assert dp["param_bytes"] == 4 * n
+    assert fsdp["param_bytes"] == 4 * (matrices // 4 + vectors)
+    for p in (dp, fsdp):
+        assert p["gradient_bytes"] == p["param_bytes"]
+        # AdamW's two moments mirror the parameters; its counts are a few scalars
+        assert 2 * p["param_bytes"] <= p["optimizer_bytes"] <= 2 * p["param_bytes"] + 64
+        assert p["argument_bytes"] >= p["param_bytes"] + p["optimizer_bytes"]
+        assert p["temp_bytes"] > 0
+
+
+def test_flops_per_step_and_remat(plans):
+    fsdp = plans["fsdp"]
+    assert fsdp["flops_per_step"] == pytest.approx(flops_per_token(MODEL) * TRAIN.batch_size * MODEL.seq_len / 4)
+    # the compiled program's own count agrees with 6N + attention to within what each leaves out
+    assert fsdp["compiler_flops"] == pytest.approx(fsdp["flops_per_step"], rel=0.25)
+    full = plans["fsdp_full"]
+    assert full["remat"] == "full" and full["temp_bytes"] < fsdp["temp_bytes"]
+    assert full["compiler_flops"] > fsdp["compiler_flops"]  # the forward again, in the backward pass
+
+
+def test_fit_and_step_time_from_the_numbers(plans):
+    r = report(plans["dp"], ["h100-80gb", "tpu-v5e"], mfu=0.5)
+    h100 = r["fit"][0]
+    assert h100["fits"] and h100["step_seconds"] == pytest.approx(r["flops_per_step"] / (989e12 * 0.5))
+    huge = {**plans["dp"], "temp_bytes": 70 * 2**30}  # more than JAX's 75% of an H100, less than all of it
+    assert not fits(huge, "h100-80gb")["fits"] and fits(huge, "h100-80gb", memory_fraction=1.0)["fits"]
+    assert "does NOT fit" in table(report(huge, ["h100-80gb"], 0.4))
+    with pytest.raises(ValueError, match="unknown device"):
+        fits(plans["dp"], "h100")

@@ -1,0 +1,206 @@
+"""The training features for 1B-8B runs: rematerialisation, fused attention, document masking and
+z-loss. Each changes how the step runs or what it trains on only when set; by default the step,
+its loss and its version are what they were."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from tasks.engine.step import Step
+from tasks.tokenize import TokenizeConfig
+from tasks.train import train_step
+from training.config import ModelConfig, ResourcesConfig, TrainConfig
+from training.model import causal_attention, document_positions, forward, fused_attention, init_params, segment_ids
+from training.optim import make_optimizer
+from training.step import (NextToken, attention_form, compiler_options, cross_entropy_and_z, init_state, loss_fn, make_train_step,
+                           next_token)
+
+CFG = ModelConfig(vocab_size=97, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96, seq_len=32)
+PARAMS = init_params(CFG, jax.random.PRNGKey(0))
+BATCH = jax.random.randint(jax.random.PRNGKey(1), (4, CFG.seq_len + 1), 0, CFG.vocab_size)
+
+
+def loss_and_grads(objective: NextToken, batch=BATCH, params=PARAMS, cfg=CFG):
+    return jax.jit(jax.value_and_grad(lambda p, b: objective.loss(p, b, cfg)[0]))(params, batch)
+
+
+def assert_trees_close(a, b, rtol=1e-5, atol=1e-6):
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
+
+
+# --- rematerialisation -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("remat", ["full", "dots_saveable", "offload"])
+def test_remat_gives_the_gradients_of_no_remat(remat):
+    loss, grads = loss_and_grads(NextToken())
+    remat_loss, remat_grads = loss_and_grads(NextToken(remat=remat))
+    assert float(remat_loss) == pytest.approx(float(loss), rel=1e-6)
+    assert_trees_close(remat_grads, grads)
+    # the parameter tree keeps its names: the same params apply to a rematerialised model
+    assert jax.tree_util.tree_structure(remat_grads) == jax.tree_util.tree_structure(PARAMS)
+
+
+def compiled_temp_bytes(model_cfg: ModelConfig, train_cfg: TrainConfig) -> int:
+    optimizer = make_optimizer(train_cfg)
+    state = jax.eval_shape(lambda: init_state(model_cfg, optimizer, jax.random.PRNGKey(0)))
+    batch = jax.ShapeDtypeStruct((train_cfg.batch_size, model_cfg.seq_len + 1), jnp.int32)
+    step = jax.jit(make_train_step(model_cfg, train_cfg, optimizer), donate_argnums=0)
+    compiled = step.lower(state, batch).compile(compiler_options=compiler_options(train_cfg))
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_full_remat_lowers_the_compiled_steps_temporary_bytes():
+    model = CFG.model_copy(update={"n_layers": 4, "seq_len": 128})
+    train = TrainConfig(batch_size=8, steps=10, warmup=1)
+    none = compiled_temp_bytes(model, train)
+    full = compiled_temp_bytes(model, train.model_copy(update={"remat": "full"}))
+    assert full < 0.5 * none, (none, full)
+
+
+# --- attention by platform -------------------------------------------------------------------
+
+
+def test_attention_form_by_platform():
+    bf16 = CFG.model_copy(update={"compute_dtype": "bfloat16"})
+    assert attention_form("auto", CFG, "cpu") == "query_blocks"
+    assert attention_form("auto", bf16, "gpu") == "fused_cudnn"
+    assert attention_form("auto", CFG, "gpu") == "fused_xla"  # cuDNN's flash attention takes no float32
+    assert attention_form("auto", bf16, "tpu") == "fused_xla"
+    assert attention_form("fused", CFG, "cpu") == "fused_xla"
+    assert attention_form("query_blocks", bf16, "gpu") == "query_blocks"
+    assert next_token(CFG, TrainConfig()).attention == "query_blocks"  # auto, on this CPU
+
+
+@pytest.mark.parametrize("T", [32, 200])  # one query block, and four uneven ones
+def test_fused_and_query_block_attention_agree(T):
+    kq, kk, kv = jax.random.split(jax.random.PRNGKey(2), 3)
+    q = jax.random.normal(kq, (2, T, 4, 16))
+    k, v = jax.random.normal(kk, (2, T, 2, 16)), jax.random.normal(kv, (2, T, 2, 16))
+    segments = jnp.asarray(np.repeat([[0, 1, 2], [0, 0, 1]], [T // 3, T // 3, T - 2 * (T // 3)], axis=1))
+    fused = jax.jit(lambda q, k, v, seg: fused_attention(q, k, v, seg, "xla"))
+    for seg in (None, segments):
+        np.testing.assert_allclose(fused(q, k, v, seg), jax.jit(causal_attention)(q, k, v, seg), rtol=1e-5, atol=1e-5)
+
+
+def test_fused_attention_gives_the_loss_and_gradients_of_query_blocks():
+    loss, grads = loss_and_grads(NextToken())
+    fused_loss, fused_grads = loss_and_grads(NextToken(attention="fused_xla"))
+    assert float(fused_loss) == pytest.approx(float(loss), rel=1e-6)
+    assert_trees_close(fused_grads, grads)
+    eos = 5
+    loss, grads = loss_and_grads(NextToken(eos_id=eos), packed_batch(eos))
+    fused_loss, fused_grads = loss_and_grads(NextToken(attention="fused_xla", eos_id=eos), packed_batch(eos))
+    assert float(fused_loss) == pytest.approx(float(loss), rel=1e-6)
+    assert_trees_close(fused_grads, grads)
+
+
+# --- document masking ------------------------------------------------------------------------
+
+
+def packed_batch(eos: int) -> jax.Array:
+    """BATCH with an EOS in each row, so that every row holds two or three documents."""
+    b = np.asarray(BATCH).copy()
+    b[b == eos] = eos + 1
+    b[0, 10], b[1, 3], b[1, 20], b[2, 31], b[3, 0] = eos, eos, eos, eos, eos
+    return jnp.asarray(b)
+
+
+def test_segment_ids_and_positions_restart_after_each_eos():
+    tokens = jnp.asarray([[7, 8, 2, 9, 9, 2, 2, 4]])
+    segments = segment_ids(tokens, eos_id=2)
+    assert segments.tolist() == [[0, 0, 0, 1, 1, 1, 2, 3]]  # an EOS ends its own document
+    assert document_positions(segments).tolist() == [[0, 1, 2, 0, 1, 2, 0, 0]]
+
+
+@pytest.mark.parametrize("attention", ["query_blocks", "fused_xla"])
+def test_two_packed_documents_give_the_losses_of_each_alone(attention):
+    eos = 3
+    rng = np.random.default_rng(0)
+    first = np.concatenate([rng.integers(4, 97, 11), [eos]])  # a document as tokenized: tokens then EOS
+    second = rng.integers(4, 97, CFG.seq_len + 1 - len(first))
+    packed = np.concatenate([first, second])[None].astype(np.int32)
+
+    @jax.jit
+    def losses(tokens, segments):
+        logits = forward(PARAMS, tokens[:, :-1], CFG, attention=attention, segments=segments)
+        return -jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1)[..., 0]
+
+    def per_token(tokens, segments=None):
+        return losses(jnp.asarray(tokens), segments)
+
+    together = per_token(packed, segment_ids(jnp.asarray(packed[:, :-1]), eos))[0]
+    # the first document's positions predict up to the second's first token (its EOS predicts it)
+    alone_first = per_token(packed[:, :len(first) + 1])[0]
+    alone_second = per_token(second[None].astype(np.int32))[0]
+    np.testing.assert_allclose(together[:len(first)], alone_first, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(together[len(first):], alone_second, rtol=1e-5, atol=1e-5)
+    unmasked = per_token(packed)[0]  # without the mask the second document sees the first
+    assert not np.allclose(unmasked[len(first):], alone_second, atol=1e-3)
+
+
+def test_document_mask_needs_an_eos_id():
+    with pytest.raises(ValueError, match="train.eos_id"):
+        next_token(CFG, TrainConfig(document_mask=True))
+    assert next_token(CFG, TrainConfig(document_mask=True, eos_id=3)).eos_id == 3
+    assert next_token(CFG, TrainConfig(eos_id=3)).eos_id is None  # off by default, whatever eos_id says
+
+
+def test_new_fields_leave_default_versions_as_they_were():
+    tokens = Step(name="tokens", stage="tokenize", stage_version=1, config=TokenizeConfig(), run=lambda ctx: {})
+
+    def version(**train):
+        return train_step(ModelConfig(), TrainConfig(**train), ResourcesConfig(), tokens=tokens).version
+
+    assert version() == "e2567bc643e2"  # the version of this config before these fields existed (git d298e09)
+    assert version(attention="fused", eos_id=50256) == version()  # settings
+    for identity in ({"remat": "full"}, {"document_mask": True}, {"z_loss": 1e-4}):
+        assert version(**identity) != version(), identity
+
+
+# --- z-loss ----------------------------------------------------------------------------------
+
+
+def test_cross_entropy_and_z_gives_autodiffs_numbers():
+    logits = 3 * jax.random.normal(jax.random.PRNGKey(3), (2, 5, 11))
+    targets = jax.random.randint(jax.random.PRNGKey(4), (2, 5), 0, 11)
+    coef, w = 1e-2, 0.7  # any weighting of the two outputs
+
+    def direct(x):
+        lse = jax.nn.logsumexp(x, axis=-1)
+        ce = optax.softmax_cross_entropy_with_integer_labels(x, targets).mean()
+        return ce, coef * jnp.mean(lse**2)
+
+    ce, z = cross_entropy_and_z(logits, targets, coef)
+    want_ce, want_z = direct(logits)
+    assert float(ce) == pytest.approx(float(want_ce), rel=1e-6) and float(z) == pytest.approx(float(want_z), rel=1e-6)
+    got = jax.grad(lambda x: (lambda c, z: c + w * z)(*cross_entropy_and_z(x, targets, coef)))(logits)
+    want = jax.grad(lambda x: (lambda c, z: c + w * z)(*direct(x)))(logits)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_z_loss_is_logged_beside_the_cross_entropy_and_zero_changes_no_bit():
+    train = TrainConfig(batch_size=4, steps=10, warmup=1)
+    optimizer = make_optimizer(train)
+    state = init_state(CFG, optimizer, jax.random.PRNGKey(0))
+
+    def step(cfg):
+        return jax.jit(make_train_step(CFG, cfg, optimizer))(state, BATCH)
+
+    plain_state, plain = step(train)
+    assert "z_loss" not in plain
+    assert float(plain["loss"]) == float(jax.jit(loss_fn, static_argnums=2)(state["params"], BATCH, CFG))  # bitwise
+
+    coef = 1e-2
+    z_state, zed = step(train.model_copy(update={"z_loss": coef}))
+    lse = jax.nn.logsumexp(forward(state["params"], BATCH[:, :-1], CFG), axis=-1)
+    assert float(zed["z_loss"]) == pytest.approx(coef * float(jnp.mean(lse**2)), rel=1e-5)
+    assert float(zed["loss"]) == float(plain["loss"])  # the logged loss stays the cross-entropy
+    moved = [not np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(z_state["params"]),
+                                                        jax.tree_util.tree_leaves(plain_state["params"]))]
+    assert any(moved)  # and the z term is trained on
