@@ -8,8 +8,9 @@ its version, depends on its own (budget, size) alone.
     scaling_steps    the runs, `scaling_fit` over all budgets and, for the forecast check, over all
                      but the largest (`scaling_fit/holdout`)
     forecast_steps   once the held-out fit exists: the run at the largest budget whose size is
-                     nearest its predicted N_opt (a cache hit when the sweep already trained that
-                     size there), and `scaling_forecast`, which reports the relative error;
+                     nearest the parametric law's predicted N_opt (a cache hit when the sweep already
+                     trained that size there), and `scaling_forecast`, which says whether its loss
+                     lies inside the law's interval, and the relative error;
                      `ready_forecast_steps` returns them only when that fit is in the store
 
 The scheduler (tasks/engine/scheduler.py) runs them like any other steps: each run as soon as the
@@ -76,7 +77,8 @@ def run_steps(plan: RunPlan, config, *, tokens: Step, tokenizer: Step, documents
 def fit_config(plans: list[RunPlan], scaling: ScalingConfig, forecast_budget: float | None = None) -> ScalingFitConfig:
     return ScalingFitConfig(runs=[FitRun(input=p.name, budget=p.budget, size=p.size, params=p.params, tokens=p.tokens,
                                          flops=p.flops) for p in plans],
-                            min_points=scaling.min_points, forecast_budget=forecast_budget)
+                            min_points=scaling.min_points, forecast_budget=forecast_budget,
+                            bootstrap=scaling.bootstrap, interval=scaling.interval)
 
 
 def scaling_steps(config, *, tokens: Step, tokenizer: Step, documents: Step) -> list[Step]:
@@ -101,18 +103,24 @@ def scaling_steps(config, *, tokens: Step, tokenizer: Step, documents: Step) -> 
 
 def forecast_steps(config, holdout_law: dict, *, sweep: list[Step], tokens: Step, tokenizer: Step,
                    documents: Step) -> list[Step]:
-    """The run at the held-out budget nearest the predicted N_opt, its evaluation, and the check.
+    """The run at the held-out budget nearest the parametric law's N_opt (with the sweep's first
+    seed), its evaluation, and the check.
 
     `holdout_law` is the held-out fit's law.json; `sweep` is `scaling_steps`' output.
     """
     prediction = holdout_law["forecast"]
-    plan = nearest_size(prediction["n_opt"], prediction["budget"], config.scaling, planned_vocab_size(config.tokenizer))
+    plan = nearest_size(prediction["parametric"]["n_opt"], prediction["budget"], config.scaling,
+                        planned_vocab_size(config.tokenizer))
     train, evaluate = run_steps(plan, config, tokens=tokens, tokenizer=tokenizer, documents=documents,
                                 prefix="forecast/")
     fits = {s.name: s for s in sweep if s.stage == "scaling_fit"}
+    evals = {s.name: s for s in sweep if s.stage == "evaluate"}
+    heldout = [FitRun(input=f"heldout/{p.name}", budget=p.budget, size=p.size, params=p.params, tokens=p.tokens,
+                      flops=p.flops) for p in sweep_plans(config)[plan.budget]]
     check = forecast_step(ForecastConfig(budget=plan.budget, size=plan.size, params=plan.params, tokens=plan.tokens,
-                                         flops=plan.flops, goal=config.scaling.forecast_goal),
-                          law=fits["scaling_fit/holdout"], full=fits["scaling_fit"], run=evaluate)
+                                         flops=plan.flops, goal=config.scaling.forecast_goal, heldout=heldout),
+                          law=fits["scaling_fit/holdout"], full=fits["scaling_fit"], run=evaluate,
+                          heldout={r.input: evals[f"evaluate/{r.input.removeprefix('heldout/')}"] for r in heldout})
     return [train, evaluate, check]
 
 
@@ -129,10 +137,23 @@ def ready_forecast_steps(config, store: Store, sweep: list[Step]) -> list[Step]:
 
 
 def forecast_line(runs: list[StepRun]) -> str | None:
-    """One line for the summary: the held-out budget's predicted against trained loss."""
+    """The summary's last lines: the held-out budget's forecast with its interval, the trained loss,
+    whether it lies inside, and which budgets each fit used (and why others were left out)."""
     forecast = [r for r in runs if r.stage == "scaling_forecast"]
     if not forecast:
         return None
     s = forecast[0].stats
-    return (f"forecast at C={budget_label(s['budget'])}: predicted {s['predicted_loss']:.4f} bits/byte, trained "
-            f"{s['trained_loss']:.4f}: relative error {s['relative_error']:+.2%} (goal met: {s['within_goal']})")
+    c = budget_label(s["budget"])
+    inside = "inside" if s["inside_interval"] else "OUTSIDE"
+    lines = [f"forecast at C={c}: predicted {s['predicted_loss']:.4f} bits/byte for N={s['trained_params']:,}, "
+             f"{s['level']:.0%} interval [{s['interval_lo']:.4f}, {s['interval_hi']:.4f}]; trained "
+             f"{s['trained_loss']:.4f}: {inside} the interval, relative error {s['relative_error']:+.2%} (goal met: "
+             f"{s['within_goal']}); isoFLOP law {s['isoflop_predicted_loss']:.4f} ({s['isoflop_relative_error']:+.2%})",
+             f"the sweep's {s['heldout_runs']} runs at C={c}: {s['heldout_inside']} inside their intervals",
+             f"fitted without C={c}: parametric law on every run below it; isoFLOP law on budgets {s['budgets_used']}; "
+             f"left out of it: {s['budgets_left_out']}"]
+    full = next((r for r in runs if r.stage == "scaling_fit" and r.name == "scaling_fit" and r.stats), None)
+    if full is not None and "budgets_used" in full.stats:
+        lines.append(f"full sweep's isoFLOP law on budgets {full.stats['budgets_used']}; left out of it: "
+                     f"{full.stats['budgets_left_out']}")
+    return "\n".join(lines)

@@ -5,10 +5,15 @@ run's held-out bits per byte; what each run was (budget, N, D) comes from the re
 the step's config, so a fit is a pure function of its config and its inputs' versions. Which runs
 exist and in what order they train is the flow's business (flows/scaling.py).
 
-    scaling_fit       law.json (every fitted parameter with its standard error, and the state to
-                      predict from), isoflops.png, optimal.png, frontier.png
-    scaling_forecast  forecast.json (predicted and trained loss at the held-out budget, relative
-                      error), forecast.png
+    scaling_fit       law.json: the isoFLOP fit (approach 2) of the budgets whose runs bracket their
+                      optimum, every parameter with its standard error, the budgets left out and
+                      why; the parametric law L(N, D) = E + A/N^alpha + B/D^beta (approach 3) over
+                      every run, with its bootstrap refits; the state to predict from.
+                      isoflops.png, optimal.png, frontier.png
+    scaling_forecast  forecast.json: at the held-out budget, the parametric law's loss for the run
+                      trained there with its interval, that run's loss, whether it lies inside, the
+                      relative error; the same for every size the sweep trained at that budget;
+                      the isoFLOP law's forecast beside it. forecast.png
 
 Inside a Prefect run both also publish a markdown summary and the plots as image artifacts
 (embedded as data URLs, so they show whatever the store is); outside one (tests, notebooks) they
@@ -28,7 +33,9 @@ from pydantic import Field, model_validator
 from tasks.engine.step import Step, StepContext
 from training.config import ConfigModel
 from training.scaling import (
+    FitError,
     RunResult,
+    ScalingLaw,
     budget_label,
     fit_scaling_law,
     law_from_json,
@@ -37,7 +44,10 @@ from training.scaling import (
     plot_optimal,
 )
 
-STAGE_VERSION = 1
+# 2: budgets that do not bracket are left out, not fatal; the parametric law and its bootstrap;
+#    the forecast compares the trained run, and every run the sweep has at that budget, with the
+#    parametric law's interval
+STAGE_VERSION = 2
 LAW_FILE = "law.json"
 FORECAST_FILE = "forecast.json"
 LOSS_STAT = "bits_per_byte"  # what the evaluate step reports for the held-out split
@@ -59,6 +69,9 @@ class ScalingFitConfig(ConfigModel):
     min_points: int = Field(4, ge=3)
     # Where to extrapolate (the held-out budget): law.json then carries N_opt, D_opt and L there.
     forecast_budget: float | None = None
+    bootstrap: int = Field(200, ge=20, description="Refits of the parametric law for its intervals.")
+    interval: float = Field(0.9, gt=0.5, lt=1, description="Probability the intervals hold.")
+    bootstrap_seed: int = Field(0, ge=0, description="Seed of the resampling: the same runs give the same intervals.")
 
     @model_validator(mode="after")
     def _check(self) -> ScalingFitConfig:
@@ -69,7 +82,8 @@ class ScalingFitConfig(ConfigModel):
 
 
 class ForecastConfig(ConfigModel):
-    """The run trained at the held-out budget: the ladder size nearest the predicted N_opt."""
+    """The run trained at the held-out budget: the ladder size nearest the predicted N_opt; and the
+    sweep's own runs at that budget (`heldout`), each checked against the law's interval too."""
 
     budget: float
     size: int
@@ -77,6 +91,7 @@ class ForecastConfig(ConfigModel):
     tokens: int
     flops: float
     goal: float = 0.03  # the relative error the issue asks for; reported as met or not
+    heldout: list[FitRun] = Field(default_factory=list)
 
 
 def run_loss(ctx: StepContext, name: str) -> float:
@@ -89,8 +104,8 @@ def run_loss(ctx: StepContext, name: str) -> float:
 
 def run_fit(ctx: StepContext) -> dict:
     cfg: ScalingFitConfig = ctx.config
-    results = [RunResult(r.budget, r.params, r.tokens, run_loss(ctx, r.input), r.input) for r in cfg.runs]
-    law = fit_scaling_law(results, cfg.min_points)
+    results = [RunResult(r.budget, r.params, r.tokens, run_loss(ctx, r.input), r.input, r.flops) for r in cfg.runs]
+    law = fit_scaling_law(results, cfg.min_points, cfg.bootstrap, cfg.interval, cfg.bootstrap_seed)
     data = law.to_json()
     if cfg.forecast_budget is not None:
         data["forecast"] = law.predict(cfg.forecast_budget)
@@ -99,64 +114,127 @@ def run_fit(ctx: StepContext) -> dict:
     plot_optimal(law, ctx.out / "optimal.png", extra=[cfg.forecast_budget] if cfg.forecast_budget else [])
     plot_frontier(law, ctx.out / "frontier.png")
 
-    f = law.frontier
+    f, p = law.frontier, law.parametric
     stats = {
         "budgets": len(law.budgets), "runs": len(results),
+        "budgets_used": budgets_used(law), "budgets_left_out": budgets_left_out(law),
         "n_opt_exponent": law.n_opt.exponent, "n_opt_exponent_err": law.n_opt.exponent_err,
         "d_opt_exponent": law.d_opt.exponent, "d_opt_exponent_err": law.d_opt.exponent_err,
         "frontier_a": f.a, "frontier_b": f.b, "frontier_b_err": f.b_err, "frontier_e": f.e, "frontier_e_err": f.e_err,
+        "parametric_E": math.exp(p.ln_e), "parametric_A": math.exp(p.ln_a), "parametric_B": math.exp(p.ln_b),
+        "parametric_alpha": p.alpha, "parametric_beta": p.beta, "parametric_residual_rms": p.residual_rms,
     }
     for b in law.budgets:
         ctx.log.info("C=%s: N_opt %.3g (x/÷ %.2f), D_opt %.3g, L_opt %.4f ± %.4f from %d runs",
                      budget_label(b.budget), b.n_opt, math.exp(b.ln_n_opt_err), b.d_opt, b.loss_opt,
                      b.loss_opt_err, b.points)
+    for d in law.dropped:
+        ctx.log.warning("C=%s left out of the isoFLOP fit (its %d runs count in the parametric one): %s",
+                        budget_label(d.budget), d.points, d.reason)
+    ctx.log.info("parametric: L(N, D) = %.4g + %.4g / N^%.3f + %.4g / D^%.3f (rms of ln L %.4f over %d runs)",
+                 math.exp(p.ln_e), math.exp(p.ln_a), p.alpha, math.exp(p.ln_b), p.beta, p.residual_rms, len(results))
     if "forecast" in data:
-        stats.update({f"forecast_{k}": v for k, v in data["forecast"].items()})
-    show(ctx, _fit_markdown(data), ["isoflops.png", "optimal.png", "frontier.png"])
+        fc = data["forecast"]
+        stats.update({f"forecast_isoflop_{k}": v for k, v in fc["isoflop"].items()})
+        stats.update({f"forecast_{k}": v for k, v in fc["parametric"].items() if not k.endswith("interval")})
+        stats.update({f"forecast_{k}_{end}": v for k, pair in fc["parametric"].items() if k.endswith("interval")
+                      for end, v in zip(("lo", "hi"), pair)})
+    show(ctx, fit_markdown(data), ["isoflops.png", "optimal.png", "frontier.png"])
     return stats
 
 
+def budgets_used(law: ScalingLaw) -> str:
+    return ", ".join(budget_label(b.budget) for b in law.budgets)
+
+
+def budgets_left_out(law: ScalingLaw) -> str:
+    """'none', or each budget left out of the isoFLOP fit with its reason."""
+    return "; ".join(f"{budget_label(d.budget)}: {d.reason}" for d in law.dropped) or "none"
+
+
 def run_forecast(ctx: StepContext) -> dict:
-    """Compare the held-out law's prediction with the run trained at its predicted optimum."""
+    """Compare the held-out law's prediction with the run trained at its predicted optimum: the
+    parametric law's value at that run's (N, D), with the interval one run's loss should fall in."""
     cfg: ForecastConfig = ctx.config
     held_out = json.loads((ctx.inputs["law"] / LAW_FILE).read_text())
     pred = held_out.get("forecast")
     if pred is None or pred["budget"] != cfg.budget:
         raise ValueError(f"{ctx.inputs['law'] / LAW_FILE} holds no forecast for budget {cfg.budget:.3g}: the law input "
                          "must be the sweep's fit without its largest budget")
+    law = law_from_json(held_out)
+    if law.bootstrap is None:
+        raise FitError(f"{ctx.inputs['law'] / LAW_FILE} has no bootstrap refits, so no interval to check against: "
+                       "fit it with bootstrap > 0")
     actual = run_loss(ctx, "run")
-    error = actual / pred["loss"] - 1
+    at_run = law.bootstrap.at(law.parametric, cfg.params, cfg.tokens)
+    lo, hi = at_run["run_interval"]
+    error = actual / at_run["loss"] - 1
+    iso = pred["isoflop"]
+    # Every size the sweep trained at this budget, against the same law: one run inside its
+    # interval can be luck, the share of them inside says whether the interval is honest.
+    sizes = []
+    for r in cfg.heldout:
+        at = law.bootstrap.at(law.parametric, r.params, r.tokens)
+        loss = run_loss(ctx, r.input)
+        sizes.append({"input": r.input, "size": r.size, "params": r.params, "tokens": r.tokens, "loss": loss,
+                      "predicted": at["loss"], "run_interval": at["run_interval"],
+                      "inside": at["run_interval"][0] <= loss <= at["run_interval"][1]})
     full = law_from_json(json.loads((ctx.inputs["full"] / LAW_FILE).read_text()))
     at_budget = next((b for b in full.budgets if b.budget == cfg.budget), None)
     result = {
-        "budget": cfg.budget, "goal": cfg.goal,
-        "predicted": pred, "trained": {"size": cfg.size, "params": cfg.params, "tokens": cfg.tokens,
-                                       "flops": cfg.flops, "loss": actual},
-        "relative_error": error, "within_goal": abs(error) <= cfg.goal,
-        # The full sweep's own isoFLOP minimum at this budget, for comparison.
+        "budget": cfg.budget, "goal": cfg.goal, "level": at_run["level"],
+        "budgets_used": budgets_used(law), "budgets_left_out": budgets_left_out(law),
+        "predicted": {"optimum": pred["parametric"], "at_trained_run": at_run, "isoflop": iso},
+        "trained": {"size": cfg.size, "params": cfg.params, "tokens": cfg.tokens, "flops": cfg.flops, "loss": actual},
+        "relative_error": error, "within_goal": abs(error) <= cfg.goal, "inside_interval": lo <= actual <= hi,
+        "isoflop_relative_error": actual / iso["loss"] - 1,
+        "heldout_runs": sizes,
+        # The full sweep's own isoFLOP minimum at this budget, for comparison (None if left out there).
         "full_sweep_minimum": dataclasses.asdict(at_budget) if at_budget else None,
     }
     (ctx.out / FORECAST_FILE).write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
-    law = dataclasses.replace(law_from_json(held_out), runs=full.runs)  # show every run, the held-out ones too
-    plot_frontier(law, ctx.out / "forecast.png",
-                  forecast={**pred, "actual": actual, "relative_error": error})
-    ctx.log.info("forecast at C=%s: predicted %.4f ± %.4f bits/byte, trained %.4f: error %+.2f%% (goal %.0f%%)",
-                 budget_label(cfg.budget), pred["loss"], pred["loss_err"], actual, 100 * error, 100 * cfg.goal)
-    stats = {"budget": cfg.budget, "predicted_loss": pred["loss"], "predicted_loss_err": pred["loss_err"],
-             "predicted_n_opt": pred["n_opt"], "trained_params": cfg.params, "trained_loss": actual,
-             "relative_error": error, "within_goal": abs(error) <= cfg.goal}
+    shown = dataclasses.replace(law, runs=full.runs)  # show every run, the held-out ones too
+    plot_frontier(shown, ctx.out / "forecast.png",
+                  forecast={"budget": cfg.budget, "loss": at_run["loss"], "interval": (lo, hi), "actual": actual,
+                            "relative_error": error})
+    ctx.log.info("forecast at C=%s: predicted %.4f bits/byte for N=%d, %.0f%% interval [%.4f, %.4f]; trained %.4f "
+                 "(%s the interval): error %+.2f%% (goal %.0f%%)", budget_label(cfg.budget), at_run["loss"], cfg.params,
+                 100 * at_run["level"], lo, hi, actual, "inside" if result["inside_interval"] else "OUTSIDE",
+                 100 * error, 100 * cfg.goal)
+    stats = {"budget": cfg.budget, "predicted_loss": at_run["loss"], "interval_lo": lo, "interval_hi": hi,
+             "level": at_run["level"], "predicted_n_opt": pred["parametric"]["n_opt"], "trained_params": cfg.params,
+             "trained_loss": actual, "relative_error": error, "within_goal": result["within_goal"],
+             "inside_interval": result["inside_interval"], "isoflop_predicted_loss": iso["loss"],
+             "isoflop_predicted_loss_err": iso["loss_err"], "isoflop_relative_error": result["isoflop_relative_error"],
+             "budgets_used": result["budgets_used"], "budgets_left_out": result["budgets_left_out"],
+             "heldout_runs": len(sizes), "heldout_inside": sum(r["inside"] for r in sizes)}
     if at_budget:
         stats.update({"full_sweep_loss_opt": at_budget.loss_opt, "full_sweep_n_opt": at_budget.n_opt})
-    md = (f"# Forecast at C = {budget_label(cfg.budget)}\n\npredicted {pred['loss']:.4f} ± {pred['loss_err']:.4f} "
-          f"bits/byte at N_opt = {pred['n_opt']:,.0f}; trained N = {cfg.params:,} (size {cfg.size}): "
-          f"{actual:.4f}\n\n**relative error {error:+.2%}** (goal {cfg.goal:.0%})\n")
+    md = (f"# Forecast at C = {budget_label(cfg.budget)}\n\n"
+          f"Fitted without this budget, on budgets {result['budgets_used']} (isoFLOP fit); left out of it: "
+          f"{result['budgets_left_out']}.\n\n"
+          f"- parametric law at the trained run (N = {cfg.params:,}, size {cfg.size}, D = {cfg.tokens:,}): "
+          f"**{at_run['loss']:.4f}** bits/byte, {at_run['level']:.0%} interval for one run "
+          f"[{lo:.4f}, {hi:.4f}] (for the law's own value [{at_run['loss_interval'][0]:.4f}, "
+          f"{at_run['loss_interval'][1]:.4f}])\n"
+          f"- trained: **{actual:.4f}**, {'inside' if result['inside_interval'] else 'OUTSIDE'} the interval; "
+          f"relative error {error:+.2%} (goal {cfg.goal:.0%})\n"
+          f"- isoFLOP law's L_opt: {iso['loss']:.4f} ± {iso['loss_err']:.4f} ({result['isoflop_relative_error']:+.2%})\n")
+    if sizes:
+        md += (f"\nEvery size the sweep trained at C = {budget_label(cfg.budget)}: "
+               f"{stats['heldout_inside']} of {len(sizes)} inside the interval for one run\n\n"
+               "| size | N | D | trained | predicted | interval | inside |\n| --- | --- | --- | --- | --- | --- | --- |\n")
+        md += "".join(f"| {r['size']} | {r['params']:,} | {r['tokens']:,} | {r['loss']:.4f} | {r['predicted']:.4f} | "
+                      f"[{r['run_interval'][0]:.4f}, {r['run_interval'][1]:.4f}] | {'yes' if r['inside'] else 'no'} |\n"
+                      for r in sizes)
     show(ctx, md, ["forecast.png"])
     return stats
 
 
-def _fit_markdown(data: dict) -> str:
+def fit_markdown(data: dict) -> str:
+    """The fit step's report: both laws, the budgets used and those left out with why, the forecast."""
     n, d, f = data["n_opt"], data["d_opt"], data["frontier"]
-    lines = ["# Scaling law", "",
+    lines = ["# Scaling law", "", "## IsoFLOP fit (approach 2)", "",
              f"- N_opt = {n['coefficient']:.4g} · C^({n['exponent']:.4f} ± {n['exponent_err']:.4f})",
              f"- D_opt = {d['coefficient']:.4g} · C^({d['exponent']:.4f} ± {d['exponent_err']:.4f})",
              f"- L(C) = {f['a']:.4g} · C^-({f['b']:.4f} ± {f['b_err']:.4f}) + ({f['e']:.4f} ± {f['e_err']:.4f})",
@@ -164,10 +242,29 @@ def _fit_markdown(data: dict) -> str:
     for b in data["budgets"]:
         lines.append(f"| {budget_label(b['budget'])} | {b['points']} | {b['n_opt']:,.0f} | {b['d_opt']:,.0f} | "
                      f"{b['loss_opt']:.4f} ± {b['loss_opt_err']:.4f} |")
+    for b in data["dropped"]:
+        lines.append(f"| {budget_label(b['budget'])} | {b['points']} | left out | | {b['reason']} |")
+    p = data.get("parametric")
+    if p:
+        boot = data.get("bootstrap", {})
+        lines += ["", "## Parametric fit over every run (approach 3)", "",
+                  f"- L(N, D) = {p['E']:.4g} + {p['A']:.4g} / N^{p['alpha']:.4f} + {p['B']:.4g} / D^{p['beta']:.4f} "
+                  f"(rms of ln L {p['residual_rms_ln_loss']:.4f}; N_opt ~ C^{p['n_opt_exponent_6nd']:.3f} where "
+                  "attention is negligible)",
+                  f"- intervals: {boot.get('replicates', 0)} bootstrap refits over {boot.get('resample', '-')}, "
+                  f"seed {boot.get('seed', '-')}"]
     if "forecast" in data:
-        p = data["forecast"]
-        lines += ["", (f"Forecast at C = {budget_label(p['budget'])}: N_opt {p['n_opt']:,.0f}, "
-                       f"D_opt {p['d_opt']:,.0f}, L {p['loss']:.4f} ± {p['loss_err']:.4f}")]
+        c, iso = data["forecast"]["budget"], data["forecast"]["isoflop"]
+        lines += ["", f"## Forecast at C = {budget_label(c)}", "",
+                  f"- isoFLOP law: N_opt {iso['n_opt']:,.0f}, D_opt {iso['d_opt']:,.0f}, "
+                  f"L {iso['loss']:.4f} ± {iso['loss_err']:.4f}"]
+        par = data["forecast"].get("parametric")
+        if par and "loss_interval" in par:
+            q = f"{par['level']:.0%}"
+            lines.append(f"- parametric law: N_opt {par['n_opt']:,.0f} ({q}: {par['n_opt_interval'][0]:,.0f} to "
+                         f"{par['n_opt_interval'][1]:,.0f}), D_opt {par['d_opt']:,.0f}, L_opt {par['loss']:.4f} "
+                         f"({q}: {par['loss_interval'][0]:.4f} to {par['loss_interval'][1]:.4f}; one run: "
+                         f"{par['run_interval'][0]:.4f} to {par['run_interval'][1]:.4f})")
     return "\n".join(lines)
 
 
@@ -191,8 +288,13 @@ def scaling_fit_step(config: ScalingFitConfig, *, runs: Mapping[str, Step], name
 
 
 def forecast_step(config: ForecastConfig, *, law: Step, full: Step, run: Step,
-                  name: str = "scaling_forecast") -> Step:
+                  heldout: Mapping[str, Step] | None = None, name: str = "scaling_forecast") -> Step:
     """Check `law` (fitted without config.budget) against `run` (an evaluate step of the run trained at
-    the predicted optimum); `full` is the fit with every budget, shown beside it."""
+    the predicted optimum) and the `heldout` runs (input name -> evaluate step, one per
+    `config.heldout` entry); `full` is the fit with every budget, shown beside it."""
+    heldout = dict(heldout or {})
+    missing = sorted({r.input for r in config.heldout} ^ set(heldout))
+    if missing:
+        raise ValueError(f"forecast config and inputs disagree on held-out runs {missing}")
     return Step(name=name, stage="scaling_forecast", stage_version=STAGE_VERSION, config=config, run=run_forecast,
-                inputs={"law": law, "full": full, "run": run})
+                inputs={"law": law, "full": full, "run": run, **heldout})

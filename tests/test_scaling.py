@@ -1,4 +1,5 @@
-"""The scaling-law recipe and fitter: known laws in, the same parameters out; bad sweeps refused.
+"""The scaling-law recipe and fitters: known laws in, the same parameters out; budgets that cannot
+be fitted left out and reported; the forecast's interval holds the truth.
 
 Pure numpy/scipy on synthetic losses (no training), so this file runs in seconds.
 """
@@ -13,9 +14,9 @@ import pytest
 from pydantic import ValidationError
 
 from training.model import flops_per_token
-from training.scaling import (BudgetError, FitError, RunResult, ScalingConfig, fit_isoflop, fit_scaling_law,
-                              isoflop_grid, law_from_json, matmul_params, nearest_size, plan_run, plot_frontier,
-                              plot_isoflops, plot_optimal, shape)
+from training.scaling import (BudgetError, FitError, ParametricLaw, RunResult, ScalingConfig, bootstrap_parametric,
+                              fit_isoflop, fit_parametric, fit_scaling_law, isoflop_grid, law_from_json, matmul_params,
+                              nearest_size, plan_run, plot_frontier, plot_isoflops, plot_optimal, shape)
 
 BUDGETS = [1e11, 2e11, 4e11, 8e11, 1.6e12]
 
@@ -40,9 +41,9 @@ def test_fit_recovers_a_known_law_within_its_uncertainties():
     runs = []
     for c in BUDGETS:
         runs += isoflop_runs(c, n0 * c ** alpha, a * c ** -b + e, curvature=0.05, rng=rng, noise=0.003)
-    law = fit_scaling_law(runs)
+    law = fit_scaling_law(runs, bootstrap=0)
 
-    assert [f.points for f in law.budgets] == [7] * 5
+    assert [f.points for f in law.budgets] == [7] * 5 and law.dropped == []
     assert within(law.n_opt.exponent, alpha, law.n_opt.exponent_err)
     assert 0 < law.n_opt.exponent_err < 0.05  # informative, not inflated until anything passes
     assert within(math.log(law.n_opt.coefficient), math.log(n0), law.n_opt.ln_coefficient_err)
@@ -56,7 +57,7 @@ def test_fit_recovers_a_known_law_within_its_uncertainties():
         assert within(math.log(fit.n_opt), math.log(n0 * fit.budget ** alpha), fit.ln_n_opt_err, 4)
         assert within(fit.loss_opt, a * fit.budget ** -b + e, fit.loss_opt_err, 4)
     # A prediction one budget beyond the fitted ones lands on the true law.
-    pred = law.predict(3.2e12)
+    pred = law.predict(3.2e12)["isoflop"]
     assert abs(pred["loss"] / (a * 3.2e12 ** -b + e) - 1) < 0.01
     assert abs(math.log(pred["n_opt"] / (n0 * 3.2e12 ** alpha))) < 3 * pred["ln_n_opt_err"]
 
@@ -74,24 +75,30 @@ def test_fit_recovers_chinchilla_exponents_from_its_parametric_loss():
             n = n_opt * math.exp(u)
             d = c / (6 * n)
             runs.append(RunResult(c, n, d, E + A / n ** al + B / d ** be + rng.normal(0, 0.002)))
-    law = fit_scaling_law(runs)
+    law = fit_scaling_law(runs, bootstrap=0)
     assert abs(law.n_opt.exponent - be / (al + be)) < 0.02
     assert abs(law.d_opt.exponent - al / (al + be)) < 0.02
     assert abs(law.frontier.b - al * be / (al + be)) < 0.03
     assert abs(law.frontier.e - E) < 0.05
 
 
-def test_a_budget_with_too_few_points_is_refused():
+def test_a_budget_with_too_few_points_is_left_out_and_fatal_only_when_too_few_budgets_remain():
     rng = np.random.default_rng(2)
     good = isoflop_runs(1e11, 3e4, 2.0, 0.05, rng, 0.0, points=5)
     few = isoflop_runs(2e11, 4e4, 1.9, 0.05, rng, 0.0, points=3)
     with pytest.raises(FitError, match=r"budget 2e\+11 has 3 finished runs.*at least 4"):
         fit_isoflop(few)
-    with pytest.raises(FitError, match=r"budget 2e\+11 has 3"):
-        fit_scaling_law(good + few + isoflop_runs(4e11, 5e4, 1.8, 0.05, rng, 0.0))
+    more = isoflop_runs(4e11, 5e4, 1.8, 0.05, rng, 0.0) + isoflop_runs(8e11, 6e4, 1.7, 0.05, rng, 0.0)
+    law = fit_scaling_law(good + few + more, bootstrap=0)  # 3 budgets left: fitted, 2e11 reported
+    assert [f.budget for f in law.budgets] == [1e11, 4e11, 8e11]
+    assert [(d.budget, d.points) for d in law.dropped] == [(2e11, 3)] and "at least 4" in law.dropped[0].reason
+    # With 2 budgets left the frontier cannot be fitted: the error says which were left out and why.
+    with pytest.raises(FitError, match=r"needs at least 3 budgets .* got 2 \(1e11, 4e11\); 2e11 left out: budget "
+                                       r"2e\+11 has 3 finished runs"):
+        fit_scaling_law(good + few + more[:7], bootstrap=0)
     assert fit_isoflop(few, min_points=3).n_opt == pytest.approx(4e4, rel=1e-6)  # exact with 3, if asked
     with pytest.raises(FitError, match="needs at least 3 budgets"):
-        fit_scaling_law(good + isoflop_runs(4e11, 5e4, 1.8, 0.05, rng, 0.0))
+        fit_scaling_law(good + isoflop_runs(4e11, 5e4, 1.8, 0.05, rng, 0.0), bootstrap=0)
 
 
 def test_a_budget_without_a_bracketed_minimum_is_refused():
@@ -152,14 +159,127 @@ def test_shape_rule_and_config_checks():
 def test_plots_are_written_and_the_law_round_trips_through_json(tmp_path):
     rng = np.random.default_rng(4)
     runs = [r for c in BUDGETS[:4] for r in isoflop_runs(c, 0.08 * c ** 0.5, 300 * c ** -0.25 + 0.9, 0.05, rng, 0.003)]
-    law = fit_scaling_law(runs)
+    law = fit_scaling_law(runs, bootstrap=40)
     again = law_from_json(json.loads(json.dumps(law.to_json())))
     assert again.predict(1.6e12) == law.predict(1.6e12) and again.runs == law.runs
     plot_isoflops(law, tmp_path / "isoflops.png")
     plot_optimal(law, tmp_path / "optimal.png", extra=[1.6e12])
-    pred = law.predict(1.6e12)
+    pred = law.predict(1.6e12)["parametric"]
     plot_frontier(law, tmp_path / "frontier.png",
-                  forecast={**pred, "actual": pred["loss"] * 1.01, "relative_error": 0.01})
+                  forecast={"budget": 1.6e12, "loss": pred["loss"], "interval": pred["run_interval"],
+                            "actual": pred["loss"] * 1.01, "relative_error": 0.01})
     for name in ("isoflops", "optimal", "frontier"):
         data = (tmp_path / f"{name}.png").read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+# --- the parametric law (approach 3), budgets left out, the bootstrap interval ------------------
+
+# Hoffmann et al.'s fitted law (2022, approach 3), in their units; the runs below spend
+# C = (6N + ATTN N^0.6) D (attention 10-50% of 6N here), so the law's optimum must use the same
+# FLOPs per token to land on the truth.
+TRUTH = {"E": 1.69, "A": 406.4, "B": 410.7, "alpha": 0.34, "beta": 0.28}
+ATTN = 3000.0
+
+
+def true_law() -> ParametricLaw:
+    t = TRUTH
+    return ParametricLaw(math.log(t["A"]), math.log(t["B"]), math.log(t["E"]), t["alpha"], t["beta"], ATTN, 0.6)
+
+
+def parametric_runs(budgets, rng=None, noise=0.0, points=7, spread=1.2, shift=0.0):
+    """Runs of a known L(N, D) around each budget's true optimum (by ln N), `shift` moving the grid,
+    each loss times exp(normal(0, noise))."""
+    truth, runs = true_law(), []
+    for c in budgets:
+        n_opt, _, _ = truth.optimum(c)
+        for u in np.linspace(-spread, spread, points) + shift:
+            n = n_opt * math.exp(u)
+            per_token = float(truth.flops_per_token(n))
+            d = c / per_token
+            loss = float(truth.loss(n, d)) * (math.exp(rng.normal(0, noise)) if noise else 1.0)
+            runs.append(RunResult(c, n, d, loss, f"{c:.3g}/{u:+.2f}", flops=per_token * d))
+    return runs
+
+
+def test_the_parametric_fit_recovers_a_known_law_from_noiseless_runs():
+    law = fit_parametric(parametric_runs([1e18, 3e18, 1e19, 3e19, 1e20]))
+    fitted = {"E": math.exp(law.ln_e), "A": math.exp(law.ln_a), "B": math.exp(law.ln_b), "alpha": law.alpha,
+              "beta": law.beta}
+    for k, v in TRUTH.items():
+        assert fitted[k] == pytest.approx(v, rel=1e-3), k
+    # The FLOPs per token the runs spent, recovered: C = (6N + 3000 N^0.6) D
+    assert (law.attn_coef, law.attn_exp) == (pytest.approx(ATTN, rel=1e-6), pytest.approx(0.6, rel=1e-6))
+    # Its optimum at a budget beyond the runs is the true one: a brute-force search over N of the
+    # true L(N, C / flops_per_token(N)).
+    c, truth = 1e21, true_law()
+    n = np.exp(np.linspace(math.log(1e8), math.log(1e11), 200_001))
+    losses = truth.loss(n, c / truth.flops_per_token(n))
+    n_opt, d_opt, l_opt = law.optimum(c)
+    assert n_opt == pytest.approx(n[np.argmin(losses)], rel=2e-3)
+    assert d_opt * float(law.flops_per_token(n_opt)) == pytest.approx(c, rel=1e-9)  # spends exactly C
+    assert l_opt == pytest.approx(losses.min(), rel=1e-5)
+    # Where attention is left out (C = 6ND), the optimum moves: the FLOPs relation matters.
+    plain = ParametricLaw(law.ln_a, law.ln_b, law.ln_e, law.alpha, law.beta)
+    assert abs(math.log(plain.optimum(c)[0] / n_opt)) > 0.01
+
+
+def test_a_budget_that_does_not_bracket_and_a_noisy_one_are_reported_not_fatal():
+    budgets = [1e18, 3e18, 1e19, 3e19, 1e20]
+    runs = [r for r in parametric_runs(budgets) if r.budget not in (3e18, 1e19)]
+    runs += parametric_runs([3e18], shift=2.0)  # every size well above the optimum: loss rises throughout
+    hump = 0.3 * (1 - np.linspace(-1, 1, 7) ** 2)  # "noise" that bends the curve downward
+    runs += [RunResult(r.budget, r.params, r.tokens, r.loss + h, r.name, r.flops)
+             for r, h in zip(parametric_runs([1e19]), hump)]
+    law = fit_scaling_law(runs, bootstrap=0)
+
+    assert [f.budget for f in law.budgets] == [1e18, 3e19, 1e20]
+    dropped = {d.budget: d for d in law.dropped}
+    assert set(dropped) == {3e18, 1e19} and all(d.points == 7 for d in dropped.values())
+    assert "does not bracket the optimum" in dropped[3e18].reason and "below the smallest" in dropped[3e18].reason
+    assert "curves downward" in dropped[1e19].reason
+    # Both are in the report, and their runs still count in the parametric fit.
+    data = json.loads(json.dumps(law.to_json()))
+    assert {d["budget"] for d in data["dropped"]} == {3e18, 1e19} and len(data["runs"]) == 35
+    assert law.parametric.alpha == pytest.approx(TRUTH["alpha"], abs=0.05)
+
+
+def test_the_bootstrap_interval_holds_the_truth_for_mildly_noisy_runs():
+    rng = np.random.default_rng(7)
+    runs = parametric_runs([1e18, 3e18, 1e19, 3e19], rng, noise=0.01)
+    law = fit_scaling_law(runs, bootstrap=40, level=0.9, seed=0)
+    assert law.bootstrap.resample == "runs" and len(law.bootstrap.thetas) == 40
+    c, truth = 1e20, true_law()
+    n_true, _, l_true = truth.optimum(c)
+    pred = law.predict(c)["parametric"]
+    lo, hi = pred["loss_interval"]
+    assert lo <= l_true <= hi and (hi - lo) / l_true < 0.05  # holds the truth, and says something
+    assert pred["n_opt_interval"][0] <= n_true <= pred["n_opt_interval"][1]
+    run_lo, run_hi = pred["run_interval"]
+    assert run_hi - run_lo > hi - lo  # one run scatters about the law, too
+    # The same runs and seed give the same interval; another seed another one.
+    again = bootstrap_parametric(runs, law.parametric, 40, 0.9, seed=0).optimum(law.parametric, c)
+    assert again["loss_interval"] == pred["loss_interval"]
+    other = bootstrap_parametric(runs, law.parametric, 40, 0.9, seed=1).optimum(law.parametric, c)
+    assert other["loss_interval"] != pred["loss_interval"]
+
+
+def test_with_several_seeds_the_bootstrap_resamples_seeds_within_each_size():
+    rng = np.random.default_rng(8)
+    one = parametric_runs([1e18, 3e18, 1e19], points=5)
+    runs = [RunResult(r.budget, r.params, r.tokens, r.loss * math.exp(rng.normal(0, 0.01)), f"{r.name}/s{s}", r.flops)
+            for s in range(2) for r in one]
+    law = fit_parametric(runs)
+    boot = bootstrap_parametric(runs, law, 5, seed=0)
+    assert boot.resample == "seeds" and len(boot.thetas) == 5
+    # a size with one seed only: back to resampling whole runs
+    assert bootstrap_parametric(runs[:-1], law, 5, seed=0).resample == "runs"
+
+
+def test_seeds_add_runs_and_keep_the_first_seeds_runs():
+    one = ScalingConfig(budgets=[1e11, 2e11, 4e11, 8e11], shapes_per_budget=4)
+    two = one.model_copy(update={"seeds": 2})
+    a, b = isoflop_grid(2e11, one, 1024), isoflop_grid(2e11, two, 1024)
+    assert len(b) == 8 and [(p.model, p.train, p.name) for p in b[:4]] == [(p.model, p.train, p.name) for p in a]
+    assert {p.train.seed for p in b[4:]} == {1} and all(p.name.endswith("/seed1") for p in b[4:])
+    assert [p.model for p in b[4:]] == [p.model for p in a]

@@ -31,11 +31,14 @@ budget_ref (Chinchilla's shape when the exponent is 1/2): the prior only says wh
 finds the optimum. A run depends on (C, k) and the rules alone, never on the other budgets, so its
 version is the same in every sweep that contains it.
 
-Fits (Hoffmann et al., 2022, approach 2), all in natural logs:
+Fits (Hoffmann et al., 2022), all in natural logs. Approach 2, isoFLOP minima:
 
     per budget   L = c2 x^2 + c1 x + c0, x = ln N. Minimum x* = -c1 / (2 c2): N_opt(C), L_opt(C),
                  and D_opt(C) from ln D interpolated linearly in ln N among that budget's runs (so
-                 attention FLOPs count as the runs counted them). Errors by the delta method.
+                 attention FLOPs count as the runs counted them). Errors by the delta method. A
+                 budget whose parabola opens downward, or whose minimum lies outside the sizes
+                 trained, does not bracket its optimum: it is left out (`DroppedBudget`, with the
+                 reason) and the rest are fitted; FitError only when fewer than 3 are left.
     across       N_opt = n0 * C^alpha and D_opt = d0 * C^beta: weighted least squares in log-log.
     frontier     L_opt(C) = a * C^(-b) + e: weighted nonlinear least squares (scipy).
 
@@ -43,11 +46,20 @@ Uncertainties are one standard error. Where the fit has degrees of freedom left,
 scaled up by the reduced chi-square when that exceeds 1 (the points scatter more than their own
 errors say); with none left it is the errors of the inputs propagated.
 
+Approach 3, a parametric law through every run, bracketing or not:
+
+    L(N, D) = E + A / N^alpha + B / D^beta, fitted as ln L = LSE(a - alpha ln N, b - beta ln D, e)
+    with a Huber loss (delta 1e-3) on the residuals of ln L and L-BFGS-B from the best starts of a
+    grid, as Hoffmann et al. Its optimum at C minimises L(N, C / flops_per_token(N)) over N, with
+    flops_per_token = 6N + attention(N) as the runs spent it, so it is consistent with the recipe.
+    Intervals: percentiles of `bootstrap` refits on resampled runs (a fixed seed).
+
 No Prefect, no Ray: numpy, scipy and matplotlib.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -108,12 +120,20 @@ class ScalingConfig(ConfigModel):
     weight_decay: NonNegativeFloat = 0.1
     beta2: Beta = 0.95
     seed: Seed = 0
+    # More than one seed trains every (budget, size) `seeds` times, with seeds seed, seed + 1, ...: the
+    # first keeps the run (and the version) a one-seed sweep has, the others are runs of their own
+    # (`train/<C>/k<size>/seed<s>`). The fits take every seed as a point and the bootstrap then
+    # resamples seeds within each (budget, size) instead of whole runs.
+    seeds: int = Field(1, ge=1, le=16, description="Runs per (budget, size), each with its own seed.")
     # fit
     min_points: int = Field(4, ge=3, description="Runs a budget needs to be fitted (3 fit a parabola "
                                                   "exactly; the 4th gives its uncertainty).")
     forecast: bool = Field(True, description="Fit without the largest budget, train its predicted "
                                              "optimum, and report the error.")
     forecast_goal: float = Field(0.03, gt=0, description="Relative error of the forecast reported as met.")
+    bootstrap: int = Field(200, ge=20, le=5000, description="Refits of the parametric law on resampled runs, "
+                                                          "for its intervals.")
+    interval: float = Field(0.9, gt=0.5, lt=1, description="Probability the forecast's intervals hold.")
     heldout_tokens: int | None = Field(32768, ge=2, description="Held-out tokens each run is scored on "
                                                                  "(None: the whole validation split).")
     cpus_per_run: int = setting(2, ge=1, description="Ray CPUs each run asks for (with `run.max_concurrent` runs at once).")
@@ -173,10 +193,13 @@ class RunPlan:
     params: int  # N (matmul parameters)
     tokens: int  # D, whole steps
     flops: float  # flops_per_token * D: within `tolerance` of the budget
+    seed: int = 0
+    first_seed: bool = True  # the sweep's `scaling.seed`: its name carries no seed
 
     @property
     def name(self) -> str:
-        return f"{budget_label(self.budget)}/k{self.size}"
+        suffix = "" if self.first_seed else f"/seed{self.seed}"
+        return f"{budget_label(self.budget)}/k{self.size}{suffix}"
 
 
 def budget_label(budget: float) -> str:
@@ -184,8 +207,10 @@ def budget_label(budget: float) -> str:
     return f"{budget:.3g}".replace("e+", "e")
 
 
-def plan_run(budget: float, k: int, cfg: ScalingConfig, vocab_size: int) -> RunPlan:
-    """The run of size k that spends `budget`; BudgetError if whole steps cannot come close enough."""
+def plan_run(budget: float, k: int, cfg: ScalingConfig, vocab_size: int, seed: int | None = None) -> RunPlan:
+    """The run of size k that spends `budget` (with `seed`, default `cfg.seed`); BudgetError if whole
+    steps cannot come close enough."""
+    seed = cfg.seed if seed is None else seed
     model = shape(k, cfg, vocab_size)
     per_token = flops_per_token(model)
     batch = batch_size(budget, cfg)
@@ -202,11 +227,12 @@ def plan_run(budget: float, k: int, cfg: ScalingConfig, vocab_size: int) -> RunP
                           f"{miss:+.1%} off (tolerance {cfg.tolerance:.0%}); raise the budget or lower batch_ref")
     train = TrainConfig(batch_size=batch, steps=steps, lr=learning_rate(model, cfg),
                         warmup=max(1, round(cfg.warmup_fraction * steps)), schedule="cosine",
-                        weight_decay=cfg.weight_decay, beta2=cfg.beta2, seed=cfg.seed, eval_batches=1,
+                        weight_decay=cfg.weight_decay, beta2=cfg.beta2, seed=seed, eval_batches=1,
                         # settings, not identity: runs last a minute or two, so one checkpoint at
                         # the end and ~20 log lines (each one waits for the device) are plenty
                         checkpoint_every=steps, log_every=max(1, steps // 20), eval_every=steps)
-    return RunPlan(budget, k, model, train, matmul_params(model), steps * tokens_per_step, flops)
+    return RunPlan(budget, k, model, train, matmul_params(model), steps * tokens_per_step, flops, seed,
+                   seed == cfg.seed)
 
 
 def ladder(cfg: ScalingConfig, vocab_size: int) -> list[tuple[int, int]]:
@@ -232,8 +258,10 @@ def isoflop_sizes(budget: float, cfg: ScalingConfig, vocab_size: int) -> list[in
 
 
 def isoflop_grid(budget: float, cfg: ScalingConfig, vocab_size: int) -> list[RunPlan]:
-    """Every run of one budget; BudgetError names the first run that would miss it."""
-    return [plan_run(budget, k, cfg, vocab_size) for k in isoflop_sizes(budget, cfg, vocab_size)]
+    """Every run of one budget, each size once per seed; BudgetError names the first run that would
+    miss it."""
+    return [plan_run(budget, k, cfg, vocab_size, cfg.seed + i)
+            for i in range(cfg.seeds) for k in isoflop_sizes(budget, cfg, vocab_size)]
 
 
 def nearest_size(n: float, budget: float, cfg: ScalingConfig, vocab_size: int) -> RunPlan:
@@ -247,13 +275,18 @@ def nearest_size(n: float, budget: float, cfg: ScalingConfig, vocab_size: int) -
 
 @dataclass(frozen=True)
 class RunResult:
-    """A finished run: its budget, N, D and held-out loss."""
+    """A finished run: its budget, N, D and held-out loss (and the FLOPs it spent, if known)."""
 
     budget: float
     params: float
     tokens: float
     loss: float
     name: str = ""
+    flops: float | None = None  # flops_per_token * D as the recipe counted it; None: the budget
+
+    @property
+    def flops_per_token(self) -> float:
+        return (self.budget if self.flops is None else self.flops) / self.tokens
 
 
 @dataclass(frozen=True)
@@ -328,34 +361,296 @@ class Frontier:
 
 
 @dataclass(frozen=True)
+class DroppedBudget:
+    """A budget left out of the isoFLOP fit, and why; its runs still count in the parametric fit."""
+
+    budget: float
+    points: int
+    reason: str
+
+
+# Hoffmann et al.'s choices for approach 3: Huber loss with delta 1e-3 on residuals of ln L, and
+# L-BFGS from a grid of starts (theirs: alpha, beta in 0..2, e in -1..1, a, b in 0..25).
+HUBER_DELTA = 1e-3
+START_GRID = np.array(list(itertools.product(
+    [0.0, 5.0, 10.0, 15.0, 20.0, 25.0],  # ln A
+    [0.0, 5.0, 10.0, 15.0, 20.0, 25.0],  # ln B
+    [-1.0, -0.5, 0.0, 0.5, 1.0],         # ln E
+    [0.25, 0.5, 1.0, 1.5],               # alpha
+    [0.25, 0.5, 1.0, 1.5])))             # beta
+STARTS_KEPT = 8  # L-BFGS runs from the starts with the lowest objective, not from all 3,600
+BOUNDS = [(None, None), (None, None), (None, None), (0.01, 3.0), (0.01, 3.0)]
+MIN_RUNS_PARAMETRIC = 8  # 5 parameters, and room left to see the noise
+
+
+@dataclass(frozen=True)
+class ParametricLaw:
+    """L(N, D) = E + A / N^alpha + B / D^beta (Hoffmann et al., 2022, approach 3), fitted to every
+    run, and the FLOPs per token those runs spent, so that its optimum at a budget spends the budget
+    the way the sweep counts it: C = (6N + attention(N)) D, attention(N) = attn_coef * N^attn_exp
+    (a power law through the runs' own attention FLOPs; attn_coef 0 where they spent C = 6ND)."""
+
+    ln_a: float
+    ln_b: float
+    ln_e: float
+    alpha: float
+    beta: float
+    attn_coef: float = 0.0
+    attn_exp: float = 1.0
+    residual_rms: float = 0.0  # of ln L over the runs fitted
+
+    @property
+    def theta(self) -> np.ndarray:
+        return np.array([self.ln_a, self.ln_b, self.ln_e, self.alpha, self.beta])
+
+    def loss(self, n, d) -> np.ndarray:
+        return _loss(self.theta, np.log(np.asarray(n, float)).reshape(-1), np.log(np.asarray(d, float))
+                     .reshape(-1))[0].reshape(np.shape(n))
+
+    def flops_per_token(self, n) -> np.ndarray:
+        n = np.asarray(n, float)
+        return 6 * n + self.attn_coef * n ** self.attn_exp
+
+    def optimum(self, budget: float) -> tuple[float, float, float]:
+        """(N_opt, D_opt, L_opt) at C: the N minimising L(N, C / flops_per_token(N))."""
+        n, d, loss = _optima(self.theta[None], budget, self)
+        return float(n[0]), float(d[0]), float(loss[0])
+
+
+def _loss(thetas: np.ndarray, ln_n: np.ndarray, ln_d: np.ndarray) -> np.ndarray:
+    """L for parameter rows `thetas` (R, 5) (or columns (5, 1)) at points (N, D): shape (R, points)."""
+    a, b, e, alpha, beta = (np.asarray(v, float).reshape(-1, 1) for v in np.asarray(thetas).reshape(-1, 5).T)
+    return np.exp(e) + np.exp(a - alpha * ln_n) + np.exp(b - beta * ln_d)
+
+
+def _optima(thetas: np.ndarray, budget: float, law: ParametricLaw) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """N_opt, D_opt, L_opt at `budget` for each parameter row: a grid over ln N, then a finer one
+    around each row's best point (ln N to ~1e-3), vectorised over rows (one bootstrap is 200)."""
+    def at(ln_n):  # (R, points) -> losses, ln D
+        n = np.exp(ln_n)
+        ln_d = np.log(budget / law.flops_per_token(n))
+        a, b, e, alpha, beta = (t[:, None] for t in np.asarray(thetas).T)
+        return np.exp(e) + np.exp(a - alpha * ln_n) + np.exp(b - beta * ln_d), ln_d
+
+    lo, hi = 0.0, math.log(budget / 60)  # N from 1 to C / 60 (there D >= 10 tokens)
+    coarse = np.linspace(lo, hi, 600)
+    step = coarse[1] - coarse[0]
+    losses, _ = at(np.broadcast_to(coarse, (len(thetas), len(coarse))))
+    best = coarse[np.argmin(losses, axis=1)]
+    fine = best[:, None] + np.linspace(-step, step, 401)[None, :]
+    losses, ln_d = at(fine)
+    i = np.argmin(losses, axis=1)
+    rows = np.arange(len(thetas))
+    return np.exp(fine[rows, i]), np.exp(ln_d[rows, i]), losses[rows, i]
+
+
+def _huber_objective(theta: np.ndarray, ln_n: np.ndarray, ln_d: np.ndarray, ln_l: np.ndarray):
+    """Sum of Huber(ln L_pred - ln L) / delta and its gradient, with ln L_pred = LSE(a - alpha ln N,
+    b - beta ln D, e) (computed stably, as Hoffmann et al. write it)."""
+    a, b, e, alpha, beta = theta
+    t = np.stack([a - alpha * ln_n, b - beta * ln_d, np.full_like(ln_n, e)])
+    top = t.max(axis=0)
+    w = np.exp(t - top)
+    total = w.sum(axis=0)
+    r = top + np.log(total) - ln_l
+    value = np.where(np.abs(r) <= HUBER_DELTA, 0.5 * r * r, HUBER_DELTA * (np.abs(r) - 0.5 * HUBER_DELTA))
+    dr = np.clip(r, -HUBER_DELTA, HUBER_DELTA) / HUBER_DELTA
+    p = w / total
+    grad = np.array([dr @ p[0], dr @ p[1], dr @ p[2], -(dr * p[0]) @ ln_n, -(dr * p[1]) @ ln_d])
+    return float(value.sum()) / HUBER_DELTA, grad
+
+
+def _grid_objective(starts: np.ndarray, ln_n, ln_d, ln_l) -> np.ndarray:
+    """The objective at every start at once (R starts), to choose where L-BFGS begins."""
+    r = np.log(_loss(starts, ln_n, ln_d)) - ln_l
+    return np.where(np.abs(r) <= HUBER_DELTA, 0.5 * r * r, HUBER_DELTA * (np.abs(r) - 0.5 * HUBER_DELTA)).sum(1)
+
+
+def _minimise(starts: np.ndarray, ln_n, ln_d, ln_l) -> np.ndarray:
+    """The best L-BFGS-B minimum over `starts`. It runs on ln N and ln D less their means (then
+    a - alpha ln N is a' - alpha (ln N - mean): a' and alpha no longer move together), which took
+    40% fewer evaluations to the same minima."""
+    from scipy.optimize import minimize
+
+    mn, md = float(ln_n.mean()), float(ln_d.mean())
+    shift = np.array([mn, md])
+    best = None
+    for x0 in starts:
+        x0 = np.array(x0, float)
+        x0[:2] -= x0[3:] * shift
+        res = minimize(_huber_objective, x0, args=(ln_n - mn, ln_d - md, ln_l), jac=True, method="L-BFGS-B",
+                       bounds=BOUNDS, options={"maxiter": 1000, "ftol": 1e-12, "gtol": 1e-8})
+        if best is None or res.fun < best.fun:
+            best = res
+    x = best.x.copy()
+    x[:2] += x[3:] * shift
+    return x
+
+
+def attention_flops(runs: list[RunResult]) -> tuple[float, float]:
+    """(coef, exponent) of the attention FLOPs per token the runs spent, flops_per_token - 6N, as a
+    power law in N (least squares in log-log); (0, 1) where they spent 6N per token."""
+    n = np.array([r.params for r in runs], float)
+    excess = np.array([r.flops_per_token for r in runs]) - 6 * n
+    if np.all(excess <= 1e-6 * 6 * n):
+        return 0.0, 1.0
+    if np.any(excess <= 0) or len(np.unique(n)) < 2:
+        raise FitError(f"the runs' FLOPs per token less 6N ({excess.min():.4g} to {excess.max():.4g}) are not an "
+                       "attention term a power law in N can describe: pass each run's flops as the recipe counted them")
+    exponent, ln_coef = np.polyfit(np.log(n), np.log(excess), 1)
+    return float(math.exp(ln_coef)), float(exponent)
+
+
+def fit_parametric(runs: list[RunResult]) -> ParametricLaw:
+    """L(N, D) = E + A/N^alpha + B/D^beta through every run (module docstring, approach 3)."""
+    budgets = {r.budget for r in runs}
+    if len(runs) < MIN_RUNS_PARAMETRIC or len(budgets) < 2:
+        raise FitError(f"the parametric law has 5 parameters; it needs at least {MIN_RUNS_PARAMETRIC} runs over 2 or "
+                       f"more budgets (at one budget D is a function of N), got {len(runs)} over {len(budgets)}")
+    theta = _fit_theta(runs, START_GRID, STARTS_KEPT)
+    coef, exponent = attention_flops(runs)
+    ln_n, ln_d, ln_l = _logs(runs)
+    resid = ln_l - np.log(_loss(theta, ln_n, ln_d)[0])
+    return ParametricLaw(*(float(v) for v in theta), attn_coef=coef, attn_exp=exponent,
+                         residual_rms=float(np.sqrt(np.mean(resid ** 2))))
+
+
+def _logs(runs: list[RunResult]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return (np.log([r.params for r in runs]), np.log([r.tokens for r in runs]), np.log([r.loss for r in runs]))
+
+
+def _fit_theta(runs: list[RunResult], starts: np.ndarray, kept: int) -> np.ndarray:
+    ln_n, ln_d, ln_l = _logs(runs)
+    order = np.argsort(_grid_objective(starts, ln_n, ln_d, ln_l))[:kept]
+    return _minimise(starts[order], ln_n, ln_d, ln_l)
+
+
+@dataclass(frozen=True)
+class Bootstrap:
+    """The parametric law refitted on resampled runs; its intervals are percentiles of the refits'.
+
+    `resample` is "runs" (draw len(runs) runs with replacement) or, where every (budget, N) has
+    more than one seed, "seeds" (draw within each (budget, N), so every size stays in and only the
+    seed noise is resampled). `noise` holds one draw per refit of a run's own scatter about the law
+    (a residual of ln L of the full fit, scaled by sqrt(n / (n - 5)) for the 5 fitted parameters):
+    a new run's loss is the law's value times exp(noise), so `run_interval` is where one run's
+    measured loss should fall, and `interval` where the law's value (the mean over seeds) should."""
+
+    level: float
+    seed: int
+    resample: str
+    thetas: tuple  # R rows of (ln A, ln B, ln E, alpha, beta)
+    noise: tuple  # R draws of a run's log residual
+
+    def interval(self, values) -> tuple[float, float]:
+        tail = 50 * (1 - self.level)
+        lo, hi = np.percentile(np.asarray(values, float), [tail, 100 - tail])
+        return float(lo), float(hi)
+
+    def at(self, law: ParametricLaw, n: float, d: float) -> dict:
+        """The law at one (N, D) with the interval of its value and of one run's loss."""
+        values = _loss(np.asarray(self.thetas), np.log([n]), np.log([d]))[:, 0]
+        return {"loss": float(law.loss(n, d)), "loss_interval": self.interval(values),
+                "run_interval": self.interval(values * np.exp(np.asarray(self.noise))), "level": self.level}
+
+    def optimum(self, law: ParametricLaw, budget: float) -> dict:
+        """N_opt, D_opt and L_opt at `budget` with their intervals (and one run's loss there)."""
+        n, d, loss = law.optimum(budget)
+        ns, ds, losses = _optima(np.asarray(self.thetas), budget, law)
+        return {"n_opt": n, "n_opt_interval": self.interval(ns), "d_opt": d, "d_opt_interval": self.interval(ds),
+                "loss": loss, "loss_interval": self.interval(losses),
+                "run_interval": self.interval(losses * np.exp(np.asarray(self.noise))), "level": self.level}
+
+
+def bootstrap_parametric(runs: list[RunResult], law: ParametricLaw, replicates: int, level: float = 0.9,
+                         seed: int = 0) -> Bootstrap:
+    """`replicates` refits of `law` on resampled runs (a fixed seed: the same runs give the same
+    intervals). Each refit starts from the full fit's optimum only, not from the grid again. On 30
+    resamples of configs/scaling_cpu.yaml's 35 runs, adding the 8 best grid starts found the same
+    minimum 26 times and a lower one 4 times (L_opt at 2.4e11 moving by up to 0.05 bits/byte), at
+    40x the time (375 s against 9 s on a loaded 2-core machine): the intervals can be a little
+    narrow where the law fits badly."""
+    rng = np.random.default_rng(seed)
+    groups: dict[tuple[float, float], list[int]] = {}
+    for i, r in enumerate(runs):
+        groups.setdefault((r.budget, r.params), []).append(i)
+    by_seed = all(len(g) > 1 for g in groups.values())
+    thetas = []
+    while len(thetas) < replicates:
+        if by_seed:
+            idx = np.concatenate([rng.choice(g, len(g)) for g in groups.values()])
+        else:
+            idx = rng.integers(0, len(runs), len(runs))
+        sample = [runs[i] for i in idx]
+        if len({r.budget for r in sample}) < 2 or len({(r.budget, r.params) for r in sample}) < 6:
+            continue  # a draw that could not identify the law (rare with more than a dozen runs)
+        thetas.append(_minimise(law.theta[None], *_logs(sample)))
+    ln_n, ln_d, ln_l = _logs(runs)
+    resid = (ln_l - np.log(_loss(law.theta, ln_n, ln_d)[0])) * math.sqrt(len(runs) / (len(runs) - 5))
+    noise = resid[rng.integers(0, len(runs), replicates)]
+    return Bootstrap(level=level, seed=seed, resample="seeds" if by_seed else "runs",
+                     thetas=tuple(tuple(float(v) for v in t) for t in thetas), noise=tuple(float(v) for v in noise))
+
+
+@dataclass(frozen=True)
 class ScalingLaw:
+    """Both fits of one sweep: the isoFLOP minima (approach 2) of the budgets that bracket theirs,
+    with the budgets left out and why, and the parametric law (approach 3) over every run."""
+
     budgets: list[IsoFlopFit]
     n_opt: PowerLaw
     d_opt: PowerLaw
     frontier: Frontier
     runs: list[RunResult] = field(default_factory=list)
+    dropped: list[DroppedBudget] = field(default_factory=list)
+    parametric: ParametricLaw | None = None
+    bootstrap: Bootstrap | None = None
 
     def predict(self, budget: float) -> dict:
-        return {"budget": budget,
-                "n_opt": float(self.n_opt(budget)), "ln_n_opt_err": float(self.n_opt.ln_err(budget)),
-                "d_opt": float(self.d_opt(budget)), "ln_d_opt_err": float(self.d_opt.ln_err(budget)),
-                "loss": float(self.frontier(budget)), "loss_err": float(self.frontier.err(budget))}
+        """Both fits' N_opt, D_opt and loss at `budget`: the isoFLOP law's with standard errors, the
+        parametric law's with bootstrap intervals."""
+        out = {"budget": budget,
+               "isoflop": {"n_opt": float(self.n_opt(budget)), "ln_n_opt_err": float(self.n_opt.ln_err(budget)),
+                           "d_opt": float(self.d_opt(budget)), "ln_d_opt_err": float(self.d_opt.ln_err(budget)),
+                           "loss": float(self.frontier(budget)), "loss_err": float(self.frontier.err(budget))}}
+        if self.parametric is not None:
+            if self.bootstrap is not None:
+                out["parametric"] = self.bootstrap.optimum(self.parametric, budget)
+            else:
+                n, d, loss = self.parametric.optimum(budget)
+                out["parametric"] = {"n_opt": n, "d_opt": d, "loss": loss}
+        return out
 
     def to_json(self) -> dict:
         """Everything fitted, as JSON: a readable summary, and the full state for `law_from_json`."""
         f = self.frontier
-        return {
+        data = {
             "convention": "C in FLOPs (6N + attention per token, PaLM); N matmul parameters; D tokens; "
-                          "loss held-out bits per byte; errors are one standard error; ln_*_err and a_rel_err "
-                          "are errors of the natural log (relative errors)",
+                          "loss held-out bits per byte; isoFLOP errors are one standard error; ln_*_err and "
+                          "a_rel_err are errors of the natural log (relative errors); parametric intervals are "
+                          "bootstrap percentile intervals at `bootstrap.level`",
             "n_opt": _law_json(self.n_opt, "N_opt = coefficient * C^exponent"),
             "d_opt": _law_json(self.d_opt, "D_opt = coefficient * C^exponent"),
             "frontier": {"formula": "L(C) = a * C^(-b) + e", "a": f.a, "a_rel_err": f.a_rel_err, "b": f.b,
                          "b_err": f.b_err, "e": f.e, "e_err": f.e_err},
             "budgets": [asdict(b) for b in self.budgets],
+            "dropped": [asdict(d) for d in self.dropped],
             "runs": [asdict(r) for r in self.runs],
             "state": {"n_opt": asdict(self.n_opt), "d_opt": asdict(self.d_opt), "frontier": asdict(f)},
         }
+        if self.parametric is not None:
+            p = self.parametric
+            data["parametric"] = {
+                "formula": "L(N, D) = E + A / N^alpha + B / D^beta; C = (6N + attn_coef N^attn_exp) D",
+                "E": math.exp(p.ln_e), "A": math.exp(p.ln_a), "B": math.exp(p.ln_b), "alpha": p.alpha, "beta": p.beta,
+                # where attention is negligible, N_opt ~ C^(beta / (alpha + beta)) (Hoffmann et al.)
+                "n_opt_exponent_6nd": p.beta / (p.alpha + p.beta), "residual_rms_ln_loss": p.residual_rms}
+            data["state"]["parametric"] = asdict(p)
+        if self.bootstrap is not None:
+            data["bootstrap"] = {"replicates": len(self.bootstrap.thetas), "level": self.bootstrap.level,
+                                 "seed": self.bootstrap.seed, "resample": self.bootstrap.resample}
+            data["state"]["bootstrap"] = asdict(self.bootstrap)
+        return data
 
 
 def law_from_json(data: dict) -> ScalingLaw:
@@ -363,13 +658,18 @@ def law_from_json(data: dict) -> ScalingLaw:
     def nested(value):
         return tuple(nested(v) for v in value) if isinstance(value, list) else value
 
+    def load(cls, fields: dict):
+        return cls(**{k: nested(v) for k, v in fields.items()})
+
     state = data["state"]
     return ScalingLaw(
-        budgets=[IsoFlopFit(**{k: nested(v) for k, v in b.items()}) for b in data["budgets"]],
-        n_opt=PowerLaw(**{k: nested(v) for k, v in state["n_opt"].items()}),
-        d_opt=PowerLaw(**{k: nested(v) for k, v in state["d_opt"].items()}),
-        frontier=Frontier(**{k: nested(v) for k, v in state["frontier"].items()}),
-        runs=[RunResult(**r) for r in data["runs"]])
+        budgets=[load(IsoFlopFit, b) for b in data["budgets"]],
+        n_opt=load(PowerLaw, state["n_opt"]), d_opt=load(PowerLaw, state["d_opt"]),
+        frontier=load(Frontier, state["frontier"]),
+        runs=[RunResult(**r) for r in data["runs"]],
+        dropped=[DroppedBudget(**d) for d in data.get("dropped", [])],
+        parametric=load(ParametricLaw, state["parametric"]) if "parametric" in state else None,
+        bootstrap=load(Bootstrap, state["bootstrap"]) if "bootstrap" in state else None)
 
 
 def _law_json(law: PowerLaw, formula: str) -> dict:
@@ -492,17 +792,40 @@ def fit_frontier(budgets: np.ndarray, losses: np.ndarray, errs: np.ndarray) -> F
                     cov=tuple(tuple(float(v) for v in row) for row in cov), params_ref=(ln_a_ref, b, e))
 
 
-def fit_scaling_law(runs: list[RunResult], min_points: int = 4) -> ScalingLaw:
-    """Every budget's parabola, the two power laws and the frontier, from finished runs."""
+def fit_isoflops(runs: list[RunResult], min_points: int = 4) -> tuple[list[IsoFlopFit], list[DroppedBudget]]:
+    """Each budget's parabola where its runs bracket the optimum; the others left out, with why
+    (too few runs, loss curving downward, or a minimum outside the sizes trained)."""
     by_budget: dict[float, list[RunResult]] = {}
     for r in runs:
         by_budget.setdefault(r.budget, []).append(r)
-    fits = [fit_isoflop(rs, min_points) for _, rs in sorted(by_budget.items())]
+    fits, dropped = [], []
+    for budget, rs in sorted(by_budget.items()):
+        try:
+            fits.append(fit_isoflop(rs, min_points))
+        except FitError as e:
+            dropped.append(DroppedBudget(budget, len(rs), str(e)))
+    return fits, dropped
+
+
+def fit_scaling_law(runs: list[RunResult], min_points: int = 4, bootstrap: int = 200, level: float = 0.9,
+                    seed: int = 0) -> ScalingLaw:
+    """The isoFLOP law from the budgets that bracket their optimum (the rest reported in `dropped`),
+    and the parametric law over every run with `bootstrap` refits for its intervals (0: none).
+    FitError only when fewer than 3 budgets are left for the frontier, naming those dropped."""
+    fits, dropped = fit_isoflops(runs, min_points)
+    if len(fits) < 3:
+        why = "; ".join(f"{budget_label(d.budget)} left out: {d.reason}" for d in dropped) or "none left out"
+        raise FitError(f"the frontier L = a*C^-b + e has 3 parameters and needs at least 3 budgets whose runs bracket "
+                       f"their optimum, got {len(fits)} ({', '.join(budget_label(f.budget) for f in fits) or 'none'}); "
+                       f"{why}. Add budgets, or sizes on the side where a left-out budget's optimum lies")
     c = np.array([f.budget for f in fits])
     n_opt = fit_power_law(c, np.array([f.n_opt for f in fits]), np.array([f.ln_n_opt_err for f in fits]))
     d_opt = fit_power_law(c, np.array([f.d_opt for f in fits]), np.array([f.ln_d_opt_err for f in fits]))
     frontier = fit_frontier(c, np.array([f.loss_opt for f in fits]), np.array([f.loss_opt_err for f in fits]))
-    return ScalingLaw(fits, n_opt, d_opt, frontier, sorted(runs, key=lambda r: (r.budget, r.params)))
+    parametric = fit_parametric(runs)
+    boot = bootstrap_parametric(runs, parametric, bootstrap, level, seed) if bootstrap else None
+    return ScalingLaw(fits, n_opt, d_opt, frontier, sorted(runs, key=lambda r: (r.budget, r.params, r.name)), dropped,
+                      parametric, boot)
 
 
 # --- plots --------------------------------------------------------------------------------------
@@ -528,15 +851,28 @@ def _budget_axis(ax, budgets) -> None:
 
 
 def plot_isoflops(law: ScalingLaw, path: Path) -> None:
-    """Loss against N for each budget: the runs, the fitted parabola and its minimum (with error)."""
+    """Loss against N for each budget: the runs, the fitted parabola and its minimum (with error),
+    the parametric law along the budget (dashed); a budget left out of the isoFLOP fit in hollow
+    markers, without a parabola."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
-    colors = plt.cm.viridis(np.linspace(0, 0.9, len(law.budgets)))
-    for fit, color in zip(law.budgets, colors):
-        pts = [r for r in law.runs if r.budget == fit.budget]
+    budgets = sorted({r.budget for r in law.runs})
+    colors = dict(zip(budgets, plt.cm.viridis(np.linspace(0, 0.9, len(budgets)))))
+    fitted = {f.budget: f for f in law.budgets}
+    for budget in budgets:
+        pts = [r for r in law.runs if r.budget == budget]
         n = np.array([r.params for r in pts])
-        ax.plot(n, [r.loss for r in pts], "o", color=color, label=f"C = {budget_label(fit.budget)}")
         grid = np.exp(np.linspace(np.log(n.min()) - 0.15, np.log(n.max()) + 0.15, 100))
+        color = colors[budget]
+        if law.parametric is not None:
+            p = law.parametric
+            ax.plot(grid, p.loss(grid, budget / p.flops_per_token(grid)), "--", color=color, alpha=0.6, lw=1)
+        if budget not in fitted:
+            ax.plot(n, [r.loss for r in pts], "o", mfc="none", color=color,
+                    label=f"C = {budget_label(budget)} (left out of the isoFLOP fit)")
+            continue
+        fit = fitted[budget]
+        ax.plot(n, [r.loss for r in pts], "o", color=color, label=f"C = {budget_label(fit.budget)}")
         ax.plot(grid, fit.curve(grid), "-", color=color, alpha=0.7)
         lo, hi = fit.n_opt * math.exp(-fit.ln_n_opt_err), fit.n_opt * math.exp(fit.ln_n_opt_err)
         ax.errorbar([fit.n_opt], [fit.loss_opt], xerr=[[fit.n_opt - lo], [hi - fit.n_opt]],
@@ -544,7 +880,7 @@ def plot_isoflops(law: ScalingLaw, path: Path) -> None:
     ax.set_xscale("log")
     ax.set_xlabel("parameters N")
     ax.set_ylabel("held-out bits per byte")
-    ax.set_title("IsoFLOP curves (stars: fitted minima, 1 s.e.)")
+    ax.set_title("IsoFLOP curves (stars: fitted minima, 1 s.e.; dashed: parametric L(N, D))")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -578,8 +914,9 @@ def plot_optimal(law: ScalingLaw, path: Path, extra: list[float] = ()) -> None:
 
 
 def plot_frontier(law: ScalingLaw, path: Path, forecast: dict | None = None) -> None:
-    """Every run's loss against its budget, the minima, and L(C) = a C^-b + e; with `forecast`
-    ({budget, loss, loss_err, actual}), the held-out budget's predicted and measured loss."""
+    """Every run's loss against its budget, the isoFLOP minima and L(C) = a C^-b + e, the
+    parametric law's L_opt(C) with its bootstrap band; with `forecast` ({budget, loss, interval,
+    actual, relative_error}), the held-out budget's predicted loss and the one trained there."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
     ax.plot([r.budget for r in law.runs], [r.loss for r in law.runs], "o", color="0.6", ms=4, label="runs")
@@ -593,9 +930,18 @@ def plot_frontier(law: ScalingLaw, path: Path, forecast: dict | None = None) -> 
             label=f"L = {f.a:.3g} C^-{f.b:.3f} + {f.e:.3f}")
     band = f.err(span)
     ax.fill_between(span, f(span) - band, f(span) + band, color="C0", alpha=0.15)
+    if law.parametric is not None:
+        p, boot = law.parametric, law.bootstrap
+        some = span[np.linspace(0, len(span) - 1, 15).round().astype(int)]  # ends included; 200 refits each
+        ax.plot(some, [p.optimum(c)[2] for c in some], "-", color="C2",
+                label=f"parametric L_opt(C) (alpha {p.alpha:.2f}, beta {p.beta:.2f})")
+        if boot is not None:
+            band = np.array([boot.interval(_optima(np.asarray(boot.thetas), c, p)[2]) for c in some])
+            ax.fill_between(some, band[:, 0], band[:, 1], color="C2", alpha=0.15)
     if forecast:
-        ax.errorbar([forecast["budget"]], [forecast["loss"]], yerr=[forecast["loss_err"]], fmt="D", color="C3",
-                    capsize=3, label=f"forecast at {budget_label(forecast['budget'])}")
+        lo, hi = forecast["interval"]
+        ax.errorbar([forecast["budget"]], [forecast["loss"]], yerr=[[forecast["loss"] - lo], [hi - forecast["loss"]]],
+                    fmt="D", color="C3", capsize=3, label=f"forecast at {budget_label(forecast['budget'])}")
         ax.plot([forecast["budget"]], [forecast["actual"]], "X", color="k", ms=10,
                 label=f"trained: {forecast['actual']:.4f} ({forecast['relative_error']:+.2%})")
     _budget_axis(ax, [*c, forecast["budget"]] if forecast else c)
