@@ -12,6 +12,7 @@ import os
 import platform
 import subprocess
 import sys
+import threading
 from datetime import datetime, timezone
 from functools import lru_cache
 from importlib import metadata
@@ -84,6 +85,9 @@ def _module_closure(start: list[Path]) -> list[Path]:
     return sorted(seen)
 
 
+_PARSING = threading.Lock()
+
+
 @lru_cache(maxsize=1024)
 def _kiln_imports(path: str, mtime_ns: int, size: int) -> tuple[str, ...]:
     """The kiln module files that `path` imports (cached while the file stays the same)."""
@@ -91,7 +95,9 @@ def _kiln_imports(path: str, mtime_ns: int, size: int) -> tuple[str, ...]:
     if not Path(path).name == "__init__.py":
         package = package.rpartition(".")[0]
     names = []
-    for node in _executed(ast.parse(Path(path).read_bytes())):
+    with _PARSING:  # CPython 3.11's ast.parse is not safe in two threads at once (steps run side by side)
+        tree = ast.parse(Path(path).read_bytes())
+    for node in _executed(tree):
         if isinstance(node, ast.Import):
             names += [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
