@@ -3,7 +3,7 @@ step computed once, and how many Ray instances served them?
 
 Each run is the quickstart (configs/tiny_cpu.yaml) with its own number of train steps (`--steps`,
 `--steps + 1`, ...), so the data steps are shared and each train step is its own. With `--server`
-every run talks to one Prefect server started here (on 127.0.0.1, SQLite in a folder of its own);
+every run talks to one Prefect server started here (flows.server.start_sqlite: 127.0.0.1, SQLite);
 without, each uses Prefect's ephemeral API, as a laptop does. kiln's local Ray lives in a folder
 of this benchmark's (KILN_RAY_DIR), so the keepers that started are counted from its log.
 
@@ -22,17 +22,18 @@ import collections
 import contextlib
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from flows import server  # noqa: E402
 KILN = [sys.executable, "-m", "flows.cli"]
 
 
@@ -67,35 +68,12 @@ def write_configs(folder: Path, runs: int, steps: int) -> list[Path]:
 
 @contextlib.contextmanager
 def prefect_server(folder: Path):
-    """A Prefect server on a free port of 127.0.0.1 (SQLite under `folder`); yields its API URL."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "PREFECT_HOME": str(folder / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-    with open(folder / "prefect-server.log", "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-                                 "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    url = f"http://127.0.0.1:{port}/api"
+    """kiln's team server on SQLite (flows/server.py) on free ports of 127.0.0.1; yields its API URL."""
+    state = server.start_sqlite(folder / "server", "127.0.0.1", server.free_ports(), timeout_s=180)
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                urllib.request.urlopen(f"{url}/health", timeout=2).read()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("the Prefect server did not start; its log ends:\n"
-                                       + (folder / "prefect-server.log").read_text()[-3000:])
-                time.sleep(0.5)
-        yield url
+        yield state["api_url"]
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, 15)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
+        server.stop(folder / "server")
 
 
 def run_all(folder: Path, runs: int, steps: int, api_url: str | None) -> dict:

@@ -23,8 +23,6 @@ import argparse
 import json
 import os
 import re
-import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -48,31 +46,11 @@ BASE = {"name": "team-load",
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_backend(backend: str, folder: Path, timeout_s: float) -> dict:
     """The Prefect server and Redis; returns server.json's record (PostgreSQL too for `postgres`)."""
-    ports = server.Ports(free_port(), free_port(), free_port())
-    if backend == "postgres":
-        return server.start(folder, "127.0.0.1", ports, timeout_s)
-    folder.mkdir(parents=True)
-    deadline = time.monotonic() + timeout_s
-    state = {"folder": str(folder), "host": "127.0.0.1"}
-    try:
-        state["redis"] = server.start_redis(folder, shutil.which("redis-server"), "127.0.0.1", ports.redis, deadline)
-        server._save(folder, state)
-        state["prefect"] = server.start_prefect(folder, f"sqlite+aiosqlite:///{folder}/prefect.db", "127.0.0.1",
-                                                ports.prefect, deadline)
-        server._save(folder, state)
-    except BaseException:
-        server.stop(folder)
-        raise
-    return {**state, "api_url": server.api_url("127.0.0.1", ports.prefect),
-            "lock_url": server.lock_url("127.0.0.1", ports.redis)}
+    ports = server.free_ports()
+    start = server.start if backend == "postgres" else server.start_sqlite
+    return start(folder, "127.0.0.1", ports, timeout_s)
 
 
 def start_workers(n: int, pool: str, api: str, folder: Path) -> list[subprocess.Popen]:

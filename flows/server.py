@@ -24,6 +24,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -50,14 +51,26 @@ class Ports:
     redis: int = 6380  # not 6379, for the same reason
 
 
+def free_ports() -> Ports:
+    """Three ports free on 127.0.0.1 now, for a server of its own (benchmarks, tests)."""
+    with contextlib.ExitStack() as held:
+        socks = [held.enter_context(socket.socket()) for _ in range(3)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return Ports(*(s.getsockname()[1] for s in socks))
+
+
+def _reached_at(host: str) -> str:
+    """The address a client on this machine uses for a server bound to `host`."""
+    return "127.0.0.1" if host in ("0.0.0.0", "::") else host
+
+
 def api_url(host: str, port: int) -> str:
-    shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-    return f"http://{shown}:{port}/api"
+    return f"http://{_reached_at(host)}:{port}/api"
 
 
 def lock_url(host: str, port: int) -> str:
-    shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-    return f"redis://{shown}:{port}/0"
+    return f"redis://{_reached_at(host)}:{port}/0"
 
 
 # --- start -----------------------------------------------------------------------------------------
@@ -96,6 +109,25 @@ def start(folder: Path, host: str = "127.0.0.1", ports: Ports = Ports(), timeout
     state["lock_url"] = lock_url(host, ports.redis)
     _save(folder, state)
     return state
+
+
+def start_sqlite(folder: Path, host: str = "127.0.0.1", ports: Ports = Ports(), timeout_s: float = 300) -> dict:
+    """The same server on SQLite (`folder`/prefect.db) instead of PostgreSQL, with Redis: what
+    the benchmarks compare against (benchmarks/team_load.py, concurrent_runs.py); `stop` ends it."""
+    folder = Path(folder).resolve()
+    folder.mkdir(parents=True, exist_ok=True)
+    state: dict = {"folder": str(folder), "host": host, "ports": vars(ports), "started_at": time.time()}
+    deadline = time.monotonic() + timeout_s
+    try:
+        state["redis"] = start_redis(folder, shutil.which("redis-server"), host, ports.redis, deadline)
+        _save(folder, state)
+        state["prefect"] = start_prefect(folder, f"sqlite+aiosqlite:///{folder}/prefect.db", host, ports.prefect,
+                                         deadline)
+        _save(folder, state)
+    except BaseException:
+        stop(folder)
+        raise
+    return {**state, "api_url": api_url(host, ports.prefect), "lock_url": lock_url(host, ports.redis)}
 
 
 def postgres_bin() -> Path:
@@ -301,8 +333,6 @@ def _loopback(host: str) -> bool:
 
 
 def _port_taken(host: str, port: int) -> bool:
-    import socket
-
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -338,8 +368,8 @@ def alive(record: dict | None) -> psutil.Process | None:
         proc = psutil.Process(record["pid"])
         if abs(proc.create_time() - record["created"]) < 1 and proc.status() != psutil.STATUS_ZOMBIE:
             return proc
-    except psutil.Error:
-        pass
+    except psutil.Error:  # gone (or never ours to see): not running
+        return None
     return None
 
 
@@ -415,7 +445,7 @@ def how_to_use(state: dict) -> str:
     """What `kiln server start` prints: the URLs, and how to point kiln's runs and workers at them."""
     folder, host = state["folder"], state["host"]
     lines = [f"kiln server: running in {folder}",
-             f"  Prefect UI      http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{state['prefect']['port']}"
+             f"  Prefect UI      http://{_reached_at(host)}:{state['prefect']['port']}"
              f"  (PostgreSQL on 127.0.0.1:{state['postgres']['port']}, database {DATABASE})",
              f"  Prefect API     {state['api_url']}",
              f"  step locks      {state['lock_url']}",
