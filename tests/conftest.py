@@ -77,7 +77,7 @@ def pytest_configure(config):
 # --no-loadscope-reorder` xdist hands out files in collection order, so the long ones start early
 # instead of leaving one worker alone with the two-node test at the end; files that hold the Ray
 # lock exclusively (two_nodes, private_ray) sit between files that start no Ray.
-LONGEST_FIRST = ["test_phases.py",  # ~210: four kiln runs of a cooldown experiment
+LONGEST_FIRST = ["test_phases.py",  # ~130 (the four-run cooldown test is slow)
                  "test_two_nodes.py",  # ~180, Ray lock exclusive
                  "test_foundation.py",  # ~150, no Ray
                  "test_deployments.py",  # ~110, no Ray

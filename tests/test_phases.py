@@ -80,6 +80,9 @@ def test_the_shipped_cooldown_config_plans_one_stable_run_and_three_branches():
     assert all(s.inputs["init"].key == trains[0].key for s in trains[1:])
 
 
+# ~7 min of one CI worker (four kiln runs): slow; test_starting_from_a_published_version_... runs a
+# phase end to end in CI, and benchmarks/configs_check.py runs configs/cooldown_cpu.yaml
+@pytest.mark.slow
 @pytest.mark.ray  # its training starts a local Ray: tests/conftest.py ray_lock
 def test_cooldown_branches_share_the_stable_run_resume_bitwise_and_rerun_alone(tmp_path, capsys):
     config, store = tmp_path / "cool.yaml", tmp_path / "store"
