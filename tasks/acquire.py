@@ -56,9 +56,10 @@ class SourceConfig(ConfigModel):
                           "without one gets `<file>:<line>`. Document ids are `<name>/<own id>`.")
     storage_options: dict[str, Any] | None = setting(
         None, description="fsspec storage options for URL paths, e.g. `{client_kwargs: {endpoint_url: ...}}` "
-        "for an S3-compatible server; never part of a version. Credentials only as `${ENV_VAR}` references, "
-        "read from the environment when the files are opened (a literal one is refused: it would be written "
-        "into lineage and Prefect's database), or from fsspec's own configuration (AWS_* variables, ...).")
+        "for an S3-compatible server; never part of a version. Credentials only as references, read when "
+        "the files are opened: `${ENV_VAR}` (the environment) or `${prefect-secret:BLOCK}` (a Prefect Secret "
+        "block of the Prefect API kiln runs against); a literal one is refused: it would be written into "
+        "lineage and Prefect's database. Or leave them to fsspec's own configuration (AWS_* variables, ...).")
     split: str = "train"
     limit: int | None = Field(None, ge=1, description="Keep only the first N documents of this source.")
 
@@ -68,7 +69,8 @@ class SourceConfig(ConfigModel):
         if literal:
             raise ValueError(f"storage_options.{literal[0]} holds a literal credential, which kiln would write into "
                              "lineage.json and Prefect's database: put it in an environment variable and write "
-                             "'${NAME}' (read when the files are opened), or leave credentials to fsspec's own "
+                             "'${NAME}', or in a Prefect Secret block and write '${prefect-secret:BLOCK}' (read "
+                             "when the files are opened), or leave credentials to fsspec's own "
                              "configuration (e.g. AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY)")
         if self.kind == "package" and self.package not in PACKAGE_CORPORA:
             raise ValueError(f"package must be one of {sorted(PACKAGE_CORPORA)}, got {self.package!r}")
@@ -203,29 +205,35 @@ def expand_paths(patterns: list[str]) -> list[Path]:
 
 
 CREDENTIAL = re.compile(r"key|secret|token|password|passwd|credential", re.IGNORECASE)
+# `${NAME}`: an environment variable; `${prefect-secret:NAME}`: a Prefect Secret block (its names
+# are lowercase letters, digits and dashes)
 ENV_REFERENCE = re.compile(r"^\$\{([A-Za-z_][A-Za-z0-9_]*)\}$")
+SECRET_REFERENCE = re.compile(r"^\$\{prefect-secret:([a-z0-9-]+)\}$")
 
 
 def literal_credentials(options: dict, prefix: str = "") -> list[str]:
     """The dotted paths of values under credential-like keys (key, secret, token, password, ...)
-    that are not `${ENV_VAR}` references."""
+    that are not `${ENV_VAR}` or `${prefect-secret:BLOCK}` references."""
     found = []
     for name, value in options.items():
         path = f"{prefix}{name}"
         if isinstance(value, dict):
             found += literal_credentials(value, path + ".")
         elif CREDENTIAL.search(str(name)) and value is not None and not (
-                isinstance(value, str) and ENV_REFERENCE.match(value)):
+                isinstance(value, str) and (ENV_REFERENCE.match(value) or SECRET_REFERENCE.match(value))):
             found.append(path)
     return found
 
 
 def from_environment(options: dict, source: str) -> dict:
-    """`options` with every `${ENV_VAR}` string replaced by that variable's value, at the moment
-    the files are opened (never stored)."""
+    """`options` with every `${ENV_VAR}` string replaced by that variable's value and every
+    `${prefect-secret:BLOCK}` by that Secret block's, at the moment the files are opened (never stored)."""
     def resolve(value):
         if isinstance(value, dict):
             return {k: resolve(v) for k, v in value.items()}
+        secret = SECRET_REFERENCE.match(value) if isinstance(value, str) else None
+        if secret is not None:
+            return prefect_secret(secret.group(1), source)
         match = ENV_REFERENCE.match(value) if isinstance(value, str) else None
         if match is None:
             return value
@@ -235,6 +243,18 @@ def from_environment(options: dict, source: str) -> dict:
         return os.environ[match.group(1)]
 
     return resolve(options)
+
+
+def prefect_secret(name: str, source: str) -> str:
+    """The value of the Prefect Secret block `name`, from the Prefect API this process runs against."""
+    from prefect.blocks.system import Secret
+
+    try:
+        return Secret.load(name, _sync=True).get()
+    except ValueError as e:  # Prefect's "Unable to find block document named ..."
+        raise KeyError(f"source {source}: storage_options names ${{prefect-secret:{name}}}, but the Prefect API "
+                       f"kiln runs against has no Secret block {name!r} ({e}): create it in the UI (Blocks) or "
+                       f"with `Secret(value=...).save({name!r})`") from None
 
 
 def source_files(src: SourceConfig) -> list[SourceFile]:

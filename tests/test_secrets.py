@@ -1,12 +1,15 @@
 """No secrets at rest: a source's credentials live in the environment (`${ENV_VAR}` in
-storage_options), are read when its files are opened, and appear nowhere kiln writes: not the
-store (lineage, outputs, locks, Prefect results), not Prefect's database, not the run's output. A
-literal credential in a config is refused, naming the field."""
+storage_options) or in a Prefect Secret block (`${prefect-secret:BLOCK}`), are read when its files
+are opened, and appear nowhere kiln writes: not the store (lineage, outputs, locks, Prefect
+results), not Prefect's database, not the run's output. A literal credential in a config is
+refused, naming the field."""
 
 from __future__ import annotations
 
 import json
 import secrets
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -63,3 +66,22 @@ def test_a_planted_secret_is_nowhere_kiln_writes(tmp_path, monkeypatch):
         without = kiln("run", str(path), "--store", str(tmp_path / "other"), "--until", "acquire", env=env,
                        check=False)
         assert without.returncode != 0 and "KILN_TEST_S3_KEY" in without.stdout + without.stderr
+
+        # The secret from a Prefect Secret block instead (the API's database keeps it encrypted)
+        options = config["data"]["sources"][0]["storage_options"]
+        options["secret"] = "${prefect-secret:kiln-test-s3}"
+        path.write_text(yaml.safe_dump(config))
+        missing = kiln("run", str(path), "--store", str(tmp_path / "other"), "--until", "acquire",
+                       env={**env, "KILN_TEST_S3_KEY": key}, check=False)
+        assert missing.returncode != 0 and "no Secret block 'kiln-test-s3'" in missing.stdout + missing.stderr
+        save = "import sys; from prefect.blocks.system import Secret; Secret(value=sys.stdin.read()).save('kiln-test-s3')"
+        subprocess.run([sys.executable, "-c", save], input=secret, text=True, env=env, check=True, timeout=120)
+        blocks_store = tmp_path / "blocks-store"
+        run = kiln("run", str(path), "--store", str(blocks_store), "--until", "acquire",
+                   env={**env, "KILN_TEST_S3_KEY": key})
+        (lineage,) = blocks_store.glob("acquire/*/lineage.json")
+        assert json.loads(lineage.read_text())["stats"]["documents"] == 12
+        assert "${prefect-secret:kiln-test-s3}" in lineage.read_text()
+        assert secret not in run.stdout + run.stderr
+        assert files_holding(blocks_store, secret.encode()) == []
+        assert files_holding(Path(env["PREFECT_HOME"]), secret.encode()) == []
