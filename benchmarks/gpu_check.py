@@ -35,10 +35,10 @@ import jax
 sys.path.insert(0, str(Path(__file__).parent))
 from train_bench import make_batches, run_bare, train_config  # noqa: E402
 
-from training.config import ModelConfig, model_and_train  # noqa: E402
+from training.config import ModelConfig, flops_per_token, model_and_train  # noqa: E402
 from training.loop import train  # noqa: E402
 from training.metrics import DECLARED_PEAK, measured_matmul_peak  # noqa: E402
-from training.model import flops_per_token, init_params, param_count  # noqa: E402
+from training.model import init_params, param_count  # noqa: E402
 
 CONFIGS = Path(__file__).parents[1] / "configs"
 PRESETS = ("small_gpu", "medium_gpu")

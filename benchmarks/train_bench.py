@@ -5,7 +5,7 @@
   torch  the same architecture in PyTorch (eager; --torch-compile adds torch.compile), starting
          from the same weights on the same batches; its first losses are checked against JAX's
 
-and MFU: model FLOPs per token (training/model.py's `flops_per_token`) times tokens/s, over the
+and MFU: model FLOPs per token (training/config.py's `flops_per_token`) times tokens/s, over the
 float32 matmul peak measured here (CPU) or the device's data-sheet peak (--device gpu, bfloat16
 compute, configs/small_gpu.yaml and configs/medium_gpu.yaml). Each contender runs `--rounds` times, interleaved
 so that a change in machine load hits all of them; the best round counts.
@@ -31,10 +31,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from training.config import ModelConfig, TrainConfig, model_and_train
+from training.config import ModelConfig, TrainConfig, flops_per_token, model_and_train
 from training.loop import train
 from training.metrics import DECLARED_PEAK, measured_matmul_peak
-from training.model import flops_per_token, init_params, param_count
+from training.model import init_params, param_count
 from training.optim import lr_schedule, make_optimizer
 from training.step import init_state, make_train_step
 

@@ -33,7 +33,7 @@ from tasks.train import train_step
 from tasks.engine.step import Step, upstream_order
 from tasks.engine.store import Store
 from tasks.engine.caching import lock_manager
-from training.config import ConfigModel, ModelConfig
+from training.config import KEPT_DIR, ConfigModel, ModelConfig
 
 if TYPE_CHECKING:
     from flows.experiment import Experiment
@@ -260,8 +260,6 @@ def missing_kept_step(step: Step, store: Store) -> str | None:
     """A warning when a step not yet run starts from (train.init) or evaluates (eval.checkpoints)
     a step of a train output that is done but did not keep it: trained before anything named it
     (what a train output keeps is a setting, so its version, and the cache hit, stay)."""
-    from training.hooks import KEPT_DIR
-
     if step.stage == "train" and "init" in step.inputs and step.config.train.init is not None:
         parent, init = step.inputs["init"], step.config.train.init
         trained = store.read_lineage(parent.stage, parent.version)["stats"].get("steps") \

@@ -43,7 +43,6 @@ from pydantic import Field, model_validator
 from tasks.engine.documents import read_documents
 from tasks.tokenize import is_validation
 from training.config import ConfigModel, Seed, files
-from training.posttrain import check_messages
 
 if TYPE_CHECKING:
     from tasks.engine.step import Step, StepContext
@@ -143,6 +142,8 @@ def _rows(path: Path) -> Iterator[dict]:
 
 def file_records(paths: list[Path]) -> tuple[list[dict], list[dict]]:
     """(conversations, preference pairs) from the rows of JSON-lines files / datasets folders."""
+    from training.posttrain import check_messages  # posttrain imports JAX: loaded when the step runs
+
     convs, pairs = [], []
     for path in paths:
         if not path.exists():

@@ -36,13 +36,12 @@ from tasks.sft import (EVAL_DIR, TEMPLATE_FILE, comparison, evaluate_model, read
                        relay_to)
 from tasks.tokenizer import load_tokenizer, read_tokenizer_meta
 from training.config import ConfigModel, ResourcesConfig, TrainConfig, setting
-from training.launch import launch_training
 from training.metrics import read_metrics
-from training.posttrain import CHAT_TEMPLATE, ChatTemplate, DPOObjective, open_rows, pad_pairs, save_rows
 from training.tracking import TrackingConfig, tracked
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # JAX, orbax and Ray load when the step runs, not for `kiln plan`
     from tasks.engine.step import Step, StepContext
+    from training.posttrain import ChatTemplate
 
 # 2: rejected answers may be generated; 3: the shared training step's attention in query blocks changes the
 # last bits of the parameters; 4: so does its rotary in one fused pass
@@ -75,7 +74,7 @@ def generated_pairs(model_dir: Path, tokenizer_dir: Path, chat_dir: Path, out: P
     """A copy of the chat data's pairs whose rejected answers are the model's greedy answers."""
     from evaluation.adapter import KilnLM
     from training.loop import load_model
-    from training.posttrain import END_OF_TURN
+    from training.posttrain import END_OF_TURN, ChatTemplate
 
     model_cfg, params = load_model(Path(model_dir))
     tokenizer = load_tokenizer(tokenizer_dir)
@@ -100,6 +99,9 @@ def generated_pairs(model_dir: Path, tokenizer_dir: Path, chat_dir: Path, out: P
 
 
 def run_dpo(ctx: StepContext) -> dict:
+    from training.launch import launch_training
+    from training.posttrain import CHAT_TEMPLATE, ChatTemplate, DPOObjective, open_rows, pad_pairs, save_rows
+
     cfg: DPOConfig = ctx.config
     model_dir, tokenizer_dir, pairs_dir = ctx.inputs["model"], ctx.inputs["tokenizer"], ctx.inputs["pairs"]
     model_cfg = read_model_config(model_dir)

@@ -30,7 +30,7 @@ from tasks.engine.documents import read_documents
 from tasks.engine.step import Step, StepContext
 from tasks.tokenize import is_validation
 from tasks.tokenizer import load_tokenizer, read_tokenizer_meta
-from training.config import ConfigModel, files, identity_when_set, setting
+from training.config import KEPT_DIR, ConfigModel, files, identity_when_set, setting
 from training.data import TokenDataset, read_meta
 
 if TYPE_CHECKING:  # lm-eval (with datasets and pandas) and JAX load when a model is evaluated, not for plans
@@ -99,8 +99,6 @@ def model_at(model_dir: Path, step: int | None) -> Path:
     """The model folder of a train output (`step` None), or of one step it kept (`steps/<step>/`)."""
     if step is None:
         return model_dir
-    from training.loop import KEPT_DIR
-
     folder = model_dir / KEPT_DIR / str(step)
     if not (folder / "params.safetensors").is_file():
         kept = sorted(int(p.name) for p in (model_dir / KEPT_DIR).glob("*")) if (model_dir / KEPT_DIR).is_dir() else []

@@ -20,16 +20,13 @@ import functools
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from evaluation.chat import ChatEvalConfig, chat_evaluate
+from evaluation.chat import ChatEvalConfig
 from tasks.chat_data import read_records
 from tasks.tokenizer import load_tokenizer, read_tokenizer_meta
 from training.config import ConfigModel, ModelConfig, ResourcesConfig, TrainConfig, setting
-from training.launch import launch_training
-from training.loop import load_model
-from training.posttrain import CHAT_TEMPLATE, ChatTemplate, SFTObjective, open_rows, pack, save_rows
 from training.tracking import TrackingConfig, tracked
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # JAX, orbax and Ray load when the step runs, not for `kiln plan`
     from tasks.engine.step import Step, StepContext
 
 # 2: the shared training step's attention in query blocks changes the last bits of the parameters;
@@ -58,6 +55,9 @@ def read_model_config(model_dir: Path) -> ModelConfig:
 
 def evaluate_model(model_dir: Path, tokenizer_dir: Path, chat_dir: Path, out_dir: Path, cfg: ChatEvalConfig) -> dict:
     """The chat evaluation of one model folder on the chat data's held-out part."""
+    from evaluation.chat import chat_evaluate
+    from training.loop import load_model
+
     model_cfg, params = load_model(model_dir)
     return chat_evaluate(model_cfg, params, load_tokenizer(tokenizer_dir), read_tokenizer_meta(tokenizer_dir)["eos_id"],
                          read_records(Path(chat_dir) / "sft_eval.jsonl"), read_records(Path(chat_dir) / "pairs_eval.jsonl"),
@@ -80,6 +80,9 @@ def relay_to(ctx: StepContext, steps: int):
 
 
 def run_sft(ctx: StepContext) -> dict:
+    from training.launch import launch_training
+    from training.posttrain import CHAT_TEMPLATE, ChatTemplate, SFTObjective, open_rows, pack, save_rows
+
     cfg: SFTConfig = ctx.config
     model_dir, tokenizer_dir, chat_dir = ctx.inputs["model"], ctx.inputs["tokenizer"], ctx.inputs["chat"]
     model_cfg = read_model_config(model_dir)

@@ -17,7 +17,6 @@ from evaluation.suite import SuiteConfig
 from training.config import (ConfigModel, Fraction, MixtureSourceConfig, ModelConfig, ResourcesConfig, TrainConfig,
                              setting)
 from training.data import read_meta
-from training.launch import TokenSource, launch_training, token_data
 from training.tracking import TrackingConfig, tracked
 
 if TYPE_CHECKING:  # tasks.engine.step imports Prefect; Ray workers that import this module skip it
@@ -56,6 +55,8 @@ class MixtureTrainStepConfig(TrainStepConfig):
 
 
 def run_train(ctx: StepContext) -> dict:
+    from training.launch import TokenSource, launch_training, token_data  # Ray and JAX: when the step runs
+
     cfg: TrainStepConfig = ctx.config
     mixture = cfg.mixture if isinstance(cfg, MixtureTrainStepConfig) else None
     tokens = ctx.located("tokens") if mixture is None else [

@@ -15,8 +15,8 @@ import jax
 import pytest
 
 from training.capacity import fits, report, table
-from training.config import ModelConfig, TrainConfig
-from training.model import flops_per_token, init_params, param_count
+from training.config import ModelConfig, TrainConfig, flops_per_token
+from training.model import init_params, param_count
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, seq_len=64)

@@ -305,6 +305,24 @@ def test_every_shipped_config_validates_and_plans(path):
     assert expected <= stages
 
 
+def test_plan_loads_no_training_or_evaluation_library(tmp_path):
+    """`kiln plan` (every shipped config) imports none of JAX, Ray, orbax, lm-eval or torch: they
+    load when a step runs, so that planning costs little more than importing Prefect (issue 25's
+    `benchmarks/plan_bench.py` measures the ratio). A module-level import in a stage fails this."""
+    heavy = ("jax", "ray", "orbax", "flax", "optax", "lm_eval", "datasets", "torch", "transformers")
+    configs = sorted(str(p) for p in (REPO / "configs").glob("*.yaml"))
+    script = textwrap.dedent(f"""
+        import sys
+        from flows.cli import main
+        for config in {configs!r}:
+            assert main(["plan", config, "--store", {str(tmp_path / "store")!r}, "--json"]) in (0, None), config
+        print("loaded:", *sorted(m for m in {heavy!r} if m in sys.modules))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines()[-1] == "loaded:", f"kiln plan imported {out.stdout.splitlines()[-1]}"
+
+
 def test_configuration_reference_matches_the_models():
     from flows.reference import reference
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from training.model import flops_per_token
+from training.config import flops_per_token
 from training.scaling import (BudgetError, FitError, ParametricLaw, RunResult, ScalingConfig, bootstrap_parametric,
                               fit_isoflop, fit_parametric, fit_scaling_law, isoflop_grid, law_from_json, matmul_params,
                               nearest_size, plan_run, plot_frontier, plot_isoflops, plot_optimal, shape)

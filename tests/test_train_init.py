@@ -11,7 +11,8 @@ import pytest
 
 from tests.test_training_kjv_data import WindowBatches, kjv_tokens
 from tests.test_training_loop import tiny
-from training.hooks import KEPT_DIR, Hook
+from training.config import KEPT_DIR
+from training.hooks import Hook
 from training.loop import StartFrom, load_model, train
 from training.metrics import read_metrics
 from training.optim import lr_schedule

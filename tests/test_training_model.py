@@ -11,8 +11,8 @@ import numpy as np
 import optax
 import pytest
 
-from training.config import ModelConfig, TrainConfig, model_and_train
-from training.model import (cached_attention, causal_attention, decode_step, flops_per_token, forward, init_cache,
+from training.config import ModelConfig, TrainConfig, flops_per_token, model_and_train
+from training.model import (cached_attention, causal_attention, decode_step, forward, init_cache,
                             init_params, param_count, project, query_blocks)
 from training.optim import lr_schedule, make_optimizer, matrices_only
 from training.step import cross_entropy, init_state, loss_fn, make_train_step

@@ -52,7 +52,8 @@ def plan(model_cfg, train_cfg, devices=None) -> dict:
     import jax
     import numpy as np
 
-    from training.model import flops_per_token, param_count
+    from training.config import flops_per_token
+    from training.model import param_count
     from training.optim import make_optimizer
     from training.sharding import batch_sharding, make_mesh, state_shardings
     from training.step import compiler_options, how_it_runs, init_state, make_train_step

@@ -33,6 +33,12 @@ OpenFraction = Annotated[float, Field(gt=0, le=1)]  # (0, 1]: a share that canno
 HalfOpenFraction = Annotated[float, Field(ge=0, lt=1)]  # [0, 1): a share that cannot be everything
 Beta = Annotated[float, Field(ge=0, lt=1)]  # Adam's moment decay rates
 
+# Where a train output keeps the steps `TrainConfig.kept_steps` names (the loop writes them, plans
+# and evaluations read them): <work folder and output>/steps/<step>/, and in it checkpoint/, that
+# step's whole train state (an orbax folder of that one step).
+KEPT_DIR = "steps"
+KEPT_STATE = "checkpoint"
+
 
 def setting(default: Any = ..., **kwargs: Any) -> Any:
     """A field that cannot change the bytes of the output (worker count, log interval, addresses).
@@ -124,6 +130,24 @@ class ModelConfig(ConfigModel):
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary positions; change d_model or n_heads")
         return self
+
+
+def flops_per_token(cfg: ModelConfig) -> float:
+    """Training FLOPs per token (forward + backward), PaLM's convention (Chowdhery et al. 2022,
+    appendix B):
+
+        6 * N  +  12 * L * H * Q * T
+
+    N counts the parameters that multiply activations in matmuls: every projection in every
+    layer plus the output projection V*D (also when tied to the embedding); the input embedding
+    lookup and the norm weights do no matmul and are left out. The second term is attention's
+    QK^T and AV (2 * 2 * T * H * Q per token per layer forward, x3 for forward + backward), with
+    L layers, H query heads, Q head dim and T = seq_len; it is not halved for the causal mask.
+    """
+    D, F, Q = cfg.d_model, cfg.d_ff, cfg.head_dim
+    per_layer = D * cfg.n_heads * Q * 2 + D * cfg.n_kv_heads * Q * 2 + 3 * D * F
+    n_matmul = cfg.n_layers * per_layer + D * cfg.vocab_size
+    return 6.0 * n_matmul + 12.0 * cfg.n_layers * cfg.n_heads * Q * cfg.seq_len
 
 
 class MeshConfig(ConfigModel):

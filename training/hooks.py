@@ -26,13 +26,11 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from training.checkpoint import Checkpoints
-from training.config import LoraConfig, ModelConfig, TrainConfig
+from training.config import KEPT_DIR, KEPT_STATE, LoraConfig, ModelConfig, TrainConfig
 from training.metrics import MetricsLog, plot_loss
 from training.step import model_params
 
 
-KEPT_DIR = "steps"  # <work folder and output>/steps/<step>/: what train.keep_checkpoints keeps of a step
-KEPT_STATE = "checkpoint"  # steps/<step>/checkpoint/: the whole train state (an orbax folder of that one step)
 
 
 @dataclass

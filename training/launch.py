@@ -177,7 +177,7 @@ def _host_main(host: int, hosts: int, coordinator: str | None, model_cfg: ModelC
             "node_ip": ray.util.get_node_ip_address()}
     if hosts > 1:
         _join_jax_runtime(host, hosts, coordinator, node["node_ip"], connect_timeout_s)
-    from training.hooks import KEPT_DIR
+    from training.config import KEPT_DIR
     from training.loop import StartFrom, load_model, train
 
     local = work.pull(host)

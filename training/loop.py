@@ -49,10 +49,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from safetensors.numpy import load_file, save_file
 
 from training.checkpoint import Checkpoints
-from training.config import ModelConfig, TrainConfig, is_identity, left_out_at_default
-from training.hooks import KEPT_DIR, KEPT_STATE, Checkpointing, Hook, HookFactory, LoopContext, StepInfo, Validation, writers
+from training.config import KEPT_DIR, KEPT_STATE, ModelConfig, TrainConfig, flops_per_token, is_identity, left_out_at_default
+from training.hooks import Checkpointing, Hook, HookFactory, LoopContext, StepInfo, Validation, writers
 from training.metrics import MetricsLog, device_peak_flops, plot_loss
-from training.model import flops_per_token, param_count
+from training.model import param_count
 from training.optim import make_optimizer
 from training.sharding import batch_sharding, make_mesh, put_batch, state_shardings
 from training.step import compiler_options, how_it_runs, init_state, make_eval_step, make_train_step, model_params

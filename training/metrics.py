@@ -10,9 +10,6 @@ import json
 import time
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
-
 # Dense bfloat16 peak FLOP/s per device, from the vendors' data sheets (SXM parts for NVIDIA).
 DECLARED_PEAK = {
     "H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12,
@@ -24,6 +21,9 @@ DECLARED_PEAK = {
 def measured_matmul_peak(n: int = 2048, repeats: int = 5) -> float:
     """Best-of-`repeats` float32 FLOP/s of one jitted n x n matmul on the default device: the
     practical ceiling of this CPU for the same kind of work a training step does."""
+    import jax  # here, not at the top: the stages read metrics files for plans and tables without JAX
+    import jax.numpy as jnp
+
     a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32)
     matmul = jax.jit(lambda x, y: x @ y)
     matmul(a, a).block_until_ready()
@@ -42,6 +42,8 @@ def device_peak_flops(declared: float | None = None) -> tuple[float | None, str]
     measured float32 matmul peak of this host times the number of hosts (XLA's CPU devices of
     one process share its cores, so the host, not the device, is the unit).
     """
+    import jax
+
     devices = jax.devices()
     if declared:
         return declared * len(devices), "declared"

@@ -332,24 +332,6 @@ def param_count(params) -> int:
     return int(sum(np.prod(p.shape) for p in jax.tree_util.tree_leaves(params)))
 
 
-def flops_per_token(cfg: ModelConfig) -> float:
-    """Training FLOPs per token (forward + backward), PaLM's convention (Chowdhery et al. 2022,
-    appendix B):
-
-        6 * N  +  12 * L * H * Q * T
-
-    N counts the parameters that multiply activations in matmuls: every projection in every
-    layer plus the output projection V*D (also when tied to the embedding); the input embedding
-    lookup and the norm weights do no matmul and are left out. The second term is attention's
-    QK^T and AV (2 * 2 * T * H * Q per token per layer forward, x3 for forward + backward), with
-    L layers, H query heads, Q head dim and T = seq_len; it is not halved for the causal mask.
-    """
-    D, F, Q = cfg.d_model, cfg.d_ff, cfg.head_dim
-    per_layer = D * cfg.n_heads * Q * 2 + D * cfg.n_kv_heads * Q * 2 + 3 * D * F
-    n_matmul = cfg.n_layers * per_layer + D * cfg.vocab_size
-    return 6.0 * n_matmul + 12.0 * cfg.n_layers * cfg.n_heads * Q * cfg.seq_len
-
-
 def forward(params, tokens, cfg: ModelConfig, *, attention: str = "query_blocks", remat: str = "none",
             segments=None):
     """tokens [B, T] int32 -> float32 logits [B, T, V], positions 0..T-1; with `segments` [B, T]

@@ -12,7 +12,7 @@ Recipe. A budget C (training FLOPs) and a size index k = 1, 2, ... give exactly 
              cannot learn bigrams: these tiny models then sat on the unigram plateau for a number
              of steps that varied from run to run, and the isoFLOP curves had outliers of +0.3
              bits per byte (measured on KJV; untied, the same runs fell in line).
-    tokens   D = C / flops_per_token(shape), with `training.model.flops_per_token`: PaLM's
+    tokens   D = C / flops_per_token(shape), with `training.config.flops_per_token`: PaLM's
              6N + 12*L*H*Q*T, attention included, in whole steps of batch_size * seq_len tokens.
     batch    batch_size = batch_ref * (C / budget_ref) ** batch_exponent, rounded to a multiple of
              batch_multiple (DeepSeek LLM, 2024, fits the optimal batch as ~C^0.33). Not to a power
@@ -68,8 +68,7 @@ import numpy as np
 from pydantic import Field, model_validator
 
 from training.config import (Beta, ConfigModel, Count, Fraction, HalfOpenFraction, ModelConfig, NonNegativeFloat,
-                             Positive, Seed, TrainConfig, setting)
-from training.model import flops_per_token
+                             Positive, Seed, TrainConfig, flops_per_token, setting)
 
 
 class BudgetError(ValueError):

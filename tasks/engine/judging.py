@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from tasks.engine.documents import SHARD_GLOB, BadRecord, dumps, list_shards, read_shard, write_shard
-from tasks.engine.parallel import Places, map_shards
 
 if TYPE_CHECKING:  # tasks.engine.step loads Prefect (seconds), which Ray workers never need
     from tasks.engine.step import StepContext
@@ -174,6 +173,8 @@ def stage_workers(config: Any, ctx: StepContext) -> int:
 
 def run_map(ctx: StepContext, fn: Callable[[ShardJob], Any], items: list[ShardJob], what: str) -> list:
     """`map_shards` with a progress line per finished shard."""
+    from tasks.engine.parallel import Places, map_shards  # Ray: imported when shards are mapped, not for plans
+
     done = [0]
 
     def progress(i: int, result: Any) -> None:
