@@ -13,9 +13,11 @@ from tasks.engine.documents import ShardWriter
 from tasks.engine.step import Step, StepContext
 from tasks.tokenize import TokenizeConfig, tokenize_step
 from tasks.tokenizer import TokenizerConfig, tokenizer_step
-from tasks.train import TrainStepConfig, train_step
+from tasks.engine.store import Located
+from tasks.train import TrainStepConfig, train_step, with_eos
 from tests.test_training_kjv_data import kjv_text
 from training.config import ModelConfig, ResourcesConfig, TrainConfig
+from training.data import read_meta
 from training.launch import token_data
 from training.loop import load_model, train
 from training.metrics import curve_points, read_metrics
@@ -91,3 +93,18 @@ def test_vocabulary_larger_than_the_model_is_refused(tokens_dir, tmp_path):
     step = train_step(small, TRAIN, ResourcesConfig(), tokens=tokens)
     with pytest.raises(ValueError, match="vocab_size"):
         step.run(context(step, tmp_path / "out", {"tokens": folder}, tmp_path / "work"))
+
+
+def test_document_mask_takes_its_eos_id_from_the_tokens(tokens_dir):
+    """train.document_mask cuts documents at the tokens' EOS: the train step fills `eos_id` in from
+    the tokenize output's meta, and refuses one that disagrees with it."""
+    folder, _ = tokens_dir
+    tokens = Located(None, "", "", str(folder))
+    eos = read_meta(folder)["eos_id"]
+    assert eos == 50256  # GPT-2's <|endoftext|>
+    assert with_eos(TRAIN, tokens) == TRAIN and TRAIN.eos_id is None  # no masking: nothing filled in
+    masked = TRAIN.model_copy(update={"document_mask": True})
+    assert with_eos(masked, tokens).eos_id == eos
+    assert with_eos(masked.model_copy(update={"eos_id": eos}), tokens).eos_id == eos
+    with pytest.raises(ValueError, match=r"train.eos_id=7, but the tokens' EOS id is 50256"):
+        with_eos(masked.model_copy(update={"eos_id": 7}), tokens)
