@@ -257,13 +257,15 @@ def _tcp_open(host: str, port: int) -> bool:
 
 
 @contextlib.contextmanager
-def moto_server():
+def moto_server(log: Path | None = None):
     """An S3-compatible server (moto) on a free port of 127.0.0.1; yields its endpoint URL. It logs
-    every request: to a file (a full pipe would block it in mid-request)."""
+    every request: to a file (a full pipe would block it in mid-request), `log` where given (a
+    benchmark counts the GETs in it)."""
     port = free_port()
     with scratch("moto") as folder, server("moto_server", [str(Path(sys.executable).parent / "moto_server"),
                                                             "-H", "127.0.0.1", "-p", str(port)],
-                                           folder / "moto.log", lambda: _tcp_open("127.0.0.1", port), grace_s=10):
+                                           log or folder / "moto.log", lambda: _tcp_open("127.0.0.1", port),
+                                           grace_s=10):
         yield f"http://127.0.0.1:{port}"
 
 

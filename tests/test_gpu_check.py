@@ -10,9 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow  # 2-4 min of one CI worker for a script only a lent GPU runs: run it before a GPU session
 def test_gpu_check_dry_run_on_cpu():
     env = {**os.environ, "PYTHON": sys.executable}
     done = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--device", "cpu"], cwd=REPO, env=env,
