@@ -32,7 +32,7 @@ from tasks.engine.scheduler import execute  # noqa: E402
 from tasks.engine.step import Step  # noqa: E402
 from tasks.engine.store import Store  # noqa: E402
 from tests.conftest import moto_server  # noqa: E402
-from training.config import ConfigModel  # noqa: E402
+from tasks.engine.config import ConfigModel  # noqa: E402
 
 BLOB = "blob.bin"
 CHUNK = 64 << 20

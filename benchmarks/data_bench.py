@@ -51,8 +51,8 @@ sys.path.insert(0, str(REPO))
 
 from tasks.acquire import read_kjv  # noqa: E402
 from tasks.dedup import DedupConfig, MinHashConfig, dedup_step  # noqa: E402
-from tasks.engine.documents import ShardWriter, list_shards, read_shard  # noqa: E402
-from tasks.engine.judging import ATTRIBUTES  # noqa: E402
+from tasks.documents import ShardWriter, list_shards, read_shard  # noqa: E402
+from tasks.judging import ATTRIBUTES  # noqa: E402
 from tasks.filter import FilterConfig, LanguageConfig, filter_step  # noqa: E402
 from tasks.engine.step import Step, StepContext  # noqa: E402
 

@@ -40,7 +40,7 @@ from tasks.engine.runner import configured_task, prepare  # noqa: E402
 from tasks.engine.scheduler import execute  # noqa: E402
 from tasks.engine.step import Step  # noqa: E402
 from tasks.engine.store import Store  # noqa: E402
-from training.config import ConfigModel  # noqa: E402
+from tasks.engine.config import ConfigModel  # noqa: E402
 
 
 class Noop(ConfigModel):

@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tasks.engine.documents import ShardWriter, read_documents
+from tasks.documents import ShardWriter, read_documents
 from tasks.engine.step import StepContext
 from tasks.tokenize import TokenizeConfig, _ordinary_tokenizer, run_tokenize, tokenize_step
 from tasks.tokenizer import (TokenizerConfig, load_tokenizer, read_tokenizer_meta, run_tokenizer,

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import yaml
 from pydantic import Field
 
-from training.config import ConfigModel, identity_when_set
+from tasks.engine.config import ConfigModel, identity_when_set
 
 if TYPE_CHECKING:
     from training.posttrain import ChatTemplate

@@ -119,7 +119,7 @@ def prepare_suite(documents: Path, work_dir: Path, cfg: InLoopEvalConfig, suite,
     """On the driver: cut the suite tasks from the held-out documents into the work folder (which
     the hosts pull), as the evaluate step cuts them; the examples per task."""
     from evaluation.suite import build_suite
-    from tasks.engine.documents import read_documents
+    from tasks.documents import read_documents
     from tasks.tokenize import is_validation
 
     held_out = (d for d in read_documents(documents, strict=True) if is_validation(str(d["id"]), validation_fraction))

@@ -28,7 +28,7 @@ import numpy as np
 import yaml
 from pydantic import Field, model_validator
 
-from training.config import ConfigModel, Seed
+from tasks.engine.config import ConfigModel, Seed
 
 SUITE_TASKS = ("next_passage", "last_word")
 TASK_PREFIX = "kiln_"  # lm-eval task names; keeps clear of lm-eval's own task names

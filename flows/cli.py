@@ -13,7 +13,7 @@ EPILOG = """examples:
   kiln run configs/tiny_cpu.yaml --until acquire run only what `acquire` needs
   kiln run configs/ablation_cpu.yaml             every variant; shared steps run once
   kiln run experiments/two_widths.py             a Python experiment file, like a YAML one
-  kiln plan configs/tiny_cpu.yaml --json         every step's name, version, path, status, variants
+  kiln plan configs/tiny_cpu.yaml --json         each step's name, version, path, status, variants, warning
   kiln capacity configs/medium_gpu.yaml --devices 8   per-device memory, fit and step time, no GPU needed
   kiln compare configs/ablation_cpu.yaml         one row per variant: what it changed, its results
   kiln compare CONFIG --over steps               each metric against the training step (eval.checkpoints)
@@ -37,7 +37,7 @@ def _prefect_defaults() -> None:
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     os.environ.setdefault("PREFECT_LOGGING_LOG_PRINTS", "true")
     # The Prefect API server (and the Ray) this run starts end with it, even after a SIGKILL.
-    from training.reaper import watch_this_process
+    from tasks.engine.reaper import watch_this_process
 
     watch_this_process()
     # Prefect's console format before anything else logs: absl (imported by orbax) otherwise puts
@@ -277,7 +277,7 @@ def cmd_plan(args) -> int:
             print(f"kiln: warning: {s.warning}", file=sys.stderr)
     if args.json:
         print(json.dumps([{"name": s.name, "stage": s.stage, "version": s.version, "path": s.path,
-                           "status": s.status, "variants": s.variants} for s in steps], indent=2))
+                           "status": s.status, "variants": s.variants, "warning": s.warning} for s in steps], indent=2))
     else:
         from flows.terminal import print_table
 
@@ -407,7 +407,7 @@ def cmd_serve_model(args) -> int:
 
 
 def cmd_why(args) -> int:
-    from tasks.engine.judging import explain
+    from tasks.judging import explain
 
     experiment, store = _experiment(args.config), _store(args.store)
     seen = False
@@ -536,7 +536,7 @@ def summary_rows(runs) -> list[list[str]]:
 
 def per_source_summary(per_source: dict) -> str:
     """`kjv=1075,chichewa=0`: each source's documents out of a data stage."""
-    from tasks.engine.judging import UNREAD
+    from tasks.judging import UNREAD
 
     return ",".join(f"{name or '?'}={c['docs_out'] if isinstance(c, dict) else c}"
                     for name, c in per_source.items() if name != UNREAD)

@@ -7,11 +7,12 @@ so editing `eval` never reruns training.
 
 from __future__ import annotations
 
+import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from tasks.acquire import AcquireConfig, SourceConfig
 from tasks.chat_data import ChatDataConfig
@@ -26,8 +27,8 @@ from tasks.filter import FilterConfig
 from tasks.quality import NegativeExamplesConfig, QualityClassifierConfig, QualityFilterConfig
 from tasks.tokenize import TokenizeConfig
 from tasks.tokenizer import TokenizerConfig
-from training.config import (ConfigModel, Count, Fraction, InitConfig, MixtureConfig, MixtureSourceConfig,
-                             ModelConfig, ResourcesConfig, TrainConfig, setting)
+from tasks.engine.config import ConfigModel, Count, Fraction, setting
+from training.config import InitConfig, MixtureConfig, MixtureSourceConfig, ModelConfig, ResourcesConfig, TrainConfig
 from training.scaling import ScalingConfig
 from training.tracking import TrackingConfig
 
@@ -40,6 +41,34 @@ class QualityConfig(ConfigModel):
     classifier: QualityClassifierConfig = QualityClassifierConfig()
     negatives: NegativeExamplesConfig = NegativeExamplesConfig()
     filter: QualityFilterConfig = QualityFilterConfig(keep_fraction=0.9)
+
+
+def _config_class(annotation: Any) -> type[BaseModel] | None:
+    """The config class a field holds (`X` or `X | None`), if it holds one."""
+    for candidate in (annotation, *typing.get_args(annotation)):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
+
+
+def _holds_source_drop(model: type[BaseModel]) -> bool:
+    subs = [_config_class(field.annotation) for field in model.model_fields.values()]
+    return "max_source_drop" in model.model_fields or any(sub is not None and _holds_source_drop(sub) for sub in subs)
+
+
+def with_source_drop_limit(model: type[BaseModel], section: Any, limit: float) -> Any:
+    """`section` (a mapping or a `model`) with `limit` as the `max_source_drop` of every data stage
+    in it: the stages are the configs that declare the field, so a new one needs no list here."""
+    if section is None:
+        return None
+    updates: dict[str, Any] = {"max_source_drop": limit} if "max_source_drop" in model.model_fields else {}
+    for name, field in model.model_fields.items():
+        sub = _config_class(field.annotation)
+        if sub is not None and name != "max_source_drop" and _holds_source_drop(sub):
+            value = section.get(name, field.get_default(call_default_factory=True)) if isinstance(section, dict) \
+                else getattr(section, name)
+            updates[name] = with_source_drop_limit(sub, value, limit)
+    return {**section, **updates} if isinstance(section, dict) else section.model_copy(update=updates)
 
 
 class DataConfig(ConfigModel):
@@ -66,28 +95,14 @@ class DataConfig(ConfigModel):
     @model_validator(mode="before")
     @classmethod
     def _share_max_source_drop(cls, raw: Any) -> Any:
-        """Copy `max_source_drop` into each data stage's section (a setting: no version changes)."""
+        """Copy `max_source_drop` into each data stage's section (a setting: no version changes):
+        every section, at any depth, whose config has a `max_source_drop` field."""
         if not isinstance(raw, dict) or "max_source_drop" not in raw:
             return raw
         limit = raw["max_source_drop"]
         if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not 0 <= limit <= 1:
             return raw  # refused by the field's own check, naming data.max_source_drop
-        raw = dict(raw)
-        defaults = {"filter": FilterConfig(), "dedup": DedupConfig(), "decontaminate": DecontaminateConfig()}
-
-        def shared(section: Any) -> Any:
-            if isinstance(section, dict):
-                return {**section, "max_source_drop": limit}
-            return section.model_copy(update={"max_source_drop": limit}) if section is not None else None
-
-        for name in ("extract", "filter", "dedup", "decontaminate"):
-            raw[name] = shared(raw[name] if name in raw else defaults.get(name))
-        quality = raw.get("quality")
-        if isinstance(quality, dict):
-            raw["quality"] = {**quality, "filter": shared(quality.get("filter", QualityConfig().filter))}
-        elif quality is not None:
-            raw["quality"] = quality.model_copy(update={"filter": shared(quality.filter)})
-        return raw
+        return with_source_drop_limit(cls, dict(raw), limit)
 
     @field_validator("mixture")
     @classmethod

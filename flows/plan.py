@@ -1,7 +1,8 @@
 """The recipe: one config as a list of steps (Marin's `experiments/defaults.py`, on Prefect).
 
 `recipe` reads like what it is: each line makes one step from its config section and the steps
-it consumes; a new stage is one module in tasks/ and one line here. Nothing here runs anything:
+it consumes; a new stage is one module in tasks/ and one line here (plus its section in
+flows/config.py, for a stage configured from YAML). Nothing here runs anything:
 `kiln plan` prints an experiment's steps (flows/experiment.py: one recipe per variant, shared
 steps once) with their versions and statuses, and the scheduler (tasks/engine/scheduler.py)
 runs them.
@@ -33,7 +34,8 @@ from tasks.train import train_step
 from tasks.engine.step import Step, upstream_order
 from tasks.engine.store import Store
 from tasks.engine.caching import lock_manager
-from training.config import KEPT_DIR, ConfigModel, ModelConfig
+from tasks.engine.config import ConfigModel
+from training.config import KEPT_DIR, ModelConfig
 
 if TYPE_CHECKING:
     from flows.experiment import Experiment

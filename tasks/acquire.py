@@ -33,9 +33,9 @@ from typing import Any, BinaryIO, Iterator, Literal
 
 from pydantic import Field, model_validator
 
-from tasks.engine.documents import BadRecord, ShardWriter, read_shard
+from tasks.documents import BadRecord, ShardWriter, read_shard
 from tasks.engine.step import Step, StepContext
-from training.config import ConfigModel, files, setting
+from tasks.engine.config import ConfigModel, files, setting
 
 STAGE_VERSION = 3  # 2: documents of the Bible corpora carry their book's title; 3: records keep their own ids
 

@@ -40,9 +40,9 @@ from typing import TYPE_CHECKING, Iterator, Literal
 import numpy as np
 from pydantic import Field, model_validator
 
-from tasks.engine.documents import read_documents
+from tasks.documents import read_documents
 from tasks.tokenize import is_validation
-from training.config import ConfigModel, Seed, files
+from tasks.engine.config import ConfigModel, Seed, files
 
 if TYPE_CHECKING:
     from tasks.engine.step import Step, StepContext

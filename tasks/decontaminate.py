@@ -38,10 +38,10 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 from pydantic import Field
 
-from tasks.engine.documents import read_documents
-from tasks.engine.judging import ATTRIBUTES, DEFAULT_MAX_DOC_BYTES, Judge, Verdict, run_judged
+from tasks.documents import read_documents
+from tasks.judging import ATTRIBUTES, DEFAULT_MAX_DOC_BYTES, Judge, Verdict, run_judged
 from tasks.tokenize import is_validation
-from training.config import ConfigModel, Count, Fraction, files, setting
+from tasks.engine.config import ConfigModel, Count, Fraction, files, setting
 
 if TYPE_CHECKING:  # tasks.engine.step loads Prefect (seconds), which Ray workers running this module never need
     from tasks.engine.step import Step, StepContext

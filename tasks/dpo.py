@@ -35,7 +35,8 @@ from tasks.chat_data import read_records
 from tasks.sft import (EVAL_DIR, TEMPLATE_FILE, comparison, evaluate_model, read_model_config,
                        relay_to)
 from tasks.tokenizer import load_tokenizer, read_tokenizer_meta
-from training.config import ConfigModel, ResourcesConfig, TrainConfig, setting
+from tasks.engine.config import ConfigModel, setting
+from training.config import ResourcesConfig, TrainConfig
 from training.metrics import read_metrics
 from training.tracking import TrackingConfig, tracked
 

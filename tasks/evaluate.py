@@ -26,11 +26,12 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import Field, field_validator, model_validator
 
 from evaluation.suite import SUITE_TASKS, SuiteConfig, build_suite, short_name, task_configs
-from tasks.engine.documents import read_documents
+from tasks.documents import read_documents
 from tasks.engine.step import Step, StepContext
 from tasks.tokenize import is_validation
 from tasks.tokenizer import load_tokenizer, read_tokenizer_meta
-from training.config import KEPT_DIR, ConfigModel, files, identity_when_set, setting
+from tasks.engine.config import ConfigModel, files, identity_when_set, setting
+from training.config import KEPT_DIR
 from training.data import TokenDataset, read_meta
 
 if TYPE_CHECKING:  # lm-eval (with datasets and pandas) and JAX load when a model is evaluated, not for plans

@@ -20,7 +20,8 @@ from tasks.engine.lineage import lineage_tree, read_lineage
 from tasks.engine.step import Step, StepContext
 from tasks.engine.store import LINEAGE
 from tasks.tokenizer import TOKENIZER_FILE, load_tokenizer, read_tokenizer_meta
-from training.config import ConfigModel, LoraConfig, identity_when_set
+from tasks.engine.config import ConfigModel, identity_when_set
+from training.config import LoraConfig
 
 STAGE_VERSION = 1
 

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 from resiliparse.extract.html2text import extract_plain_text
 from resiliparse.parse.html import HTMLParserException
 
-from tasks.engine.judging import DEFAULT_MAX_DOC_BYTES, Judge, Verdict, run_judged
-from training.config import ConfigModel, Count, Fraction, setting
+from tasks.judging import DEFAULT_MAX_DOC_BYTES, Judge, Verdict, run_judged
+from tasks.engine.config import ConfigModel, Count, Fraction, setting
 
 if TYPE_CHECKING:  # tasks.engine.step loads Prefect (seconds), which Ray workers running this module never need
     from tasks.engine.step import Step, StepContext

@@ -4,7 +4,7 @@ One pass per shard: each document gets a language prediction from fastText's `li
 then (if its language is kept) every heuristic score. Beside each output shard of kept documents goes an
 `attributes/` shard with one record per input document, `{"id", "kept", "reason", "scores"}`,
 so `explain` (the `kiln why` command) can say why any document was dropped. The shard-judging
-machinery it shares with the other filter-type stages is in `tasks/engine/judging.py`.
+machinery it shares with the other filter-type stages is in `tasks/judging.py`.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 from pydantic import field_validator
 
-from tasks.engine.judging import DEFAULT_MAX_DOC_BYTES, Judge, Verdict, run_judged
-from training.config import ConfigModel, Count, Fraction, NonNegative, NonNegativeFloat, Positive, setting
+from tasks.judging import DEFAULT_MAX_DOC_BYTES, Judge, Verdict, run_judged
+from tasks.engine.config import ConfigModel, Count, Fraction, NonNegative, NonNegativeFloat, Positive, setting
 
 if TYPE_CHECKING:  # tasks.engine.step loads Prefect (seconds), which Ray workers running this module never need
     from tasks.engine.step import Step, StepContext

@@ -34,12 +34,12 @@ from typing import TYPE_CHECKING, Iterator
 import numpy as np
 from pydantic import model_validator
 
-from tasks.engine.documents import list_shards, read_documents, read_shard, write_shard
-from tasks.engine.judging import (DEFAULT_MAX_DOC_BYTES, Judge, ShardJob, Verdict, bad_document, check_sources,
+from tasks.documents import list_shards, read_documents, read_shard, write_shard
+from tasks.judging import (DEFAULT_MAX_DOC_BYTES, Judge, ShardJob, Verdict, bad_document, check_sources,
                                   judge_shard, merge_stats, run_map)
 from tasks.filter import load_fasttext
-from training.config import (ConfigModel, Count, Fraction, HalfOpenFraction, NonNegative, OpenFraction, Positive,
-                             Seed, files, setting)
+from tasks.engine.config import (ConfigModel, Count, Fraction, HalfOpenFraction, NonNegative, OpenFraction, Positive,
+                                 Seed, files, setting)
 
 if TYPE_CHECKING:  # tasks.engine.step loads Prefect (seconds), which Ray workers running this module never need
     from tasks.engine.step import Step, StepContext

@@ -31,7 +31,7 @@ from pathlib import Path
 from pydantic import Field, model_validator
 
 from tasks.engine.step import Step, StepContext
-from training.config import ConfigModel
+from tasks.engine.config import ConfigModel
 from training.scaling import (
     FitError,
     RunResult,

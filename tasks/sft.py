@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING
 from evaluation.chat import ChatEvalConfig
 from tasks.chat_data import read_records
 from tasks.tokenizer import load_tokenizer, read_tokenizer_meta
-from training.config import ConfigModel, ModelConfig, ResourcesConfig, TrainConfig, setting
+from tasks.engine.config import ConfigModel, setting
+from training.config import ModelConfig, ResourcesConfig, TrainConfig
 from training.tracking import TrackingConfig, tracked
 
 if TYPE_CHECKING:  # JAX, orbax and Ray load when the step runs, not for `kiln plan`

@@ -30,9 +30,9 @@ import numpy as np
 from pydantic import Field
 from tokenizers import Tokenizer
 
-from tasks.engine.documents import list_shards, read_shard
+from tasks.documents import list_shards, read_shard
 from tasks.tokenizer import load_tokenizer, read_tokenizer_meta
-from training.config import ConfigModel, Count, setting
+from tasks.engine.config import ConfigModel, Count, setting
 from training.data import unigram_entropy
 
 if TYPE_CHECKING:  # tasks.engine.step imports Prefect (seconds); Ray workers that import this module skip it

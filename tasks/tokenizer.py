@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Iterator, Literal
 from pydantic import model_validator
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from tasks.engine.documents import read_documents
-from training.config import ConfigModel, Count, setting
+from tasks.documents import read_documents
+from tasks.engine.config import ConfigModel, Count, setting
 
 if TYPE_CHECKING:  # tasks.engine.step imports Prefect (seconds); Ray workers that import this module skip it
     from tasks.engine.step import Step, StepContext

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from evaluation.suite import SuiteConfig
-from training.config import (ConfigModel, Fraction, MixtureSourceConfig, ModelConfig, ResourcesConfig, TrainConfig,
-                             setting)
+from tasks.engine.config import ConfigModel, Fraction, setting
+from training.config import MixtureSourceConfig, ModelConfig, ResourcesConfig, TrainConfig
 from training.data import read_meta
 from training.tracking import TrackingConfig, tracked
 

@@ -60,7 +60,7 @@ def needs(name: str):
 def pytest_configure(config):
     """Whatever a test starts (servers, Ray nodes, kiln runs) ends when this pytest process does,
     even when it is killed or a timeout ends it without running fixture finalizers."""
-    from training.reaper import watch_this_process
+    from tasks.engine.reaper import watch_this_process
 
     watch_this_process()
     # Ray's uv hook gives a cluster's workers the driver's `uv run` command line, but its parser

@@ -26,10 +26,10 @@ def held_batches(out: str, name: str, hold: bool):
 def main(out: Path, name: str, cpus: int, hold: bool) -> None:
     import ray
 
-    from training import local_ray
+    from tasks.engine import local_ray
     from training.config import ModelConfig, ResourcesConfig, TrainConfig
     from training.launch import launch_training
-    from training.reaper import watch_this_process
+    from tasks.engine.reaper import watch_this_process
 
     watch_this_process()  # as kiln's CLI does: what this run started ends with it, not the shared Ray
     model = ModelConfig(vocab_size=64, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=32, seq_len=16)

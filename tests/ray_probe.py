@@ -45,10 +45,10 @@ def main(out: Path, steps: int) -> None:
     import ray
 
     from tasks.engine.parallel import map_shards
-    from training import local_ray
+    from tasks.engine import local_ray
     from training.config import ModelConfig, ResourcesConfig, TrainConfig
     from training.launch import launch_training
-    from training.reaper import watch_this_process
+    from tasks.engine.reaper import watch_this_process
 
     watch_this_process()  # as kiln's CLI does
 

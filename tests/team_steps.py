@@ -15,7 +15,7 @@ from prefect import flow
 from tasks.engine.scheduler import execute
 from tasks.engine.step import Step
 from tasks.engine.store import Store
-from training.config import ConfigModel
+from tasks.engine.config import ConfigModel
 
 
 class ToyTrainConfig(ConfigModel):

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tasks.acquire import AcquireConfig, SourceConfig, acquire_step, run_acquire, source_fingerprint
-from tasks.engine.documents import BadRecord, read_documents
+from tasks.documents import BadRecord, read_documents
 from tasks.engine.step import StepContext
 
 

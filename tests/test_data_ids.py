@@ -15,7 +15,7 @@ from flows.cli import main, summary_rows
 from flows.config import load_config
 from flows.plan import recipe
 from tasks.acquire import AcquireConfig, SourceConfig, acquire_step, read_kjv
-from tasks.engine.documents import BadRecord, read_documents
+from tasks.documents import BadRecord, read_documents
 from tasks.engine.runner import StepRun
 from tasks.engine.step import StepContext
 from tasks.engine.store import Store

@@ -12,8 +12,8 @@ import yaml
 
 from tasks.acquire import read_kjv
 from tasks.decontaminate import SUITE_TASK, DecontaminateConfig, decontaminate_step
-from tasks.engine.documents import ShardWriter, read_documents
-from tasks.engine.judging import explain
+from tasks.documents import ShardWriter, read_documents
+from tasks.judging import explain
 from tasks.engine.step import Step, StepContext
 from tasks.tokenize import is_validation
 

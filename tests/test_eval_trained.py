@@ -12,7 +12,8 @@ from evaluation.suite import SuiteConfig
 from tasks.evaluate import EvalConfig, evaluate_step
 from tasks.engine.step import Step
 from tests.test_eval_data import VALIDATION_FRACTION, kjv_data, run_body  # noqa: F401  (a fixture)
-from training.config import ConfigModel, ModelConfig, TrainConfig
+from tasks.engine.config import ConfigModel
+from training.config import ModelConfig, TrainConfig
 from training.data import BatchLoader, TokenDataset, validation_batches
 from training.loop import train
 

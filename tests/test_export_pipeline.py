@@ -23,7 +23,8 @@ from tasks.engine.step import Step, StepContext
 from tasks.engine.store import Store
 from tasks.tokenize import TokenizeConfig, tokenize_step
 from tasks.tokenizer import TokenizerConfig, tokenizer_step
-from training.config import ConfigModel, ModelConfig, TrainConfig
+from tasks.engine.config import ConfigModel
+from training.config import ModelConfig, TrainConfig
 from training.data import BatchLoader, TokenDataset, validation_batches
 from training.loop import load_model, train
 from training.model import forward

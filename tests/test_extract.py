@@ -10,9 +10,9 @@ import json
 import logging
 from pathlib import Path
 
-from tasks.engine.documents import ShardWriter, list_shards, read_shard
+from tasks.documents import ShardWriter, list_shards, read_shard
 from tasks.extract import ExtractConfig, extract_step, repair_mojibake
-from tasks.engine.judging import explain
+from tasks.judging import explain
 from tasks.engine.step import Step, StepContext
 
 ARTICLE = ("The town council met on Tuesday evening to discuss the new library. Members agreed that "

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from tasks.acquire import read_chichewa_bible, read_kjv
-from tasks.engine.documents import BadRecord, ShardWriter, list_shards, read_shard
-from tasks.engine.judging import ATTRIBUTES, explain
+from tasks.documents import BadRecord, ShardWriter, list_shards, read_shard
+from tasks.judging import ATTRIBUTES, explain
 from tasks.filter import (WORD, FilterConfig, HeuristicsConfig, LanguageConfig, _ngram_scores, detect_language,
                           filter_step, heuristic_reason, heuristic_scores)
 from tasks.engine.step import Step, StepContext

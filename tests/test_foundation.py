@@ -21,7 +21,7 @@ from prefect import flow
 from tasks.engine.scheduler import execute
 from tasks.engine.step import Step
 from tasks.engine.store import Store
-from training.config import ConfigModel, setting
+from tasks.engine.config import ConfigModel, setting
 from tests.conftest import REPO, ephemeral_env, kiln
 
 SMALL = {
@@ -48,7 +48,7 @@ def test_versions_are_the_same_in_two_processes_and_two_store_locations(tmp_path
     a = plan_json(config, tmp_path / "store-a")
     b = plan_json(config, tmp_path / "elsewhere" / "store-b", cwd=tmp_path)
     assert [s["version"] for s in a] == [s["version"] for s in b]
-    assert all(set(s) == {"name", "stage", "version", "path", "status", "variants"} for s in a)
+    assert all(set(s) == {"name", "stage", "version", "path", "status", "variants", "warning"} for s in a)
     assert all(s["status"] == "missing" for s in a)
     assert a[0]["path"] != b[0]["path"]
 
@@ -321,6 +321,25 @@ def test_plan_loads_no_training_or_evaluation_library(tmp_path):
     out = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.splitlines()[-1] == "loaded:", f"kiln plan imported {out.stdout.splitlines()[-1]}"
+
+
+def test_the_engine_imports_no_stage_training_or_evaluation_code():
+    """tasks/engine/ is what every stage stands on, so it imports none of them (nor `training/`,
+    `evaluation/` or `flows/`), at module level or inside a function: a new stage is a module
+    beside the others, not an edit here. Read from the source, so a lazy import counts too."""
+    import ast
+
+    found = []
+    for path in sorted((REPO / "tasks" / "engine").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
+            for name in names:
+                top = name.split(".")
+                if top[0] in ("training", "evaluation", "flows", "deployments") or (
+                        top[0] == "tasks" and top[1:2] != ["engine"]):
+                    found.append(f"{path.name}:{node.lineno} imports {name}")
+    assert found == []
 
 
 def test_configuration_reference_matches_the_models():

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from evaluation.generate import generate, load, sample
-from tasks.engine.documents import ShardWriter
+from tasks.documents import ShardWriter
 from tasks.engine.step import Step
 from tasks.tokenize import TokenizeConfig
 from tasks.tokenizer import TokenizerConfig, tokenizer_step

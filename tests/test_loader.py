@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tasks.engine.documents import ShardWriter
+from tasks.documents import ShardWriter
 from tasks.engine.step import Step, StepContext
 from tasks.tokenize import TokenizeConfig, tokenize_step
 from tasks.tokenizer import TokenizerConfig, tokenizer_step

@@ -1,5 +1,5 @@
 """kiln's local Ray is the machine's: runs that start side by side join one, started by the first
-(training/local_ray.py); a train step that wants CPUs another run's step holds waits for them
+(tasks/engine/local_ray.py); a train step that wants CPUs another run's step holds waits for them
 instead of failing; one that asks for more than the machine's Ray has fails at once, saying how
 to change that; and once no run uses it, its keeper ends it, every process of it."""
 

@@ -14,7 +14,7 @@ from safetensors.numpy import save_file
 
 from tasks.acquire import read_kjv
 from tasks.chat_data import ChatDataConfig, chat_data_step, run_chat_data
-from tasks.engine.documents import ShardWriter
+from tasks.documents import ShardWriter
 from tasks.dpo import DPOConfig, dpo_step, run_dpo
 from tasks.export import ExportConfig, export_step, run_export
 from tasks.sft import SFTConfig, run_sft, sft_step

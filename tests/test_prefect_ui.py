@@ -29,7 +29,7 @@ from tasks.engine.store import Store
 from tasks.train import show_curves
 from tests.conftest import REPO, kiln, stop_group
 from tests.test_faults import tiny_pipeline
-from training.config import ConfigModel
+from tasks.engine.config import ConfigModel
 from training.metrics import curve_points, read_metrics
 
 PNG = b"\x89PNG\r\n\x1a\n"

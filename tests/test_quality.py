@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from tasks.acquire import read_kjv
-from tasks.engine.documents import ShardWriter, list_shards, read_shard
-from tasks.engine.judging import ATTRIBUTES, explain
+from tasks.documents import ShardWriter, list_shards, read_shard
+from tasks.judging import ATTRIBUTES, explain
 from tasks.quality import (MODEL_FILE, NegativeExamplesConfig, QualityClassifierConfig, QualityFilterConfig,
                            negative_examples_step, quality_filter_step, train_quality_classifier_step)
 from tasks.engine.step import Step, StepContext

@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 
-from tasks.engine.documents import UnreadableShard, read_documents, read_shard, shard_name, write_shard
+from tasks.documents import UnreadableShard, read_documents, read_shard, shard_name, write_shard
 
 
 def test_a_truncated_archive_is_counted(tmp_path):

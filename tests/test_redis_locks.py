@@ -64,7 +64,7 @@ TOY = textwrap.dedent('''
 
     from flows.config import RunSettings
     from tasks.engine.step import Step
-    from training.config import ConfigModel
+    from tasks.engine.config import ConfigModel
 
     RUN = RunSettings(lock_url=os.environ["KILN_TEST_LOCK_URL"], lock_lease_s=5)
 

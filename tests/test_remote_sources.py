@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tasks.acquire import AcquireConfig, SourceConfig, acquire_step
-from tasks.engine.documents import list_shards, read_documents
+from tasks.documents import list_shards, read_documents
 from tasks.engine.step import StepContext
 from tests.conftest import moto_server
 

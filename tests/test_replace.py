@@ -13,7 +13,7 @@ from tasks.engine import store as store_module
 from tasks.engine.scheduler import execute
 from tasks.engine.step import Step
 from tasks.engine.store import Store, check_output, verify_output
-from training.config import ConfigModel
+from tasks.engine.config import ConfigModel
 
 
 class Toy(ConfigModel):

@@ -22,7 +22,7 @@ from flows.experiment import from_config, grid_points, load_experiment
 from tasks.engine.scheduler import execute
 from tasks.engine.step import Step
 from tasks.engine.store import Store
-from training.config import ConfigModel
+from tasks.engine.config import ConfigModel
 from tests.conftest import REPO, kiln
 
 
@@ -156,7 +156,7 @@ def test_variants_share_exactly_the_steps_whose_versions_agree():
 
 def test_plan_json_lists_each_step_once_with_its_variants(tmp_path):
     plan = json.loads(kiln("plan", str(REPO / "configs" / "ablation_cpu.yaml"), "--store", str(tmp_path), "--json").stdout)
-    assert all(set(e) == {"name", "stage", "version", "path", "status", "variants"} for e in plan)
+    assert all(set(e) == {"name", "stage", "version", "path", "status", "variants", "warning"} for e in plan)
     assert len({e["version"] for e in plan}) == len(plan)
     acquire = next(e for e in plan if e["stage"] == "acquire")
     assert acquire["variants"] == ["base", "keep70", "wide", "lr1e-3"] and acquire["status"] == "missing"
@@ -200,7 +200,7 @@ TOY_EXPERIMENT = textwrap.dedent('''
 
     from flows.config import RunSettings
     from tasks.engine.step import Step
-    from training.config import ConfigModel
+    from tasks.engine.config import ConfigModel
 
     RUN = RunSettings(max_concurrent=2)
 

@@ -1,6 +1,6 @@
 """No server a test starts outlives the test: not when the test fails (its fixture stops the
 server's whole process group, with SIGKILL if SIGTERM is not enough), and not when a timeout
-ends pytest without finalizers (conftest's watcher, training/reaper.py, ends what pytest
+ends pytest without finalizers (conftest's watcher, tasks/engine/reaper.py, ends what pytest
 started)."""
 
 from __future__ import annotations

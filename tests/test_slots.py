@@ -25,7 +25,7 @@ from tasks.engine.slots import FileSlots, RedisSlots, held
 from tasks.engine.step import Step
 from tasks.engine.store import Store
 from tests.conftest import REPO, tail, wait_until
-from training.config import ConfigModel
+from tasks.engine.config import ConfigModel
 
 LOG = logging.getLogger("test_slots")
 

@@ -20,7 +20,7 @@ from tasks.engine.runner import StepRun
 from tasks.engine.scheduler import execute
 from tasks.engine.step import Step
 from tasks.engine.store import Store
-from training.config import ConfigModel
+from tasks.engine.config import ConfigModel
 
 RUNS = [StepRun("acquire", "acquire", "3f9c0a1b2c4d", "cached", 0.02, "kiln_store/acquire/3f9c0a1b2c4d",
                 {"documents": 1075}),

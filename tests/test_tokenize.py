@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tasks.engine.documents import ShardWriter, list_shards, read_shard
+from tasks.documents import ShardWriter, list_shards, read_shard
 from tasks.engine.step import Step, StepContext
 from tasks.tokenize import TokenizeConfig, is_validation, shard_files, tokenize_step
 from tasks.tokenizer import TokenizerConfig, load_tokenizer, read_tokenizer_meta, tokenizer_step
@@ -157,7 +157,7 @@ def test_bpe_trained_on_kjv_round_trips_every_chapter(corpus, tmp_path):
 BPE_SCRIPT = """
 import sys
 from pathlib import Path
-from tasks.engine.documents import read_documents
+from tasks.documents import read_documents
 from tasks.tokenizer import TokenizerConfig, train_bpe
 tok = train_bpe((d["text"] for d in read_documents(Path(sys.argv[1]))), TokenizerConfig(kind="bpe", vocab_size=3000))
 Path(sys.argv[2]).write_text(tok.to_str(), encoding="utf-8")

@@ -21,7 +21,7 @@ from tasks.engine.store import Store
 from tasks.engine.versioning import identity_fields, step_version
 from tasks.evaluate import EvalConfig
 from tasks.filter import FilterConfig, LanguageConfig, filter_step
-from training.config import ConfigModel
+from tasks.engine.config import ConfigModel
 
 
 def test_eval_batch_sizes_enter_versions_and_the_default_keeps_the_old_ones():

@@ -1,92 +1,21 @@
-"""Frozen, typed configs: the base every kiln config derives from, and the model and training configs.
-
-The base lives here, not in `tasks/`, because `training/` must import no Prefect (its benchmarks
-run on a bare JAX machine) while every stage's config, data and training alike, needs the same
-rules: frozen (a config is a value, so it can be hashed into a version), unknown fields rejected
-(a typo must not silently fall back to a default), and each field marked as identity or not.
+"""Frozen, typed configs of the model, training and resources, and the names of what a train
+output keeps. Every config derives from the engine's `ConfigModel` (tasks/engine/config.py),
+whose marks say which fields are identity.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
-
-class ConfigModel(BaseModel):
-    """Base of every config: frozen, strict about unknown fields, and hashable into a version.
-    No float may be NaN or infinite (a version cannot hash one, and no stage means one)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
-
-
-# The ranges numeric config fields declare, so a wrong value is an error naming its field when
-# the config is loaded, not a crash (or a silently useless run) minutes later. The reference
-# (docs/configuration.md) prints each field's range.
-Count = Annotated[int, Field(ge=1)]  # sizes, steps, intervals, workers: at least one
-NonNegative = Annotated[int, Field(ge=0)]
-Seed = Annotated[int, Field(ge=0, lt=2**31)]  # what every RNG kiln seeds (numpy, JAX, fastText) takes
-Positive = Annotated[float, Field(gt=0)]
-NonNegativeFloat = Annotated[float, Field(ge=0)]
-Fraction = Annotated[float, Field(ge=0, le=1)]
-OpenFraction = Annotated[float, Field(gt=0, le=1)]  # (0, 1]: a share that cannot be empty
-HalfOpenFraction = Annotated[float, Field(ge=0, lt=1)]  # [0, 1): a share that cannot be everything
-Beta = Annotated[float, Field(ge=0, lt=1)]  # Adam's moment decay rates
+from tasks.engine.config import ConfigModel, Count, NonNegative, Seed, Positive, NonNegativeFloat, Fraction, OpenFraction, Beta, setting, files, identity_when_set
 
 # Where a train output keeps the steps `TrainConfig.kept_steps` names (the loop writes them, plans
 # and evaluations read them): <work folder and output>/steps/<step>/, and in it checkpoint/, that
 # step's whole train state (an orbax folder of that one step).
 KEPT_DIR = "steps"
 KEPT_STATE = "checkpoint"
-
-
-def setting(default: Any = ..., **kwargs: Any) -> Any:
-    """A field that cannot change the bytes of the output (worker count, log interval, addresses).
-
-    It is left out of the step version, so changing it never reruns anything.
-    """
-    extra = dict(kwargs.pop("json_schema_extra", None) or {})
-    extra["identity"] = False
-    return Field(default, json_schema_extra=extra, **kwargs)
-
-
-def files(default: Any = ..., **kwargs: Any) -> Any:
-    """A field whose strings name files or folders (paths or globs) that a stage reads.
-
-    It enters the step version by the content of what it names (tasks/engine/versioning.py
-    `content_identity`), never by the path: an edited file reruns what reads it, the same file
-    at another path is a cache hit. A string that names no file (an lm-eval task from lm-eval's
-    own registry, say) enters as it is.
-    """
-    extra = dict(kwargs.pop("json_schema_extra", None) or {})
-    extra["files"] = True
-    return Field(default, json_schema_extra=extra, **kwargs)
-
-
-def identity_when_set(default: Any = ..., **kwargs: Any) -> Any:
-    """An identity field added to a stage after its versions were in use: it enters the version
-    only when it differs from `default`, so configs that leave it out keep the versions (and the
-    outputs in every store) they had."""
-    extra = dict(kwargs.pop("json_schema_extra", None) or {})
-    extra["when_set"] = True
-    return Field(default, json_schema_extra=extra, **kwargs)
-
-
-def left_out_at_default(model: type[BaseModel], name: str, value: Any) -> bool:
-    """Whether an `identity_when_set` field holds its default, and so stays out of the version."""
-    field = model.model_fields[name]
-    extra = field.json_schema_extra
-    return isinstance(extra, dict) and extra.get("when_set") is True and value == field.default
-
-
-def names_files(model: type[BaseModel], name: str) -> bool:
-    extra = model.model_fields[name].json_schema_extra
-    return isinstance(extra, dict) and extra.get("files") is True
-
-
-def is_identity(model: type[BaseModel], name: str) -> bool:
-    extra = model.model_fields[name].json_schema_extra
-    return not (isinstance(extra, dict) and extra.get("identity") is False)
 
 
 # --- model, training and resources -------------------------------------------------------------

@@ -5,7 +5,7 @@ buffers and its data position in one long-lived process. With `hosts > 1` the ta
 distributed runtime (as the hosts of a TPU pod do): host 0 runs the coordinator, every host
 computes on its share of each global batch, and only host 0 writes metrics and the output.
 
-Ray: kiln's local Ray by default (training/local_ray.py: one per machine, shared by its runs,
+Ray: kiln's local Ray by default (tasks/engine/local_ray.py: one per machine, shared by its runs,
 on loopback only); a cluster when the config or RAY_ADDRESS names one. The caller waits here
 while progress comes back through a `ray.util.queue.Queue` to `on_metrics`. Nothing on the Ray side imports Prefect (a Ray worker
 that did would start its own Prefect server).
@@ -24,7 +24,6 @@ import socket
 import sys
 import threading
 import time
-import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 
@@ -34,9 +33,9 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.queue import Empty, Queue
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from training import local_ray
 from training.config import ModelConfig, ResourcesConfig, TrainConfig
 from training.data import MixtureData, MixtureInput, open_mixture, read_meta
+from tasks.engine import local_ray
 from tasks.engine.store import Located, Workspace
 
 if TYPE_CHECKING:  # JAX: imported by the hosts, not by a driver that only plans
@@ -278,37 +277,20 @@ def _exit_with_driver(node_id: str, pid: int, poll_s: float = 0.5) -> None:
 
 def _connect(resources: ResourcesConfig) -> tuple[bool, str | None]:
     """Join the configured or RAY_ADDRESS cluster, reuse the Ray this process is connected to,
-    or join kiln's local Ray (training/local_ray.py: shared by the machine's runs, started by the
+    or join kiln's local Ray (tasks/engine/local_ray.py: shared by the machine's runs, started by the
     first). Returns (whether this call connected, so must disconnect; the cluster address joined,
     if any)."""
     address = resources.ray_address or os.environ.get("RAY_ADDRESS")
-    if ray.is_initialized():  # the caller's Ray: a cluster if an address is set, else in-process
+    if ray.is_initialized() or address:  # the caller's Ray (a cluster if an address is set, else in-process)
+        local_ray.ensure_ray(address)
         return False, address
-    if address:
-        join_ray(address)
-        return False, address
-    local_ray.connect()
+    local_ray.ensure_ray()
     return True, None
 
 
 def _local_cluster() -> str:
     gcs = ray.get_runtime_context().gcs_address
     return f"kiln local Ray ({gcs})" if local_ray.connected() else f"in-process ({gcs})"
-
-
-def join_ray(address: str) -> None:
-    """Connect to the Ray cluster at `address` (from the config or RAY_ADDRESS) and say so."""
-    try:
-        ray.init(address=address, log_to_driver=False, logging_level="ERROR")
-    except ConnectionError as e:
-        if "InvalidAuthToken" in "".join(traceback.format_exception(e)):
-            raise ConnectionError(
-                f"the Ray cluster at {address} requires token authentication (`ray start` turns it on when "
-                "~/.ray/auth_token exists): set RAY_AUTH_MODE=token where kiln runs, with the cluster's "
-                "token in ~/.ray/auth_token") from e
-        raise
-    print(f"kiln: joined the Ray cluster at {address} (GCS {ray.get_runtime_context().gcs_address})",
-          file=sys.stderr, flush=True)
 
 
 def _bundle(resources: ResourcesConfig) -> dict:
@@ -337,7 +319,7 @@ def _wait_placed(group, bundle: dict, hosts: int, unplaceable_s: float = 120, re
             f"this step asks Ray for {hosts} host task(s) of {bundle}, more than kiln's local Ray on this machine "
             f"has ({ {k: v for k, v in total.items() if k in bundle} }): lower resources.cpus_per_host (or hosts), "
             f"or give the local Ray more logical CPUs than cores with {local_ray.CPUS_ENV} (it takes effect when "
-            "the local Ray next starts: `python -m training.local_ray stop` once no run uses it)")
+            "the local Ray next starts: `python -m tasks.engine.local_ray stop` once no run uses it)")
     ready, start, timeout_s = group.ready(), time.monotonic(), 5.0
     while not ray.wait([ready], timeout=timeout_s)[0]:
         timeout_s = report_s

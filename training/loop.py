@@ -49,7 +49,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from safetensors.numpy import load_file, save_file
 
 from training.checkpoint import Checkpoints
-from training.config import KEPT_DIR, KEPT_STATE, ModelConfig, TrainConfig, flops_per_token, is_identity, left_out_at_default
+from tasks.engine.config import is_identity, left_out_at_default
+from training.config import KEPT_DIR, KEPT_STATE, ModelConfig, TrainConfig, flops_per_token
 from training.hooks import Checkpointing, Hook, HookFactory, LoopContext, StepInfo, Validation, writers
 from training.metrics import MetricsLog, device_peak_flops, plot_loss
 from training.model import param_count

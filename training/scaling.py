@@ -67,8 +67,9 @@ from pathlib import Path
 import numpy as np
 from pydantic import Field, model_validator
 
-from training.config import (Beta, ConfigModel, Count, Fraction, HalfOpenFraction, ModelConfig, NonNegativeFloat,
-                             Positive, Seed, TrainConfig, flops_per_token, setting)
+from tasks.engine.config import (Beta, ConfigModel, Count, Fraction, HalfOpenFraction, NonNegativeFloat, Positive, Seed,
+                                 setting)
+from training.config import ModelConfig, TrainConfig, flops_per_token
 
 
 class BudgetError(ValueError):

@@ -24,7 +24,7 @@ import shutil
 from pathlib import Path
 from typing import Callable, Iterator, Literal
 
-from training.config import ConfigModel, setting
+from tasks.engine.config import ConfigModel, setting
 
 TENSORBOARD_DIR = "tensorboard"
 

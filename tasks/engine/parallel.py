@@ -21,9 +21,8 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import ray
 
+from tasks.engine import local_ray
 from tasks.engine.store import Located
-from training import local_ray
-from training.launch import join_ray
 
 if TYPE_CHECKING:
     from tasks.engine.step import StepContext
@@ -47,18 +46,6 @@ class Places:
         return cls({str(path): ctx.located(name) for name, path in ctx.inputs.items()}, outputs, dirs)
 
 
-def ensure_ray() -> None:
-    """Join kiln's local Ray (training/local_ray.py: one per machine, loopback only, beside any
-    other Ray on it), or the cluster named by RAY_ADDRESS; once."""
-    if ray.is_initialized():
-        return
-    address = os.environ.get("RAY_ADDRESS")
-    if address:
-        join_ray(address)
-    else:
-        local_ray.connect()
-
-
 def map_shards(fn: Callable[[Any], Any], items: Sequence[Any], workers: int = 1,
                on_result: Callable[[int, Any], None] | None = None, places: Places | None = None) -> list[Any]:
     """`[fn(item) for item in items]`, spread over `workers` Ray workers when workers > 1.
@@ -75,7 +62,7 @@ def map_shards(fn: Callable[[Any], Any], items: Sequence[Any], workers: int = 1,
             if on_result:
                 on_result(i, results[-1])
         return results
-    ensure_ray()
+    local_ray.ensure_ray()
     if places is None:
         refs = [ray.remote(num_cpus=1)(fn).remote(item) for item in items]
     else:

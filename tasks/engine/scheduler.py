@@ -111,7 +111,7 @@ def failures(runs: list[StepRun]) -> list[StepRun]:
 def _shared_ray(steps: list[Step], store: Store, max_concurrent: int, workers: int):
     """One connection to Ray for every step of the run that needs one, made before any: with
     several steps at once, a step that connected itself would disconnect under the others when it
-    finishes. The local Ray is the machine's (training/local_ray.py), with its logical CPUs: steps
+    finishes. The local Ray is the machine's (tasks/engine/local_ray.py), with its logical CPUs: steps
     that ask for more than are free wait for them. A run with a single Ray step leaves it to
     connect itself."""
     to_run = [s for s in steps if not store.is_done(s.stage, s.version)]
@@ -123,11 +123,10 @@ def _shared_ray(steps: list[Step], store: Store, max_concurrent: int, workers: i
         return
     import ray
 
-    from tasks.engine.parallel import ensure_ray
-    from training import local_ray
+    from tasks.engine import local_ray
 
     started = not ray.is_initialized()
-    ensure_ray()
+    local_ray.ensure_ray()
     try:
         yield
     finally:

@@ -21,14 +21,14 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from training.config import is_identity, left_out_at_default, names_files
+from tasks.engine.config import is_identity, left_out_at_default, names_files
 
 VERSION_CHARS = 12
 
 
 def identity_fields(config: BaseModel) -> dict[str, Any]:
     """The config's fields that can change the output, recursively, as plain JSON values; a
-    field that names files (training.config `files`) as the content of what it names."""
+    field that names files (tasks/engine/config.py `files`) as the content of what it names."""
     out: dict[str, Any] = {}
     for name in type(config).model_fields:
         value = getattr(config, name)

@@ -3,7 +3,7 @@
 Six `kiln run`s started at once on a 2-core machine, each starting a Ray of its own (a GCS, a
 raylet, agents and workers apiece), overloaded it: five never registered their node and failed.
 So a run that needs a local Ray joins the one kiln already keeps on this machine, and only the
-first starts it. It is kept by a *keeper*, `python -m training.local_ray`, a process of its own
+first starts it. It is kept by a *keeper*, `python -m tasks.engine.local_ray`, a process of its own
 session that starts Ray's node in itself (`start_local_ray`), writes its address to `head.json`
 and ends it once no run has used it for `KILN_RAY_IDLE_S` seconds (default 10), so that runs one
 after another, or a resumed run after a crash, find it up.
@@ -22,7 +22,7 @@ The keeper's Ray has as many logical CPUs as the machine has cores (or `KILN_RAY
 step that asks for them waits for another run's to finish rather than both fighting over the
 cores. A step that asks for more than there are fails at once, saying so.
 
-`python -m training.local_ray status` prints the keeper's record, `... stop` stops it.
+`python -m tasks.engine.local_ray status` prints the keeper's record, `... stop` stops it.
 """
 
 from __future__ import annotations
@@ -37,10 +37,11 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import warnings
 from pathlib import Path
 
-from training.reaper import KEEPER_MARK, watch_this_process  # the keeper's mark: reapers leave it alone
+from tasks.engine.reaper import KEEPER_MARK, watch_this_process  # the keeper's mark: reapers leave it alone
 
 IDLE_ENV = "KILN_RAY_IDLE_S"  # how long the keeper keeps an unused Ray, seconds
 CPUS_ENV = "KILN_RAY_CPUS"  # its logical CPUs, when not the machine's core count
@@ -131,6 +132,37 @@ def connected() -> bool:
     return _users_fd is not None
 
 
+def ensure_ray(address: str | None = None) -> None:
+    """Connect this process to Ray once: the cluster at `address` (or RAY_ADDRESS), else kiln's
+    local Ray. A Ray this process is already connected to is kept."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        join_ray(address)
+    else:
+        connect()
+
+
+def join_ray(address: str) -> None:
+    """Connect to the Ray cluster at `address` (from the config or RAY_ADDRESS) and say so."""
+    import ray
+
+    try:
+        ray.init(address=address, log_to_driver=False, logging_level="ERROR")
+    except ConnectionError as e:
+        if "InvalidAuthToken" in "".join(traceback.format_exception(e)):
+            raise ConnectionError(
+                f"the Ray cluster at {address} requires token authentication (`ray start` turns it on when "
+                "~/.ray/auth_token exists): set RAY_AUTH_MODE=token where kiln runs, with the cluster's "
+                "token in ~/.ray/auth_token") from e
+        raise
+    print(f"kiln: joined the Ray cluster at {address} (GCS {ray.get_runtime_context().gcs_address})",
+          file=sys.stderr, flush=True)
+
+
 def read_head(folder: Path) -> dict | None:
     """The keeper's record, if that keeper is alive (the same process: pid and start time)."""
     try:
@@ -146,8 +178,8 @@ def _start_keeper(folder: Path) -> dict:
     log = folder / "keeper.log"
     (folder / "head.json").unlink(missing_ok=True)
     with open(log, "ab") as out:
-        keeper = subprocess.Popen([sys.executable, "-m", "training.local_ray", "keep"],
-                                  cwd=Path(__file__).resolve().parent.parent, env={**os.environ, KEEPER_MARK: "1"},
+        keeper = subprocess.Popen([sys.executable, "-m", "tasks.engine.local_ray", "keep"],
+                                  cwd=Path(__file__).resolve().parents[2], env={**os.environ, KEEPER_MARK: "1"},
                                   stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                   start_new_session=True)
     print(f"kiln: starting kiln's local Ray (keeper pid {keeper.pid}, log {log})", file=sys.stderr, flush=True)
@@ -233,7 +265,7 @@ def start_local_ray(num_cpus: int, num_gpus: int | None = None, attempts: int = 
 
     `address="local"` always starts a new instance: without it Ray attaches to any other Ray on
     the machine (a `ray start --head`, or only the ray_current_cluster file a killed one left),
-    and then refuses num_cpus. If this process dies without shutting Ray down, training/reaper.py's
+    and then refuses num_cpus. If this process dies without shutting Ray down, tasks/engine/reaper.py's
     watcher ends the node's processes."""
     import ray
 
@@ -303,7 +335,7 @@ def main(argv: list[str]) -> int:
             while process_start(head["pid"]) == head["started"]:
                 time.sleep(0.2)
         return 0
-    print(f"usage: python -m training.local_ray [status | stop | keep] (got {command!r})", file=sys.stderr)
+    print(f"usage: python -m tasks.engine.local_ray [status | stop | keep] (got {command!r})", file=sys.stderr)
     return 2
 
 

@@ -10,11 +10,11 @@ are still the same processes (pid and start time). A process that exits normally
 children down already, so the watcher then finds nothing to do.
 
 One descendant is not this process's to end: the keeper of kiln's shared local Ray
-(training/local_ray.py), which other runs may be using, ends its node itself once none is. It
+(tasks/engine/local_ray.py), which other runs may be using, ends its node itself once none is. It
 and its node's processes carry KILN_RAY_KEEPER=1 in their environment and are left alone,
 except by the keeper's own watcher.
 
-Run as `python -m training.reaper PID`.
+Run as `python -m tasks.engine.reaper PID`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import psutil
 
-KEEPER_MARK = "KILN_RAY_KEEPER"  # training/local_ray.py sets it in its keeper's environment
+KEEPER_MARK = "KILN_RAY_KEEPER"  # tasks/engine/local_ray.py sets it in its keeper's environment
 
 _watcher: subprocess.Popen | None = None
 
@@ -38,13 +38,13 @@ def watch_this_process() -> None:
     global _watcher
     if _watcher is not None and _watcher.poll() is None:
         return
-    _watcher = subprocess.Popen([sys.executable, "-m", "training.reaper", str(os.getpid())],
-                                cwd=Path(__file__).resolve().parent.parent, stdin=subprocess.DEVNULL,
+    _watcher = subprocess.Popen([sys.executable, "-m", "tasks.engine.reaper", str(os.getpid())],
+                                cwd=Path(__file__).resolve().parents[2], stdin=subprocess.DEVNULL,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
 
 def _kept_apart(proc: psutil.Process) -> bool:
-    """Whether `proc` belongs to the shared local Ray's keeper (training/local_ray.py)."""
+    """Whether `proc` belongs to the shared local Ray's keeper (tasks/engine/local_ray.py)."""
     try:
         return proc.environ().get(KEEPER_MARK) == "1"
     except psutil.Error:

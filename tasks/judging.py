@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from tasks.engine.documents import SHARD_GLOB, BadRecord, dumps, list_shards, read_shard, write_shard
+from tasks.documents import SHARD_GLOB, BadRecord, dumps, list_shards, read_shard, write_shard
 
 if TYPE_CHECKING:  # tasks.engine.step loads Prefect (seconds), which Ray workers never need
     from tasks.engine.step import StepContext
