@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from training.config import flops_per_token
+from training.config import flops_per_token, matmul_params
 from training.scaling import (BudgetError, FitError, ParametricLaw, RunResult, ScalingConfig, bootstrap_parametric,
-                              fit_isoflop, fit_parametric, fit_scaling_law, isoflop_grid, law_from_json, matmul_params,
-                              nearest_size, plan_run, plot_frontier, plot_isoflops, plot_optimal, shape)
+                              fit_isoflop, fit_parametric, fit_scaling_law, isoflop_grid, law_from_json, nearest_size,
+                              plan_run, plot_frontier, plot_isoflops, plot_optimal, shape)
 
 BUDGETS = [1e11, 2e11, 4e11, 8e11, 1.6e12]
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import ray
 
+from tasks.engine import local_ray
 from tests.conftest import ray_head, ray_lock
 from tests.test_training_kjv_data import WindowBatches, kjv_tokens
 from training.config import ModelConfig, ResourcesConfig, TrainConfig
@@ -85,6 +86,11 @@ def test_two_hosts_join_one_jax_runtime_and_match_one_host(one_host, tmp_path):
 
 @pytest.mark.slow  # the pipeline's version of this runs in CI: tests/test_pipeline_ray.py
 def test_training_on_a_started_ray_head_via_ray_address(tmp_path, monkeypatch):
+    # First kiln's local Ray, as a process that ran a step on it would: joining it turns Ray's token
+    # authentication on in this process, and leaving it must turn that off again, or this driver,
+    # still expecting tokens, refuses the token-less head's calls ("Missing authorization header").
+    local_ray.connect()
+    local_ray.disconnect()
     with ray_head(num_cpus=2) as address:
         monkeypatch.setenv("RAY_ADDRESS", address)
         monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # as the head (see conftest.ray_head)

@@ -67,16 +67,20 @@ def flops_per_token(cfg: ModelConfig) -> float:
 
         6 * N  +  12 * L * H * Q * T
 
-    N counts the parameters that multiply activations in matmuls: every projection in every
-    layer plus the output projection V*D (also when tied to the embedding); the input embedding
-    lookup and the norm weights do no matmul and are left out. The second term is attention's
-    QK^T and AV (2 * 2 * T * H * Q per token per layer forward, x3 for forward + backward), with
-    L layers, H query heads, Q head dim and T = seq_len; it is not halved for the causal mask.
+    N is `matmul_params`. The second term is attention's QK^T and AV (2 * 2 * T * H * Q per token
+    per layer forward, x3 for forward + backward), with L layers, H query heads, Q head dim and
+    T = seq_len; it is not halved for the causal mask.
     """
+    return 6.0 * matmul_params(cfg) + 12.0 * cfg.n_layers * cfg.n_heads * cfg.head_dim * cfg.seq_len
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    """The N of C = 6ND (+ attention): the parameters that multiply activations in matmuls, every
+    projection in every layer plus the output projection V*D (also when tied to the embedding);
+    the input embedding lookup and the norm weights do no matmul and are left out."""
     D, F, Q = cfg.d_model, cfg.d_ff, cfg.head_dim
     per_layer = D * cfg.n_heads * Q * 2 + D * cfg.n_kv_heads * Q * 2 + 3 * D * F
-    n_matmul = cfg.n_layers * per_layer + D * cfg.vocab_size
-    return 6.0 * n_matmul + 12.0 * cfg.n_layers * cfg.n_heads * Q * cfg.seq_len
+    return cfg.n_layers * per_layer + D * cfg.vocab_size
 
 
 class MeshConfig(ConfigModel):

@@ -69,7 +69,7 @@ from pydantic import Field, model_validator
 
 from tasks.engine.config import (Beta, ConfigModel, Count, Fraction, HalfOpenFraction, NonNegativeFloat, Positive, Seed,
                                  setting)
-from training.config import ModelConfig, TrainConfig, flops_per_token
+from training.config import ModelConfig, TrainConfig, flops_per_token, matmul_params
 
 
 class BudgetError(ValueError):
@@ -165,12 +165,6 @@ def shape(k: int, cfg: ScalingConfig, vocab_size: int) -> ModelConfig:
     return ModelConfig(vocab_size=vocab_size, d_model=d, n_layers=layers, n_heads=heads, n_kv_heads=heads,
                        d_ff=d_ff, seq_len=cfg.seq_len, tie_embeddings=cfg.tie_embeddings,
                        **({"init_std": cfg.init_scale / math.sqrt(d)} if cfg.init_scale else {}))
-
-
-def matmul_params(model: ModelConfig) -> int:
-    """N of C = 6ND + attention: `flops_per_token` less its attention term, over 6."""
-    attention = 12 * model.n_layers * model.n_heads * model.head_dim * model.seq_len
-    return round((flops_per_token(model) - attention) / 6)
 
 
 def batch_size(budget: float, cfg: ScalingConfig) -> int:

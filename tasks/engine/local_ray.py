@@ -49,6 +49,7 @@ DIR_ENV = "KILN_RAY_DIR"  # its folder, when not the one per user and environmen
 START_TIMEOUT_S = 600  # for a keeper's start: its own retries on a loaded machine take minutes
 
 _users_fd: int | None = None  # this process's shared hold on users.lock, while it is connected
+_auth_mode_before: str | None = None  # RAY_AUTH_MODE before `connect` (Ray sets it to turn tokens on)
 
 
 def ray_dir() -> Path:
@@ -103,6 +104,8 @@ def connect() -> dict:
         from ray._private.authentication.authentication_token_setup import (
             maybe_enable_token_auth_if_token_available)
 
+        global _auth_mode_before
+        _auth_mode_before = os.environ.get("RAY_AUTH_MODE")
         maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
         with _loopback_only():
             ray.init(address=head["address"], log_to_driver=False, logging_level="ERROR",
@@ -126,6 +129,24 @@ def disconnect() -> None:
     if _users_fd is not None:
         os.close(_users_fd)
         _users_fd = None
+        _restore_auth_mode()
+
+
+def _restore_auth_mode() -> None:
+    """Put RAY_AUTH_MODE back as it was before `connect` turned token authentication on for the
+    keeper's Ray: Ray sets it in the process's environment, so a cluster this process joins later
+    without a token (`ray start` with RAY_AUTH_MODE=disabled) would otherwise see this process's
+    workers refused. Ray's cached config is read again from the environment."""
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    if os.environ.get("RAY_AUTH_MODE") == _auth_mode_before:
+        return
+    if _auth_mode_before is None:
+        os.environ.pop("RAY_AUTH_MODE", None)
+    else:
+        os.environ["RAY_AUTH_MODE"] = _auth_mode_before
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
 
 
 def connected() -> bool:
