@@ -74,24 +74,21 @@ def pytest_configure(config):
 
 
 # The files that take longest, longest first (seconds on 2 cores, 2026-12-02). With `--dist loadfile
-# --no-loadscope-reorder` xdist hands out files in collection order (a worker gets the next file
-# once two or fewer of its tests are pending), so the long ones start early instead of leaving one
-# worker alone with the two-node test at the end. The files that hold the Ray lock exclusively
-# (two_nodes, private_ray) come first, each beside files that start no Ray (foundation,
-# deployments, team_server): with a Ray-sharing file first (phases), the other worker's exclusive
-# wait left it idle ~100 s.
-LONGEST_FIRST = ["test_two_nodes.py",  # ~110, Ray lock exclusive
+# --no-loadscope-reorder` xdist hands out files in collection order, so the long ones start early
+# instead of leaving one worker alone with the two-node test at the end; files that hold the Ray
+# lock exclusively (two_nodes, private_ray) sit between files that start no Ray.
+LONGEST_FIRST = ["test_phases.py",  # ~130 (the four-run cooldown test is slow)
+                 "test_two_nodes.py",  # ~180, Ray lock exclusive
                  "test_foundation.py",  # ~150, no Ray
-                 "test_private_ray.py",  # ~105, Ray lock exclusive
                  "test_deployments.py",  # ~110, no Ray
                  "test_team_server.py",  # ~150 (loaded: 360): PostgreSQL, a Prefect server, a worker; no Ray
-                 "test_phases.py",  # ~200, Ray shared (the four-run cooldown test is slow)
                  "test_scheduler.py",  # ~100
+                 "test_private_ray.py",  # ~110, Ray lock exclusive
                  "test_training_task.py", "test_training_sharding.py", "test_gpu_check.py", "test_posttrain.py",
                  "test_training_loop.py", "test_lm_eval_hf.py", "test_remote_workspace.py", "test_redis_locks.py",
                  "test_servers_end.py", "test_training_launch.py", "test_serve_shutdown.py",
                  "test_checkpoint_series.py", "test_hf_pipeline.py", "test_train_init.py", "test_in_loop_evals.py",
-                 "test_serve_model.py", "test_lora.py", "test_local_ray.py", "test_secrets.py", "test_new_stage.py"]
+                 "test_serve_model.py", "test_lora.py"]
 
 
 def pytest_collection_modifyitems(config, items):
