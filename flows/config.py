@@ -64,7 +64,7 @@ def with_source_drop_limit(model: type[BaseModel], section: Any, limit: float) -
     updates: dict[str, Any] = {"max_source_drop": limit} if "max_source_drop" in model.model_fields else {}
     for name, field in model.model_fields.items():
         sub = _config_class(field.annotation)
-        if sub is not None and name != "max_source_drop" and _holds_source_drop(sub):
+        if sub is not None and _holds_source_drop(sub):
             value = section.get(name, field.get_default(call_default_factory=True)) if isinstance(section, dict) \
                 else getattr(section, name)
             updates[name] = with_source_drop_limit(sub, value, limit)

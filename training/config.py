@@ -9,7 +9,8 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
-from tasks.engine.config import ConfigModel, Count, NonNegative, Seed, Positive, NonNegativeFloat, Fraction, OpenFraction, Beta, setting, files, identity_when_set
+from tasks.engine.config import (Beta, ConfigModel, Count, Fraction, NonNegative, NonNegativeFloat, OpenFraction,
+                                 Positive, Seed, files, identity_when_set, setting)
 
 # Where a train output keeps the steps `TrainConfig.kept_steps` names (the loop writes them, plans
 # and evaluations read them): <work folder and output>/steps/<step>/, and in it checkpoint/, that

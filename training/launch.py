@@ -284,7 +284,7 @@ def _connect(resources: ResourcesConfig) -> tuple[bool, str | None]:
     if ray.is_initialized() or address:  # the caller's Ray (a cluster if an address is set, else in-process)
         local_ray.ensure_ray(address)
         return False, address
-    local_ray.ensure_ray()
+    local_ray.connect()
     return True, None
 
 

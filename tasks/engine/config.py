@@ -34,6 +34,7 @@ OpenFraction = Annotated[float, Field(gt=0, le=1)]  # (0, 1]: a share that canno
 HalfOpenFraction = Annotated[float, Field(ge=0, lt=1)]  # [0, 1): a share that cannot be everything
 Beta = Annotated[float, Field(ge=0, lt=1)]  # Adam's moment decay rates
 
+
 def setting(default: Any = ..., **kwargs: Any) -> Any:
     """A field that cannot change the bytes of the output (worker count, log interval, addresses).
 

@@ -86,7 +86,7 @@ def idle_seconds() -> float:
 def connect() -> dict:
     """Join kiln's local Ray, starting its keeper if none is up; returns the keeper's record
     ({address, pid, started, cpus}). Call `disconnect()` when done (or exit)."""
-    global _users_fd
+    global _users_fd, _auth_mode_before
     import ray
 
     if _users_fd is not None and ray.is_initialized():
@@ -104,7 +104,6 @@ def connect() -> dict:
         from ray._private.authentication.authentication_token_setup import (
             maybe_enable_token_auth_if_token_available)
 
-        global _auth_mode_before
         _auth_mode_before = os.environ.get("RAY_AUTH_MODE")
         maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
         with _loopback_only():
