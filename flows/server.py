@@ -33,6 +33,8 @@ from pathlib import Path
 
 import psutil
 
+from tasks.engine.daemons import log_tail
+
 STATE = "server.json"
 DATABASE = "prefect"
 PG_USER = "kiln"  # the cluster's superuser, reached with the password in DIR/pg-password
@@ -190,7 +192,7 @@ def start_postgres(folder: Path, bin_dir: Path, port: int, deadline: float) -> d
         if done.returncode != 0:
             hint = (f" (as root it runs as {RUN_AS!r}, which must be able to reach {folder}: pick a folder "
                     "outside /root, e.g. /srv/kiln-server)" if os.geteuid() == 0 else "")
-            raise ServerError(f"initdb failed with status {done.returncode}{hint}; {init_log} ends:\n{_tail(init_log)}")
+            raise ServerError(f"initdb failed with status {done.returncode}{hint}; {init_log} ends:\n{log_tail(init_log)}")
     log.touch()
     _owned_by_postgres_user(log)
     options = f"-c listen_addresses=127.0.0.1 -p {port} -k {data}"  # its socket in its own folder, not /var/run
@@ -199,7 +201,7 @@ def start_postgres(folder: Path, bin_dir: Path, port: int, deadline: float) -> d
                                                  "-o", options, "-w", "-t", str(max(int(deadline - time.monotonic()), 5))]),
                               stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     if done.returncode != 0:
-        raise ServerError(f"PostgreSQL did not start (pg_ctl status {done.returncode}); {log} ends:\n{_tail(log)}")
+        raise ServerError(f"PostgreSQL did not start (pg_ctl status {done.returncode}); {log} ends:\n{log_tail(log)}")
     pid = int((data / "postmaster.pid").read_text().split()[0])
     record = {"pid": pid, "created": psutil.Process(pid).create_time(), "port": port, "bin": str(bin_dir),
               "data": str(data), "log": str(log)}
@@ -310,22 +312,15 @@ def _wait(ready, deadline: float, what: str, log: Path, proc: subprocess.Popen |
                 return
         except _Exited as e:
             raise ServerError(f"gave up waiting for {what}: it exited with status {e.args[0]}; "
-                              f"{log} ends:\n{_tail(log)}") from None
+                              f"{log} ends:\n{log_tail(log)}") from None
         if time.monotonic() > deadline:
             raise ServerError(f"gave up waiting for {what} (deadline passed; raise --timeout on a loaded "
-                              f"machine); {log} ends:\n{_tail(log)}")
+                              f"machine); {log} ends:\n{log_tail(log)}")
         time.sleep(0.5)
 
 
 def _record(proc: subprocess.Popen, port: int, log: Path) -> dict:
     return {"pid": proc.pid, "created": psutil.Process(proc.pid).create_time(), "port": port, "log": str(log)}
-
-
-def _tail(path: Path, chars: int = 3000) -> str:
-    try:
-        return Path(path).read_text(errors="replace")[-chars:]
-    except FileNotFoundError:
-        return "(no log yet)"
 
 
 def _loopback(host: str) -> bool:

@@ -25,6 +25,8 @@ from typing import Callable
 
 import pytest
 
+from tasks.engine.daemons import log_tail
+
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
@@ -163,14 +165,6 @@ def wait_until(predicate: Callable[[], object], timeout_s: float, what: str, int
         time.sleep(interval_s)
 
 
-def tail(path: Path, chars: int = 3000) -> str:
-    """The end of a log file ('' if there is none yet)."""
-    try:
-        return Path(path).read_text(errors="replace")[-chars:]
-    except FileNotFoundError:
-        return ""
-
-
 # --- keeping the Ray-heavy tests apart --------------------------------------------------------------
 
 RAY_LOCK_FILE = Path(os.environ.get("KILN_TESTS_LOCK", "/tmp/kiln-tests-heavy.lock"))
@@ -242,9 +236,9 @@ def server(what: str, args: list[str], log: Path, ready: Callable[[], object], e
                                 start_new_session=True)
     try:
         wait_until(lambda: proc.poll() is not None or ready(), timeout_s, f"{what} to start",
-                   detail=lambda: f"{log} ends:\n{tail(log)}")
+                   detail=lambda: f"{log} ends:\n{log_tail(log)}")
         if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited {proc.returncode} before it was ready; {log} ends:\n{tail(log)}")
+            raise RuntimeError(f"{what} exited {proc.returncode} before it was ready; {log} ends:\n{log_tail(log)}")
         yield proc
     finally:
         stop_group(proc, grace_s=grace_s)
@@ -368,10 +362,10 @@ RAY_UP = "This command will now block forever"  # what `ray start --block` print
 
 def ray_said(log: Path, temp_dir: Path | str, chars: int = 1500) -> str:
     """For an error: the end of `ray start`'s output and of the node's own logs (raylet, GCS)."""
-    parts = [f"--- {log}\n{tail(log, chars)}"]
+    parts = [f"--- {log}\n{log_tail(log, chars)}"]
     for name in ("raylet.out", "raylet.err", "gcs_server.out", "gcs_server.err"):
         path = Path(temp_dir) / "session_latest" / "logs" / name
-        text = tail(path, chars).strip()
+        text = log_tail(path, chars).strip() if path.exists() else ""
         if text:
             parts.append(f"--- {path}\n{text}")
     return "\n".join(parts)

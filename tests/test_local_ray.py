@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import REPO, scratch, stop_group, tail, wait_until
+from tests.conftest import REPO, scratch, stop_group, log_tail, wait_until
 
 pytestmark = pytest.mark.ray_heavy  # starts Ray nodes of its own: tests/conftest.py ray_lock
 
@@ -31,13 +31,13 @@ def finished(proc: subprocess.Popen, out: Path, name: str, timeout_s: float = 60
     try:
         return proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        raise AssertionError(f"{name} did not finish in {timeout_s} s; its log ends:\n{tail(out / f'{name}.log')}")
+        raise AssertionError(f"{name} did not finish in {timeout_s} s; its log ends:\n{log_tail(out / f'{name}.log')}")
 
 
 def said(out: Path, name: str, text: str, proc: subprocess.Popen) -> bool:
-    if text in tail(out / f"{name}.log", 10**6):
+    if text in log_tail(out / f"{name}.log", 10**6):
         return True
-    assert proc.poll() is None, f"{name} exited {proc.returncode} before saying {text!r}:\n{tail(out / f'{name}.log')}"
+    assert proc.poll() is None, f"{name} exited {proc.returncode} before saying {text!r}:\n{log_tail(out / f'{name}.log')}"
     return False
 
 
@@ -65,15 +65,15 @@ def test_runs_share_one_local_ray_queue_for_its_cpus_and_it_ends_when_unused(tmp
         # A's step holds both CPUs of the machine's Ray until the test releases it
         a = launch("a", 2, hold=True)
         wait_until(lambda: (out / "a.started").exists() or said(out, "a", "never", a), 600, "a's host to start",
-                   detail=lambda: tail(out / "a.log"))
+                   detail=lambda: log_tail(out / "a.log"))
         b = launch("b", 2)
         wait_until(lambda: said(out, "b", "for Ray to place 1 host task(s)", b), 300, "b to wait for the CPUs",
-                   detail=lambda: tail(out / "b.log"))
+                   detail=lambda: log_tail(out / "b.log"))
         assert not (out / "b.started").exists()  # b waits: its host has not started beside a's
         # a step that can never fit says so at once, while the others run
         c = launch("c", 3)
         assert finished(c, out, "c", 300) != 0
-        c_said = tail(out / "c.log", 10**6)
+        c_said = log_tail(out / "c.log", 10**6)
         assert "more than kiln's local Ray on this machine has" in c_said and "KILN_RAY_CPUS" in c_said, c_said
 
         head = json.loads((ray_dir / "head.json").read_text())
@@ -82,8 +82,8 @@ def test_runs_share_one_local_ray_queue_for_its_cpus_and_it_ends_when_unused(tmp
         assert any("raylet" in p.name() for p in tree), [p.name() for p in tree]
 
         (out / "a.release").touch()
-        assert finished(a, out, "a") == 0, tail(out / "a.log")
-        assert finished(b, out, "b") == 0, tail(out / "b.log")  # a's exit (and its reaper) left b's Ray alone
+        assert finished(a, out, "a") == 0, log_tail(out / "a.log")
+        assert finished(b, out, "b") == 0, log_tail(out / "b.log")  # a's exit (and its reaper) left b's Ray alone
         ran = {name: json.loads((out / f"{name}.json").read_text()) for name in ("a", "b")}
         assert ran["a"]["gcs"] == ran["b"]["gcs"] == head["address"]
         assert ran["a"]["keeper"] == ran["b"]["keeper"] == head["pid"]
@@ -94,6 +94,6 @@ def test_runs_share_one_local_ray_queue_for_its_cpus_and_it_ends_when_unused(tmp
         assert log.count("kiln local Ray up") == 1, log  # one keeper served the three runs
 
         # nobody uses it now: the keeper ends its Ray within the idle time (2 s) and its shutdown
-        wait_until(lambda: not any(alive(p) for p in tree), 90, "the keeper and its Ray to end", detail=lambda: tail(ray_dir / "keeper.log"))
+        wait_until(lambda: not any(alive(p) for p in tree), 90, "the keeper and its Ray to end", detail=lambda: log_tail(ray_dir / "keeper.log"))
         assert not (ray_dir / "head.json").exists()
         assert "unused for 2 s" in (ray_dir / "keeper.log").read_text()

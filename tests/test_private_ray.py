@@ -22,7 +22,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import REPO, free_port, ray_head_node, tail, wait_until
+from tests.conftest import REPO, free_port, ray_head_node, log_tail, wait_until
 
 pytestmark = pytest.mark.ray_heavy
 
@@ -59,12 +59,12 @@ def wait_for_line(proc: subprocess.Popen, out: Path, word: str, timeout_s: float
     log = out / "probe.log"
 
     def said() -> bool:
-        if word in (line.strip() for line in tail(log, 10**6).splitlines()):
+        if word in (line.strip() for line in log_tail(log, 10**6).splitlines()):
             return True
-        assert proc.poll() is None, f"the probe exited {proc.returncode} before {word!r}; its output ends:\n{tail(log, 4000)}"
+        assert proc.poll() is None, f"the probe exited {proc.returncode} before {word!r}; its output ends:\n{log_tail(log, 4000)}"
         return False
     wait_until(said, timeout_s, f"{word!r} from the probe", interval_s=0.2,
-               detail=lambda: f"its output ends:\n{tail(log, 4000)}")
+               detail=lambda: f"its output ends:\n{log_tail(log, 4000)}")
 
 
 def assert_loopback_only(live: dict) -> None:
@@ -101,7 +101,7 @@ def test_beside_a_foreign_ray_head_kiln_starts_its_own_on_loopback(ray_tmp, tmp_
 
         with stopped_on_exit(start_probe(tmp_path, 3, env)) as probe:
             wait_for_line(probe, tmp_path, "done")
-            assert probe.wait(timeout=120) == 0, tail(tmp_path / "probe.log")
+            assert probe.wait(timeout=120) == 0, log_tail(tmp_path / "probe.log")
         live = json.loads((tmp_path / "live.json").read_text())
         assert_loopback_only(live)
         assert live["gcs"] != address
@@ -148,4 +148,4 @@ def test_beside_a_stale_ray_address_file_and_nothing_outlives_a_sigkill(ray_tmp,
         wait_until(lambda: not survivors(run), 10 - (time.monotonic() - killed), "the run's processes to end")
     assert not survivors(run), f"alive 10 s after the kill: {survivors(run)}"
     wait_until(lambda: not survivors(started), 90, "the local Ray's processes to end once unused",
-               detail=lambda: f"alive: {survivors(started)}; keeper log:\n{tail(ray_tmp / 'kiln' / 'keeper.log')}")
+               detail=lambda: f"alive: {survivors(started)}; keeper log:\n{log_tail(ray_tmp / 'kiln' / 'keeper.log')}")

@@ -26,7 +26,7 @@ import yaml
 from evaluation.adapter import KilnLM
 from evaluation.generate import Request, generate, load, sample
 from evaluation.server import Batcher, Job, Service, create_app
-from tests.conftest import free_port, kiln, server, tail, wait_until
+from tests.conftest import free_port, kiln, server, log_tail, wait_until
 from tests.test_generate import PROMPT, store  # noqa: F401  (a fixture)
 from tests.test_training_kjv_data import kjv_text
 from training.export import export_hf
@@ -305,7 +305,7 @@ def test_kiln_serve_model_prints_its_url_and_exits_0_on_sigterm(store, tmp_path)
     ready = f"kiln serve-model: tiny at http://127.0.0.1:{port}/v1"
     with server("kiln serve-model", [sys.executable, "-m", "flows.cli", "serve-model", str(store / "train" / "m0"),
                                      "--port", str(port), "--name", "tiny", "--max-batch", "4"],
-                log, lambda: ready in tail(log), env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout_s=120) as proc:
+                log, lambda: ready in log_tail(log), env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout_s=120) as proc:
         url = f"http://127.0.0.1:{port}/v1"
         assert httpx.get(f"{url}/models", timeout=10).json()["data"][0]["id"] == "tiny"
         with concurrent.futures.ThreadPoolExecutor(1) as pool:  # in flight (compiling) when SIGTERM comes
@@ -317,9 +317,9 @@ def test_kiln_serve_model_prints_its_url_and_exits_0_on_sigterm(store, tmp_path)
             try:
                 proc.wait(timeout=20)
             except subprocess.TimeoutExpired:
-                raise AssertionError(f"still running 20 s after SIGTERM:\n{tail(log)}") from None
+                raise AssertionError(f"still running 20 s after SIGTERM:\n{log_tail(log)}") from None
             took = time.monotonic() - sent
-            assert proc.returncode == 0, tail(log)
+            assert proc.returncode == 0, log_tail(log)
             assert answer.result().status_code == 200  # the request in flight was answered
         assert took < 10, took
         with pytest.raises(httpx.ConnectError):

@@ -11,7 +11,7 @@ import time
 
 import httpx
 
-from tests.conftest import REPO, prefect_server_process, stop_group, tail, wait_until
+from tests.conftest import REPO, prefect_server_process, stop_group, log_tail, wait_until
 
 
 def test_serve_exits_on_sigterm_after_its_server_died(tmp_path):
@@ -25,11 +25,11 @@ def test_serve_exits_on_sigterm_after_its_server_died(tmp_path):
                                      stderr=subprocess.STDOUT, start_new_session=True)
         try:
             def deployed():
-                assert serve.poll() is None, tail(serve_log)
+                assert serve.poll() is None, log_tail(serve_log)
                 names = {d["name"] for d in httpx.post(f"{api}/deployments/filter", json={}, timeout=5).json()}
                 return {"pipeline", "data-refresh", "evaluate"} <= names
             wait_until(deployed, 240, "kiln serve to register its deployments", interval_s=0.5,
-                       detail=lambda: tail(serve_log))
+                       detail=lambda: log_tail(serve_log))
 
             stop_group(server, grace_s=0)  # SIGKILL at once: a server that is simply gone
             assert server.poll() is not None
@@ -38,7 +38,7 @@ def test_serve_exits_on_sigterm_after_its_server_died(tmp_path):
             try:
                 serve.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                raise AssertionError("kiln serve still running 30 s after SIGTERM:\n" + tail(serve_log)) from None
+                raise AssertionError("kiln serve still running 30 s after SIGTERM:\n" + log_tail(serve_log)) from None
             took = time.monotonic() - sent
             output = serve_log.read_text()
             assert "could not pause the deployments" in output, (serve.returncode, took, output[-3000:])

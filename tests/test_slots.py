@@ -24,7 +24,7 @@ from tasks.engine.scheduler import execute
 from tasks.engine.slots import FileSlots, RedisSlots, held
 from tasks.engine.step import Step
 from tasks.engine.store import Store
-from tests.conftest import REPO, tail, wait_until
+from tests.conftest import REPO, log_tail, wait_until
 from tasks.engine.config import ConfigModel
 
 LOG = logging.getLogger("test_slots")
@@ -125,9 +125,9 @@ def hold_in_a_process(tmp_path: Path, url: str | None) -> subprocess.Popen:
     log.close()
 
     def up() -> bool:
-        assert proc.poll() is None, tail(tmp_path / "holder.log")
+        assert proc.poll() is None, log_tail(tmp_path / "holder.log")
         return flag.exists()
-    wait_until(up, 120, "the holder to take its slot", detail=lambda: tail(tmp_path / "holder.log"))
+    wait_until(up, 120, "the holder to take its slot", detail=lambda: log_tail(tmp_path / "holder.log"))
     return proc
 
 

@@ -18,7 +18,7 @@ import psutil
 import pytest
 import yaml
 
-from tests.conftest import REPO, free_port, kiln, scratch, stop_group, tail, wait_until
+from tests.conftest import REPO, free_port, kiln, scratch, stop_group, log_tail, wait_until
 
 
 def _needs_postgres() -> None:
@@ -183,7 +183,7 @@ def test_deploy_to_a_pool_and_a_worker_runs_the_pipeline(team, tmp_path):
     try:
         with api(env):
             run = run_deployment("pipeline/pipeline", parameters={"until": "acquire"}, timeout=400)
-        assert run.state.is_completed(), f"{run.state}\nworker log:\n{tail(log)}"
+        assert run.state.is_completed(), f"{run.state}\nworker log:\n{log_tail(log)}"
         assert run.work_pool_name == "team-pool"
         acquired = list((store / "acquire").glob("*/lineage.json"))
         assert len(acquired) == 1, list(store.rglob("*"))[:20]

@@ -28,7 +28,7 @@ from typing import Callable
 
 import pytest
 
-from tests.conftest import REPO, ephemeral_env, free_port, ray_lock, ray_said, start_ray_node, stop_group, tail
+from tests.conftest import REPO, ephemeral_env, free_port, ray_lock, ray_said, start_ray_node, stop_group, log_tail
 
 BIN = Path(sys.executable).parent
 
@@ -89,11 +89,11 @@ def _wait_tcp(ns: str, host: str, port: int, proc: subprocess.Popen, what: str, 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited {proc.returncode}; {log} ends:\n{tail(log)}")
+            raise RuntimeError(f"{what} exited {proc.returncode}; {log} ends:\n{log_tail(log)}")
         if subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", probe], timeout=30).returncode == 0:
             return
         time.sleep(1)
-    raise TimeoutError(f"{what} not listening on {host}:{port} after {timeout_s} s; {log} ends:\n{tail(log)}")
+    raise TimeoutError(f"{what} not listening on {host}:{port} after {timeout_s} s; {log} ends:\n{log_tail(log)}")
 
 
 def _wait_nodes(cluster_env: dict, ns: str, count: int, timeout_s: float = 300, said: Callable[[], str] = str) -> None:

@@ -36,6 +36,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 from training.config import ModelConfig, ResourcesConfig, TrainConfig
 from training.data import MixtureData, MixtureInput, open_mixture, read_meta
 from tasks.engine import local_ray
+from tasks.engine.daemons import process_start
 from tasks.engine.store import Located, Workspace
 
 if TYPE_CHECKING:  # JAX: imported by the hosts, not by a driver that only plans
@@ -265,10 +266,10 @@ def _exit_with_driver(node_id: str, pid: int, poll_s: float = 0.5) -> None:
     if ray.get_runtime_context().get_node_id() != node_id:
         return
 
-    started = local_ray.process_start(pid)
+    started = process_start(pid)
 
     def watch() -> None:
-        while started is not None and local_ray.process_start(pid) == started:
+        while started is not None and process_start(pid) == started:
             time.sleep(poll_s)
         os._exit(1)
 

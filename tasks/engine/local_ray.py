@@ -41,6 +41,7 @@ import traceback
 import warnings
 from pathlib import Path
 
+from tasks.engine.daemons import log_tail, process_start
 from tasks.engine.reaper import KEEPER_MARK, watch_this_process  # the keeper's mark: reapers leave it alone
 
 IDLE_ENV = "KILN_RAY_IDLE_S"  # how long the keeper keeps an unused Ray, seconds
@@ -210,10 +211,10 @@ def _start_keeper(folder: Path) -> dict:
             return head
         if keeper.poll() is not None:
             raise RuntimeError(f"kiln's local Ray did not start: its keeper exited {keeper.returncode}; "
-                               f"{log} ends:\n{_tail(log)}")
+                               f"{log} ends:\n{log_tail(log)}")
         time.sleep(0.2)
     keeper.kill()
-    raise RuntimeError(f"kiln's local Ray did not start within {START_TIMEOUT_S} s; {log} ends:\n{_tail(log)}")
+    raise RuntimeError(f"kiln's local Ray did not start within {START_TIMEOUT_S} s; {log} ends:\n{log_tail(log)}")
 
 
 # --- the keeper --------------------------------------------------------------------------------
@@ -319,24 +320,6 @@ def _flocked(path: Path):
         yield
     finally:
         os.close(fd)
-
-
-def process_start(pid: int) -> str | None:
-    """The start time of a live (not zombie) process from /proc, None when it is gone: a pid
-    that was reused by a newer process gives a different value."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2:].split()
-    return None if fields[0] in ("Z", "X") else fields[19]
-
-
-def _tail(path: Path, chars: int = 3000) -> str:
-    try:
-        return path.read_text(errors="replace")[-chars:]
-    except OSError:
-        return "(no log)"
 
 
 def main(argv: list[str]) -> int:
