@@ -138,12 +138,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def kiln(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: int = 600,
+def run_captured(args: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    """subprocess.run with its output captured, and a timeout that fails the test with what the
+    command had printed by then (it is killed). The timeout is below pytest's (pyproject.toml), so
+    that a slow or stuck command says where it was instead of being lost in pytest-timeout's stack."""
+    try:
+        return subprocess.run(args, capture_output=True, text=True, timeout=timeout, **kwargs)
+    except subprocess.TimeoutExpired as e:
+        out, err = (text.decode(errors="replace") if isinstance(text, bytes) else text or ""
+                    for text in (e.stdout, e.stderr))
+        raise AssertionError(f"{' '.join(map(str, args))[:300]} did not end within {timeout:g} s (killed); "
+                             f"stdout ended:\n{out[-3000:]}\nstderr ended:\n{err[-5000:]}") from None
+
+
+def kiln(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: int = 540,
          check: bool = True) -> subprocess.CompletedProcess:
     """Run the `kiln` CLI in a fresh process, as a user would."""
     full_env = {**os.environ, **(env or {})}
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=cwd or REPO, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
+    proc = run_captured([sys.executable, "-m", "flows.cli", *args], timeout, cwd=cwd or REPO, env=full_env)
     if check and proc.returncode != 0:
         raise AssertionError(f"kiln {' '.join(args)} exited {proc.returncode}\n"
                              f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}")

@@ -28,7 +28,8 @@ from typing import Callable
 
 import pytest
 
-from tests.conftest import REPO, ephemeral_env, free_port, ray_lock, ray_said, start_ray_node, stop_group, log_tail
+from tests.conftest import (REPO, ephemeral_env, free_port, log_tail, ray_lock, ray_said, run_captured, start_ray_node,
+                            stop_group)
 
 BIN = Path(sys.executable).parent
 
@@ -63,12 +64,16 @@ class Cluster:
                     parts.append(f"--- {path}\n{text[-1500:]}")
         return "\n".join(parts[-8:])
 
-    def run_in_a(self, args: list[str], env: dict | None = None, timeout: int = 900) -> subprocess.CompletedProcess:
+    def run_in_a(self, args: list[str], env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
         """A command in namespace A (a driver beside the head), as a user would run it there: on
         Prefect's ephemeral API (the session's Prefect server is on the machine's loopback, which
-        namespace A does not share)."""
-        return subprocess.run(["ip", "netns", "exec", self.ns_a, *args], cwd=REPO, capture_output=True, text=True,
-                              timeout=timeout, env={**ephemeral_env(), **self.env, **(env or {})})
+        namespace A does not share). One that outlasts `timeout` fails the test with what it and
+        the Ray nodes had said."""
+        try:
+            return run_captured(["ip", "netns", "exec", self.ns_a, *args], timeout, cwd=REPO,
+                                env={**ephemeral_env(), **self.env, **(env or {})})
+        except AssertionError as e:
+            raise AssertionError(f"{e}\nRay:\n{self.ray_errors()}") from None
 
 
 def require_namespaces() -> None:
