@@ -191,15 +191,17 @@ def ray_lock(exclusive: bool = True):
     the private-Ray probes), shared for tests whose kiln run or training starts a local Ray in
     process. So a heavy Ray start never runs beside another Ray start; two light ones may. Re-entrant
     within a process (a shared hold inside an exclusive one is free; an exclusive one inside a shared
-    one converts the lock and converts it back after). Waiting for it counts against the test's
-    timeout."""
+    one converts the lock and converts it back after). Waiting for it does not count against the
+    test's timeout (the holder's own timeout bounds the wait): the two-node test may hold it for
+    longer than the suite's 10 minutes."""
     global _ray_lock_fd
     if _ray_lock_fd is None:
         _ray_lock_fd = os.open(RAY_LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o666)
     want = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
     before = max(_ray_lock_held, default=0)
     if want > before:
-        fcntl.flock(_ray_lock_fd, want)
+        with _test_timeout_paused():
+            fcntl.flock(_ray_lock_fd, want)
     _ray_lock_held.append(want)
     try:
         yield
@@ -210,6 +212,18 @@ def ray_lock(exclusive: bool = True):
             fcntl.flock(_ray_lock_fd, fcntl.LOCK_UN)
         elif after < want:
             fcntl.flock(_ray_lock_fd, after)
+
+
+@contextlib.contextmanager
+def _test_timeout_paused():
+    """Stop pytest-timeout's clock for the running test while inside, and start it again with what
+    was left: its signal method (pyproject.toml) is a one-shot ITIMER_REAL, armed while a test runs."""
+    remaining, _ = signal.setitimer(signal.ITIMER_REAL, 0)
+    try:
+        yield
+    finally:
+        if remaining > 0:
+            signal.setitimer(signal.ITIMER_REAL, remaining)
 
 
 @pytest.fixture(autouse=True)
