@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from training import compile_cache
 from training.config import ModelConfig
 from training.model import Llama
 
@@ -84,6 +85,7 @@ def make_token_scorer(cfg: ModelConfig) -> Callable:
     argument): `logprob[b, j]` is log p(target | inputs up to that position), `greedy[b, j]`
     whether the target is the argmax there. Only these B*window numbers come back to the host.
     """
+    compile_cache.enable()
 
     def score(params, inputs, targets, starts, window: int):
         logp, targets = window_logprobs(params, inputs, targets, starts, window, cfg)
@@ -96,6 +98,7 @@ def make_prompt_scorer(cfg: ModelConfig) -> Callable:
     """jit(params, inputs [B, L], targets [B, L], top_k) -> (logprob [B, L], top ids and log-probabilities
     [B, L, top_k]): every position of every row, by the token scorer's computation (an echoed
     prompt's log-probabilities in `kiln serve-model` agree with the lm-eval adapter's)."""
+    compile_cache.enable()
 
     def score(params, inputs, targets, top_k: int):
         logp, targets = window_logprobs(params, inputs, targets, jnp.zeros(inputs.shape[0], jnp.int32),

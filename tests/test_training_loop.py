@@ -1,5 +1,6 @@
 """The training loop on real text: it learns, it is bitwise reproducible, and a run killed with
-SIGKILL resumes from its checkpoint to the same bits as a run that was never interrupted."""
+SIGKILL resumes from its checkpoint to the same bits as a run that was never interrupted (the
+rerun reading its train step from the compilation cache that the killed run wrote)."""
 
 from __future__ import annotations
 
@@ -120,8 +121,11 @@ def written_checkpoints(folder: Path, newest: str, timeout_s: float = 60) -> lis
                                           pytest.param("minutes", ["10", "5"], marks=pytest.mark.slow)])
 def test_sigkill_after_checkpoint_then_rerun_gives_same_parameters(tmp_path, uninterrupted, cadence, kept):
     cmd = [sys.executable, "-c", CHILD, str(tmp_path)]
+    # a compilation cache of their own: the killed run compiles into it, the rerun reads from it
+    env = {**os.environ, "KILN_COMPILE_CACHE": str(tmp_path / "compiled"),
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}  # kept however fast this machine compiles
     child = subprocess.Popen(cmd + ["pause", cadence], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             text=True)
+                             text=True, env=env)
     try:
         for line in child.stdout:
             if json.loads(line).get("step") == 15:
@@ -135,12 +139,15 @@ def test_sigkill_after_checkpoint_then_rerun_gives_same_parameters(tmp_path, uni
             child.kill()
     assert not (tmp_path / "out" / "params.safetensors").exists()
 
-    rerun = subprocess.run(cmd + ["straight", cadence], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert list((tmp_path / "compiled").glob("jit_train_step-*")), list((tmp_path / "compiled").iterdir())
+    rerun = subprocess.run(cmd + ["straight", cadence], cwd=REPO, capture_output=True, text=True, timeout=540,
+                           env=env)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     lines = [json.loads(line) for line in rerun.stdout.splitlines() if line.startswith("{")]
     stats = lines[-1]["stats"]
     assert [x["step"] for x in lines[:-1]] == [15, 20, 25, 30]  # resumed at the data position 10
     assert stats["resumed_from_step"] == 10
+    assert stats["compiled_programs_read"] >= 1  # the train step, compiled by the killed run
     assert stats["params_sha256"] == uninterrupted["params_sha256"]
     assert stats["final_loss"] == uninterrupted["final_loss"]
     # metrics.jsonl reads as one run: the records the killed run wrote after step 10 were dropped

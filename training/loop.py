@@ -48,6 +48,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 from safetensors.numpy import load_file, save_file
 
+from training import compile_cache
 from training.checkpoint import Checkpoints
 from tasks.engine.config import is_identity, left_out_at_default
 from training.config import KEPT_DIR, KEPT_STATE, ModelConfig, TrainConfig, flops_per_token
@@ -81,6 +82,8 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, batch_at: Callable[[in
     `shared_work` False: each process has its own `work_dir` (a remote store's hosts), so every
     process writes whole checkpoints there (training/checkpoint.py, "gathered")."""
     t_start = time.perf_counter()
+    compile_cache.enable()
+    read_before, saved_before = compile_cache.programs_read()
     work_dir, out_dir = Path(work_dir), Path(out_dir)
     primary = jax.process_index() == 0
     if primary or not shared_work:
@@ -91,6 +94,10 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, batch_at: Callable[[in
 
     # State: restored from the last checkpoint, or made fresh from the seed.
     program = _program(model_cfg, train_cfg, make_mesh(train_cfg.mesh), objective)
+    read, saved = compile_cache.programs_read()
+    if read > read_before:
+        log.info("read %d compiled program(s) from the compilation cache instead of compiling them (%.1f s saved)",
+                 read - read_before, saved - saved_before)
     checkpoints = Checkpoints(work_dir / "checkpoints", gathered=not shared_work and jax.process_count() > 1)
     identity = _identity(model_cfg, train_cfg)
     if objective is not None:
@@ -160,6 +167,8 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, batch_at: Callable[[in
         "resumed_from_step": start,
         "tokens": train_cfg.steps * clock.tokens_per_step,
         "seconds": time.perf_counter() - t_start,
+        # programs read from the compilation cache in this call (training/compile_cache.py)
+        "compiled_programs_read": compile_cache.programs_read()[0] - read_before,
         **clock.totals(trained),
         "devices": jax.device_count(),
         "processes": jax.process_count(),

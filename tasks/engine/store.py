@@ -40,6 +40,12 @@ def default_store_root() -> str:
     return os.environ.get("KILN_STORE", DEFAULT_STORE)
 
 
+def local_cache() -> Path:
+    """This machine's cache for kiln (KILN_CACHE, default ~/.cache/kiln): copies of a remote
+    store's files, their locks and work folders, compiled programs (training/compile_cache.py)."""
+    return Path(os.environ.get("KILN_CACHE", Path.home() / ".cache" / "kiln"))
+
+
 class Store:
     def __init__(self, root: str | Path | None = None):
         root = str(root if root is not None else default_store_root())
@@ -74,8 +80,7 @@ class Store:
         """Local folder for Prefect results, locks, work folders and (remote stores) caches."""
         if self.is_local:
             return Path(self.root)
-        cache = Path(os.environ.get("KILN_CACHE", Path.home() / ".cache" / "kiln"))
-        return cache / self.root.replace("://", "/")
+        return local_cache() / self.root.replace("://", "/")
 
     def work_dir(self, stage: str, version: str) -> Path:
         """Scratch that survives a crash (training checkpoints), stable per version."""
