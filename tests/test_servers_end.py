@@ -52,7 +52,6 @@ def test_a_command_past_its_timeout_fails_with_what_it_had_printed():
     assert "did not end within 3 s" in said and "got to step 3" in said and "a warning" in said, said
 
 
-
 def _waiters_on(path) -> int:
     """How many processes wait for an flock on `path` (the "->" lines of /proc/locks for its inode)."""
     inode = f":{os.stat(path).st_ino} "

@@ -10,8 +10,8 @@ own); else `jax/<machine kind>/` in kiln's local cache (tasks/engine/store.py `l
 folder per CPU architecture and feature set, since a home folder shared by a cluster's machines
 would otherwise hand one CPU's compiled code to another that lacks its instructions. JAX keeps
 only the programs that took it 1 s or more to compile; the folder holds at most MAX_BYTES, the
-least recently used going first. Setting a size also makes JAX lock the folder, so two processes on one
-machine never read an entry the other is still writing."""
+least recently used going first. Setting a size also makes JAX lock the folder, so two processes
+on one machine never read an entry the other is still writing."""
 
 from __future__ import annotations
 
@@ -30,7 +30,6 @@ MAX_BYTES = 4 << 30
 _HIT = "/jax/compilation_cache/cache_hits"
 _SAVED = "/jax/compilation_cache/compile_time_saved_sec"
 _read = {"programs": 0, "seconds_saved": 0.0}  # this process's, counted by the listeners below
-_listening = False
 
 
 def _count_hit(event: str, **_) -> None:
@@ -43,26 +42,22 @@ def _count_saved(event: str, duration_secs: float, **_) -> None:
         _read["seconds_saved"] += duration_secs
 
 
-def enable() -> Path | None:
-    """Turn the cache on for this process, unless KILN_COMPILE_CACHE=off; the folder it uses.
-    JAX decides at a process's first compile whether it has a cache, so this is called before
-    any (training/loop.py `train`, evaluation/scoring.py); once compiling has begun it changes
+monitoring.register_event_listener(_count_hit)
+monitoring.register_event_duration_secs_listener(_count_saved)
+
+
+def enable() -> None:
+    """Turn the cache on for this process, unless KILN_COMPILE_CACHE=off. JAX decides at a
+    process's first compile whether it has a cache, so this is called before any
+    (training/loop.py `train`, evaluation/scoring.py); once compiling has begun it changes
     nothing."""
     setting = os.environ.get(ENV, "").strip()
     if setting == "off":
-        return None
-    global _listening
-    if not _listening:
-        monitoring.register_event_listener(_count_hit)
-        monitoring.register_event_duration_secs_listener(_count_saved)
-        _listening = True
-    folder = jax.config.jax_compilation_cache_dir
-    if setting or not folder:
-        folder = setting or str(local_cache() / "jax" / machine_kind())
-        jax.config.update("jax_compilation_cache_dir", folder)
+        return
+    if setting or not jax.config.jax_compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", setting or str(local_cache() / "jax" / machine_kind()))
     if jax.config.jax_compilation_cache_max_size == -1:  # unbounded, JAX's default: bound it
         jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
-    return Path(folder)
 
 
 def machine_kind() -> str:
