@@ -2,9 +2,10 @@
 the store a bucket on an S3 server beside the head, the worker node unable to see the driver's
 /tmp. `kiln run` with `hosts: 2` places one host on each node; both open their data through the
 store, host 0 pushes checkpoints and the model back through it, and the losses equal a one-host
-run of the same step. The data stages' shards run on Ray workers of both nodes (`run.workers: 2`)
-and give the bytes one worker gives. A host that cannot reach its coordinator fails within its timeout, naming
-the host and the address."""
+run of the same step. The data stages' shards run on the cluster's Ray workers (`run.workers: 2`),
+and on node B alone when node A is full, and give the bytes one worker gives. A step waiting for
+its hosts' placement fails in bounded time once a node has left. A host that cannot reach its
+coordinator fails within its timeout, naming the host and the address."""
 
 from __future__ import annotations
 
@@ -63,14 +64,61 @@ ONE_HOST = textwrap.dedent("""
     # workers on two nodes made (their checksums are in its lineage).
     tokenize = tokens
     tok_lineage = json.loads(store.fs.cat_file(f"kiln/store/tokenize/{tokenize.version}/lineage.json"))
-    (out / "tokens-1").mkdir()
-    tokenize.run(StepContext(step=tokenize, out=out / "tokens-1", input_stats={}, work_dir=out / "tokens-1-work",
-                             inputs={n: store.local_input(s.stage, s.version) for n, s in tokenize.inputs.items()},
-                             log=logging.getLogger("one-worker"), workers=1))
+    inputs = {n: store.local_input(s.stage, s.version) for n, s in tokenize.inputs.items()}
+
+    def tokenize_into(name, workers):
+        (out / name).mkdir()
+        return tokenize.run(StepContext(step=tokenize, out=out / name, input_stats={}, work_dir=out / f"{name}-work",
+                                        inputs=inputs, log=logging.getLogger(name), workers=workers,
+                                        store_root=store.root))
+
+    tokenize_into("tokens-1", workers=1)
+    # Where the kiln run's shards went was Ray's choice (a warm worker takes the next shard, so
+    # tiny shards may all land on one node). Here node A's one CPU is held by an actor, so every
+    # shard runs on node B, which cannot see this driver's folders: it reads its inputs from the
+    # store and hands its files back, and they must be the same bytes.
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    from tasks.engine.local_ray import ensure_ray
+
+    ensure_ray()
+    (node_a,) = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeManagerAddress"] == sys.argv[4]]
+
+    @ray.remote(num_cpus=1)
+    class HoldsTheCpu:
+        def ready(self):
+            return True
+
+    holder = HoldsTheCpu.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_a, soft=False)).remote()
+    ray.get(holder.ready.remote(), timeout=300)
+    on_b = tokenize_into("tokens-b", workers=2)
+    ray.kill(holder)
     Path(sys.argv[3]).write_text(json.dumps({
         "one": [r["loss"] for r in one], "two": [r["loss"] for r in two], "one_val": stats["final_val_loss"],
         "lineage": lineage["stats"], "tokenize_nodes": tok_lineage["stats"].get("ray_nodes"),
-        "tokenize_same": file_checksums(out / "tokens-1") == tok_lineage["files"]}))
+        "tokenize_same": file_checksums(out / "tokens-1") == tok_lineage["files"],
+        "on_b_nodes": on_b.get("ray_nodes"), "on_b_same": file_checksums(out / "tokens-b") == tok_lineage["files"]}))
+""")
+
+
+# A train step's driver waits for its hosts' placement group while another step's actor holds one
+# of the cluster's two CPUs; node B then leaves, and the cluster can no longer hold the hosts.
+WAITS_FOR_PLACEMENT = textwrap.dedent("""
+    import ray
+    from ray.util.placement_group import placement_group
+    from tasks.engine.local_ray import ensure_ray
+    from training.launch import _wait_placed
+
+    ensure_ray()
+
+    @ray.remote(num_cpus=1)
+    class OtherStep:
+        def ready(self):
+            return True
+
+    other = OtherStep.remote()
+    ray.get(other.ready.remote(), timeout=300)
+    _wait_placed(placement_group([{"CPU": 1}] * 2, strategy="SPREAD"), {"CPU": 1}, 2, unplaceable_s=5, report_s=1)
 """)
 
 
@@ -88,8 +136,22 @@ def test_two_hosts_on_two_nodes_train_through_the_store(tmp_path):
         assert run.returncode == 0, \
             f"stdout:\n{run.stdout[-3000:]}\nstderr:\n{run.stderr[-6000:]}\nRay:\n{cluster.ray_errors()}"
         compared = cluster.run_in_a([sys.executable, "-c", ONE_HOST, str(config), cluster.store,
-                                     str(tmp_path / "compared.json")])
+                                     str(tmp_path / "compared.json"), cluster.ip_a])
         assert compared.returncode == 0, compared.stderr[-5000:]
+        # Last, a node leaves while a step waits for its hosts: the step fails in bounded time,
+        # saying why, instead of waiting for a cluster that can no longer hold them.
+        waiting = cluster.popen_in_a([sys.executable, "-c", WAITS_FOR_PLACEMENT])
+        said = []
+        for line in waiting.stdout:
+            said.append(line)
+            if "other steps hold them" in line:
+                cluster.stop_b()
+                break
+        rest, _ = waiting.communicate(timeout=300)
+        placement = "".join(said) + rest
+    assert waiting.returncode == 1, placement[-3000:]
+    assert "the cluster is too small for them now" in placement, placement[-3000:]
+    assert "Ray cannot place 2 host task(s) of {'CPU': 1}: the cluster has had only" in placement, placement[-3000:]
     result = json.loads((tmp_path / "compared.json").read_text())
     stats = result["lineage"]
     assert stats["processes"] == 2 and stats["ray_cluster"] == cluster.ray_address
@@ -99,9 +161,12 @@ def test_two_hosts_on_two_nodes_train_through_the_store(tmp_path):
     for two, one in zip(result["two"], result["one"]):
         assert abs(two - one) <= 2e-4 * abs(one), (result["two"], result["one"])
     assert abs(stats["final_val_loss"] - result["one_val"]) <= 2e-4 * result["one_val"]
-    # the data stages' shards ran on both nodes and made the bytes one worker makes
-    assert sorted(result["tokenize_nodes"]) == sorted([cluster.ip_a, cluster.ip_b])
+    # the data stages' shards ran on Ray workers of the cluster and made the bytes one worker makes
+    assert result["tokenize_nodes"] and set(result["tokenize_nodes"]) <= {cluster.ip_a, cluster.ip_b}
     assert result["tokenize_same"]
+    # and on node B alone, which sees none of the driver's folders, the same bytes again
+    assert result["on_b_nodes"] == [cluster.ip_b]
+    assert result["on_b_same"]
 
 
 UNREACHABLE = textwrap.dedent("""

@@ -45,6 +45,7 @@ class Cluster:
     env: dict = field(default_factory=dict)  # what a driver in A needs (Ray address, S3 endpoint)
     log_dirs: list[str] = field(default_factory=list)
     restart_b: Callable[[], None] | None = None  # a fresh worker node in B (after kill_b)
+    stop_b: Callable[[], None] | None = None  # node B leaves the cluster, as a drained node does
 
     def kill_b(self) -> None:
         """Node B dies: SIGKILL to every process in its namespace (its Ray node and workers)."""
@@ -139,6 +140,7 @@ def _two_node_cluster(tmp_path: Path):
     subnet = f"10.{random.randrange(100, 250)}.{random.randrange(1, 250)}"
     ip_a, ip_b = f"{subnet}.1", f"{subnet}.2"
     procs: list[subprocess.Popen] = []
+    node_b: list[subprocess.Popen] = []  # B's current `ray start`
     made: list[str] = []
     # Ray's session folders (socket paths must stay under 108 bytes: not in tmp_path); node B's
     # is outside its private /tmp so that its logs outlive it, for the error of a failed test.
@@ -203,6 +205,12 @@ def _two_node_cluster(tmp_path: Path):
 
             procs.append(start_ray_node(start, tmp_path / "ray-worker.log", f"{ray_dir}-b",
                                         f"the Ray worker node on {ip_b}"))
+            node_b[:] = [procs[-1]]
+
+        def stop_b() -> None:
+            """SIGTERM to B's `ray start --block`, which stops its node: it leaves the cluster at
+            once (a killed node is noticed only when its health checks have failed)."""
+            stop_group(node_b[0], grace_s=60)
 
         def said() -> str:
             return "\n".join([ray_said(tmp_path / "ray-head.log", ray_dir),
@@ -222,7 +230,7 @@ def _two_node_cluster(tmp_path: Path):
             _wait_nodes(driver_env, ns_a, 2, said=said)
 
         yield Cluster(ns_a, ns_b, ip_a, ip_b, f"{ip_a}:{ray_port}", "s3://kiln/store", driver_env,
-                      log_dirs=[ray_dir, f"{ray_dir}-b"], restart_b=restart_b)
+                      log_dirs=[ray_dir, f"{ray_dir}-b"], restart_b=restart_b, stop_b=stop_b)
     finally:
         for proc in reversed(procs):
             if proc.poll() is None:

@@ -312,25 +312,35 @@ def _wait_placed(group, bundle: dict, hosts: int, unplaceable_s: float = 120, re
     long as it takes, said after 5 s and then every `report_s`: other steps hold it (kiln's local
     Ray is shared by the machine's runs, so a train step waits for another run's to end). What
     exceeds the whole cluster fails: at once on kiln's local Ray, after `unplaceable_s` on a
-    cluster (which may be adding nodes)."""
-    total = ray.cluster_resources()
-    fits = all(total.get(name, 0) >= amount * hosts for name, amount in bundle.items())
+    cluster (which may be adding nodes). The cluster is asked again every round, since a node may
+    leave while the step waits (and a step that waited for it would wait forever)."""
+    total, fits = _cluster_holds(bundle, hosts)
     if not fits and local_ray.connected():
         raise RuntimeError(
             f"this step asks Ray for {hosts} host task(s) of {bundle}, more than kiln's local Ray on this machine "
             f"has ({ {k: v for k, v in total.items() if k in bundle} }): lower resources.cpus_per_host (or hosts), "
             f"or give the local Ray more logical CPUs than cores with {local_ray.CPUS_ENV} (it takes effect when "
             "the local Ray next starts: `python -m tasks.engine.local_ray stop` once no run uses it)")
-    ready, start, timeout_s = group.ready(), time.monotonic(), 5.0
+    ready, start, timeout_s = group.ready(), time.monotonic(), min(5.0, report_s)
+    too_small_since = None if fits else start
     while not ray.wait([ready], timeout=timeout_s)[0]:
         timeout_s = report_s
-        waited = time.monotonic() - start
-        if not fits and waited >= unplaceable_s:
-            raise RuntimeError(f"Ray cannot place {hosts} host task(s) of {bundle}: the cluster has {total}; "
-                               "lower resources.* or add nodes")
+        now = time.monotonic()
+        total, fits = _cluster_holds(bundle, hosts)
+        too_small_since = None if fits else (too_small_since or now)
+        if too_small_since is not None and now - too_small_since >= unplaceable_s:
+            raise RuntimeError(f"Ray cannot place {hosts} host task(s) of {bundle}: the cluster has had only "
+                               f"{total} for {now - too_small_since:.0f} s; lower resources.* or add nodes")
         free = ray.available_resources()
-        print(f"kiln: waited {waited:.0f} s for Ray to place {hosts} host task(s) of {bundle}: other steps hold "
-              f"them (free now: { {name: free.get(name, 0) for name in bundle} })", file=sys.stderr, flush=True)
+        held = "other steps hold them" if fits else "the cluster is too small for them now"
+        print(f"kiln: waited {now - start:.0f} s for Ray to place {hosts} host task(s) of {bundle}: {held} "
+              f"(free now: { {name: free.get(name, 0) for name in bundle} })", file=sys.stderr, flush=True)
+
+
+def _cluster_holds(bundle: dict, hosts: int) -> tuple[dict, bool]:
+    """The cluster's resources now, and whether they could hold `hosts` bundles at all."""
+    total = ray.cluster_resources()
+    return total, all(total.get(name, 0) >= amount * hosts for name, amount in bundle.items())
 
 
 def _worker_env(resources: ResourcesConfig) -> dict:
