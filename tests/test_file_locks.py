@@ -58,6 +58,27 @@ def test_a_lock_whose_holder_died_is_free(tmp_path):
     assert not locks.is_locked("step-x")
 
 
+def test_a_lock_whose_holders_pid_now_belongs_to_another_process_is_free(tmp_path):
+    """A lock file left by a process whose pid a newer process has since been given (pids are
+    reused; a restarted container hands out the same low ones): that holder is dead, the lock free.
+    The same pid with the holder's own start time is alive, and its lock is held."""
+    from tasks.engine.daemons import process_start
+
+    def left_by(pid: int, started: str | None) -> None:
+        (tmp_path / "step-x.lock").write_text(json.dumps(
+            {"holder": "old", "expiration": None, "host": socket.gethostname(), "pid": pid, "started": started}))
+
+    locks = StaleAwareLockManager(tmp_path)
+    left_by(os.getpid(), process_start(os.getpid()))  # the holder itself, still running
+    assert locks.is_locked("step-x")
+    assert not locks.acquire_lock("step-x", "next", acquire_timeout=0)
+    left_by(os.getpid(), "1")  # this pid, but a process that started at another time
+    assert not locks.is_locked("step-x")
+    assert locks.acquire_lock("step-x", "next", acquire_timeout=5)
+    assert json.loads((tmp_path / "step-x.lock").read_text())["started"] == process_start(os.getpid())
+    locks.release_lock("step-x", "next")
+
+
 def dead_pid() -> int:
     """The pid of a process that has exited (and been reaped)."""
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -78,14 +99,14 @@ def test_two_runners_taking_over_one_stale_lock_never_both_hold_it(tmp_path, mon
     paused: set[str] = set()
     real_alive = caching._alive
 
-    def alive_at_the_dangerous_point(pid):
+    def alive_at_the_dangerous_point(pid, started=None):
         me = threading.current_thread().name
         if pid != os.getpid() and me not in paused:  # each contender's first look at the stale record
             paused.add(me)
             both_read_it.wait()
             if me == "second":
                 assert first_holds.wait(60)
-        return real_alive(pid)
+        return real_alive(pid, started)
 
     monkeypatch.setattr(caching, "_alive", alive_at_the_dangerous_point)
     got: dict[str, bool] = {}

@@ -23,6 +23,8 @@ from prefect.locking.filesystem import FileSystemLockManager
 from prefect.transactions import IsolationLevel
 from prefect.types._datetime import now, parse_datetime
 
+from tasks.engine.daemons import process_start
+
 if TYPE_CHECKING:
     from tasks.engine.store import Store
 
@@ -161,7 +163,7 @@ class StaleAwareLockManager(FileSystemLockManager):
 def _record(holder: str, hold_timeout: float | None) -> dict:
     expiration = now("UTC") + timedelta(seconds=hold_timeout) if hold_timeout is not None else None
     return {"holder": holder, "expiration": str(expiration) if expiration else None,
-            "host": socket.gethostname(), "pid": os.getpid()}
+            "host": socket.gethostname(), "pid": os.getpid(), "started": process_start(os.getpid())}
 
 
 def _read(path: Path) -> bytes | None:
@@ -183,7 +185,7 @@ def _expiry(info: dict):
 def _stale(info: dict) -> bool:
     """A lock whose holder process died on this host, or whose expiry passed."""
     dead_holder = (info.get("host") == socket.gethostname() and info.get("pid") is not None
-                   and not _alive(info["pid"]))
+                   and not _alive(info["pid"], info.get("started")))
     expired = info.get("expiration") is not None and info["expiration"] < now("UTC")
     return dead_holder or expired
 
@@ -199,11 +201,14 @@ def _folder_locked(folder: Path):
         os.close(fd)  # closing the last descriptor releases the flock
 
 
-def _alive(pid: int) -> bool:
+def _alive(pid: int, started: str | None = None) -> bool:
+    """Whether the holder `pid` still runs. Where the record has its start time, a process with the
+    same pid but another start time is not the holder: pids are reused, and a container's restart
+    hands the low ones out again. (Without /proc, as on macOS, the pid alone decides.)"""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
-    return True
+        pass
+    return started is None or process_start(pid) in (started, None)
