@@ -9,16 +9,34 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import psutil
+
 
 def process_start(pid: int) -> str | None:
-    """The start time of a live (not zombie) process from /proc, None when it is gone: a pid
-    that was reused by a newer process gives a different value."""
+    """The start time of a live (not zombie) process, None when it is gone: a pid that was reused
+    by a newer process gives a different value. From /proc where there is one (the kernel's own
+    count, exact across processes); elsewhere (macOS) from psutil."""
+    if not _PROC:
+        return _start_from_psutil(pid)
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
     fields = stat[stat.rindex(")") + 2:].split()
     return None if fields[0] in ("Z", "X") else fields[19]
+
+
+_PROC = Path("/proc/self/stat").exists()
+
+
+def _start_from_psutil(pid: int) -> str | None:
+    """process_start without /proc: the start time the system recorded for the process (on macOS
+    the kernel's own timestamp, the same in every process that asks)."""
+    try:
+        proc = psutil.Process(pid)
+        return None if proc.status() == psutil.STATUS_ZOMBIE else f"{proc.create_time():.6f}"
+    except psutil.Error:
+        return None
 
 
 def log_tail(path: Path | str, chars: int = 3000) -> str:
