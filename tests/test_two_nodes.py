@@ -140,16 +140,9 @@ def test_two_hosts_on_two_nodes_train_through_the_store(tmp_path):
         assert compared.returncode == 0, compared.stderr[-5000:]
         # Last, a node leaves while a step waits for its hosts: the step fails in bounded time,
         # saying why, instead of waiting for a cluster that can no longer hold them.
-        waiting = cluster.popen_in_a([sys.executable, "-c", WAITS_FOR_PLACEMENT])
-        said = []
-        for line in waiting.stdout:
-            said.append(line)
-            if "other steps hold them" in line:
-                cluster.stop_b()
-                break
-        rest, _ = waiting.communicate(timeout=300)
-        placement = "".join(said) + rest
-    assert waiting.returncode == 1, placement[-3000:]
+        status, placement = cluster.run_in_a_and_when([sys.executable, "-c", WAITS_FOR_PLACEMENT],
+                                                      "other steps hold them", cluster.stop_b, timeout=300)
+    assert status == 1, placement[-3000:]
     assert "the cluster is too small for them now" in placement, placement[-3000:]
     assert "Ray cannot place 2 host task(s) of {'CPU': 1}: the cluster has had only" in placement, placement[-3000:]
     result = json.loads((tmp_path / "compared.json").read_text())
@@ -211,17 +204,10 @@ def test_a_node_dies_mid_training_and_the_rerun_resumes_from_the_store_to_the_sa
         reference = json.loads(cluster.run_in_a([sys.executable, "-c", PARAMS_SHA, str(config),
                                                  reference_store]).stdout)
 
-        driver = cluster.popen_in_a([sys.executable, "-m", "flows.cli", "run", str(config), "--store", cluster.store,
-                                     "--until", "train"])
-        lines = []
-        for line in driver.stdout:  # the driver's log, until training is past its second checkpoint
-            lines.append(line)
-            if "step 25/40" in line:
-                cluster.kill_b()
-                break
-        rest, _ = driver.communicate(timeout=600)
-        log = "".join(lines) + rest
-        assert driver.returncode == 1, log[-3000:]
+        # node B dies once training is past its second checkpoint
+        status, log = cluster.run_in_a_and_when([sys.executable, "-m", "flows.cli", "run", str(config), "--store",
+                                                 cluster.store, "--until", "train"], "step 25/40", cluster.kill_b)
+        assert status == 1, log[-3000:]
         # the host on the killed node (SPREAD places host 0 or host 1 there), named with that node
         assert re.search(rf"training host [01] of 2 failed, on node {re.escape(cluster.ip_b)}", log), log[-5000:]
 

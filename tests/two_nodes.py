@@ -55,6 +55,20 @@ class Cluster:
         return subprocess.Popen(["ip", "netns", "exec", self.ns_a, *args], cwd=REPO, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, env={**ephemeral_env(), **self.env})
 
+    def run_in_a_and_when(self, args: list[str], said: str, then: Callable[[], None],
+                          timeout: int = 600) -> tuple[int, str]:
+        """A command in namespace A; as soon as a line it prints contains `said`, `then()` (node B
+        leaves or dies, say). Its exit status and all it printed, once it has ended."""
+        proc = self.popen_in_a(args)
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if said in line:
+                then()
+                break
+        rest, _ = proc.communicate(timeout=timeout)
+        return proc.returncode, "".join(lines) + rest
+
     def ray_errors(self) -> str:
         """The ends of both nodes' raylet.err and worker .err logs, for a failed test's message."""
         parts = []
