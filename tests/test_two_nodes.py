@@ -36,7 +36,7 @@ CONFIG = {
     "train": {"batch_size": 8, "steps": 12, "lr": 1.0e-2, "warmup": 2, "log_every": 1, "checkpoint_every": 6,
               "eval_every": 6},
     "resources": {"hosts": 2, "cpus_per_host": 1},
-    "run": {"workers": 2},  # the data stages' shards on Ray workers of both nodes
+    "run": {"workers": 2},  # the data stages' shards on the cluster's Ray workers
 }
 
 # In namespace A: the same train step on one host, in-process, from the tokens in the store; its
