@@ -11,6 +11,8 @@ from pathlib import Path
 
 import psutil
 
+_PROC = Path("/proc/self/stat").exists()  # Linux; not macOS
+
 
 def process_start(pid: int) -> str | None:
     """The start time of a live (not zombie) process, None when it is gone: a pid that was reused
@@ -24,9 +26,6 @@ def process_start(pid: int) -> str | None:
         return None
     fields = stat[stat.rindex(")") + 2:].split()
     return None if fields[0] in ("Z", "X") else fields[19]
-
-
-_PROC = Path("/proc/self/stat").exists()
 
 
 def _start_from_psutil(pid: int) -> str | None:
