@@ -204,7 +204,7 @@ def _folder_locked(folder: Path):
 def _alive(pid: int, started: str | None = None) -> bool:
     """Whether the holder `pid` still runs. Where the record has its start time, a process with the
     same pid but another start time is not the holder: pids are reused, and a container's restart
-    hands the low ones out again. (Without /proc, as on macOS, the pid alone decides.)"""
+    hands the low ones out again. Records written before kiln kept the start time go by the pid."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
