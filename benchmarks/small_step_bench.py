@@ -11,11 +11,14 @@ same random batches:
           the config's cadence (their time is not train time; the whole call's time is shown too)
   ray     the same loop inside a Ray task, as `kiln run` launches it (training.launch), with the
           metrics relayed to this process
+  ray2    the same with resources.cpu_devices 2 (and train.mesh.strategy dp): the task's JAX has two
+          CPU devices and the step splits each batch over them, one per core
   torch   the same architecture in PyTorch eager, from the same weights, with the same AdamW
           (benchmarks/train_bench.py's twin; its first losses are checked against JAX's)
 
 Printed per shape: ms per step and steps/s of each (best round), the loop's own cost per step
-(kiln - step; goal < 5 ms), kiln / torch in steps/s (goal >= 1.0), and how steady the tokens/s
+(kiln - step; goal < 5 ms), kiln / torch in steps/s (goal >= 1.0) on one CPU device and on two
+(ray2: what a config with `resources.cpu_devices: 2` runs), and how steady the tokens/s
 of kiln's log steps are (the lowest against the median, goal >= 0.5).
 
     uv run --dev python benchmarks/small_step_bench.py                # both shapes, 3 rounds
@@ -80,13 +83,19 @@ def run_kiln(model: ModelConfig, cfg: TrainConfig) -> tuple[float, float, list[f
     return tokens / stats["tokens_per_s"], whole / cfg.steps, speeds
 
 
-def run_ray(model: ModelConfig, cfg: TrainConfig) -> float:
-    """Train seconds per step of the loop inside a Ray task (a private local Ray, as kiln run)."""
+def run_ray(model: ModelConfig, cfg: TrainConfig, cpu_devices: int = 1) -> float:
+    """Train seconds per step of the loop inside a Ray task (a private local Ray, as kiln run),
+    its JAX with `cpu_devices` CPU devices (data parallel, parameters replicated)."""
     from training.launch import launch_training
 
+    if cpu_devices > 1:
+        cfg = cfg.model_copy(update={"mesh": cfg.mesh.model_copy(update={"strategy": "dp"})})
     with tempfile.TemporaryDirectory() as tmp:
-        stats = launch_training(model, cfg, ResourcesConfig(cpus_per_host=2), functools.partial(_random_data, model, cfg),
+        stats = launch_training(model, cfg, ResourcesConfig(cpus_per_host=2, cpu_devices=cpu_devices),
+                                functools.partial(_random_data, model, cfg),
                                 Path(tmp) / "w", Path(tmp) / "o", on_metrics=lambda record: None)
+    if stats["devices"] != cpu_devices:
+        raise RuntimeError(f"the Ray task's JAX had {stats['devices']} devices, not the {cpu_devices} asked for")
     return cfg.batch_size * model.seq_len / stats["tokens_per_s"]
 
 
@@ -113,6 +122,7 @@ def bench(name: str, model: ModelConfig, cfg: TrainConfig, args) -> None:
     contenders = {"step": lambda: per_step(run_bare(model, cfg, batches), model, cfg), "kiln": kiln}
     if not args.no_ray:
         contenders["ray"] = lambda: run_ray(model, cfg)
+        contenders["ray2"] = lambda: run_ray(model, cfg, cpu_devices=2)
     if not args.no_torch:
         contenders["torch"] = lambda: per_step(run_torch(model, cfg, batches), model, cfg)
     for r in range(args.rounds):  # interleaved, so a change in load hits every contender
@@ -128,6 +138,9 @@ def bench(name: str, model: ModelConfig, cfg: TrainConfig, args) -> None:
         print(f"  in a Ray task, ray - step: {(best['ray'] - best['step']) * 1e3:+.2f} ms")
     if "torch" in best:
         print(f"  kiln / torch eager = {best['torch'] / best['kiln']:.3f} in steps/s  (goal >= 1.0)")
+        if "ray2" in best:
+            print(f"  kiln on 2 CPU devices (ray2) / torch eager = {best['torch'] / best['ray2']:.3f} in steps/s  "
+                  "(goal >= 1.0)")
     steady = min(min(s[1:]) / statistics.median(s[1:]) for s in speeds if len(s) > 2)
     print(f"  tokens/s of kiln's log steps after the first, lowest / median over every round: {steady:.2f}  "
           "(goal >= 0.5)")

@@ -28,7 +28,8 @@ from tasks.quality import NegativeExamplesConfig, QualityClassifierConfig, Quali
 from tasks.tokenize import TokenizeConfig
 from tasks.tokenizer import TokenizerConfig
 from tasks.engine.config import ConfigModel, Count, Fraction, setting
-from training.config import InitConfig, MixtureConfig, MixtureSourceConfig, ModelConfig, ResourcesConfig, TrainConfig
+from training.config import (InitConfig, MixtureConfig, MixtureSourceConfig, ModelConfig, ResourcesConfig, TrainConfig,
+                             check_cpu_devices)
 from training.scaling import ScalingConfig
 from training.tracking import TrackingConfig
 
@@ -260,6 +261,12 @@ class ExperimentConfig(ConfigModel):
             raise ValueError(f"data.mixture.tokens: {mixture.tokens} tokens are {steps} steps of "
                              f"{self.train.batch_size} x {self.model.seq_len} tokens, not more than "
                              f"train.warmup={self.train.warmup}")
+        return self
+
+    @model_validator(mode="after")
+    def _check_cpu_devices(self) -> "ExperimentConfig":
+        for train, _ in self.phase_trains().values():
+            check_cpu_devices(train, self.resources)
         return self
 
     def train_config(self) -> TrainConfig:

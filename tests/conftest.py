@@ -5,7 +5,7 @@ The servers tests start (Ray nodes, a Prefect server, redis-server, moto's S3 se
 one way each: on 127.0.0.1 and a free port, their output in a log file (never a pipe nobody
 reads), start-up polled until ready with a generous deadline and, when it gives up, the log's last
 lines in the error; stopped, process group and all, and their files removed, also when the test
-fails. Tests that start Ray hold a lock file (see `ray_lock`) so that the two xdist workers never
+fails. Tests that start Ray hold a lock file (see `ray_lock`) so that the xdist workers never
 start Ray nodes beside each other's heavy Ray work."""
 
 from __future__ import annotations
@@ -186,8 +186,8 @@ _ray_lock_held: list[int] = []  # the modes this process holds, outermost first
 
 @contextlib.contextmanager
 def ray_lock(exclusive: bool = True):
-    """An fcntl lock on RAY_LOCK_FILE, shared by every test process on the machine (both xdist
-    workers): exclusive for what starts Ray nodes of its own (`ray start`, the two-node cluster,
+    """An fcntl lock on RAY_LOCK_FILE, shared by every test process on the machine (every xdist
+    worker): exclusive for what starts Ray nodes of its own (`ray start`, the two-node cluster,
     the private-Ray probes), shared for tests whose kiln run or training starts a local Ray in
     process. So a heavy Ray start never runs beside another Ray start; two light ones may. Re-entrant
     within a process (a shared hold inside an exclusive one is free; an exclusive one inside a shared

@@ -11,9 +11,10 @@ import pytest
 import ray
 
 from tasks.engine import local_ray
-from tests.conftest import ray_head, ray_lock
+from flows.config import load_config
+from tests.conftest import REPO, ray_head, ray_lock
 from tests.test_training_kjv_data import WindowBatches, kjv_tokens
-from training.config import ModelConfig, ResourcesConfig, TrainConfig
+from training.config import MeshConfig, ModelConfig, ResourcesConfig, TrainConfig, check_cpu_devices
 from training.launch import launch_training
 from training.loop import train
 from training.metrics import read_metrics
@@ -34,11 +35,11 @@ def configs(steps: int = 12) -> tuple[ModelConfig, TrainConfig]:
                               checkpoint_every=6, peak_flops=1e11)
 
 
-def launch(tmp: Path, hosts: int, steps: int = 12, **train_fields) -> tuple[dict, list[dict]]:
+def launch(tmp: Path, hosts: int, steps: int = 12, cpu_devices: int = 1, **train_fields) -> tuple[dict, list[dict]]:
     model, cfg = configs(steps)
     cfg = cfg.model_copy(update=train_fields)
     seen: list[dict] = []
-    stats = launch_training(model, cfg, ResourcesConfig(hosts=hosts, cpus_per_host=1),
+    stats = launch_training(model, cfg, ResourcesConfig(hosts=hosts, cpus_per_host=1, cpu_devices=cpu_devices),
                             functools.partial(kjv_data, cfg.batch_size, model.seq_len),
                             tmp / "work", tmp / "out", on_metrics=seen.append)
     return stats, seen
@@ -64,6 +65,37 @@ def test_local_ray_task_trains_same_bits_as_in_process(one_host, tmp_path):
     batch_at, val = kjv_data(cfg.batch_size, model.seq_len)
     local = train(model, cfg, batch_at, val, tmp_path / "work", tmp_path / "out")
     assert local["params_sha256"] == stats["params_sha256"]
+
+
+def test_two_cpu_devices_split_each_batch_and_learn_what_one_device_does(one_host, tmp_path):
+    """resources.cpu_devices 2: the Ray task's JAX has two CPU devices (the flag reached the worker
+    before its JAX started), the step runs data parallel over them, and the run is the one-device
+    run up to the order of the gradient's sums."""
+    single, single_seen, _ = one_host
+    stats, seen = launch(tmp_path, hosts=1, cpu_devices=2, mesh=MeshConfig(strategy="dp"))
+    assert stats["processes"] == 1 and stats["devices"] == 2 and stats["platform"] == "cpu"
+    assert [r["step"] for r in seen] == list(range(1, 13))
+    np.testing.assert_allclose([r["loss"] for r in seen], [r["loss"] for r in single_seen], rtol=1e-4)
+    np.testing.assert_allclose(stats["final_val_loss"], single["final_val_loss"], rtol=1e-4)
+
+
+def test_cpu_devices_need_dp_and_a_batch_they_divide(tmp_path):
+    """Refused when the config is read, naming the field to change, before any step runs."""
+    _, cfg = configs()
+    two = ResourcesConfig(cpu_devices=2)
+    with pytest.raises(ValueError, match="set train.mesh.strategy: dp"):
+        check_cpu_devices(cfg, two)  # fsdp, the default
+    dp = cfg.model_copy(update={"mesh": MeshConfig(strategy="dp")})
+    check_cpu_devices(dp, two)
+    with pytest.raises(ValueError, match="batch_size=16 .* does not split over 3 data-parallel devices"):
+        check_cpu_devices(dp, ResourcesConfig(cpu_devices=3))
+    with pytest.raises(ValueError, match="in 16 microbatch"):
+        check_cpu_devices(dp.model_copy(update={"microbatches": 16}), two)
+    check_cpu_devices(cfg, ResourcesConfig(cpu_devices=2, gpus_per_host=1))  # a GPU host's devices are its GPUs
+    text = (REPO / "configs" / "tiny_cpu.yaml").read_text().replace("mesh: {strategy: dp}", "mesh: {strategy: fsdp}")
+    (tmp_path / "two.yaml").write_text(text)
+    with pytest.raises(ValueError, match="cpu_devices=2 splits"):
+        load_config(tmp_path / "two.yaml")
 
 
 # two JAX processes in Ray tasks: a minute on 2 quiet cores. Slow: tests/test_two_nodes.py runs two

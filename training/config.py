@@ -320,6 +320,12 @@ class ResourcesConfig(ConfigModel):
 
     hosts: Count = setting(1)  # one Ray task per host, all joined in one JAX distributed runtime
     cpus_per_host: Count = setting(2)
+    cpu_devices: Count = setting(1, description=(
+        "On a CPU host: XLA CPU devices its step is split over, data parallel (one per core of cpus_per_host). "
+        "XLA runs most of a small model's ops on one thread, so 2 devices on 2 cores take a step ~1.2-1.5x faster "
+        "(benchmarks/RESULTS.md). The batch must divide by hosts x cpu_devices, and train.mesh.strategy be dp "
+        "(the devices share one memory: fsdp would save none and gather every step). The gradient's sums then "
+        "run in another order: the same bits for the same setting, rounding-level differences across settings."))
     gpus_per_host: NonNegative = setting(0)
     tpu_hosts: bool = setting(False)  # ask Ray for the host's TPU chips ("TPU" resource)
     tpus_per_host: Count = setting(4)
@@ -334,6 +340,22 @@ class ResourcesConfig(ConfigModel):
                                 "hosts x gpus_per_host slots of (one per host without GPUs) while it trains, so "
                                 "that runs never double-book the accelerators; its size is run.slot_limits' "
                                 "(tasks/engine/slots.py: Redis at run.lock_url, else files on this machine).")
+
+
+def check_cpu_devices(train_cfg: TrainConfig, resources: ResourcesConfig) -> None:
+    """Refuse a CPU device split the step cannot use, before anything starts."""
+    if resources.cpu_devices == 1 or resources.gpus_per_host or resources.tpu_hosts:
+        return
+    if train_cfg.mesh.strategy != "dp":
+        raise ValueError(f"resources.cpu_devices={resources.cpu_devices} splits each host's batch over CPU devices that "
+                         f"share one memory, so train.mesh.strategy {train_cfg.mesh.strategy!r} would gather the "
+                         "parameters every step and save no memory: set train.mesh.strategy: dp")
+    data = resources.hosts * resources.cpu_devices // train_cfg.mesh.model
+    per_micro = train_cfg.batch_size // train_cfg.microbatches
+    if train_cfg.batch_size % data or per_micro % data:
+        raise ValueError(f"train.batch_size={train_cfg.batch_size} (in {train_cfg.microbatches} microbatch(es)) does "
+                         f"not split over {data} data-parallel devices (resources.hosts x cpu_devices / "
+                         "train.mesh.model): pick a batch (per microbatch) that they divide, or fewer cpu_devices")
 
 
 def model_and_train(path: str) -> tuple[ModelConfig, TrainConfig]:

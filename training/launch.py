@@ -14,6 +14,11 @@ Determinism on GPU: the tasks run with XLA_FLAGS=--xla_gpu_deterministic_ops=tru
 resources.deterministic_gpu is off), which makes XLA pick deterministic implementations of
 scatter and reductions and deterministic autotuning, so the same config on the same GPU type
 gives the same bits, at some cost in speed. CPU is deterministic without flags.
+
+CPU devices: with resources.cpu_devices = N > 1 the tasks run with
+XLA_FLAGS=--xla_force_host_platform_device_count=N, so each host's JAX has N CPU devices and the
+step splits its batch over them (train.mesh.strategy dp). XLA runs most ops of a small model's
+step on one thread; N devices run N at once (benchmarks/RESULTS.md, "CPU devices").
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.queue import Empty, Queue
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from training.config import ModelConfig, ResourcesConfig, TrainConfig
+from training.config import ModelConfig, ResourcesConfig, TrainConfig, check_cpu_devices
 from training.data import MixtureData, MixtureInput, open_mixture, read_meta
 from tasks.engine import local_ray
 from tasks.engine.daemons import process_start
@@ -47,6 +52,7 @@ if TYPE_CHECKING:  # JAX: imported by the hosts, not by a driver that only plans
 DataSource = Callable[[], tuple[Callable[[int], np.ndarray], list[np.ndarray]]]
 
 DETERMINISTIC_GPU_FLAGS = "--xla_gpu_deterministic_ops=true"
+CPU_DEVICES_FLAG = "--xla_force_host_platform_device_count"  # N CPU devices in one process
 
 
 def launch_training(model_cfg: ModelConfig, train_cfg: TrainConfig, resources: ResourcesConfig,
@@ -69,6 +75,7 @@ def launch_training(model_cfg: ModelConfig, train_cfg: TrainConfig, resources: R
     output kept at that step (`steps/<step>/`), taken as `init_mode` says (train.init: weights,
     continue or reset; training/config.py InitConfig). `hooks` are hook factories
     (training/hooks.py): pickled to every host, each builds its hooks there (in-loop evals)."""
+    check_cpu_devices(train_cfg, resources)
     if not isinstance(work, Workspace):
         work = Workspace(None, "", "", str(work))
     if isinstance(init_model, Path):
@@ -352,7 +359,11 @@ def _worker_env(resources: ResourcesConfig) -> dict:
         env["XLA_FLAGS"] = flags
     if not resources.gpus_per_host and not resources.tpu_hosts:
         env["JAX_PLATFORMS"] = "cpu"  # no probing for accelerators that were not asked for
+        if resources.cpu_devices > 1 and CPU_DEVICES_FLAG not in flags:
+            # Read when the worker's JAX starts its CPU client, so set before the task imports JAX.
+            env["XLA_FLAGS"] = f"{flags} {CPU_DEVICES_FLAG}={resources.cpu_devices}".strip()
     return {"env_vars": env}
+
 
 
 def _bundle_node(group, index: int) -> str:
