@@ -92,7 +92,7 @@ def test_cpu_devices_need_dp_and_a_batch_they_divide(tmp_path):
     with pytest.raises(ValueError, match="in 16 microbatch"):
         check_cpu_devices(dp.model_copy(update={"microbatches": 16}), two)
     check_cpu_devices(cfg, ResourcesConfig(cpu_devices=2, gpus_per_host=1))  # a GPU host's devices are its GPUs
-    text = (REPO / "configs" / "tiny_cpu.yaml").read_text().replace("mesh: {strategy: dp}", "mesh: {strategy: fsdp}")
+    text = (REPO / "configs" / "tiny_cpu.yaml").read_text().replace("gpus_per_host: 0}", "gpus_per_host: 0, cpu_devices: 2}")
     (tmp_path / "two.yaml").write_text(text)
     with pytest.raises(ValueError, match="cpu_devices=2 splits"):
         load_config(tmp_path / "two.yaml")
