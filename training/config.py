@@ -323,7 +323,8 @@ class ResourcesConfig(ConfigModel):
     cpu_devices: Count = setting(1, description=(
         "On a CPU host: XLA CPU devices its step is split over, data parallel (one per core of cpus_per_host). "
         "XLA runs most of a small model's ops on one thread, so 2 devices on 2 cores take a small step faster "
-        "(benchmarks/RESULTS.md: 0.55-0.75x the time for the bare step, 0.7-0.96x through the loop). The batch must divide by hosts x cpu_devices, and train.mesh.strategy be dp "
+        "(benchmarks/RESULTS.md: 0.55-0.75x the time for the bare step, 0.7-0.96x through the loop). "
+        "The batch must divide by hosts x cpu_devices, and train.mesh.strategy be dp "
         "(the devices share one memory: fsdp would save none and gather every step). The gradient's sums then "
         "run in another order: the same bits for the same setting, rounding-level differences across settings. "
         "Experimental: once, a process with two CPU devices aborted in XLA's all-reduce rendezvous ('only 1 of 2 "

@@ -365,7 +365,6 @@ def _worker_env(resources: ResourcesConfig) -> dict:
     return {"env_vars": env}
 
 
-
 def _bundle_node(group, index: int) -> str:
     """"<node IP> (<node id>)" of the node that holds bundle `index` of a placement group."""
     try:
