@@ -12,7 +12,6 @@ import os
 import platform
 import subprocess
 import sys
-import threading
 from datetime import datetime, timezone
 from functools import lru_cache
 from importlib import metadata
@@ -85,9 +84,6 @@ def _module_closure(start: list[Path]) -> list[Path]:
     return sorted(seen)
 
 
-_PARSING = threading.Lock()
-
-
 @lru_cache(maxsize=1024)
 def _kiln_imports(path: str, mtime_ns: int, size: int) -> tuple[str, ...]:
     """The kiln module files that `path` imports (cached while the file stays the same)."""
@@ -95,8 +91,7 @@ def _kiln_imports(path: str, mtime_ns: int, size: int) -> tuple[str, ...]:
     if not Path(path).name == "__init__.py":
         package = package.rpartition(".")[0]
     names = []
-    with _PARSING:  # CPython 3.11's ast.parse is not safe in two threads at once (steps run side by side)
-        tree = ast.parse(Path(path).read_bytes())
+    tree = ast.parse(Path(path).read_bytes())  # under tasks/engine/ast_guard.py's lock when steps run
     for node in _executed(tree):
         if isinstance(node, ast.Import):
             names += [a.name for a in node.names]

@@ -17,6 +17,7 @@ from prefect import get_run_logger
 from prefect.futures import as_completed
 from prefect.utilities.annotations import quote
 
+from tasks.engine.ast_guard import serialize_ast_parse
 from tasks.engine.events import emit_step_completed
 from tasks.engine.runner import StepRun, configured_task, prepare
 from tasks.engine.step import Step
@@ -41,6 +42,7 @@ def execute(steps: list[Step], store: Store, *, max_concurrent: int = 1, workers
     Redis at `lock_url` or in files on this machine. Each step computed (not cached) emits
     `kiln.step.completed` as it finishes, with `announce[key]` in its payload (tasks/engine/events.py).
     """
+    serialize_ast_parse()  # steps run in threads; CPython 3.11's ast.parse is not thread-safe
     locks = {"lock_url": lock_url, "lease_s": lease_s}
     slots = {"limits": dict(slot_limits or {}), "lock_url": lock_url, "lease_s": lease_s}
     graph = {s.key: s for s in steps}  # one step per version, whichever variant named it first
