@@ -351,7 +351,7 @@ def _cluster_holds(bundle: dict, hosts: int) -> tuple[dict, bool]:
 
 
 def _worker_env(resources: ResourcesConfig) -> dict:
-    env: dict[str, str] = {}
+    env = local_ray.run_env()
     flags = os.environ.get("XLA_FLAGS", "")
     if resources.gpus_per_host and resources.deterministic_gpu and DETERMINISTIC_GPU_FLAGS not in flags:
         flags = f"{flags} {DETERMINISTIC_GPU_FLAGS}".strip()

@@ -48,6 +48,11 @@ IDLE_ENV = "KILN_RAY_IDLE_S"  # how long the keeper keeps an unused Ray, seconds
 CPUS_ENV = "KILN_RAY_CPUS"  # its logical CPUs, when not the machine's core count
 DIR_ENV = "KILN_RAY_DIR"  # its folder, when not the one per user and environment
 START_TIMEOUT_S = 600  # for a keeper's start: its own retries on a loaded machine take minutes
+# Where a run's store and cache are, as the run sees them. The keeper's workers have the
+# environment of the run that started the keeper; a task of a later run with another store
+# endpoint or KILN_CACHE must see that run's. Never credentials: Ray's runtime-env agent writes
+# what it is given into its log.
+RUN_ENV = ("KILN_CACHE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_REGION", "AWS_REGION")
 
 _users_fd: int | None = None  # this process's shared hold on users.lock, while it is connected
 _auth_mode_before: str | None = None  # RAY_AUTH_MODE before `connect` (Ray sets it to turn tokens on)
@@ -151,6 +156,12 @@ def _restore_auth_mode() -> None:
 
 def connected() -> bool:
     return _users_fd is not None
+
+
+def run_env() -> dict[str, str]:
+    """The env_vars a task of this run needs on kiln's local Ray (RUN_ENV, as this process has
+    them); none on another cluster, whose nodes keep their own."""
+    return {name: os.environ[name] for name in RUN_ENV if name in os.environ} if connected() else {}
 
 
 def ensure_ray(address: str | None = None) -> None:

@@ -63,10 +63,11 @@ def map_shards(fn: Callable[[Any], Any], items: Sequence[Any], workers: int = 1,
                 on_result(i, results[-1])
         return results
     local_ray.ensure_ray()
+    options = {"num_cpus": 1, "runtime_env": {"env_vars": local_ray.run_env()}}
     if places is None:
-        refs = [ray.remote(num_cpus=1)(fn).remote(item) for item in items]
+        refs = [ray.remote(fn).options(**options).remote(item) for item in items]
     else:
-        remote = ray.remote(num_cpus=1)(_on_worker)
+        remote = ray.remote(_on_worker).options(**options)
         refs = [remote.remote(fn, places, item) for item in items]
     index = {ref: i for i, ref in enumerate(refs)}
     results: list[Any] = [None] * len(items)
