@@ -8,13 +8,11 @@ the other or into this test process."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.conftest import REPO, run_captured
 
 RACE = """
 import ast, gc, sys, threading, time
@@ -55,8 +53,7 @@ print(parses[0], len(errors), errors[:1])
 
 
 def race(mode: str) -> tuple[int, int, str]:
-    out = subprocess.run([sys.executable, "-c", RACE, mode], cwd=REPO, capture_output=True, text=True,
-                         timeout=120)
+    out = run_captured([sys.executable, "-c", RACE, mode], timeout=120, cwd=REPO)
     assert out.returncode == 0, out.stderr
     parses, errors, first = out.stdout.strip().split(" ", 2)
     return int(parses), int(errors), first

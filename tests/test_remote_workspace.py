@@ -13,6 +13,7 @@ import sys
 import numpy as np
 import pytest
 
+from tasks.engine import local_ray
 from tasks.engine.store import PUSHED, Store
 from tests.conftest import REPO, free_port, moto_server, run_captured, scratch
 
@@ -92,22 +93,17 @@ def keeper_of_another_run(monkeypatch):
     """kiln's local Ray in a folder of its own, its keeper started by a run whose store endpoint
     and cache are elsewhere (as a machine's keeper outlives the run that started it); this process
     joins it. Yields the other run's cache folder."""
-    with scratch("ray") as folder, _keeper(folder, monkeypatch):
-        yield folder / "other-cache"
-
-
-@contextlib.contextmanager
-def _keeper(folder, monkeypatch):
-    env = {**os.environ, "PYTHONPATH": str(REPO), "KILN_RAY_DIR": str(folder), "KILN_RAY_IDLE_S": "600",
-           "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}", "KILN_CACHE": str(folder / "other-cache")}
-    started = run_captured([sys.executable, "-c", "from tasks.engine import local_ray; local_ray.connect()"],
-                           timeout=600, env=env, cwd=REPO)
-    assert started.returncode == 0, started.stderr[-3000:]
-    monkeypatch.setenv("KILN_RAY_DIR", str(folder))
-    try:
-        yield
-    finally:
-        run_captured([sys.executable, "-m", "tasks.engine.local_ray", "stop"], timeout=120, env=env, cwd=REPO)
+    with scratch("ray") as folder:
+        env = {**os.environ, "PYTHONPATH": str(REPO), "KILN_RAY_DIR": str(folder), "KILN_RAY_IDLE_S": "600",
+               "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}", "KILN_CACHE": str(folder / "other-cache")}
+        started = run_captured([sys.executable, "-c", "from tasks.engine import local_ray; local_ray.connect()"],
+                               timeout=600, env=env, cwd=REPO)
+        assert started.returncode == 0, started.stderr[-3000:]
+        monkeypatch.setenv("KILN_RAY_DIR", str(folder))
+        try:
+            yield folder / "other-cache"
+        finally:
+            local_ray.main(["stop"])
 
 
 @pytest.mark.ray
@@ -116,6 +112,7 @@ def test_training_resumes_from_the_store_on_another_machine(s3_root, tmp_path, m
     another store endpoint and cache: each host task gets this run's endpoint and the KILN_CACHE
     set here (two machines' caches)."""
     import ray
+    import s3fs
 
     from training.config import ResourcesConfig
     from training.launch import launch_training
@@ -133,30 +130,22 @@ def test_training_resumes_from_the_store_on_another_machine(s3_root, tmp_path, m
     with keeper_of_another_run(monkeypatch) as other_cache:
         with pytest.raises(RuntimeError, match="training host 0 of 1 failed"):
             run("machine-a", die_at=10)  # after the checkpoints of steps 4 and 8 were saved
-        stats = _pushed_then_resumed(s3_root, tmp_path, run)
+        assert not (tmp_path / "out-machine-a" / "params.safetensors").exists()
+        # a checkpoint is pushed once its write (in the background) has finished: 8's may not have been
+        fs = s3fs.S3FileSystem(endpoint_url=os.environ["AWS_ENDPOINT_URL"], key="test", secret="test",
+                               skip_instance_cache=True)  # fsspec's cache may hold an earlier test's server
+        marked = fs.ls(f"{s3_root.removeprefix('s3://')}/.work/train-v1/{PUSHED}", detail=False)
+        pushed = sorted(int(p.rstrip("/").rsplit("/", 1)[-1]) for p in marked)
+        assert pushed in ([4], [4, 8]), pushed
+        stats = run("machine-b", die_at=-1)
+        assert stats["resumed_from_step"] == pushed[-1]  # the store's last checkpoint
+        assert [h["node_ip"] for h in stats["hosts"]] == ["127.0.0.1"] and stats["hosts"][0]["node_id"]
+        # the model came back through the store into the driver's output folder
+        assert {p.name for p in (tmp_path / "out-machine-b").iterdir()} >= {"model.json", "params.safetensors",
+                                                                             "metrics.jsonl"}
         assert not other_cache.exists()  # no host used the keeper's cache
     batch_at, val = batches()
     uninterrupted = train(MODEL, TRAIN, batch_at, val, tmp_path / "work", tmp_path / "out")
     assert stats["params_sha256"] == uninterrupted["params_sha256"]
     steps = [r["step"] for r in map(json.loads, (tmp_path / "out-machine-b" / "metrics.jsonl").read_text().splitlines())]
     assert steps == list(range(1, 13))  # the history from before the death came back from the store
-
-
-def _pushed_then_resumed(s3_root: str, tmp_path, run) -> dict:
-    """After machine A's host died: the checkpoints it pushed; machine B resumes from the last."""
-    import s3fs
-
-    assert not (tmp_path / "out-machine-a" / "params.safetensors").exists()
-    # a checkpoint is pushed once its write (in the background) has finished: 8's may not have been
-    fs = s3fs.S3FileSystem(endpoint_url=os.environ["AWS_ENDPOINT_URL"], key="test", secret="test",
-                           skip_instance_cache=True)  # fsspec's cache may hold an earlier test's server
-    marked = fs.ls(f"{s3_root.removeprefix('s3://')}/.work/train-v1/{PUSHED}", detail=False)
-    pushed = sorted(int(p.rstrip("/").rsplit("/", 1)[-1]) for p in marked)
-    assert pushed in ([4], [4, 8]), pushed
-    stats = run("machine-b", die_at=-1)
-    assert stats["resumed_from_step"] == pushed[-1]  # the store's last checkpoint
-    assert [h["node_ip"] for h in stats["hosts"]] == ["127.0.0.1"] and stats["hosts"][0]["node_id"]
-    # the model came back through the store into the driver's output folder
-    assert {p.name for p in (tmp_path / "out-machine-b").iterdir()} >= {"model.json", "params.safetensors",
-                                                                         "metrics.jsonl"}
-    return stats
