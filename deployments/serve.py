@@ -12,11 +12,15 @@ parameter (so the UI shows a form filled with the served config's values):
 
 Stopping (SIGTERM or SIGINT): Prefect stops serving, then kiln pauses the deployments' schedules
 itself, giving up after `pause_timeout_s` when the server no longer answers (Prefect's own pause
-on shutdown retries against a dead server without end, so `kiln serve` would never exit).
+on shutdown retries against a dead server without end, so `kiln serve` would never exit). Prefect's
+graceful stop after SIGTERM can itself hang with the server gone (seen on a loaded machine: its
+log said "initiating graceful shutdown" and the process was still up 30 s later), so kiln gives it
+`STOP_GRACE_S`, then pauses what it can and exits anyway.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import sys
@@ -26,6 +30,7 @@ from flows.config import ExperimentConfig
 
 DEFAULT_CRON = "0 3 * * *"  # daily at 03:00
 CANARY_CRON = "0 5 * * *"  # daily at 05:00, after the data refresh
+STOP_GRACE_S = 10.0  # for Prefect's runner to stop after SIGTERM, before kiln exits without it
 
 
 class NoServer(RuntimeError):
@@ -99,7 +104,8 @@ def serve(config: ExperimentConfig, store: str, cron: str = DEFAULT_CRON, refres
           limit: int | None = None, pause_timeout_s: float = 10.0, canary: ExperimentConfig | None = None) -> None:
     """Blocks, running triggered and scheduled runs, until SIGTERM or SIGINT; then pauses the
     deployments' schedules (see the module docstring)."""
-    import prefect
+    from prefect.exceptions import TerminationSignal
+    from prefect.runner import Runner
 
     url = check_server()
     os.environ.setdefault("KILN_STORE", store)
@@ -109,13 +115,45 @@ def serve(config: ExperimentConfig, store: str, cron: str = DEFAULT_CRON, refres
         # SIGTERM before Prefect's runner has put in its own handler (it does once it starts) must
         # stop serving the same way, not kill the process before the schedules are paused.
         signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        prefect.serve(*served, limit=limit, pause_on_shutdown=False)
-    except KeyboardInterrupt:  # prefect.serve catches it only once its runner is running
+    names = [d.full_name for d in served]
+    try:  # from the first registration on: a signal from here on ends in the pause below
+        runner = Runner(limit=limit, pause_on_shutdown=False)
+        for deployment in served:
+            runner.add_deployment(deployment)  # registers it on the server
+        _stop_within(runner, names, url, pause_timeout_s)
+        print(f"kiln serve: serving {', '.join(names)} from {url} (trigger them in the UI or with `prefect "
+              "deployment run NAME`; SIGTERM or Ctrl-C stops)", file=sys.stderr, flush=True)
+        asyncio.run(runner.start())
+    except (KeyboardInterrupt, TerminationSignal):
         pass
     finally:
         _unwinding.set()
-        pause([d.full_name for d in served], url, pause_timeout_s)
+        pause(names, url, pause_timeout_s)
+
+
+def _stop_within(runner, names: list[str], url: str, pause_timeout_s: float) -> None:
+    """Give Prefect's SIGTERM handler (installed by `runner.start`) a deadline: the first SIGTERM
+    starts Prefect's graceful stop and a watchdog; if serving has not ended STOP_GRACE_S later,
+    the watchdog pauses the schedules itself (bounded by `pause_timeout_s`) and ends the process."""
+    graceful = runner.handle_sigterm
+
+    def handle_sigterm(*args):
+        if not runner.stopping:
+            threading.Thread(target=_exit_unless_stopped, args=(names, url, pause_timeout_s),
+                             name="kiln-serve-stop-deadline", daemon=True).start()
+        graceful(*args)
+
+    runner.handle_sigterm = handle_sigterm  # `start` installs the instance's attribute as the handler
+
+
+def _exit_unless_stopped(names: list[str], url: str, pause_timeout_s: float) -> None:
+    if _unwinding.wait(STOP_GRACE_S):
+        return  # serving ended: the main thread pauses the schedules and exits
+    print(f"kiln serve: Prefect's runner did not stop within {STOP_GRACE_S:.0f} s of SIGTERM; exiting without it",
+          file=sys.stderr, flush=True)
+    pause(names, url, pause_timeout_s)
+    sys.stderr.flush()
+    os._exit(1)  # the main thread is stuck in Prefect's shutdown: nothing else would end the process
 
 
 _unwinding = threading.Event()  # serve has stopped serving: a signal now must not interrupt the pause
