@@ -59,12 +59,32 @@ def needs(name: str):
         pytest.skip(TORCH_MISSING.format(name=name), allow_module_level=True)
 
 
+# The suite's own kiln local Ray (tasks/engine/local_ray.py): a folder of its own, so that no user's
+# run shares it, and kept while unused for SUITE_RAY_IDLE_S instead of the default 10 s. A keeper
+# costs ~30 CPU-seconds to start and ~3 a minute to keep idle on 2 cores; with 10 s the suite
+# started five to seven of them, one after each gap between the tests that train on it. The pytest
+# process that made the folder (xdist's controller; its workers inherit the variables) stops the
+# keeper and removes the folder at the end; a test that sets KILN_RAY_DIR itself keeps its own.
+SUITE_RAY_IDLE_S = "300"
+_suite_ray_dir: Path | None = None
+
+
+def _start_suite_ray_folder() -> None:
+    global _suite_ray_dir
+    if os.environ.get("KILN_RAY_DIR"):  # a user's choice, or an outer pytest's folder: theirs to end
+        return
+    _suite_ray_dir = Path(tempfile.mkdtemp(prefix="kiln-tests-ray-", dir="/tmp"))  # short: Ray's socket paths
+    os.environ["KILN_RAY_DIR"] = str(_suite_ray_dir)
+    os.environ.setdefault("KILN_RAY_IDLE_S", SUITE_RAY_IDLE_S)
+
+
 def pytest_configure(config):
     """Whatever a test starts (servers, Ray nodes, kiln runs) ends when this pytest process does,
     even when it is killed or a timeout ends it without running fixture finalizers."""
     from tasks.engine.reaper import watch_this_process
 
     watch_this_process()
+    _start_suite_ray_folder()
     # Ray's uv hook gives a cluster's workers the driver's `uv run` command line, but its parser
     # knows no `--dev`: under `uv run --dev pytest` they would run without the dev group and could
     # not import the tests' own modules (a DataSource defined in a test). The cluster's own Python,
@@ -75,17 +95,25 @@ def pytest_configure(config):
         constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = False
 
 
+def pytest_unconfigure(config):
+    """Stop the suite's local Ray keeper, if this process made its folder, and remove the folder."""
+    if _suite_ray_dir is None:
+        return
+    from tasks.engine import local_ray
+
+    local_ray.main(["stop"])  # the folder is KILN_RAY_DIR's, in this process's environment
+    shutil.rmtree(_suite_ray_dir, ignore_errors=True)
+
+
 # The files that take longest, longest first (seconds on 2 cores, 2026-12-02). With `--dist loadfile
 # --no-loadscope-reorder` xdist hands out files in collection order, so the long ones start early
-# instead of leaving one worker alone with the two-node test at the end; files that hold the Ray
-# lock exclusively (two_nodes, private_ray) sit between files that start no Ray.
+# instead of leaving one worker alone with a long file at the end. (The tests that hold the Ray lock
+# exclusively are `ci` tests, which CI runs after the fast suite, alone: pyproject.toml.)
 LONGEST_FIRST = ["test_phases.py",  # ~130 (the four-run cooldown test is slow)
-                 "test_two_nodes.py",  # ~180, Ray lock exclusive
                  "test_foundation.py",  # ~150, no Ray
                  "test_deployments.py",  # ~110, no Ray
                  "test_team_server.py",  # ~150 (loaded: 360): PostgreSQL, a Prefect server, a worker; no Ray
                  "test_scheduler.py",  # ~100
-                 "test_private_ray.py",  # ~110, Ray lock exclusive
                  "test_training_task.py", "test_training_sharding.py", "test_gpu_check.py", "test_posttrain.py",
                  "test_training_loop.py", "test_lm_eval_hf.py", "test_remote_workspace.py", "test_redis_locks.py",
                  "test_servers_end.py", "test_training_launch.py", "test_serve_shutdown.py",

@@ -17,7 +17,8 @@ import pytest
 
 from tests.conftest import REPO, scratch, stop_group, log_tail, wait_until
 
-pytestmark = pytest.mark.ray_heavy  # starts Ray nodes of its own: tests/conftest.py ray_lock
+# starts Ray nodes of its own (tests/conftest.py ray_lock): out of the fast suite, run by CI after it (pyproject.toml `ci`)
+pytestmark = [pytest.mark.ray_heavy, pytest.mark.slow, pytest.mark.ci]
 
 
 def start(out: Path, name: str, cpus: int, env: dict, hold: bool = False) -> subprocess.Popen:

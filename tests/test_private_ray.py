@@ -24,7 +24,8 @@ import pytest
 
 from tests.conftest import REPO, free_port, ray_head_node, log_tail, wait_until
 
-pytestmark = pytest.mark.ray_heavy
+# Ray nodes of their own beside kiln's: out of the fast suite, run by CI after it (pyproject.toml `ci`)
+pytestmark = [pytest.mark.ray_heavy, pytest.mark.slow, pytest.mark.ci]
 
 
 @pytest.fixture

@@ -126,6 +126,8 @@ WAITS_FOR_PLACEMENT = textwrap.dedent("""
 # beside the other test worker on a slower 2-core machine its kiln run alone took over 9 minutes.
 # Its own limits are larger than the suite's 10 minutes, and each command's is below them, so that
 # a slow run fails with what it had said.
+@pytest.mark.slow  # two Ray nodes, S3 and a training: out of the fast suite, run by CI after it (pyproject.toml `ci`)
+@pytest.mark.ci
 @pytest.mark.timeout(1800)
 def test_two_hosts_on_two_nodes_train_through_the_store(tmp_path):
     config = tmp_path / "two.yaml"
