@@ -66,16 +66,21 @@ def needs(name: str):
 # process that made the folder (xdist's controller; its workers inherit the variables) stops the
 # keeper and removes the folder at the end; a test that sets KILN_RAY_DIR itself keeps its own.
 SUITE_RAY_IDLE_S = "300"
-_suite_ray_dir: Path | None = None
+_suite_ray = contextlib.ExitStack()  # holds the folder (`scratch`) while this process owns it
 
 
 def _start_suite_ray_folder() -> None:
-    global _suite_ray_dir
     if os.environ.get("KILN_RAY_DIR"):  # a user's choice, or an outer pytest's folder: theirs to end
         return
-    _suite_ray_dir = Path(tempfile.mkdtemp(prefix="kiln-tests-ray-", dir="/tmp"))  # short: Ray's socket paths
-    os.environ["KILN_RAY_DIR"] = str(_suite_ray_dir)
+    os.environ["KILN_RAY_DIR"] = str(_suite_ray.enter_context(scratch("ray")))
     os.environ.setdefault("KILN_RAY_IDLE_S", SUITE_RAY_IDLE_S)
+    _suite_ray.callback(_stop_suite_keeper)  # first at the end, then the folder goes
+
+
+def _stop_suite_keeper() -> None:
+    from tasks.engine import local_ray
+
+    local_ray.main(["stop"])  # the folder is KILN_RAY_DIR's, in this process's environment
 
 
 def pytest_configure(config):
@@ -97,12 +102,7 @@ def pytest_configure(config):
 
 def pytest_unconfigure(config):
     """Stop the suite's local Ray keeper, if this process made its folder, and remove the folder."""
-    if _suite_ray_dir is None:
-        return
-    from tasks.engine import local_ray
-
-    local_ray.main(["stop"])  # the folder is KILN_RAY_DIR's, in this process's environment
-    shutil.rmtree(_suite_ray_dir, ignore_errors=True)
+    _suite_ray.close()  # nothing to do in a process that did not make it
 
 
 # The files that take longest, longest first (seconds on 2 cores, 2026-12-02). With `--dist loadfile
