@@ -9,6 +9,9 @@ same random batches:
   kiln    training.loop.train as the train step runs it: batches from a `batch_at` function, put
           on the device each step, metrics every log_every steps, validation and checkpoints at
           the config's cadence (their time is not train time; the whole call's time is shown too)
+  kiln1   the same with train.batch_parts 1: each batch as one computation, whose ops XLA's CPU
+          runtime runs one at a time (both shapes here train with batch_parts 2, two independent
+          halves that it runs on the two cores side by side; configs/tiny_cpu.yaml sets it)
   ray     the same loop inside a Ray task, as `kiln run` launches it (training.launch), with the
           metrics relayed to this process
   ray2    the same with resources.cpu_devices 2 (and train.mesh.strategy dp): the task's JAX has two
@@ -18,11 +21,18 @@ same random batches:
 
 Printed per shape: ms per step and steps/s of each (best round), the loop's own cost per step
 (kiln - step; goal < 5 ms), kiln / torch in steps/s (goal >= 1.0) on one CPU device and on two
-(ray2: what a config with `resources.cpu_devices: 2` runs), and how steady the tokens/s
-of kiln's log steps are (the lowest against the median, goal >= 0.5).
+(ray2: what a config with `resources.cpu_devices: 2` runs), both as best round against best
+round and as the median of each round's ratio (a round's contenders run minutes apart at most,
+so the load that moves every number moves both sides of a round's ratio alike), and how steady
+the tokens/s of kiln's log steps are (the lowest against the median, goal >= 0.5). Before the
+rounds, with torch, `--windows` paired windows: the compiled step (batch_parts 1 and the shape's)
+and torch's step, 10 steps each in turn, states kept, so each ratio is of neighbouring windows
+(`paired_windows`); on a shared 2-core VM whose speed wanders by 20% over minutes, the steadier
+number.
 
     uv run --dev python benchmarks/small_step_bench.py                # both shapes, 3 rounds
     uv run --dev python benchmarks/small_step_bench.py --no-ray --rounds 2
+    uv run --dev python benchmarks/small_step_bench.py --rounds 0 --windows 30   # paired windows only
 
 torch is not one of kiln's dependencies: README, "The PyTorch checks" (without it, --no-torch).
 """
@@ -39,7 +49,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from train_bench import check_twins_agree, machine, make_batches, run_bare, run_torch
+from train_bench import bare_step, check_twins_agree, machine, make_batches, run_bare, run_torch, torch_twin
 from training.config import ModelConfig, ResourcesConfig, TrainConfig, model_and_train
 from training.loop import train
 from training.metrics import read_metrics
@@ -49,12 +59,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 def shapes(steps: int) -> dict[str, tuple[ModelConfig, TrainConfig]]:
     """nanoGPT's CPU recipe (its character vocabulary of 65, multi-head attention, lr 1e-3 to 1e-4,
-    warmup 100, beta2 0.99) and the tiny config's model and train sections (its BPE's 4,096
-    tokens), each for `steps` steps with validation and checkpoints every steps // 3."""
+    warmup 100, beta2 0.99; batch_parts 2, as docs/configuration.md advises on a 2-core CPU) and the
+    tiny config's model and train sections (its BPE's 4,096 tokens), each for `steps` steps with
+    validation and checkpoints every steps // 3."""
     cadence = {"log_every": 10, "eval_every": steps // 3, "checkpoint_every": steps // 3, "eval_batches": 4}
     nanogpt = ModelConfig(vocab_size=65, d_model=128, n_layers=4, n_heads=4, n_kv_heads=4, d_ff=512, seq_len=64)
     nanogpt_train = TrainConfig(batch_size=12, steps=steps, lr=1e-3, min_lr_ratio=0.1, warmup=min(100, steps // 4),
-                                beta2=0.99, **cadence)
+                                beta2=0.99, batch_parts=2, **cadence)
     tiny_model, tiny_train = model_and_train(str(REPO / "configs" / "tiny_cpu.yaml"))
     tiny_train = tiny_train.model_copy(update={"steps": steps, "warmup": min(tiny_train.warmup, steps // 4), **cadence})
     return {"nanogpt": (nanogpt, nanogpt_train), "tiny_cpu": (tiny_model.model_copy(update={"vocab_size": 4096}), tiny_train)}
@@ -103,6 +114,45 @@ def per_step(tokens_per_s: float, model: ModelConfig, cfg: TrainConfig) -> float
     return cfg.batch_size * model.seq_len / tokens_per_s
 
 
+def paired_windows(model: ModelConfig, cfg: TrainConfig, batches: np.ndarray, windows: int, window: int = 10) -> None:
+    """The compiled step with batch_parts 1 and with the shape's, and the torch twin's step, each
+    `window` steps at a time, in turn, `windows` times, every state kept from one window to the
+    next: neighbouring windows are seconds apart, so a ratio of two of them is measured under one
+    load, where best rounds minutes apart are not. Prints each one's median ms/step and the median
+    of the windows' ratios."""
+    import torch
+
+    configs = {f"step, batch_parts {p}": cfg.model_copy(update={"batch_parts": p}) for p in sorted({1, cfg.batch_parts})}
+    steps, states = {}, {}
+    for name, c in configs.items():
+        init, steps[name] = bare_step(model, c, batches)
+        states[name] = init(jax.random.PRNGKey(c.seed))
+    device_batches = [jax.device_put(b) for b in batches]
+    torch_step, torch_batches = torch_twin(model, cfg, False), [torch.from_numpy(b.astype(np.int64)) for b in batches]
+    times: dict[str, list[float]] = {name: [] for name in [*configs, "torch"]}
+    done = 0
+    for _ in range(windows):
+        for name, step in steps.items():
+            states[name], metrics = step(states[name], device_batches[0])  # the previous window's tail
+            jax.block_until_ready(metrics)
+            t0 = time.perf_counter()
+            for i in range(window):
+                states[name], metrics = step(states[name], device_batches[i % len(device_batches)])
+            jax.block_until_ready(metrics)
+            times[name].append((time.perf_counter() - t0) / window)
+        t0 = time.perf_counter()
+        for i in range(window):
+            loss = torch_step(done % cfg.steps, torch_batches[i % len(torch_batches)])
+            done += 1
+        float(loss)
+        times["torch"].append((time.perf_counter() - t0) / window)
+    print(f"  paired windows ({windows} x {window} steps each, in turn):")
+    for name, t in times.items():
+        ratio = "" if name == "torch" else \
+            f"  / torch eager = {statistics.median(a / b for a, b in zip(times['torch'], t)):.3f} in steps/s"
+        print(f"    {name:18s} {statistics.median(t) * 1e3:8.2f} ms/step (median){ratio}")
+
+
 def bench(name: str, model: ModelConfig, cfg: TrainConfig, args) -> None:
     print(f"\n{name}: d_model {model.d_model}, {model.n_layers} layers, {model.n_heads} heads "
           f"({model.n_kv_heads} kv), vocab {model.vocab_size}, batch {cfg.batch_size} x {model.seq_len}, "
@@ -110,6 +160,8 @@ def bench(name: str, model: ModelConfig, cfg: TrainConfig, args) -> None:
     batches = make_batches(model, cfg, 8)
     if not args.no_torch:
         print(f"  twins agree: max |loss_jax - loss_torch| over 3 steps = {check_twins_agree(model, cfg, batches):.2e}")
+        if args.windows:
+            paired_windows(model, cfg, batches, args.windows)
     results: dict[str, list[float]] = {}
     whole, speeds = [], []
 
@@ -119,12 +171,16 @@ def bench(name: str, model: ModelConfig, cfg: TrainConfig, args) -> None:
         speeds.append(log_speeds)
         return step_s
 
-    contenders = {"step": lambda: per_step(run_bare(model, cfg, batches), model, cfg), "kiln": kiln}
+    whole_batch = cfg.model_copy(update={"batch_parts": 1})
+    contenders = {"step": lambda: per_step(run_bare(model, cfg, batches), model, cfg), "kiln": kiln,
+                  "kiln1": lambda: run_kiln(model, whole_batch)[0]}
     if not args.no_ray:
         contenders["ray"] = lambda: run_ray(model, cfg)
         contenders["ray2"] = lambda: run_ray(model, cfg, cpu_devices=2)
     if not args.no_torch:
         contenders["torch"] = lambda: per_step(run_torch(model, cfg, batches), model, cfg)
+    if not args.rounds:  # --rounds 0: the paired windows only
+        return
     for r in range(args.rounds):  # interleaved, so a change in load hits every contender
         for contender, fn in contenders.items():
             results.setdefault(contender, []).append(fn())
@@ -137,10 +193,12 @@ def bench(name: str, model: ModelConfig, cfg: TrainConfig, args) -> None:
     if "ray" in best:
         print(f"  in a Ray task, ray - step: {(best['ray'] - best['step']) * 1e3:+.2f} ms")
     if "torch" in best:
-        print(f"  kiln / torch eager = {best['torch'] / best['kiln']:.3f} in steps/s  (goal >= 1.0)")
-        if "ray2" in best:
-            print(f"  kiln on 2 CPU devices (ray2) / torch eager = {best['torch'] / best['ray2']:.3f} in steps/s  "
-                  "(goal >= 1.0)")
+        for contender, what in (("kiln", f"kiln (batch_parts {cfg.batch_parts})"), ("kiln1", "kiln (batch_parts 1)"),
+                                ("ray2", "kiln on 2 CPU devices (ray2)")):
+            if contender in best:
+                per_round = statistics.median(t / k for t, k in zip(results["torch"], results[contender]))
+                print(f"  {what} / torch eager = {best['torch'] / best[contender]:.3f} in steps/s, best rounds; "
+                      f"{per_round:.3f}, median of the rounds' ratios  (goal >= 1.0)")
     steady = min(min(s[1:]) / statistics.median(s[1:]) for s in speeds if len(s) > 2)
     print(f"  tokens/s of kiln's log steps after the first, lowest / median over every round: {steady:.2f}  "
           "(goal >= 0.5)")
@@ -153,6 +211,8 @@ def main() -> None:
     p.add_argument("--shapes", nargs="*", default=["nanogpt", "tiny_cpu"])
     p.add_argument("--no-ray", action="store_true", help="leave out the loop inside a Ray task")
     p.add_argument("--no-torch", action="store_true", help="leave out the PyTorch twin")
+    p.add_argument("--windows", type=int, default=20, help="paired 10-step windows of the compiled step and "
+                   "torch's, before the rounds (0: none)")
     args = p.parse_args()
     print(f"machine: {machine()}; jax {jax.__version__}", flush=True)
     for name, (model, cfg) in shapes(args.steps).items():

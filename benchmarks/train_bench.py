@@ -64,8 +64,9 @@ def run_kiln(model: ModelConfig, cfg: TrainConfig, batches: np.ndarray) -> float
 _BARE: dict = {}
 
 
-def run_bare(model: ModelConfig, cfg: TrainConfig, batches: np.ndarray) -> float:
-    """The minimal loop: jit(step, donate state), N steps, one wait at the end."""
+def bare_step(model: ModelConfig, cfg: TrainConfig, batches: np.ndarray):
+    """(init, step): the jitted state initialisation and the compiled step (state donated), each
+    compiled once per model and config in this process."""
     key = (model, cfg)
     if key not in _BARE:
         opt = make_optimizer(cfg)
@@ -73,7 +74,12 @@ def run_bare(model: ModelConfig, cfg: TrainConfig, batches: np.ndarray) -> float
         init = jax.jit(lambda k: init_state(model, opt, k))
         state = init(jax.random.PRNGKey(cfg.seed))
         _BARE[key] = (init, step.lower(state, batches[0]).compile())
-    init, step = _BARE[key]
+    return _BARE[key]
+
+
+def run_bare(model: ModelConfig, cfg: TrainConfig, batches: np.ndarray) -> float:
+    """The minimal loop: jit(step, donate state), N steps, one wait at the end."""
+    init, step = bare_step(model, cfg, batches)
     state = init(jax.random.PRNGKey(cfg.seed))
     device_batches = [jax.device_put(b) for b in batches]
     jax.block_until_ready(state)

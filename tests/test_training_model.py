@@ -15,6 +15,7 @@ from training.config import ModelConfig, TrainConfig, flops_per_token, model_and
 from training.model import (cached_attention, causal_attention, decode_step, forward, init_cache,
                             init_params, param_count, project, query_blocks)
 from training.optim import lr_schedule, make_optimizer, matrices_only
+from training.posttrain import SFTObjective
 from training.step import cross_entropy, init_state, loss_fn, make_train_step
 
 CONFIGS = Path(__file__).parents[1] / "configs"
@@ -220,6 +221,31 @@ def test_gradient_accumulation_matches_full_batch():
         np.testing.assert_allclose(a, b, atol=1e-5)
     assert int(s4["step"]) == 1 and not np.array_equal(s4["rng"], init_state(CFG, make_optimizer(tcfg),
                                                                              jax.random.PRNGKey(0))["rng"])
+
+
+def test_batch_parts_train_as_the_whole_batch_does():
+    """train.batch_parts computes the batch as independent parts and averages them: the loss,
+    gradient norm and parameters of one step agree with the whole batch's to float rounding,
+    also with microbatches, and a part count that does not divide the rows is refused."""
+    batch = jax.random.randint(jax.random.PRNGKey(2), (8, CFG.seq_len + 1), 0, CFG.vocab_size)
+    results = {}
+    for micro, parts in ((1, 1), (1, 2), (1, 4), (2, 2)):
+        tcfg = TrainConfig(batch_size=8, microbatches=micro, batch_parts=parts, steps=10, warmup=2)
+        opt = make_optimizer(tcfg)
+        step = jax.jit(make_train_step(CFG, tcfg, opt), donate_argnums=0)
+        results[micro, parts] = step(init_state(CFG, opt, jax.random.PRNGKey(0)), batch)
+    whole_state, whole = results[1, 1]
+    for key, (state, metrics) in results.items():
+        assert float(metrics["loss"]) == pytest.approx(float(whole["loss"]), rel=1e-6), key
+        assert float(metrics["grad_norm"]) == pytest.approx(float(whole["grad_norm"]), rel=1e-5), key
+        for a, b in zip(jax.tree_util.tree_leaves(state["params"]), jax.tree_util.tree_leaves(whole_state["params"])):
+            np.testing.assert_allclose(a, b, atol=1e-5)
+    with pytest.raises(ValueError, match="batch_parts=3"):
+        TrainConfig(batch_size=8, batch_parts=3)
+    with pytest.raises(ValueError, match="batch_parts=4"):
+        TrainConfig(batch_size=8, microbatches=4, batch_parts=4)
+    with pytest.raises(ValueError, match="batch_parts=2"):  # SFT's mean over masked tokens: parts weigh unevenly
+        make_train_step(CFG, TrainConfig(batch_size=8, batch_parts=2), make_optimizer(TrainConfig()), SFTObjective())
 
 
 def test_bfloat16_compute_keeps_float32_params_and_learns():

@@ -239,6 +239,13 @@ class TrainConfig(ConfigModel):
         "(jax.nn.dot_product_attention: cuDNN's flash attention on a GPU with bfloat16, XLA's elsewhere), `auto`: "
         "query_blocks on a CPU, fused on a GPU or TPU. A setting, like the mesh: the forms agree to float rounding "
         "(tests/test_model_features.py), not bit for bit, and the form a run used is in its stats (`attention`).")
+    batch_parts: Count = identity_when_set(
+        1, description="Each (micro)batch computed as this many independent parts side by side in one program, "
+        "their losses and gradients averaged (part p holds rows p, p+n, p+2n, ...). XLA's CPU runtime runs the "
+        "parts' independent ops on separate threads, where one small model's ops run one at a time and leave a "
+        "core idle: 2 on a 2-core CPU took a small model's step 0.87-0.96x the time (benchmarks/RESULTS.md). The same "
+        "math in another summation order, so identity; the batch per microbatch (and per data-parallel device) "
+        "must divide by it. Pretraining's next-token objective only.")
     remat: Literal["none", "full", "dots_saveable", "offload"] = identity_when_set(
         "none", description="Rematerialisation of each decoder block (jax.checkpoint): `full` keeps only each "
         "block's input and recomputes the rest in the backward pass, `dots_saveable` keeps the matmul outputs, "
@@ -277,6 +284,10 @@ class TrainConfig(ConfigModel):
                              "evaluations are logged with the metrics of a log step")
         if self.batch_size % self.microbatches:
             raise ValueError(f"batch_size={self.batch_size} must be divisible by microbatches={self.microbatches}")
+        if (self.batch_size // self.microbatches) % self.batch_parts:
+            raise ValueError(f"batch_size={self.batch_size} in {self.microbatches} microbatch(es) of "
+                             f"{self.batch_size // self.microbatches} rows does not split into batch_parts="
+                             f"{self.batch_parts} equal parts: pick a batch_parts that divides the rows per microbatch")
         if self.warmup >= self.steps:
             raise ValueError(f"warmup={self.warmup} must be shorter than steps={self.steps}")
         return self
@@ -355,10 +366,11 @@ def check_cpu_devices(train_cfg: TrainConfig, resources: ResourcesConfig) -> Non
                          "parameters every step and save no memory: set train.mesh.strategy: dp")
     data = resources.hosts * resources.cpu_devices // train_cfg.mesh.model
     per_micro = train_cfg.batch_size // train_cfg.microbatches
-    if train_cfg.batch_size % data or per_micro % data:
-        raise ValueError(f"train.batch_size={train_cfg.batch_size} (in {train_cfg.microbatches} microbatch(es)) does "
-                         f"not split over {data} data-parallel devices (resources.hosts x cpu_devices / "
-                         "train.mesh.model): pick a batch (per microbatch) that they divide, or fewer cpu_devices")
+    if train_cfg.batch_size % data or per_micro % (data * train_cfg.batch_parts):
+        raise ValueError(f"train.batch_size={train_cfg.batch_size} (in {train_cfg.microbatches} microbatch(es), each "
+                         f"in batch_parts={train_cfg.batch_parts} part(s)) does not split over {data} data-parallel "
+                         "devices (resources.hosts x cpu_devices / train.mesh.model): pick a batch (per microbatch "
+                         "and part) that they divide, or fewer cpu_devices")
 
 
 def model_and_train(path: str) -> tuple[ModelConfig, TrainConfig]:

@@ -179,12 +179,20 @@ def check_objective_options(train_cfg: TrainConfig, objective) -> None:
     if objective is None or isinstance(objective, NextToken):
         return
     set_here = [f"{name}={getattr(train_cfg, name)!r}" for name, plain in
-                (("remat", "none"), ("document_mask", False), ("z_loss", 0.0)) if getattr(train_cfg, name) != plain]
+                (("remat", "none"), ("document_mask", False), ("z_loss", 0.0), ("batch_parts", 1))
+                if getattr(train_cfg, name) != plain]
     if train_cfg.attention == "fused":
         set_here.append("attention='fused'")
     if set_here:
         raise ValueError(f"train.{', train.'.join(set_here)} apply to pretraining's next-token objective; the "
                          f"{objective.name} objective computes with the plain forward: leave them out")
+
+
+def interleaved(batch, n: int):
+    """Every array of a batch [B, ...] as n parts [n, B/n, ...], part i holding rows i, i+n, i+2n, ...:
+    each device's contiguous slice of a batch sharded on `data` then holds rows of every part, so
+    taking a part moves nothing between devices. Microbatches and `train.batch_parts` split so."""
+    return jax.tree_util.tree_map(lambda x: jnp.swapaxes(x.reshape(x.shape[0] // n, n, *x.shape[1:]), 0, 1), batch)
 
 
 def make_train_step(model_cfg: ModelConfig, train_cfg: TrainConfig,
@@ -196,7 +204,9 @@ def make_train_step(model_cfg: ModelConfig, train_cfg: TrainConfig,
     model's, and `params` stay as they are). The learning rate is the schedule at the state's
     own step counter (training/optim.py), the one counter a new phase resets. Without an
     objective, pretraining's is built from `train_cfg` (`next_token`: attention form, remat,
-    document masking, z-loss) for JAX's default platform."""
+    document masking, z-loss) for JAX's default platform. The gradient is the mean over
+    `train.microbatches` accumulated one after another, each the mean over `train.batch_parts`
+    computed side by side."""
     check_objective_options(train_cfg, objective)
     objective = objective or next_token(model_cfg, train_cfg)
     lora = train_cfg.lora
@@ -206,18 +216,23 @@ def make_train_step(model_cfg: ModelConfig, train_cfg: TrainConfig,
         params = trainable if lora is None else merged(frozen, trainable, lora)
         return objective.loss(params, batch, model_cfg)
 
-    grad_fn = jax.value_and_grad(loss, has_aux=True)
+    value_and_grad = jax.value_and_grad(loss, has_aux=True)
     schedule = lr_schedule(train_cfg)
-    M = train_cfg.microbatches
+    M, P = train_cfg.microbatches, train_cfg.batch_parts
+
+    def grad_fn(trainable, frozen, batch):
+        if P == 1:
+            return value_and_grad(trainable, frozen, batch)
+        # P independent computations in one program: nothing orders one part's ops before
+        # another's, so XLA's CPU runtime runs them on separate threads (`train.batch_parts`).
+        parts = interleaved(batch, P)
+        outs = [value_and_grad(trainable, frozen, jax.tree_util.tree_map(lambda x: x[p], parts)) for p in range(P)]
+        return jax.tree_util.tree_map(lambda *xs: functools.reduce(jnp.add, xs) / P, *outs)
 
     def gradients(trainable, frozen, batch):
         if M == 1:
             return grad_fn(trainable, frozen, batch)
-        # Microbatch m is rows m, m+M, m+2M, ... of every array of the batch: each device's
-        # contiguous slice of a batch sharded on `data` then holds part of every microbatch, so
-        # nothing moves between devices.
-        micro = jax.tree_util.tree_map(
-            lambda x: jnp.swapaxes(x.reshape(x.shape[0] // M, M, *x.shape[1:]), 0, 1), batch)  # [M, B/M, ...]
+        micro = interleaved(batch, M)
 
         def accumulate(carry, mb):
             return jax.tree_util.tree_map(jnp.add, carry, grad_fn(trainable, frozen, mb)), None
