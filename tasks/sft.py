@@ -31,8 +31,9 @@ if TYPE_CHECKING:  # JAX, orbax and Ray load when the step runs, not for `kiln p
     from tasks.engine.step import Step, StepContext
 
 # 2: the shared training step's attention in query blocks changes the last bits of the parameters;
-# 3: so does its rotary in one fused pass
-STAGE_VERSION = 3
+# 3: so does its rotary in one fused pass; 4: and its rotary tables computed once per forward, and SwiGLU's
+# hand-written backward
+STAGE_VERSION = 4
 TEMPLATE_FILE = "chat_template.jinja"
 EVAL_DIR = "chat_eval"
 

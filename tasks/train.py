@@ -25,8 +25,9 @@ if TYPE_CHECKING:  # tasks.engine.step imports Prefect; Ray workers that import 
 # 2: fused projections, `project`'s weight gradients and the hand-written cross-entropy change the
 # last bits of every trained parameter (training/model.py, training/step.py); 3: attention in query blocks, the same
 # again (training/model.py `causal_attention`); 4: rotary positions in one fused pass, the same again
-# (training/model.py `rotary`)
-STAGE_VERSION = 4
+# (training/model.py `rotary`); 5: its cos and sin tables computed once per forward, constants while
+# tracing (training/model.py `rope_tables`), and SwiGLU's hand-written backward (`swiglu`), the same again
+STAGE_VERSION = 5
 EVAL_TOKENIZER, EVAL_DOCUMENTS = "evals/tokenizer", "evals/documents"  # train.evals' unversioned inputs
 INIT = "init"  # train.init's parent step (its version enters this step's)
 HF_INIT = "hf_init"  # in the work folder: train.init.hf imported as a kiln model for the hosts

@@ -10,6 +10,7 @@ import numpy as np
 import optax
 import pytest
 
+import tasks.train
 from tasks.engine.step import Step
 from tasks.tokenize import TokenizeConfig
 from tasks.train import train_step
@@ -151,13 +152,17 @@ def test_document_mask_needs_an_eos_id():
     assert next_token(CFG, TrainConfig(eos_id=3)).eos_id is None  # off by default, whatever eos_id says
 
 
-def test_new_fields_leave_default_versions_as_they_were():
+def test_new_fields_leave_default_versions_as_they_were(monkeypatch):
     tokens = Step(name="tokens", stage="tokenize", stage_version=1, config=TokenizeConfig(), run=lambda ctx: {})
 
     def version(**train):
         return train_step(ModelConfig(), TrainConfig(**train), ResourcesConfig(), tokens=tokens).version
 
+    current = version()
+    monkeypatch.setattr(tasks.train, "STAGE_VERSION", 4)  # the train stage's version when this hash was taken
     assert version() == "e2567bc643e2"  # the version of this config before these fields existed (git d298e09)
+    monkeypatch.undo()
+    assert version() == current != "e2567bc643e2"  # a later stage version moves it
     assert version(attention="fused", eos_id=50256) == version()  # settings
     for identity in ({"remat": "full"}, {"document_mask": True}, {"z_loss": 1e-4}):
         assert version(**identity) != version(), identity

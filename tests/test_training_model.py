@@ -13,7 +13,7 @@ import pytest
 
 from training.config import ModelConfig, TrainConfig, flops_per_token, model_and_train
 from training.model import (cached_attention, causal_attention, decode_step, forward, init_cache,
-                            init_params, param_count, project, query_blocks)
+                            init_params, param_count, project, query_blocks, swiglu)
 from training.optim import lr_schedule, make_optimizer, matrices_only
 from training.posttrain import SFTObjective
 from training.step import cross_entropy, init_state, loss_fn, make_train_step
@@ -81,8 +81,8 @@ def test_forward_matches_hf_llama_reference(tie, T):
     assert ("lm_head" in params) != tie
 
 
-def test_project_and_cross_entropy_give_autodiffs_numbers():
-    """The two hand-written backward passes (training/model.py `project`, training/step.py
+def test_project_swiglu_and_cross_entropy_give_autodiffs_numbers():
+    """The hand-written backward passes (training/model.py `project` and `swiglu`, training/step.py
     `cross_entropy`) compute what autodiff of the plain formulas computes."""
     k1, k2, k3 = jax.random.split(jax.random.PRNGKey(0), 3)
     x, kernel = jax.random.normal(k1, (3, 5, 8)), jax.random.normal(k2, (8, 6))
@@ -92,6 +92,12 @@ def test_project_and_cross_entropy_give_autodiffs_numbers():
     np.testing.assert_allclose(ours[0], plain[0], rtol=1e-6)
     for a, b in zip(ours[1](cot), plain[1](cot)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+    gate_up, cot = 3 * jax.random.normal(k1, (3, 5, 12)), jax.random.normal(k3, (3, 5, 6))
+    ours = jax.vjp(swiglu, gate_up)
+    plain = jax.vjp(lambda z: jax.nn.silu(z[..., :6]) * z[..., 6:], gate_up)
+    np.testing.assert_allclose(ours[0], plain[0], rtol=1e-6)
+    np.testing.assert_allclose(ours[1](cot)[0], plain[1](cot)[0], rtol=1e-5, atol=1e-6)
 
     logits = 3 * jax.random.normal(k1, (4, 7, 50))
     targets = jax.random.randint(k2, (4, 7), 0, 50)

@@ -75,20 +75,33 @@ class RMSNorm(nn.Module):
         return weight.astype(self.dtype) * x32.astype(self.dtype)
 
 
-def rotary(x, positions, theta: float):
-    """HF's RoPE: x [B, T, heads, Q] rotated by angle position * theta^(-2i/Q), halves layout.
+def rope_tables(positions, head_dim: int, theta: float, dtype):
+    """HF's RoPE angles position * theta^(-2i/Q) as (cos [B, T, 1, 1, Q/2], signed_sin [B, T, 1, 2,
+    Q/2]: [-sin, sin]) for positions [B, T] (B may be 1, for rows that share their positions).
+
+    Computed once per forward, for every layer. Positions known while tracing (training's 0..T-1,
+    a numpy array: `forward`) give constant tables, computed eagerly by the same XLA cos and sin
+    and embedded in the program; inside the step they were recomputed by every fusion that reads
+    them, in each layer's rotary forward and backward (6% of nanoGPT's CPU step,
+    benchmarks/RESULTS.md). Traced positions (documents, decoding) are computed in the program."""
+    with jax.ensure_compile_time_eval():
+        half = head_dim // 2
+        inv_freq = 1.0 / (theta ** (jnp.arange(0, half, dtype=jnp.float32) * 2 / head_dim))
+        angles = jnp.asarray(positions).astype(jnp.float32)[..., None] * inv_freq  # [B, T, Q/2]
+        cos = jnp.cos(angles)[:, :, None, None, :].astype(dtype)
+        sin = jnp.sin(angles)[:, :, None, None, :].astype(dtype)
+        return cos, jnp.concatenate([-sin, sin], axis=3)
+
+
+def rotary(x, rope):
+    """HF's RoPE: x [B, T, heads, Q] rotated by `rope_tables`' angles, halves layout.
 
     x * cat(cos, cos) + rotate_half(x) * cat(sin, sin), with rotate_half(x) = cat(-x2, x1), is
     computed on x seen as two halves [..., 2, Q/2]: the halves swapped (a reversal of that axis
     of two) times [-sin, sin], so XLA fuses it into one elementwise pass over x instead of
     writing both halves and concatenating them (3-6% of a CPU step, benchmarks/RESULTS.md)."""
-    half = x.shape[-1] // 2
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, half, dtype=jnp.float32) * 2 / x.shape[-1]))
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, Q/2]
-    cos = jnp.cos(angles)[:, :, None, None, :].astype(x.dtype)  # [B, T, 1, 1, Q/2]
-    sin = jnp.sin(angles)[:, :, None, None, :].astype(x.dtype)
-    signed_sin = jnp.concatenate([-sin, sin], axis=3)  # [B, T, 1, 2, Q/2]: small
-    halves = x.reshape(*x.shape[:-1], 2, half)  # [x1, x2]
+    cos, signed_sin = rope
+    halves = x.reshape(*x.shape[:-1], 2, x.shape[-1] // 2)  # [x1, x2]
     return (halves * cos + jnp.flip(halves, axis=-2) * signed_sin).reshape(x.shape)
 
 
@@ -214,7 +227,7 @@ class Attention(nn.Module):
     attention: str = "query_blocks"  # training's form: query_blocks, or fused_xla / fused_cudnn (`fused_attention`)
 
     @nn.compact
-    def __call__(self, x, positions, layer_cache=None, cache_pos=None, index=None, segments=None):
+    def __call__(self, x, positions, rope, layer_cache=None, cache_pos=None, index=None, segments=None):
         cfg, dt = self.cfg, _dtype(self.cfg)
         B, T, D = x.shape
         H, K, Q = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -228,7 +241,7 @@ class Attention(nn.Module):
             qkv = project(x, jnp.concatenate(qkv, axis=1).astype(dt))
         q, k, v = jnp.split(qkv, [H * Q, (H + K) * Q], axis=-1)  # one matmul
         q, k, v = q.reshape(B, T, H, Q), k.reshape(B, T, K, Q), v.reshape(B, T, K, Q)
-        q, k = rotary(q, positions, cfg.rope_theta), rotary(k, positions, cfg.rope_theta)
+        q, k = rotary(q, rope), rotary(k, rope)
 
         if layer_cache is None and self.attention != "query_blocks":  # training / full forward, fused
             out = fused_attention(q, k, v, segments, self.attention.removeprefix("fused_"))
@@ -242,6 +255,32 @@ class Attention(nn.Module):
         return project(out, Kernel((H * Q, D), out_std, name="o_proj")().astype(dt)), layer_cache
 
 
+@jax.custom_vjp
+def swiglu(gate_up):
+    """silu(gate) * up for gate_up [..., 2F], gate and up side by side (the MLP's one matmul).
+
+    Its backward recomputes the sigmoid from gate_up, which the up projection keeps anyway, and
+    writes the gradient [..., 2F] in one pass; autodiff kept the sigmoid and silu(gate) [..., F]
+    of every layer for the backward, written by three forward passes, and wrote the two halves'
+    gradients before joining them (8% of a 4-layer model's step memory; benchmarks/RESULTS.md)."""
+    gate, up = jnp.split(gate_up, 2, axis=-1)
+    return gate * jax.nn.sigmoid(gate) * up
+
+
+def _swiglu_fwd(gate_up):
+    return swiglu(gate_up), gate_up
+
+
+def _swiglu_bwd(gate_up, dy):
+    gate, up = jnp.split(gate_up, 2, axis=-1)
+    sig = jax.nn.sigmoid(gate)
+    d_gate = dy * up * sig * (1 + gate * (1 - sig))
+    return (jnp.concatenate([d_gate, dy * gate * sig], axis=-1),)
+
+
+swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
+
+
 class MLP(nn.Module):
     cfg: ModelConfig
 
@@ -252,8 +291,8 @@ class MLP(nn.Module):
         out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
         kernel = jnp.concatenate([Kernel((D, F), cfg.init_std, name="gate_proj")(),
                                   Kernel((D, F), cfg.init_std, name="up_proj")()], axis=1)
-        gate, up = jnp.split(project(x, kernel.astype(dt)), 2, axis=-1)  # one matmul
-        return project(nn.silu(gate) * up, Kernel((F, D), out_std, name="down_proj")().astype(dt))
+        gate_up = project(x, kernel.astype(dt))  # one matmul
+        return project(swiglu(gate_up), Kernel((F, D), out_std, name="down_proj")().astype(dt))
 
 
 class Block(nn.Module):
@@ -261,10 +300,11 @@ class Block(nn.Module):
     attention: str = "query_blocks"
 
     @nn.compact
-    def __call__(self, x, positions, layer_cache=None, cache_pos=None, index=None, segments=None):
+    def __call__(self, x, positions, rope, layer_cache=None, cache_pos=None, index=None, segments=None):
         cfg, dt = self.cfg, _dtype(self.cfg)
         h, layer_cache = Attention(cfg, self.attention, name="self_attn")(
-            RMSNorm(cfg.norm_eps, dt, name="input_layernorm")(x), positions, layer_cache, cache_pos, index, segments)
+            RMSNorm(cfg.norm_eps, dt, name="input_layernorm")(x), positions, rope, layer_cache, cache_pos, index,
+            segments)
         x = x + h
         x = x + MLP(cfg, name="mlp")(RMSNorm(cfg.norm_eps, dt, name="post_attention_layernorm")(x))
         return x, layer_cache
@@ -285,7 +325,8 @@ def remat_policy(remat: str):
 
 
 class Llama(nn.Module):
-    """tokens [B, T] int32, positions [B, T] int32 -> float32 logits [B, T, V] (and the cache).
+    """tokens [B, T] int32, positions [B, T] int32 (or [1, T], shared by every row) -> float32 logits
+    [B, T, V] (and the cache).
 
     `attention` and `remat` say how training's forward runs (module docstring); `segments` [B, T]
     the documents of packed rows, attention kept inside each (training only, not with a cache)."""
@@ -300,13 +341,14 @@ class Llama(nn.Module):
         embed = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=dt, param_dtype=jnp.float32,
                          embedding_init=nn.initializers.normal(cfg.init_std), name="embed_tokens")
         x = embed(tokens)
+        rope = rope_tables(positions, cfg.head_dim, cfg.rope_theta, dt)
         # Remat wraps the block, so the parameter tree keeps its names (layers_{i}/...).
         block = Block if self.remat == "none" else nn.remat(Block, policy=remat_policy(self.remat))
         new_layers = []
         for i in range(cfg.n_layers):
             layer_cache = None if cache is None else cache["layers"][i]
             x, layer_cache = block(cfg, self.attention, name=f"layers_{i}")(
-                x, positions, layer_cache,
+                x, positions, rope, layer_cache,
                 None if cache is None else cache["pos"], None if cache is None else cache["index"], segments)
             new_layers.append(layer_cache)
         x = RMSNorm(cfg.norm_eps, dt, name="norm")(x)
@@ -339,7 +381,7 @@ def forward(params, tokens, cfg: ModelConfig, *, attention: str = "query_blocks"
     `attention` (query_blocks, fused_xla, fused_cudnn) and `remat` (none, full, dots_saveable,
     offload) change how it runs, not what it computes (TrainConfig says each one's bits)."""
     if segments is None:
-        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        positions = np.arange(tokens.shape[1], dtype=np.int32)[None]  # known while tracing: `rope_tables`
     else:
         positions = document_positions(segments)
     logits, _ = Llama(cfg, attention, remat).apply({"params": params}, tokens, positions, None, segments)
