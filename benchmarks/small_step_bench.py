@@ -28,11 +28,13 @@ the tokens/s of kiln's log steps are (the lowest against the median, goal >= 0.5
 rounds, with torch, `--windows` paired windows: the compiled step (batch_parts 1 and the shape's)
 and torch's step, 10 steps each in turn, states kept, so each ratio is of neighbouring windows
 (`paired_windows`); on a shared 2-core VM whose speed wanders by 20% over minutes, the steadier
-number.
+number. Then, with torch, `--loop-steps` steps of kiln's loop itself paired the same way
+(`paired_loop`: a hook at each log step runs torch's steps, then the compiled step's, outside
+train time), whose medians are the verdict on the loop: kiln / torch and the loop's own cost.
 
     uv run --dev python benchmarks/small_step_bench.py                # both shapes, 3 rounds
     uv run --dev python benchmarks/small_step_bench.py --no-ray --rounds 2
-    uv run --dev python benchmarks/small_step_bench.py --rounds 0 --windows 30   # paired windows only
+    uv run --dev python benchmarks/small_step_bench.py --rounds 0 --no-ray     # the paired measures only
 
 torch is not one of kiln's dependencies: README, "The PyTorch checks" (without it, --no-torch).
 """
@@ -153,6 +155,61 @@ def paired_windows(model: ModelConfig, cfg: TrainConfig, batches: np.ndarray, wi
         print(f"    {name:18s} {statistics.median(t) * 1e3:8.2f} ms/step (median){ratio}")
 
 
+def paired_loop(model: ModelConfig, cfg: TrainConfig, batches: np.ndarray, steps: int) -> None:
+    """kiln's loop against the torch twin and the compiled step, paired: `training.loop.train`
+    runs `steps` steps at the shape's cadence (metrics every log_every steps, validation and
+    checkpoints every steps // 3) with one hook of the caller's at each log step, which runs
+    log_every steps of the torch twin, then of the compiled step alone (its own state). Hook time
+    is not train time, so each log interval's tokens/s (metrics.jsonl) is the loop's alone, with
+    everything it does per step, and the two windows after it were measured seconds later under
+    the same load. Prints medians of each and of the intervals' ratios: kiln / torch in steps/s
+    and the loop's own cost, interval - step window."""
+    import torch
+
+    from training.hooks import Hook
+
+    cfg = cfg.model_copy(update={"steps": steps, "eval_every": steps // 3, "checkpoint_every": steps // 3})
+    window = cfg.log_every
+    torch_step, torch_batches = torch_twin(model, cfg, False), [torch.from_numpy(b.astype(np.int64)) for b in batches]
+    init, step = bare_step(model, cfg, batches)
+    bare = {"state": init(jax.random.PRNGKey(cfg.seed)), "done": 0}
+    device_batches = [jax.device_put(b) for b in batches]
+    torch_s, step_s = [], []
+
+    def windows(info) -> None:
+        if info.metrics is None:  # the last step, when it is not a log step
+            return
+        t0 = time.perf_counter()
+        for i in range(window):
+            loss = torch_step(bare["done"] % steps, torch_batches[i % len(torch_batches)])
+            bare["done"] += 1
+        float(loss)
+        torch_s.append((time.perf_counter() - t0) / window)
+        state, metrics = step(bare["state"], device_batches[0])  # off the clock: nothing in flight at t0
+        jax.block_until_ready(metrics)
+        t0 = time.perf_counter()
+        for i in range(window):
+            state, metrics = step(state, device_batches[i % len(device_batches)])
+        jax.block_until_ready(metrics)
+        step_s.append((time.perf_counter() - t0) / window)
+        bare["state"] = state
+
+    batch_at, val = _random_data(model, cfg)
+    with tempfile.TemporaryDirectory() as tmp:
+        train(model, cfg, batch_at, val, Path(tmp) / "w", Path(tmp) / "o", hooks=[Hook(windows, window)])
+        kiln_s = [per_step(r["tokens_per_s"], model, cfg) for r in read_metrics(Path(tmp) / "o" / "metrics.jsonl")]
+    kiln_s = kiln_s[1:len(torch_s)]  # the first interval holds the program's first runs
+    torch_s, step_s = torch_s[1:], step_s[1:]
+    print(f"  kiln's loop, paired ({len(kiln_s)} log intervals of {window} steps, each followed by {window} steps of "
+          f"torch, then of the compiled step):")
+    for what, t in (("kiln loop", kiln_s), ("compiled step", step_s), ("torch", torch_s)):
+        print(f"    {what:18s} {statistics.median(t) * 1e3:8.2f} ms/step (median)")
+    print(f"    kiln loop / torch eager = {statistics.median(t / k for t, k in zip(torch_s, kiln_s)):.3f} in steps/s, "
+          "median of the intervals' ratios  (goal >= 1.0)")
+    print(f"    loop's own cost per step, interval - step window: "
+          f"{statistics.median(k - b for k, b in zip(kiln_s, step_s)) * 1e3:+.2f} ms, median  (goal < 5 ms)")
+
+
 def bench(name: str, model: ModelConfig, cfg: TrainConfig, args) -> None:
     print(f"\n{name}: d_model {model.d_model}, {model.n_layers} layers, {model.n_heads} heads "
           f"({model.n_kv_heads} kv), vocab {model.vocab_size}, batch {cfg.batch_size} x {model.seq_len}, "
@@ -162,6 +219,8 @@ def bench(name: str, model: ModelConfig, cfg: TrainConfig, args) -> None:
         print(f"  twins agree: max |loss_jax - loss_torch| over 3 steps = {check_twins_agree(model, cfg, batches):.2e}")
         if args.windows:
             paired_windows(model, cfg, batches, args.windows)
+        if args.loop_steps:
+            paired_loop(model, cfg, batches, args.loop_steps)
     results: dict[str, list[float]] = {}
     whole, speeds = [], []
 
@@ -213,6 +272,8 @@ def main() -> None:
     p.add_argument("--no-torch", action="store_true", help="leave out the PyTorch twin")
     p.add_argument("--windows", type=int, default=20, help="paired 10-step windows of the compiled step and "
                    "torch's, before the rounds (0: none)")
+    p.add_argument("--loop-steps", type=int, default=300, help="steps of kiln's loop paired with torch and the "
+                   "compiled step at each log step, before the rounds (0: none)")
     args = p.parse_args()
     print(f"machine: {machine()}; jax {jax.__version__}", flush=True)
     for name, (model, cfg) in shapes(args.steps).items():
