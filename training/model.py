@@ -82,7 +82,7 @@ def rope_tables(positions, head_dim: int, theta: float, dtype):
     Computed once per forward, for every layer. Positions known while tracing (training's 0..T-1,
     a numpy array: `forward`) give constant tables, computed eagerly by the same XLA cos and sin
     and embedded in the program; inside the step they were recomputed by every fusion that reads
-    them, in each layer's rotary forward and backward (6% of nanoGPT's CPU step,
+    them, in each layer's rotary forward and backward (3-6% of nanoGPT's CPU step,
     benchmarks/RESULTS.md). Traced positions (documents, decoding) are computed in the program."""
     with jax.ensure_compile_time_eval():
         half = head_dim // 2
