@@ -116,6 +116,27 @@ def per_step(tokens_per_s: float, model: ModelConfig, cfg: TrainConfig) -> float
     return cfg.batch_size * model.seq_len / tokens_per_s
 
 
+def step_window(step, state, device_batches: list, n: int = 10):
+    """(state, seconds per step) of `n` steps of a compiled kiln step `step(state, batch) -> (state,
+    metrics)`, after one untimed step, so that nothing is in flight when the clock starts."""
+    state, metrics = step(state, device_batches[0])
+    jax.block_until_ready(metrics)
+    t0 = time.perf_counter()
+    for i in range(n):
+        state, metrics = step(state, device_batches[i % len(device_batches)])
+    jax.block_until_ready(metrics)
+    return state, (time.perf_counter() - t0) / n
+
+
+def torch_window(torch_step, torch_batches: list, done: int, steps: int, n: int = 10) -> float:
+    """Seconds per step of `n` steps of the torch twin, its schedule at step `done` (mod `steps`)."""
+    t0 = time.perf_counter()
+    for i in range(n):
+        loss = torch_step((done + i) % steps, torch_batches[i % len(torch_batches)])
+    float(loss)
+    return (time.perf_counter() - t0) / n
+
+
 def paired_windows(model: ModelConfig, cfg: TrainConfig, batches: np.ndarray, windows: int, window: int = 10) -> None:
     """The compiled step with batch_parts 1 and with the shape's, and the torch twin's step, each
     `window` steps at a time, in turn, `windows` times, every state kept from one window to the
@@ -132,22 +153,11 @@ def paired_windows(model: ModelConfig, cfg: TrainConfig, batches: np.ndarray, wi
     device_batches = [jax.device_put(b) for b in batches]
     torch_step, torch_batches = torch_twin(model, cfg, False), [torch.from_numpy(b.astype(np.int64)) for b in batches]
     times: dict[str, list[float]] = {name: [] for name in [*configs, "torch"]}
-    done = 0
-    for _ in range(windows):
+    for w in range(windows):
         for name, step in steps.items():
-            states[name], metrics = step(states[name], device_batches[0])  # off the clock: nothing in flight at t0
-            jax.block_until_ready(metrics)
-            t0 = time.perf_counter()
-            for i in range(window):
-                states[name], metrics = step(states[name], device_batches[i % len(device_batches)])
-            jax.block_until_ready(metrics)
-            times[name].append((time.perf_counter() - t0) / window)
-        t0 = time.perf_counter()
-        for i in range(window):
-            loss = torch_step(done % cfg.steps, torch_batches[i % len(torch_batches)])
-            done += 1
-        float(loss)
-        times["torch"].append((time.perf_counter() - t0) / window)
+            states[name], seconds = step_window(step, states[name], device_batches, window)
+            times[name].append(seconds)
+        times["torch"].append(torch_window(torch_step, torch_batches, w * window, cfg.steps, window))
     print(f"  paired windows ({windows} x {window} steps each, in turn):")
     for name, t in times.items():
         ratio = "" if name == "torch" else \
@@ -172,27 +182,16 @@ def paired_loop(model: ModelConfig, cfg: TrainConfig, batches: np.ndarray, steps
     window = cfg.log_every
     torch_step, torch_batches = torch_twin(model, cfg, False), [torch.from_numpy(b.astype(np.int64)) for b in batches]
     init, step = bare_step(model, cfg, batches)
-    bare = {"state": init(jax.random.PRNGKey(cfg.seed)), "done": 0}
+    bare = {"state": init(jax.random.PRNGKey(cfg.seed))}
     device_batches = [jax.device_put(b) for b in batches]
     torch_s, step_s = [], []
 
     def windows(info) -> None:
         if info.metrics is None:  # the last step, when it is not a log step
             return
-        t0 = time.perf_counter()
-        for i in range(window):
-            loss = torch_step(bare["done"] % steps, torch_batches[i % len(torch_batches)])
-            bare["done"] += 1
-        float(loss)
-        torch_s.append((time.perf_counter() - t0) / window)
-        state, metrics = step(bare["state"], device_batches[0])  # off the clock: nothing in flight at t0
-        jax.block_until_ready(metrics)
-        t0 = time.perf_counter()
-        for i in range(window):
-            state, metrics = step(state, device_batches[i % len(device_batches)])
-        jax.block_until_ready(metrics)
-        step_s.append((time.perf_counter() - t0) / window)
-        bare["state"] = state
+        torch_s.append(torch_window(torch_step, torch_batches, len(torch_s) * window, steps, window))
+        bare["state"], seconds = step_window(step, bare["state"], device_batches, window)
+        step_s.append(seconds)
 
     batch_at, val = _random_data(model, cfg)
     with tempfile.TemporaryDirectory() as tmp:

@@ -21,20 +21,19 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import jax
 import numpy as np
 import optax
 
-from small_step_bench import shapes
+from small_step_bench import shapes, step_window, torch_window
 from train_bench import bare_step, machine, make_batches, torch_twin
 from training.optim import lr_schedule, make_optimizer, scaled
 from training.step import next_token
 
 
 def split_step(model, cfg, batches: np.ndarray):
-    """(step(state, i) -> (state, loss), the halves of each batch on the device): one compiled
+    """step(state, i) -> (state, loss) on batch i's halves (put on the device here): one compiled
     half-batch loss-and-gradient program, dispatched once per half, and one apply program."""
     optimizer, schedule, objective = make_optimizer(cfg), lr_schedule(cfg), next_token(model, cfg)
     P = cfg.batch_parts
@@ -79,28 +78,13 @@ def main() -> None:
     import torch
     torch_step, torch_batches = torch_twin(model, cfg, False), [torch.from_numpy(b.astype(np.int64)) for b in batches]
     times: dict[str, list[float]] = {"one program": [], "split": [], "torch": []}
-    done = 0
-    for _ in range(args.windows):
-        fused_state, metrics = fused(fused_state, device_batches[0])  # off the clock: nothing in flight at t0
-        jax.block_until_ready(metrics)
-        t0 = time.perf_counter()
-        for i in range(10):
-            fused_state, metrics = fused(fused_state, device_batches[i % len(batches)])
-        jax.block_until_ready(metrics)
-        times["one program"].append((time.perf_counter() - t0) / 10)
-        split_state, loss = split(split_state, 0)
-        jax.block_until_ready(loss)
-        t0 = time.perf_counter()
-        for i in range(10):
-            split_state, loss = split(split_state, i)
-        jax.block_until_ready((split_state, loss))
-        times["split"].append((time.perf_counter() - t0) / 10)
-        t0 = time.perf_counter()
-        for i in range(10):
-            torch_loss = torch_step(done % cfg.steps, torch_batches[i % len(batches)])
-            done += 1
-        float(torch_loss)
-        times["torch"].append((time.perf_counter() - t0) / 10)
+    batch_indices = list(range(len(batches)))  # what `split` takes in place of a batch
+    for w in range(args.windows):
+        fused_state, seconds = step_window(fused, fused_state, device_batches)
+        times["one program"].append(seconds)
+        split_state, seconds = step_window(split, split_state, batch_indices)
+        times["split"].append(seconds)
+        times["torch"].append(torch_window(torch_step, torch_batches, w * 10, cfg.steps))
     for name, t in times.items():
         ratio = "" if name == "torch" else \
             f"  kiln / torch eager = {statistics.median(a / b for a, b in zip(times['torch'], t)):.3f} in steps/s"
