@@ -6,12 +6,19 @@ lacks): for configs/small_gpu.yaml and configs/medium_gpu.yaml, bfloat16 as conf
   ratio   kiln (training.loop.train) / the bare jitted JAX loop of benchmarks/train_bench.py,
           same model, optimizer, batches and microbatches
   hash    whether two kiln runs of the same config end with the same parameter sha256
-  variants  kiln with fused attention, with full remat and with document masking (train.attention,
-          train.remat, train.document_mask): tokens/s against the plain run, final loss, the form run
+  variants  kiln with the other attention form (query blocks where the plain run took the fused
+          form, as `auto` does on a GPU; fused on a CPU), with full remat and with document masking
+          (train.attention, train.remat, train.document_mask): tokens/s against the plain run,
+          final loss, the form run
   memory  the capacity planner's predicted bytes per device (training/capacity.py, compiled in a CPU
           subprocess for the same model, batch and device count) next to the device's measured peak
           (`memory_stats()["peak_bytes_in_use"]` after the first run; a CPU reports none)
 
+Each config trains one device's share of its step: the configured batch over the devices its
+`resources` name (medium_gpu: 256 sequences over 8 GPUs, so 32 in 8 microbatches of 4), which is
+what that device computes under fsdp, less the communication. Each config runs in a process of
+its own, so that its peak memory is its own and one config's failure (out of memory, say) leaves
+the other's numbers; a variant that fails is printed with its error and fails the check.
 kiln runs twice per config (the second run reuses the compiled step: no compile counted either
 way) and the faster run counts; the bare loop runs once between them. `--device cpu` is a dry run
 of the same code on shrunken models (same layer structure, dtype and microbatches, tiny sizes),
@@ -28,9 +35,11 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import jax
+import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))
 from train_bench import make_batches, run_bare, train_config  # noqa: E402
@@ -66,15 +75,22 @@ def peak_flops(device: str) -> tuple[float, str]:
     return peak * jax.device_count(), f"{jax.device_count()} x {kind} data sheet, bf16 dense"
 
 
+def devices_named(preset: str) -> int:
+    """How many GPUs the config's `resources` section asks for (hosts x gpus_per_host)."""
+    resources = yaml.safe_load((CONFIGS / f"{preset}.yaml").read_text()).get("resources", {})
+    return resources.get("hosts", 1) * max(resources.get("gpus_per_host", 1), 1)
+
+
 def check(preset: str, device: str, steps: int, peak: float) -> bool:
     model, base = model_and_train(str(CONFIGS / f"{preset}.yaml"))
-    batch_size = base.batch_size
+    batch_size = base.batch_size // devices_named(preset)
     if device == "cpu":
         model, batch_size = dry_run_model(model), 2 * base.microbatches
     cfg = train_config(steps, batch_size, base.microbatches)
     batches = make_batches(model, cfg, 4)
     n_params = param_count(jax.eval_shape(lambda: init_params(model, jax.random.PRNGKey(0))))
     t0 = time.perf_counter()
+    planner = start_planner(model, cfg)  # compiles on this host's CPU while the device trains
     first = run_kiln(model, cfg, batches)
     measured = measured_peak()  # the plain kiln run's, before any other run on this device
     bare = run_bare(model, cfg, batches)
@@ -86,16 +102,23 @@ def check(preset: str, device: str, steps: int, peak: float) -> bool:
           f"({cfg.microbatches} microbatches), {steps} steps, {time.perf_counter() - t0:.0f} s\n"
           f"  MFU {mfu:.1%}   kiln {kiln:.0f} tokens/s   bare jax {bare:.0f} tokens/s   kiln / bare = {kiln / bare:.3f}\n"
           f"  same parameter hash in two runs: {'yes' if same else 'NO'} ({first['params_sha256'][:16]})", flush=True)
-    print(f"  memory per device: planner {predicted_gib(model, cfg):.3f} GiB predicted, measured peak {measured}",
+    print(f"  memory per device: planner {planned_gib(planner):.3f} GiB predicted, measured peak {measured}",
           flush=True)
     eos = int(batches[0][0, model.seq_len // 2])  # a token the batches hold: each row is cut into documents there
-    for name, update in (("fused attention", {"attention": "fused"}), ("full remat", {"remat": "full"}),
+    other = "fused" if first["attention"] == "query_blocks" else "query_blocks"
+    variants_ran = True
+    for name, update in ((f"{other} attention", {"attention": other}), ("full remat", {"remat": "full"}),
                          ("document mask", {"document_mask": True, "eos_id": eos})):
-        stats = run_kiln(model, cfg.model_copy(update=update), batches)
+        try:
+            stats = run_kiln(model, cfg.model_copy(update=update), batches)
+        except Exception:  # printed, and the check fails; the next variant still runs
+            print(f"  {name}: FAILED\n{traceback.format_exc(limit=-4)[-3000:]}", flush=True)
+            variants_ran = False
+            continue
         print(f"  {name}: {stats['tokens_per_s']:.0f} tokens/s ({stats['tokens_per_s'] / kiln:.3f} x plain), final "
               f"loss {stats['final_loss']:.4f} (plain {first['final_loss']:.4f}), attention {stats['attention']}, "
               f"remat {stats['remat']}", flush=True)
-    return same
+    return same and variants_ran
 
 
 def measured_peak() -> str:
@@ -106,18 +129,23 @@ def measured_peak() -> str:
     return f"{stats['peak_bytes_in_use'] / 2**30:.3f} GiB"
 
 
-def predicted_gib(model: ModelConfig, cfg) -> float:
-    """training/capacity.py's total bytes per device for this run, planned on as many simulated CPU
-    devices as this machine has devices (a subprocess: it starts its own JAX on the CPU)."""
+def start_planner(model: ModelConfig, cfg) -> subprocess.Popen:
+    """training/capacity.py's plan of this run on as many simulated CPU devices as this machine has
+    devices, started now (a subprocess: it starts its own JAX on the CPU); `planned_gib` reads it."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    return subprocess.Popen([sys.executable, "-m", "training.capacity", "--model", model.model_dump_json(),
+                             "--train", cfg.model_dump_json(), "--devices", str(jax.device_count())],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def planned_gib(planner: subprocess.Popen) -> float:
+    """The plan's total bytes per device, in GiB."""
     from training.capacity import total_bytes
 
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    done = subprocess.run([sys.executable, "-m", "training.capacity", "--model", model.model_dump_json(),
-                           "--train", cfg.model_dump_json(), "--devices", str(jax.device_count())],
-                          capture_output=True, text=True, env=env, timeout=1200)
-    if done.returncode != 0:
-        raise SystemExit(f"the capacity planner failed: {done.stderr[-2000:]}")
-    return total_bytes(json.loads(done.stdout.strip().splitlines()[-1])) / 2**30
+    out, err = planner.communicate(timeout=1200)
+    if planner.returncode != 0:
+        raise SystemExit(f"the capacity planner failed: {err[-2000:]}")
+    return total_bytes(json.loads(out.strip().splitlines()[-1])) / 2**30
 
 
 def main() -> None:
@@ -126,17 +154,22 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=None, help="steps per run (default: gpu 8, cpu 3)")
     p.add_argument("--presets", nargs="+", default=list(PRESETS), choices=PRESETS)
     args = p.parse_args()
-    platform = jax.devices()[0].platform
-    if (args.device == "gpu") != (platform == "gpu"):
-        raise SystemExit(f"--device {args.device} but JAX's devices are {platform}: {jax.devices()}")
     steps = args.steps or (8 if args.device == "gpu" else 3)
-    peak, source = peak_flops(args.device)
-    print(f"jax {jax.__version__}, {jax.device_count()} x {jax.devices()[0].device_kind}; "
-          f"peak {peak / 1e12:.3g} TFLOP/s ({source})", flush=True)
-    t0 = time.perf_counter()
-    results = [check(preset, args.device, steps, peak) for preset in args.presets]
-    print(f"gpu check {'passed' if all(results) else 'FAILED'} in {time.perf_counter() - t0:.0f} s")
-    raise SystemExit(0 if all(results) else 1)
+    if len(args.presets) == 1:  # one config in this process: its numbers, or its error and exit status 1
+        platform = jax.devices()[0].platform  # the first touch of a device: this process takes the GPU's memory
+        if (args.device == "gpu") != (platform == "gpu"):
+            raise SystemExit(f"--device {args.device} but JAX's devices are {platform}: {jax.devices()}")
+        peak, source = peak_flops(args.device)
+        print(f"jax {jax.__version__}, {jax.device_count()} x {jax.devices()[0].device_kind}; "
+              f"peak {peak / 1e12:.3g} TFLOP/s ({source})", flush=True)
+        raise SystemExit(0 if check(args.presets[0], args.device, steps, peak) else 1)
+    t0 = time.perf_counter()  # this process never touches a device: each config's process takes the GPU alone
+    failed = [preset for preset in args.presets
+              if subprocess.run([sys.executable, __file__, "--device", args.device, "--steps", str(steps),
+                                 "--presets", preset]).returncode != 0]
+    print(f"gpu check {'FAILED (' + ', '.join(failed) + ')' if failed else 'passed'} in "
+          f"{time.perf_counter() - t0:.0f} s", flush=True)
+    raise SystemExit(1 if failed else 0)
 
 
 if __name__ == "__main__":

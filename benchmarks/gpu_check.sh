@@ -2,7 +2,8 @@
 # The one-shot GPU check of benchmarks/gpu_check.py on a lent machine that has JAX (with CUDA),
 # flax, optax, yaml, safetensors and orbax but no Prefect, no Ray and no internet.
 #
-# What such a machine lacks of training/'s imports is pydantic (training/config.py). It travels
+# What such a machine lacks of training/'s imports is pydantic (training/config.py) and a typing-extensions
+# as new as it needs (the image's may be older). They travel
 # as wheels: once, on a machine that reaches PyPI, in the repository root,
 #     echo /.whl/ >> .git/info/exclude
 #     bash benchmarks/gpu_check.sh --fetch-wheels        # pydantic and its needs, CPython 3.12
@@ -14,7 +15,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-WHEELS=(pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5)
+WHEELS=(pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0 tensorboardX==2.6.5)
 
 if [[ "${1:-}" == "--fetch-wheels" ]]; then
     mkdir -p .whl
@@ -34,7 +35,13 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 if [[ " $* " == *" --device cpu "* ]]; then
     export JAX_PLATFORMS=cpu
 else
-    # bitwise-reproducible GPU runs, as training/launch.py sets them for a training step
-    export XLA_FLAGS="--xla_gpu_deterministic_ops=true ${XLA_FLAGS:-}"
+    # bitwise-reproducible GPU runs, as training/launch.py sets them for a training step. XLA aborts
+    # on a flag it does not know, so each is tried in a throwaway process first (newest name last).
+    for flag in --xla_gpu_deterministic_ops=true --xla_gpu_exclude_nondeterministic_ops=true ""; do
+        [[ -z "$flag" ]] && { echo "warning: this XLA knows neither determinism flag; runs may differ" >&2; break; }
+        if XLA_FLAGS="$flag ${XLA_FLAGS:-}" "$PYTHON" -c "import jax; jax.devices()" >/dev/null 2>&1; then
+            export XLA_FLAGS="$flag ${XLA_FLAGS:-}"; echo "XLA_FLAGS=$XLA_FLAGS"; break
+        fi
+    done
 fi
 exec "$PYTHON" benchmarks/gpu_check.py "$@"

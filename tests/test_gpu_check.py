@@ -27,5 +27,5 @@ def test_gpu_check_dry_run_on_cpu():
         assert re.search(r"MFU \d+\.\d%", block), block
         assert re.search(r"kiln / bare = \d+\.\d{3}", block), block
         assert "same parameter hash in two runs: yes" in block, block
-    assert "bfloat16" in out and "(4 microbatches)" in out and "(8 microbatches)" in out
+    assert "bfloat16" in out and "(16 microbatches)" in out and "(8 microbatches)" in out
     assert "gpu check passed" in out
