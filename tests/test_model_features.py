@@ -67,7 +67,8 @@ def test_full_remat_lowers_the_compiled_steps_temporary_bytes():
 # --- attention by platform -------------------------------------------------------------------
 
 
-def test_attention_form_by_platform():
+def test_attention_form_by_platform(monkeypatch):
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
     bf16 = CFG.model_copy(update={"compute_dtype": "bfloat16"})
     assert attention_form("auto", CFG, "cpu") == "query_blocks"
     assert attention_form("auto", bf16, "gpu") == "fused_cudnn"
@@ -76,6 +77,20 @@ def test_attention_form_by_platform():
     assert attention_form("fused", CFG, "cpu") == "fused_xla"
     assert attention_form("query_blocks", bf16, "gpu") == "query_blocks"
     assert next_token(CFG, TrainConfig()).attention == "query_blocks"  # auto, on this CPU
+
+
+@pytest.mark.parametrize("flag", ["--xla_gpu_deterministic_ops=true", "--xla_gpu_exclude_nondeterministic_ops=true"])
+def test_no_cudnn_attention_under_xla_determinism(monkeypatch, flag):
+    """cuDNN's flash attention stopped a deterministic step at its first run on an H200 (JAX 0.11.2),
+    so under either determinism flag a GPU gets query blocks (auto) or XLA's fused form (fused)."""
+    bf16 = CFG.model_copy(update={"compute_dtype": "bfloat16"})
+    monkeypatch.setenv("XLA_FLAGS", f"--xla_gpu_autotune_level=2 {flag}")
+    assert attention_form("auto", bf16, "gpu") == "query_blocks"
+    assert attention_form("fused", bf16, "gpu") == "fused_xla"
+    assert attention_form("auto", bf16, "tpu") == "fused_xla"
+    assert attention_form("auto", CFG, "cpu") == "query_blocks"
+    monkeypatch.setenv("XLA_FLAGS", flag.replace("=true", "=false"))
+    assert attention_form("auto", bf16, "gpu") == "fused_cudnn"
 
 
 @pytest.mark.parametrize("T", [32, 200])  # one query block, and four uneven ones

@@ -17,6 +17,10 @@ from tasks.engine.config import (Beta, ConfigModel, Count, Fraction, NonNegative
 # step's whole train state (an orbax folder of that one step).
 KEPT_DIR = "steps"
 KEPT_STATE = "checkpoint"
+# XLA's determinism flag: deterministic scatter, reductions and autotuning on a GPU, so the same
+# config on the same GPU type gives the same bits (training/launch.py sets it when
+# resources.deterministic_gpu; training/step.py's attention_form reads it)
+DETERMINISTIC_GPU_FLAG = "--xla_gpu_deterministic_ops=true"
 
 
 # --- model, training and resources -------------------------------------------------------------
@@ -237,7 +241,8 @@ class TrainConfig(ConfigModel):
     attention: Literal["auto", "query_blocks", "fused"] = setting(
         "auto", description="Training's attention: `query_blocks` (kiln's, fastest on a CPU), `fused` "
         "(jax.nn.dot_product_attention: cuDNN's flash attention on a GPU with bfloat16, XLA's elsewhere), `auto`: "
-        "query_blocks on a CPU, fused on a GPU or TPU. A setting, like the mesh: the forms agree to float rounding "
+        "query_blocks on a CPU, fused on a GPU or TPU. Under XLA's GPU determinism flag (resources.deterministic_gpu) "
+        "cuDNN's is not used (it stopped the first step on JAX 0.11.2): auto is query_blocks there, fused XLA's. A setting, like the mesh: the forms agree to float rounding "
         "(tests/test_model_features.py), not bit for bit, and the form a run used is in its stats (`attention`).")
     batch_parts: Count = identity_when_set(
         1, description="Each (micro)batch computed as this many independent parts side by side in one program, "

@@ -38,7 +38,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.queue import Empty, Queue
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from training.config import ModelConfig, ResourcesConfig, TrainConfig, check_cpu_devices
+from training.config import DETERMINISTIC_GPU_FLAG, ModelConfig, ResourcesConfig, TrainConfig, check_cpu_devices
 from training.data import MixtureData, MixtureInput, open_mixture, read_meta
 from tasks.engine import local_ray
 from tasks.engine.daemons import process_start
@@ -51,7 +51,6 @@ if TYPE_CHECKING:  # JAX: imported by the hosts, not by a driver that only plans
 # data is opened where it is used (a memory map does not travel well through pickle).
 DataSource = Callable[[], tuple[Callable[[int], np.ndarray], list[np.ndarray]]]
 
-DETERMINISTIC_GPU_FLAGS = "--xla_gpu_deterministic_ops=true"
 CPU_DEVICES_FLAG = "--xla_force_host_platform_device_count"  # N CPU devices in one process
 
 
@@ -353,8 +352,8 @@ def _cluster_holds(bundle: dict, hosts: int) -> tuple[dict, bool]:
 def _worker_env(resources: ResourcesConfig) -> dict:
     env = local_ray.run_env()
     flags = os.environ.get("XLA_FLAGS", "")
-    if resources.gpus_per_host and resources.deterministic_gpu and DETERMINISTIC_GPU_FLAGS not in flags:
-        flags = f"{flags} {DETERMINISTIC_GPU_FLAGS}".strip()
+    if resources.gpus_per_host and resources.deterministic_gpu and DETERMINISTIC_GPU_FLAG not in flags:
+        flags = f"{flags} {DETERMINISTIC_GPU_FLAG}".strip()
     if flags:
         env["XLA_FLAGS"] = flags
     if not resources.gpus_per_host and not resources.tpu_hosts:

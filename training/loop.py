@@ -51,13 +51,14 @@ from safetensors.numpy import load_file, save_file
 from training import compile_cache
 from training.checkpoint import Checkpoints
 from tasks.engine.config import is_identity, left_out_at_default
-from training.config import KEPT_DIR, KEPT_STATE, ModelConfig, TrainConfig, flops_per_token
+from training.config import DETERMINISTIC_GPU_FLAG, KEPT_DIR, KEPT_STATE, ModelConfig, TrainConfig, flops_per_token
 from training.hooks import Checkpointing, Hook, HookFactory, LoopContext, StepInfo, Validation, writers
 from training.metrics import MetricsLog, device_peak_flops, plot_loss
 from training.model import param_count
 from training.optim import make_optimizer
 from training.sharding import batch_sharding, make_mesh, put_batch, state_shardings
-from training.step import compiler_options, how_it_runs, init_state, make_eval_step, make_train_step, model_params
+from training.step import (compiler_options, how_it_runs, init_state, make_eval_step,
+                           make_train_step, model_params, xla_gpu_deterministic)
 from training.tracking import TENSORBOARD_DIR, TensorBoardLog
 
 log = logging.getLogger("kiln.training")
@@ -444,6 +445,6 @@ def _checked(batch, model_cfg: ModelConfig, train_cfg: TrainConfig, objective=No
 
 
 def _warn_if_nondeterministic_gpu() -> None:
-    if jax.devices()[0].platform == "gpu" and "--xla_gpu_deterministic_ops=true" not in os.environ.get("XLA_FLAGS", ""):
-        log.warning("GPU training without XLA_FLAGS=--xla_gpu_deterministic_ops=true: runs of the same "
+    if jax.devices()[0].platform == "gpu" and not xla_gpu_deterministic():
+        log.warning(f"GPU training without XLA_FLAGS={DETERMINISTIC_GPU_FLAG}: runs of the same "
                     "config may differ in the last bits (launch_training sets it unless told not to)")

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from training.config import LoraConfig, ModelConfig, TrainConfig
+from training.config import DETERMINISTIC_GPU_FLAG, LoraConfig, ModelConfig, TrainConfig
 from training.lora import init_adapters, merged
 from training.model import forward, init_params, segment_ids
 from training.optim import lr_schedule, scaled
@@ -132,13 +133,30 @@ class NextToken:
 NEXT_TOKEN = NextToken()
 
 
+_DETERMINISM_FLAGS = (DETERMINISTIC_GPU_FLAG, "--xla_gpu_exclude_nondeterministic_ops=true")
+
+
+def xla_gpu_deterministic() -> bool:
+    """Whether this process's XLA_FLAGS ask XLA for deterministic GPU programs."""
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    return any(flag in flags for flag in _DETERMINISM_FLAGS)
+
+
 def attention_form(choice: str, model_cfg: ModelConfig, platform: str) -> str:
     """`train.attention` resolved for a platform (jax.devices()[0].platform): query_blocks,
     fused_xla or fused_cudnn. auto is kiln's query blocks on a CPU, where they are fastest
     (benchmarks/RESULTS.md), and the fused form elsewhere: cuDNN's flash attention on a GPU where
-    cuDNN takes the shapes (bfloat16, head_dim a multiple of 8 up to 128), XLA's otherwise."""
+    cuDNN takes the shapes (bfloat16, head_dim a multiple of 8 up to 128), XLA's otherwise.
+
+    Not cuDNN's under XLA's determinism flag: on an H200 with JAX 0.11.2, a step holding cuDNN's
+    flash attention compiled with the flag and then stopped at its first run with
+    `IndexError: absl::container_internal::raw_hash_map<>::at`, a bare JAX loop too; query blocks
+    ran (benchmarks/RESULTS.md, the first GPU check). There auto is query blocks (bitwise
+    reproducible, 0.68x cuDNN's tokens/s on small_gpu) and fused is XLA's."""
     if choice == "query_blocks" or (choice == "auto" and platform == "cpu"):
         return "query_blocks"
+    if platform == "gpu" and xla_gpu_deterministic():
+        return "query_blocks" if choice == "auto" else "fused_xla"
     cudnn = (platform == "gpu" and model_cfg.compute_dtype == "bfloat16"
              and model_cfg.head_dim % 8 == 0 and model_cfg.head_dim <= 128)
     return "fused_cudnn" if cudnn else "fused_xla"
