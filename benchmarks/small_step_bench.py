@@ -11,7 +11,8 @@ same random batches:
           the config's cadence (their time is not train time; the whole call's time is shown too)
   kiln1   the same with train.batch_parts 1: each batch as one computation, whose ops XLA's CPU
           runtime runs one at a time (both shapes here train with batch_parts 2, two independent
-          halves that it runs on the two cores side by side; configs/tiny_cpu.yaml sets it)
+          halves that it runs on the two cores side by side; configs/tiny_cpu.yaml sets it; at
+          nanoGPT's shape as two programs, train.split_parts)
   ray     the same loop inside a Ray task, as `kiln run` launches it (training.launch), with the
           metrics relayed to this process
   ray2    the same with resources.cpu_devices 2 (and train.mesh.strategy dp): the task's JAX has two
@@ -61,13 +62,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 def shapes(steps: int) -> dict[str, tuple[ModelConfig, TrainConfig]]:
     """nanoGPT's CPU recipe (its character vocabulary of 65, multi-head attention, lr 1e-3 to 1e-4,
-    warmup 100, beta2 0.99; batch_parts 2, as docs/configuration.md advises on a 2-core CPU) and the
+    warmup 100, beta2 0.99; batch_parts 2 as docs/configuration.md advises on a 2-core CPU, as
+    separate programs: split_parts, 1.08-1.14x one program's steps/s at this shape) and the
     tiny config's model and train sections (its BPE's 4,096 tokens), each for `steps` steps with
     validation and checkpoints every steps // 3."""
     cadence = {"log_every": 10, "eval_every": steps // 3, "checkpoint_every": steps // 3, "eval_batches": 4}
     nanogpt = ModelConfig(vocab_size=65, d_model=128, n_layers=4, n_heads=4, n_kv_heads=4, d_ff=512, seq_len=64)
     nanogpt_train = TrainConfig(batch_size=12, steps=steps, lr=1e-3, min_lr_ratio=0.1, warmup=min(100, steps // 4),
-                                beta2=0.99, batch_parts=2, **cadence)
+                                beta2=0.99, batch_parts=2, split_parts=True, **cadence)
     tiny_model, tiny_train = model_and_train(str(REPO / "configs" / "tiny_cpu.yaml"))
     tiny_train = tiny_train.model_copy(update={"steps": steps, "warmup": min(tiny_train.warmup, steps // 4), **cadence})
     return {"nanogpt": (nanogpt, nanogpt_train), "tiny_cpu": (tiny_model.model_copy(update={"vocab_size": 4096}), tiny_train)}
@@ -102,7 +104,8 @@ def run_ray(model: ModelConfig, cfg: TrainConfig, cpu_devices: int = 1) -> float
     from training.launch import launch_training
 
     if cpu_devices > 1:
-        cfg = cfg.model_copy(update={"mesh": cfg.mesh.model_copy(update={"strategy": "dp"})})
+        # split_parts runs on one device: on two, the batch splits over them instead
+        cfg = cfg.model_copy(update={"mesh": cfg.mesh.model_copy(update={"strategy": "dp"}), "split_parts": False})
     with tempfile.TemporaryDirectory() as tmp:
         stats = launch_training(model, cfg, ResourcesConfig(cpus_per_host=2, cpu_devices=cpu_devices),
                                 functools.partial(_random_data, model, cfg),
@@ -145,7 +148,12 @@ def paired_windows(model: ModelConfig, cfg: TrainConfig, batches: np.ndarray, wi
     of the windows' ratios."""
     import torch
 
-    configs = {f"step, batch_parts {p}": cfg.model_copy(update={"batch_parts": p}) for p in sorted({1, cfg.batch_parts})}
+    variants = {"step, batch_parts 1": {"batch_parts": 1, "split_parts": False}}
+    if cfg.batch_parts > 1:
+        variants[f"step, batch_parts {cfg.batch_parts}"] = {"split_parts": False}
+    if cfg.split_parts:
+        variants[f"step, {cfg.batch_parts} parts split"] = {}
+    configs = {name: cfg.model_copy(update=update) for name, update in variants.items()}
     steps, states = {}, {}
     for name, c in configs.items():
         init, steps[name] = bare_step(model, c, batches)
@@ -231,7 +239,7 @@ def bench(name: str, model: ModelConfig, cfg: TrainConfig, args) -> None:
 
     contenders = {"step": lambda: per_step(run_bare(model, cfg, batches), model, cfg), "kiln": kiln}
     if cfg.batch_parts > 1:  # with 1 part, kiln is already the whole-batch loop
-        contenders["kiln1"] = lambda: run_kiln(model, cfg.model_copy(update={"batch_parts": 1}))[0]
+        contenders["kiln1"] = lambda: run_kiln(model, cfg.model_copy(update={"batch_parts": 1, "split_parts": False}))[0]
     if not args.no_ray:
         contenders["ray"] = lambda: run_ray(model, cfg)
         contenders["ray2"] = lambda: run_ray(model, cfg, cpu_devices=2)

@@ -32,9 +32,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from training.config import ModelConfig, TrainConfig, flops_per_token, model_and_train
-from training.loop import train
+from training.loop import _program, train
 from training.metrics import DECLARED_PEAK, measured_matmul_peak
 from training.model import init_params, param_count
+from training.sharding import make_mesh
 from training.optim import lr_schedule, make_optimizer
 from training.step import init_state, make_train_step
 
@@ -66,8 +67,12 @@ _BARE: dict = {}
 
 def bare_step(model: ModelConfig, cfg: TrainConfig, batches: np.ndarray):
     """(init, step): the jitted state initialisation and the compiled step (state donated), each
-    compiled once per model and config in this process."""
+    compiled once per model and config in this process. With `train.split_parts`, the loop's own
+    programs (one per part and one that applies them: training/loop.py `_split_step`)."""
     key = (model, cfg)
+    if key not in _BARE and cfg.split_parts:
+        program = _program(model, cfg, make_mesh(cfg.mesh))
+        _BARE[key] = (program.init, program.train_step)
     if key not in _BARE:
         opt = make_optimizer(cfg)
         step = jax.jit(make_train_step(model, cfg, opt), donate_argnums=0)

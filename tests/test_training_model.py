@@ -3,6 +3,7 @@ weight-decay mask, gradient accumulation, bf16 compute."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import jax
@@ -252,6 +253,45 @@ def test_batch_parts_train_as_the_whole_batch_does():
         TrainConfig(batch_size=8, microbatches=4, batch_parts=4)
     with pytest.raises(ValueError, match="batch_parts=2"):  # SFT's mean over masked tokens: parts weigh unevenly
         make_train_step(CFG, TrainConfig(batch_size=8, batch_parts=2), make_optimizer(TrainConfig()), SFTObjective())
+
+
+def test_split_parts_train_as_one_program_does(tmp_path):
+    """train.split_parts runs each part as its own program and applies their mean in another: the
+    loop's metrics and parameters agree with one program's to float rounding, a run resumed from
+    its checkpoint ends with the uninterrupted run's bits, and what it cannot do is refused."""
+    import shutil
+
+    from training.loop import load_model, train
+
+    batches = np.asarray(jax.random.randint(jax.random.PRNGKey(2), (4, 8, CFG.seq_len + 1), 0, CFG.vocab_size),
+                         np.int32)
+    base = TrainConfig(batch_size=8, batch_parts=2, steps=8, warmup=2, log_every=2, eval_every=1000,
+                       checkpoint_every=4, z_loss=1e-4)
+
+    def run(tcfg, name):
+        work = tmp_path / name
+        stats = train(CFG, tcfg, lambda step: batches[step % 4], [], work / "w", work / "o")
+        records = [json.loads(line) for line in (work / "o" / "metrics.jsonl").read_text().splitlines()]
+        return stats, records, load_model(work / "o")[1]
+
+    one, one_records, one_params = run(base, "one")
+    split_cfg = base.model_copy(update={"split_parts": True})
+    split, split_records, split_params = run(split_cfg, "split")
+    assert [r["step"] for r in split_records] == [r["step"] for r in one_records] == [2, 4, 6, 8]
+    for a, b in zip(one_records, split_records):
+        for key in ("loss", "z_loss", "grad_norm", "lr"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5), (key, a, b)
+    for a, b in zip(jax.tree_util.tree_leaves(one_params), jax.tree_util.tree_leaves(split_params)):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+    shutil.rmtree(tmp_path / "split" / "w" / "checkpoints" / "8")  # as if killed after step 4's checkpoint
+    shutil.rmtree(tmp_path / "split" / "o")
+    resumed, _, _ = run(split_cfg, "split")
+    assert resumed["resumed_from_step"] == 4 and resumed["params_sha256"] == split["params_sha256"]
+
+    for refused in ({"batch_parts": 1}, {"microbatches": 2}, {"lora": {"rank": 2}}):
+        with pytest.raises(ValueError, match="split_parts"):
+            TrainConfig(**{**base.model_dump(), "split_parts": True, **refused})
 
 
 def test_bfloat16_compute_keeps_float32_params_and_learns():

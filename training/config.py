@@ -251,6 +251,12 @@ class TrainConfig(ConfigModel):
         "core idle: 2 on a 2-core CPU took a small model's step 0.87-0.96x the time (benchmarks/RESULTS.md). The same "
         "math in another summation order, so identity; the batch per microbatch (and per data-parallel device) "
         "must divide by it. Pretraining's next-token objective only.")
+    split_parts: bool = identity_when_set(
+        False, description="The batch_parts as separate programs, one dispatched per part and one that averages "
+        "their gradients and takes the optimizer's step, in flight at once, instead of one program: XLA's CPU "
+        "runtime then gives each part a thread of its own. At nanoGPT's CPU recipe shape 1.08-1.14x the steps/s "
+        "of one program, at the tiny config's 0.84x (benchmarks/RESULTS.md): measure before setting it. The same "
+        "math, not the same bits, so identity. One device, one microbatch, batch_parts > 1, no LoRA.")
     remat: Literal["none", "full", "dots_saveable", "offload"] = identity_when_set(
         "none", description="Rematerialisation of each decoder block (jax.checkpoint): `full` keeps only each "
         "block's input and recomputes the rest in the backward pass, `dots_saveable` keeps the matmul outputs, "
@@ -295,6 +301,10 @@ class TrainConfig(ConfigModel):
                              f"{self.batch_parts} equal parts: pick a batch_parts that divides the rows per microbatch")
         if self.warmup >= self.steps:
             raise ValueError(f"warmup={self.warmup} must be shorter than steps={self.steps}")
+        if self.split_parts and (self.batch_parts == 1 or self.microbatches > 1 or self.lora is not None):
+            raise ValueError(f"split_parts runs each of batch_parts' parts as its own program: it needs "
+                             f"batch_parts > 1 (is {self.batch_parts}), microbatches 1 (is {self.microbatches}) "
+                             f"and no lora (is {'set' if self.lora else 'unset'}); leave it out otherwise")
         return self
 
 

@@ -57,7 +57,7 @@ from training.metrics import MetricsLog, device_peak_flops, plot_loss
 from training.model import param_count
 from training.optim import make_optimizer
 from training.sharding import batch_sharding, make_mesh, put_batch, state_shardings
-from training.step import (compiler_options, how_it_runs, init_state, make_eval_step,
+from training.step import (compiler_options, how_it_runs, init_state, make_eval_step, make_split_step,
                            make_train_step, model_params, xla_gpu_deterministic)
 from training.tracking import TENSORBOARD_DIR, TensorBoardLog
 
@@ -358,15 +358,42 @@ def _program(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: jax.sharding.
         spec = objective.batch_spec(train_cfg.batch_size, model_cfg.seq_len)
         data_sharding = {k: NamedSharding(mesh, P("data", *[None] * (len(shape) - 1))) for k, (shape, _) in spec.items()}
         batch = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=data_sharding[k]) for k, (shape, dtype) in spec.items()}
-    train_step = jax.jit(make_train_step(model_cfg, train_cfg, optimizer, objective), donate_argnums=0,
-                         in_shardings=(shardings, data_sharding), out_shardings=(shardings, None))
+    if train_cfg.split_parts:
+        train_step = _split_step(model_cfg, train_cfg, optimizer, objective, mesh, abstract, shardings, batch)
+    else:
+        train_step = jax.jit(make_train_step(model_cfg, train_cfg, optimizer, objective), donate_argnums=0,
+                             in_shardings=(shardings, data_sharding), out_shardings=(shardings, None)
+                             ).lower(abstract, batch).compile(compiler_options=compiler_options(train_cfg))
     return _Program(
         abstract, shardings, data_sharding,
         init=jax.jit(make_state, out_shardings=shardings),
-        train_step=train_step.lower(abstract, batch).compile(compiler_options=compiler_options(train_cfg)),
+        train_step=train_step,
         eval_step=jax.jit(make_eval_step(model_cfg, objective, train_cfg),
                           in_shardings=(shardings["params"], data_sharding)),
     )
+
+
+def _split_step(model_cfg: ModelConfig, train_cfg: TrainConfig, optimizer, objective, mesh: jax.sharding.Mesh,
+                abstract: dict, shardings: dict, batch: jax.ShapeDtypeStruct) -> Callable:
+    """`train.split_parts`: (state, batch) -> (state, metrics) as one compiled program per part
+    (the same program, called with each part's index) and one that applies them (state donated),
+    all compiled here (training/step.py `make_split_step`)."""
+    if objective is not None or mesh.size != 1:
+        raise ValueError(f"train.split_parts runs on one device and pretraining's objective: this run has "
+                         f"{mesh.size} devices and objective {getattr(objective, 'name', 'next-token')}; leave it out")
+    part_grads, apply = make_split_step(model_cfg, train_cfg, optimizer)
+    index = NamedSharding(mesh, P())
+    part_program = jax.jit(part_grads, in_shardings=(shardings["params"], batch.sharding, index)).lower(
+        abstract["params"], batch, jax.ShapeDtypeStruct((), np.int32, sharding=index)).compile()
+    outs = [part_program.out_info] * train_cfg.batch_parts
+    apply_program = jax.jit(apply, donate_argnums=0, in_shardings=(shardings, None), out_shardings=(shardings, None)
+                            ).lower(abstract, outs).compile()
+    indices = [jax.device_put(np.int32(p), index) for p in range(train_cfg.batch_parts)]
+
+    def train_step(state: dict, batch):
+        return apply_program(state, [part_program(state["params"], batch, p) for p in indices])
+
+    return train_step
 
 
 def load_model(out_dir: Path) -> tuple[ModelConfig, dict]:

@@ -197,7 +197,8 @@ def check_objective_options(train_cfg: TrainConfig, objective) -> None:
     if objective is None or isinstance(objective, NextToken):
         return
     set_here = [f"{name}={getattr(train_cfg, name)!r}" for name, plain in
-                (("remat", "none"), ("document_mask", False), ("z_loss", 0.0), ("batch_parts", 1))
+                (("remat", "none"), ("document_mask", False), ("z_loss", 0.0), ("batch_parts", 1),
+                 ("split_parts", False))
                 if getattr(train_cfg, name) != plain]
     if train_cfg.attention == "fused":
         set_here.append("attention='fused'")
@@ -235,7 +236,7 @@ def make_train_step(model_cfg: ModelConfig, train_cfg: TrainConfig,
         return objective.loss(params, batch, model_cfg)
 
     value_and_grad = jax.value_and_grad(loss, has_aux=True)
-    schedule = lr_schedule(train_cfg)
+    update = make_update(train_cfg, optimizer)
     M, P = train_cfg.microbatches, train_cfg.batch_parts
 
     def grad_fn(trainable, frozen, batch):
@@ -264,6 +265,18 @@ def make_train_step(model_cfg: ModelConfig, train_cfg: TrainConfig,
         rng, _step_key = jax.random.split(state["rng"])  # no dropout yet: the key only advances
         frozen = None if lora is None else state["params"]
         (loss_value, aux), grads = gradients(state[trained], frozen, batch)
+        return update(state, rng, loss_value, aux, grads)
+
+    return train_step
+
+
+def make_update(train_cfg: TrainConfig, optimizer: optax.GradientTransformation) -> Callable:
+    """(state, next rng, loss, aux, gradients) -> (state, metrics): the optimizer's step at the
+    schedule's learning rate, the tail of every train step (one program or split)."""
+    schedule = lr_schedule(train_cfg)
+    trained = "params" if train_cfg.lora is None else "adapters"
+
+    def update(state: dict, rng, loss_value, aux: dict, grads):
         lr = schedule(state["step"])
         updates, opt_state = optimizer.update(grads, state["opt_state"], state[trained])
         new = optax.apply_updates(state[trained], scaled(updates, lr))
@@ -272,7 +285,32 @@ def make_train_step(model_cfg: ModelConfig, train_cfg: TrainConfig,
         metrics = {"loss": loss_value, "grad_norm": optax.tree.norm(grads), "lr": lr, **aux}
         return {**state, "step": state["step"] + 1, trained: new, "opt_state": opt_state, "rng": rng}, metrics
 
-    return train_step
+    return update
+
+
+def make_split_step(model_cfg: ModelConfig, train_cfg: TrainConfig,
+                    optimizer: optax.GradientTransformation) -> tuple[Callable, Callable]:
+    """`train.split_parts`: the step as separate programs, (part_grads, apply), each to be jitted.
+    part_grads(params, batch, p) -> ((loss, aux), gradients) of part p of the batch (rows p, p+P,
+    ..., as `interleaved`); apply(state, [part_grads' output for p in 0..P-1]) -> (state, metrics)
+    averages them as the one-program step does and takes the optimizer's step (state donated).
+    JAX dispatches asynchronously, so the parts' programs are in flight at once and XLA's CPU
+    runtime runs each on its own thread, where one program's ops ran on one thread for stretches
+    (benchmarks/RESULTS.md, session 18's profile). Pretraining, no LoRA, one microbatch."""
+    objective = next_token(model_cfg, train_cfg)
+    value_and_grad = jax.value_and_grad(lambda params, batch: objective.loss(params, batch, model_cfg), has_aux=True)
+    update = make_update(train_cfg, optimizer)
+    P = train_cfg.batch_parts
+
+    def part_grads(params, batch, p):
+        return value_and_grad(params, jax.tree_util.tree_map(lambda x: x[p], interleaved(batch, P)))
+
+    def apply(state: dict, outs: list):
+        rng, _step_key = jax.random.split(state["rng"])
+        (loss_value, aux), grads = jax.tree_util.tree_map(lambda *xs: functools.reduce(jnp.add, xs) / P, *outs)
+        return update(state, rng, loss_value, aux, grads)
+
+    return part_grads, apply
 
 
 def make_eval_step(model_cfg: ModelConfig, objective=None, train_cfg: TrainConfig | None = None) -> Callable:
