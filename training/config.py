@@ -254,8 +254,9 @@ class TrainConfig(ConfigModel):
     split_parts: bool = identity_when_set(
         False, description="The batch_parts as separate programs, one dispatched per part and one that averages "
         "their gradients and takes the optimizer's step, in flight at once, instead of one program: XLA's CPU "
-        "runtime then gives each part a thread of its own. At nanoGPT's CPU recipe shape 1.08-1.14x the steps/s "
-        "of one program, at the tiny config's 0.84x (benchmarks/RESULTS.md): measure before setting it. The same "
+        "runtime then gives each part a thread of its own. A narrow win: at nanoGPT's CPU recipe shape (batch 12 x 64) "
+        "1.08-1.21x the steps/s of one program, at batch 24 x 64 0.86x, at the tiny config's 0.84-0.89x "
+        "(benchmarks/RESULTS.md): measure before setting it. The same "
         "math, not the same bits, so identity. One device, one microbatch, batch_parts > 1, no LoRA.")
     remat: Literal["none", "full", "dots_saveable", "offload"] = identity_when_set(
         "none", description="Rematerialisation of each decoder block (jax.checkpoint): `full` keeps only each "
