@@ -12,8 +12,8 @@ lacks): for configs/small_gpu.yaml and configs/medium_gpu.yaml, bfloat16 as conf
           form, as `auto` does on a GPU; fused on a CPU), with full remat and with document masking
           (train.attention, train.remat, train.document_mask): tokens/s against the plain run,
           final loss, the form run
-  memory  the capacity planner's predicted bytes per device (training/capacity.py, compiled in a CPU
-          subprocess for the same model, batch and device count) next to the device's measured peak
+  memory  the capacity planner's predicted bytes per device (flows/capacity.py `planned`, compiled in a
+          CPU subprocess for the same model, batch and device count) next to the device's measured peak
           (`memory_stats()["peak_bytes_in_use"]` after the first run; a CPU reports none)
 
 Each config trains one device's share of its step: the configured batch over the devices its
@@ -31,13 +31,12 @@ without a GPU. Imports training/, jax, flax, optax, numpy, pydantic, yaml: no Pr
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jax
@@ -46,7 +45,9 @@ import yaml
 sys.path.insert(0, str(Path(__file__).parent))
 from train_bench import make_batches, run_bare, train_config  # noqa: E402
 
-from training.config import ModelConfig, flops_per_token, model_and_train  # noqa: E402
+from flows.capacity import default_devices, planned  # noqa: E402
+from training.capacity import total_bytes  # noqa: E402
+from training.config import ModelConfig, ResourcesConfig, flops_per_token, model_and_train  # noqa: E402
 from training.loop import train  # noqa: E402
 from training.metrics import DECLARED_PEAK, measured_matmul_peak  # noqa: E402
 from training.model import init_params, param_count  # noqa: E402
@@ -79,9 +80,9 @@ def peak_flops(device: str) -> tuple[float, str]:
 
 
 def devices_named(preset: str) -> int:
-    """How many GPUs the config's `resources` section asks for (hosts x gpus_per_host)."""
-    resources = yaml.safe_load((CONFIGS / f"{preset}.yaml").read_text()).get("resources", {})
-    return resources.get("hosts", 1) * max(resources.get("gpus_per_host", 1), 1)
+    """How many accelerators the config's `resources` section asks for (`kiln capacity`'s default)."""
+    raw = yaml.safe_load((CONFIGS / f"{preset}.yaml").read_text())
+    return default_devices(ResourcesConfig.model_validate(raw.get("resources", {})))
 
 
 def check(preset: str, device: str, steps: int, peak: float) -> bool:
@@ -93,7 +94,8 @@ def check(preset: str, device: str, steps: int, peak: float) -> bool:
     batches = make_batches(model, cfg, 4)
     n_params = param_count(jax.eval_shape(lambda: init_params(model, jax.random.PRNGKey(0))))
     t0 = time.perf_counter()
-    planner = start_planner(model, cfg)  # compiles on this host's CPU while the device trains
+    # the capacity planner compiles on this host's CPU (its own process) while the device trains
+    planner = ThreadPoolExecutor(1).submit(planned, model, cfg, jax.device_count())
     first = run_kiln(model, cfg, batches)
     measured = measured_peak()  # the plain kiln run's, before any other run on this device
     bare = run_bare(model, cfg, batches)
@@ -107,7 +109,7 @@ def check(preset: str, device: str, steps: int, peak: float) -> bool:
           f"  MFU {mfu:.1%}   kiln {kiln:.0f} tokens/s   bare jax {bare:.0f} tokens/s   kiln / bare = {kiln / bare:.3f}\n"
           f"  same parameter hash in two runs: {'yes' if same else 'NO'} ({first['params_sha256'][:16]})"
           f"{'' if bitwise else ', not asked for: no determinism flag'}", flush=True)
-    print(f"  memory per device: planner {planned_gib(planner):.3f} GiB predicted, measured peak {measured}",
+    print(f"  memory per device: planner {total_bytes(planner.result()) / 2**30:.3f} GiB predicted, measured peak {measured}",
           flush=True)
     eos = int(batches[0][0, model.seq_len // 2])  # a token the batches hold: each row is cut into documents there
     other = "fused" if first["attention"] == "query_blocks" else "query_blocks"
@@ -132,25 +134,6 @@ def measured_peak() -> str:
     if not stats or "peak_bytes_in_use" not in stats:
         return f"n/a ({jax.devices()[0].platform} reports no memory stats)"
     return f"{stats['peak_bytes_in_use'] / 2**30:.3f} GiB"
-
-
-def start_planner(model: ModelConfig, cfg) -> subprocess.Popen:
-    """training/capacity.py's plan of this run on as many simulated CPU devices as this machine has
-    devices, started now (a subprocess: it starts its own JAX on the CPU); `planned_gib` reads it."""
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    return subprocess.Popen([sys.executable, "-m", "training.capacity", "--model", model.model_dump_json(),
-                             "--train", cfg.model_dump_json(), "--devices", str(jax.device_count())],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-
-
-def planned_gib(planner: subprocess.Popen) -> float:
-    """The plan's total bytes per device, in GiB."""
-    from training.capacity import total_bytes
-
-    out, err = planner.communicate(timeout=1200)
-    if planner.returncode != 0:
-        raise SystemExit(f"the capacity planner failed: {err[-2000:]}")
-    return total_bytes(json.loads(out.strip().splitlines()[-1])) / 2**30
 
 
 def main() -> None:

@@ -378,10 +378,9 @@ def _split_step(model_cfg: ModelConfig, train_cfg: TrainConfig, optimizer, objec
     """`train.split_parts`: (state, batch) -> (state, metrics) as one compiled program per part
     (the same program, called with each part's index) and one that applies them (state donated),
     all compiled here (training/step.py `make_split_step`)."""
-    if objective is not None or mesh.size != 1:
-        raise ValueError(f"train.split_parts runs on one device and pretraining's objective: this run has "
-                         f"{mesh.size} devices and objective {getattr(objective, 'name', 'next-token')}; leave it out")
-    part_grads, apply = make_split_step(model_cfg, train_cfg, optimizer)
+    if mesh.size != 1:
+        raise ValueError(f"train.split_parts runs on one device, this run has {mesh.size}: leave it out")
+    part_grads, apply = make_split_step(model_cfg, train_cfg, optimizer, objective)
     index = NamedSharding(mesh, P())
     part_program = jax.jit(part_grads, in_shardings=(shardings["params"], batch.sharding, index)).lower(
         abstract["params"], batch, jax.ShapeDtypeStruct((), np.int32, sharding=index)).compile()

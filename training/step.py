@@ -288,16 +288,18 @@ def make_update(train_cfg: TrainConfig, optimizer: optax.GradientTransformation)
     return update
 
 
-def make_split_step(model_cfg: ModelConfig, train_cfg: TrainConfig,
-                    optimizer: optax.GradientTransformation) -> tuple[Callable, Callable]:
+def make_split_step(model_cfg: ModelConfig, train_cfg: TrainConfig, optimizer: optax.GradientTransformation,
+                    objective=None) -> tuple[Callable, Callable]:
     """`train.split_parts`: the step as separate programs, (part_grads, apply), each to be jitted.
     part_grads(params, batch, p) -> ((loss, aux), gradients) of part p of the batch (rows p, p+P,
     ..., as `interleaved`); apply(state, [part_grads' output for p in 0..P-1]) -> (state, metrics)
     averages them as the one-program step does and takes the optimizer's step (state donated).
     JAX dispatches asynchronously, so the parts' programs are in flight at once and XLA's CPU
     runtime runs each on its own thread, where one program's ops ran on one thread for stretches
-    (benchmarks/RESULTS.md, session 18's profile). Pretraining, no LoRA, one microbatch."""
-    objective = next_token(model_cfg, train_cfg)
+    (benchmarks/RESULTS.md, session 18's profile). Pretraining, no LoRA, one microbatch: another
+    objective is refused as make_train_step refuses it (`check_objective_options`)."""
+    check_objective_options(train_cfg, objective)
+    objective = objective or next_token(model_cfg, train_cfg)
     value_and_grad = jax.value_and_grad(lambda params, batch: objective.loss(params, batch, model_cfg), has_aux=True)
     update = make_update(train_cfg, optimizer)
     P = train_cfg.batch_parts
