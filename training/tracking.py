@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Callable, Iterator, Literal
 
@@ -59,8 +60,7 @@ class TensorBoardLog:
     checkpoint leaves no steps in TensorBoard that metrics.jsonl no longer has."""
 
     def __init__(self, folder: Path, history: list[dict] = ()):
-        from tensorboardX import SummaryWriter
-
+        SummaryWriter = _summary_writer()
         self.folder = Path(folder)
         shutil.rmtree(self.folder, ignore_errors=True)
         self.writer = SummaryWriter(logdir=str(self.folder), flush_secs=10)
@@ -73,6 +73,24 @@ class TensorBoardLog:
 
     def close(self) -> None:
         self.writer.close()
+
+
+def _summary_writer():
+    """tensorboardX's SummaryWriter, imported without PyTorch. Where torch is installed, importing
+    tensorboardX imports it too (1-2 s of every training process, measured: benchmarks/RESULTS.md)
+    only so that its `add_*` calls accept torch tensors; kiln logs floats. So unless this process
+    has torch already, `import torch` fails for the moment tensorboardX is imported, and works
+    again afterwards."""
+    if "tensorboardX" in sys.modules or "torch" in sys.modules:
+        from tensorboardX import SummaryWriter
+
+        return SummaryWriter
+    sys.modules["torch"] = None  # Python's marker for "import torch raises ImportError"
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        del sys.modules["torch"]
+    return SummaryWriter
 
 
 @contextlib.contextmanager
