@@ -105,20 +105,21 @@ def pytest_unconfigure(config):
     _suite_ray.close()  # nothing to do in a process that did not make it
 
 
-# The files that take longest, longest first (seconds on 2 cores, 2026-12-02). With `--dist loadfile
-# --no-loadscope-reorder` xdist hands out files in collection order, so the long ones start early
-# instead of leaving one worker alone with a long file at the end. (The tests that hold the Ray lock
-# exclusively are `ci` tests, which CI runs after the fast suite, alone: pyproject.toml.)
-LONGEST_FIRST = ["test_phases.py",  # ~130 (the four-run cooldown test is slow)
-                 "test_foundation.py",  # ~150, no Ray
-                 "test_deployments.py",  # ~110, no Ray
-                 "test_team_server.py",  # ~150 (loaded: 360): PostgreSQL, a Prefect server, a worker; no Ray
-                 "test_scheduler.py",  # ~100
-                 "test_training_task.py", "test_training_sharding.py", "test_gpu_check.py", "test_posttrain.py",
-                 "test_training_loop.py", "test_lm_eval_hf.py", "test_remote_workspace.py", "test_redis_locks.py",
-                 "test_servers_end.py", "test_training_launch.py", "test_serve_shutdown.py",
-                 "test_checkpoint_series.py", "test_hf_pipeline.py", "test_train_init.py", "test_in_loop_evals.py",
-                 "test_serve_model.py", "test_lora.py"]
+# The files that take longest, longest first (seconds in the fast suite on 2 cores, 2026-12-04).
+# With `--dist loadfile --no-loadscope-reorder` xdist hands out files in collection order, so the
+# long ones start early instead of leaving one worker alone with a long file at the end. (The
+# tests that hold the Ray lock exclusively, and the end-to-end tests that take 3-6 times as long
+# beside the suite's other processes as alone, are `ci` tests, which CI runs after the fast suite,
+# one at a time: pyproject.toml.)
+LONGEST_FIRST = ["test_model_features.py",  # ~120
+                 "test_training_model.py",  # ~105
+                 "test_training_loop.py", "test_in_loop_evals.py", "test_scheduler.py",  # ~80 each
+                 "test_serve_model.py", "test_foundation.py", "test_hf_import.py",  # 65-75
+                 "test_remote_workspace.py", "test_team_server.py", "test_lm_eval_hf.py", "test_bench_twin.py",
+                 "test_redis_locks.py", "test_training_launch.py", "test_lora.py", "test_servers_end.py",
+                 "test_secrets.py", "test_posttrain.py", "test_new_stage.py", "test_scaling_steps.py",
+                 "test_eval_trained.py", "test_training_task.py", "test_scaling.py", "test_tokenize.py",
+                 "test_serve_shutdown.py"]
 
 
 def pytest_collection_modifyitems(config, items):

@@ -41,6 +41,8 @@ def test_the_series_adds_evaluate_steps_and_leaves_the_other_versions_alone():
         ExperimentConfig.model_validate({**SERIES, "eval": {**SERIES["eval"], "checkpoints": [400]}}).phase_trains()
 
 
+@pytest.mark.slow  # out of the fast suite (27 s alone, 61-75 s in it); CI runs it after it
+@pytest.mark.ci
 @pytest.mark.ray  # its training (or data workers) starts a local Ray: tests/conftest.py ray_lock
 def test_three_cached_evaluate_steps_and_compare_over_steps(tmp_path, capsys):
     config, store = tmp_path / "series.yaml", tmp_path / "store"

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from tests.conftest import REPO, free_port, stop_group, wait_until
@@ -51,11 +52,13 @@ def task_states(env: dict, flow_run_id) -> dict[str, str]:
 def run(env: dict, name: str, parameters: dict, timeout: int = 600):
     from prefect.deployments import run_deployment
 
-    flow_run = run_deployment(name, parameters=parameters, timeout=timeout)
+    flow_run = run_deployment(name, parameters=parameters, timeout=timeout, poll_interval=1)  # Prefect's: 5 s
     assert flow_run.state.is_completed(), f"{name}: {flow_run.state}"
     return flow_run
 
 
+@pytest.mark.slow  # out of the fast suite (its own Prefect server and four deployment runs: 74-105 s
+@pytest.mark.ci  # in it, plus 26-33 s of set-up); CI runs it after it
 def test_serve_trigger_pipeline_then_cached_and_data_refresh(tmp_path, prefect_server):
     """This process's client is pointed at the test's server by a settings context, which wins
     over the session's test harness if an earlier test in this process started it (an
@@ -74,9 +77,10 @@ def serve_and_trigger(tmp_path: Path, prefect_server: dict) -> None:
     config_path.write_text(yaml.safe_dump(small_config(tmp_path, source)))
     store = tmp_path / "store"
     serve_log = open(tmp_path / "serve.log", "w")
+    # its runner looks for runs to start every second (Prefect's default: every 10 s)
+    env = {**os.environ, **prefect_server, "PREFECT_RUNNER_POLL_FREQUENCY": "1"}
     serve = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", str(config_path), "--store", str(store)],
-                             cwd=REPO, env={**os.environ, **prefect_server}, stdout=serve_log,
-                             stderr=subprocess.STDOUT, start_new_session=True)
+                             cwd=REPO, env=env, stdout=serve_log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         from prefect.client.orchestration import get_client
 

@@ -21,6 +21,8 @@ from training.loop import _flatten, load_model
 from training.model import forward
 
 
+@pytest.mark.slow  # out of the fast suite (29 s alone, 75-82 s in it); CI runs it after it
+@pytest.mark.ci
 @pytest.mark.ray  # its training starts a local Ray: tests/conftest.py ray_lock
 def test_continued_pretraining_from_llama_and_qwen2_exports_what_transformers_loads(hf, tmp_path):  # noqa: F811
     torch, transformers = hf

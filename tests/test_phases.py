@@ -132,6 +132,8 @@ def test_cooldown_branches_share_the_stable_run_resume_bitwise_and_rerun_alone(t
     assert third["train/cooldown/step=60"] == "ran"
 
 
+@pytest.mark.slow  # out of the fast suite (three kiln runs: 38 s alone, 74-80 s in it); CI runs it after it
+@pytest.mark.ci
 @pytest.mark.ray  # its training starts a local Ray: tests/conftest.py ray_lock
 def test_starting_from_a_published_version_and_a_step_it_did_not_keep(tmp_path, capsys):
     """`train.init.from: train/<version>` names an output already in the store (made by another

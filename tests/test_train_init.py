@@ -36,6 +36,8 @@ def run(tmp, name, model, cfg, tokens, **kw):
     return stats, out
 
 
+@pytest.mark.slow  # out of the fast suite (26 s alone, 61-77 s in it); CI runs it after it
+@pytest.mark.ci
 def test_continue_from_a_kept_step_is_the_uninterrupted_run_bit_for_bit(tmp_path, data):
     tokens, vocab = data
     model, whole = tiny(vocab, steps=200, warmup=10, log_every=20, eval_every=100, checkpoint_every=100)
