@@ -18,6 +18,7 @@ from tasks.engine.step import Step
 from tasks.sft import SFTConfig, sft_step
 from tasks.tokenize import TokenizeConfig
 from tasks.train import train_step
+from tests.conftest import needs
 from tests.test_training_kjv_data import WindowBatches, kjv_tokens
 from tests.test_training_loop import tiny
 from tests.test_training_task import MODEL, TRAIN, context, tokens_dir  # noqa: F401 (a fixture)
@@ -187,3 +188,21 @@ def test_the_experiment_tracking_section_reaches_its_training_steps():
     trained = [s for s in recipe(config) if s.stage in ("train", "sft", "dpo")]
     assert {s.stage for s in trained} == {"train", "sft", "dpo"}
     assert all(s.config.tracking == config.tracking for s in trained)
+
+
+def test_the_tensorboard_log_does_not_import_torch_and_leaves_it_importable(tmp_path):
+    """tensorboardX imports torch where it is installed (2.2 s of every training process:
+    benchmarks/RESULTS.md); kiln imports it with torch hidden, and torch imports afterwards."""
+    import subprocess
+    import sys
+
+    needs("torch")  # without torch there is nothing to hide (a skip saying how to add it)
+    child = ("import sys\nfrom training.tracking import TensorBoardLog\n"
+             f"log = TensorBoardLog({str(tmp_path / 'tb')!r})\n"
+             "log.write({'step': 1, 'loss': 2.5}); log.close()\n"
+             "print('torch' in sys.modules)\nimport torch\nprint(torch.ones(2).sum().item())\n")
+    proc = subprocess.run([sys.executable, "-c", child], cwd=Path(__file__).resolve().parent.parent,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["False", "2.0"]
+    assert tensorboard_scalars(tmp_path / "tb")["loss"] == [(1, 2.5)]

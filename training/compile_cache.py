@@ -9,12 +9,13 @@ Where: KILN_COMPILE_CACHE (a folder, or "off"); else JAX_COMPILATION_CACHE_DIR w
 own); else `jax/<machine kind>/` in kiln's local cache (tasks/engine/store.py `local_cache`), one
 folder per CPU architecture and feature set, since a home folder shared by a cluster's machines
 would otherwise hand one CPU's compiled code to another that lacks its instructions. Every program
-is kept, not only those that took JAX 1 s or more to compile (its default): a small model's step
-process compiles ~20 programs of 0.03-0.5 s each (the eager rotary tables, the initialisation, the
-evaluation step), ~1 s of every train or evaluate step process on 2 cores, which the next
-process reads back instead (JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS, when set, wins). The
-folder holds at most MAX_BYTES, the least recently used going first. Setting a size also makes JAX lock the folder, so two processes
-on one machine never read an entry the other is still writing."""
+is kept, not only those that took JAX 1 s or more to compile (its default): a small model's train
+process compiles ~20 programs of 0.03-0.5 s each (the eager rotary tables, the initialisation,
+the evaluation step), 1.2 s of train() on 2 cores, which the next process reads back instead
+(benchmarks/compile_cache_bench.py --before; JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS, when
+set, wins). The folder holds at most MAX_BYTES, the least recently used going first. Setting a
+size also makes JAX lock the folder, so two processes on one machine never read an entry the
+other is still writing."""
 
 from __future__ import annotations
 

@@ -77,7 +77,7 @@ class TensorBoardLog:
 
 def _summary_writer():
     """tensorboardX's SummaryWriter, imported without PyTorch. Where torch is installed, importing
-    tensorboardX imports it too (1-2 s of every training process, measured: benchmarks/RESULTS.md)
+    tensorboardX imports it too (2.2 s of every training process: benchmarks/compile_cache_bench.py)
     only so that its `add_*` calls accept torch tensors; kiln logs floats. So unless this process
     has torch already, `import torch` fails for the moment tensorboardX is imported, and works
     again afterwards."""
