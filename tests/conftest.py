@@ -108,7 +108,7 @@ def pytest_unconfigure(config):
 # The files that take longest, longest first (seconds in the fast suite on 2 cores, 2026-12-04).
 # With `--dist loadfile --no-loadscope-reorder` xdist hands out files in collection order, so the
 # long ones start early instead of leaving one worker alone with a long file at the end. (The
-# tests that hold the Ray lock exclusively, and the end-to-end tests that take 3-6 times as long
+# tests that hold the Ray lock exclusively, and the end-to-end tests that take 1.4-6 times as long
 # beside the suite's other processes as alone, are `ci` tests, which CI runs after the fast suite,
 # one at a time: pyproject.toml.)
 LONGEST_FIRST = ["test_model_features.py",  # ~120

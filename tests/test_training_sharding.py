@@ -64,8 +64,8 @@ print(json.dumps(out))
 """
 
 
-# Out of the fast suite: 17 s alone, 88-98 s beside the suite's other processes (four device threads
-# that wait on each other for every collective, on 2 shared cores); CI runs it after the suite.
+# Out of the fast suite: 17 s alone, 88-98 s beside the suite's other processes on 2 cores; CI runs
+# it after the suite.
 @pytest.mark.slow
 @pytest.mark.ci
 def test_dp_and_fsdp_on_4_devices_match_one_device(tmp_path):
