@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from training.config import ModelConfig, TrainConfig, flops_per_token, model_and_train
-from training.loop import _program, train
+from training.loop import compiled_program, train
 from training.metrics import DECLARED_PEAK, measured_matmul_peak
 from training.model import init_params, param_count
 from training.sharding import make_mesh
@@ -71,7 +71,7 @@ def bare_step(model: ModelConfig, cfg: TrainConfig, batches: np.ndarray):
     programs (one per part and one that applies them: training/loop.py `_split_step`)."""
     key = (model, cfg)
     if key not in _BARE and cfg.split_parts:
-        program = _program(model, cfg, make_mesh(cfg.mesh))
+        program = compiled_program(model, cfg, make_mesh(cfg.mesh))
         _BARE[key] = (program.init, program.train_step)
     if key not in _BARE:
         opt = make_optimizer(cfg)

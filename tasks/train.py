@@ -108,13 +108,13 @@ def starting_point(ctx: StepContext) -> dict:
         return {}
     if init.hf is not None:
         from training.hf_import import load_hf  # JAX: not for plans
-        from training.loop import save_model, _flatten
+        from training.loop import flatten_params, save_model
 
         model, params = load_hf(Path(init.hf), seq_len=ctx.config.model.seq_len)
         if model != ctx.config.model:
             raise ValueError(f"train.init.hf {init.hf} is a model of config {model.model_dump()}, but the model "
                              f"section says {ctx.config.model.model_dump()}: set model to the Hugging Face model's")
-        save_model(ctx.work_dir / HF_INIT, model, _flatten(params))
+        save_model(ctx.work_dir / HF_INIT, model, flatten_params(params))
         ctx.log.info("starting from the Hugging Face model in %s (%s)", init.hf, model)
         return {"init_model": HF_INIT, "init_mode": "weights"}
     parent = ctx.step.inputs[INIT]

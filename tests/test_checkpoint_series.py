@@ -14,7 +14,7 @@ from flows.config import ExperimentConfig
 from flows.plan import recipe
 from tests.conftest import kiln
 from tests.test_scheduler import SMALL_ABLATION, run_names
-from training.loop import load_model, params_sha256, _flatten
+from training.loop import flatten_params, load_model, params_sha256
 
 SERIES = {**{k: v for k, v in SMALL_ABLATION.items() if k != "variants"}, "name": "series",
           "train": {"batch_size": 4, "steps": 300, "warmup": 10, "lr": 3.0e-3, "checkpoint_every": 100,
@@ -57,8 +57,8 @@ def test_three_cached_evaluate_steps_and_compare_over_steps(tmp_path, capsys):
     final_cfg, final = load_model(train_out)
     kept = {s: load_model(train_out / "steps" / str(s)) for s in (100, 200, 300)}
     assert all(cfg == final_cfg for cfg, _ in kept.values())
-    shas = {s: params_sha256(_flatten(p)) for s, (_, p) in kept.items()}
-    assert len(set(shas.values())) == 3 and shas[300] == params_sha256(_flatten(final))
+    shas = {s: params_sha256(flatten_params(p)) for s, (_, p) in kept.items()}
+    assert len(set(shas.values())) == 3 and shas[300] == params_sha256(flatten_params(final))
 
     assert main(["compare", str(config), "--store", str(store), "--over", "steps", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)

@@ -17,7 +17,7 @@ from tests.conftest import kiln
 from tests.test_hf_import import LLAMA_TOKENS, assert_close, hf, tokenizer_folder, torch_logits, transformers_model  # noqa: F401
 from tests.test_scheduler import run_names
 from training.hf_import import load_hf
-from training.loop import _flatten, load_model
+from training.loop import flatten_params, load_model
 from training.model import forward
 
 
@@ -57,7 +57,7 @@ def test_continued_pretraining_from_llama_and_qwen2_exports_what_transformers_lo
         train = steps[f"train/{arch}"]
         assert train.config.model == imported  # the architecture is the checkpoint's
         cfg, trained = load_model(store / "train" / train.version)
-        before, after = _flatten(start), _flatten(trained)
+        before, after = flatten_params(start), flatten_params(trained)
         assert set(before) == set(after)
         changed = [k for k in before if not np.array_equal(before[k], after[k])]
         assert changed, f"{arch}: training changed nothing"  # it started there and moved on

@@ -28,13 +28,13 @@ from training.checkpoint import Checkpoints
 from training.config import InLoopEvalConfig, MixtureSourceConfig, ModelConfig, ResourcesConfig, TrainConfig
 from training.data import BatchLoader, TokenDataset, validation_batches
 from training.hooks import Hook
-from training.loop import _flatten, _program, params_sha256, train
+from training.loop import compiled_program, flatten_params, params_sha256, train
 from training.metrics import plot_curves, read_metrics
 from training.sharding import make_mesh
 
 
 def sha(params) -> str:
-    return params_sha256(_flatten(jax.device_get(params)))
+    return params_sha256(flatten_params(jax.device_get(params)))
 
 
 def test_a_hook_reads_the_parameters_its_step_checkpoints_and_adds_metrics(tmp_path):
@@ -52,7 +52,7 @@ def test_a_hook_reads_the_parameters_its_step_checkpoints_and_adds_metrics(tmp_p
                   hooks=[Hook(checksum, every=10), Hook(lambda info: seen.setdefault(f"odd{info.step}", info.metrics),
                                                         every=7)])
     assert sorted(k for k in seen if isinstance(k, int)) == [10, 20]
-    program = _program(model, cfg, make_mesh(cfg.mesh))
+    program = compiled_program(model, cfg, make_mesh(cfg.mesh))
     checkpoints = Checkpoints(tmp_path / "work" / "checkpoints")
     try:
         for step in (10, 20):

@@ -21,7 +21,7 @@ from tasks.export import ExportConfig, export_step
 from training.export import export_hf
 from training.hooks import Hook
 from training.lora import merged
-from training.loop import LORA_DIR, _flatten, load_model, params_sha256, train, unflatten
+from training.loop import LORA_DIR, flatten_params, load_model, params_sha256, train, unflatten
 from training.model import forward, init_params
 from training.posttrain import DPOObjective, reference_logprobs
 
@@ -30,7 +30,7 @@ forward = jax.jit(forward, static_argnums=2)
 
 
 def sha(params) -> str:
-    return params_sha256(_flatten(jax.device_get(params)))
+    return params_sha256(flatten_params(jax.device_get(params)))
 
 
 @pytest.fixture(scope="module")
@@ -60,11 +60,11 @@ def test_only_the_adapters_train_and_the_published_model_is_the_merged_one(base,
     _, published = load_model(tmp_path / "out")
     nested = unflatten(load_file(str(tmp_path / "out" / LORA_DIR / "adapters.safetensors")))
     assert sha(published) == stats["params_sha256"]
-    recomputed = _flatten(jax.device_get(merged(jax.device_put(start), jax.device_put(nested), LORA)))
-    for name, value in _flatten(published).items():  # W + (alpha/rank) A B, to float rounding
+    recomputed = flatten_params(jax.device_get(merged(jax.device_put(start), jax.device_put(nested), LORA)))
+    for name, value in flatten_params(published).items():  # W + (alpha/rank) A B, to float rounding
         np.testing.assert_allclose(value, recomputed[name], rtol=1e-6, atol=1e-7, err_msg=name)
     assert sha(published) != sha(start)
-    moved = [k for k, v in _flatten(published).items() if not np.array_equal(v, _flatten(start)[k])]
+    moved = [k for k, v in flatten_params(published).items() if not np.array_equal(v, flatten_params(start)[k])]
     assert sorted({k.split("/")[2] for k in moved}) == ["down_proj", "q_proj", "v_proj"]  # nothing else changed
 
 

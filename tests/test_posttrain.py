@@ -149,7 +149,7 @@ def test_exported_post_trained_model_carries_the_template_transformers_applies(t
     from tasks.export import ExportConfig, export_step, run_export
     from tasks.engine.step import StepContext
     from tasks.tokenizer import TokenizerConfig, run_tokenizer, tokenizer_step
-    from training.loop import _flatten
+    from training.loop import flatten_params
 
     def ctx(step, name, inputs):
         (tmp_path / name).mkdir()
@@ -162,7 +162,7 @@ def test_exported_post_trained_model_carries_the_template_transformers_applies(t
     model_dir = tmp_path / "sft"  # a post-trained output: the train layout plus its chat template
     model_dir.mkdir()
     (model_dir / "model.json").write_text(cfg.model_dump_json())
-    save_file(_flatten(params), str(model_dir / "params.safetensors"))
+    save_file(flatten_params(params), str(model_dir / "params.safetensors"))
     (model_dir / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     run_export(ctx(export_step(ExportConfig(), model=tok_step, tokenizer=tok_step), "export",
                    {"model": model_dir, "tokenizer": tmp_path / "tokenizer"}))

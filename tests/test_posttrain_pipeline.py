@@ -22,7 +22,7 @@ from tasks.engine.step import Step, StepContext
 from tasks.tokenizer import GPT2_EOS, TokenizerConfig, run_tokenizer, tokenizer_step
 from evaluation.chat import ChatEvalConfig
 from training.config import ModelConfig, TrainConfig
-from training.loop import _flatten
+from training.loop import flatten_params
 from training.model import init_params
 from training.posttrain import CHAT_SPECIAL_TOKENS, CHAT_TEMPLATE
 
@@ -55,7 +55,7 @@ def test_chat_data_sft_dpo_export(tmp_path):
     base = tmp_path / "train"  # stands in for a train step output
     base.mkdir()
     (base / "model.json").write_text(model_cfg.model_dump_json())
-    save_file(_flatten(init_params(model_cfg, jax.random.PRNGKey(0))), str(base / "params.safetensors"))
+    save_file(flatten_params(init_params(model_cfg, jax.random.PRNGKey(0))), str(base / "params.safetensors"))
     base_step = Step(name="train", stage="train", stage_version=1, config=model_cfg, run=None)
 
     evaluation = ChatEvalConfig(limit=4, max_gen_toks=8)

@@ -19,7 +19,7 @@ import pytest
 
 from tests.test_training_kjv_data import WindowBatches, kjv_tokens, unigram_entropy
 from training.config import ModelConfig, TrainConfig, flops_per_token
-from training.loop import _flatten, load_model, params_sha256, train
+from training.loop import flatten_params, load_model, params_sha256, train
 from training.metrics import read_metrics
 from training.model import forward
 
@@ -67,7 +67,7 @@ def test_loss_falls_well_below_unigram_entropy_on_kjv(tmp_path):
     assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     loaded_cfg, params = load_model(out)
     assert loaded_cfg == model
-    assert params_sha256(_flatten(params)) == stats["params_sha256"]
+    assert params_sha256(flatten_params(params)) == stats["params_sha256"]
     # the published model is the trained one: its validation loss matches what training reported
     batch = jnp.asarray(WindowBatches(tokens, 16, 64).val_batches(16)[0])
     logits = jax.jit(forward, static_argnums=2)(params, batch[:, :-1], loaded_cfg)

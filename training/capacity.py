@@ -56,7 +56,7 @@ def plan(model_cfg, train_cfg, devices=None) -> dict:
     from training.model import param_count
     from training.optim import make_optimizer
     from training.sharding import batch_sharding, make_mesh, state_shardings
-    from training.step import compiler_options, how_it_runs, init_state, make_train_step
+    from training.step import compiler_options, how_it_runs, init_state, make_train_step, trained_key
 
     mesh = make_mesh(train_cfg.mesh, devices)
     n = mesh.size
@@ -86,7 +86,7 @@ def plan(model_cfg, train_cfg, devices=None) -> dict:
                                        tree, tree_shardings)
         return int(sum(jax.tree_util.tree_leaves(sizes)))
 
-    trained = "params" if train_cfg.lora is None else "adapters"
+    trained = trained_key(train_cfg.lora)
     params = shard_bytes(abstract["params"], shardings["params"])
     tokens = train_cfg.batch_size * model_cfg.seq_len
     step_flops = flops_per_token(model_cfg) * tokens

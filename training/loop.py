@@ -94,7 +94,7 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, batch_at: Callable[[in
     _warn_if_nondeterministic_gpu()
 
     # State: restored from the last checkpoint, or made fresh from the seed.
-    program = _program(model_cfg, train_cfg, make_mesh(train_cfg.mesh), objective)
+    program = compiled_program(model_cfg, train_cfg, make_mesh(train_cfg.mesh), objective)
     read, saved = compile_cache.programs_read()
     if read > read_before:
         log.info("read %d compiled program(s) from the compilation cache instead of compiling them (%.1f s saved)",
@@ -157,7 +157,7 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, batch_at: Callable[[in
     val_loss = validating.last
     if validating.batches and start == train_cfg.steps:  # resumed at the end: the last evaluation died
         val_loss = validating.loss(model)
-    flat = _flatten(params)
+    flat = flatten_params(params)
     trained = train_cfg.steps - start
     stats = {
         "final_loss": clock.last_loss,
@@ -179,7 +179,7 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, batch_at: Callable[[in
     if primary:
         save_model(out_dir, model_cfg, flat)
         if train_cfg.lora is not None:  # the adapters alone, for a peft export (training/export.py)
-            save_adapters(out_dir / LORA_DIR, train_cfg.lora, _flatten(on_host(state["adapters"])))
+            save_adapters(out_dir / LORA_DIR, train_cfg.lora, flatten_params(on_host(state["adapters"])))
         for step in _kept(train_cfg, start_from):
             shutil.copytree(work_dir / KEPT_DIR / str(step), out_dir / KEPT_DIR / str(step), dirs_exist_ok=True)
         shutil.copyfile(work_dir / "metrics.jsonl", out_dir / "metrics.jsonl")
@@ -198,7 +198,8 @@ class StartFrom(NamedTuple):
     mode: str  # "continue": carry on at its step and data position; "reset": step counter back to 0
 
 
-def _restored(start_from: StartFrom, program: _Program, identity: dict, train_cfg: TrainConfig) -> tuple[dict, int]:
+def _restored(start_from: StartFrom, program: CompiledProgram, identity: dict,
+              train_cfg: TrainConfig) -> tuple[dict, int]:
     """The kept state placed on this run's mesh, and the step this run starts at."""
     parent = Checkpoints(start_from.folder / KEPT_STATE, asynchronous=False)
     try:
@@ -242,7 +243,7 @@ def _kept_params(ctx: LoopContext) -> list[Hook]:
         if info.step in keep:
             params = on_host(info.params)
             if ctx.primary:
-                save_model(ctx.work_dir / KEPT_DIR / str(info.step), ctx.model_cfg, _flatten(params))
+                save_model(ctx.work_dir / KEPT_DIR / str(info.step), ctx.model_cfg, flatten_params(params))
 
     return [Hook(save, math.gcd(*keep))]
 
@@ -331,7 +332,7 @@ class _Clock:
                 "peak_flops": peak, "peak_source": self.peak_source}
 
 
-class _Program(NamedTuple):
+class CompiledProgram(NamedTuple):
     abstract: dict  # the state's shapes and dtypes
     shardings: dict  # the state's layout on the mesh
     data_sharding: jax.sharding.NamedSharding
@@ -341,7 +342,8 @@ class _Program(NamedTuple):
 
 
 @functools.lru_cache(maxsize=2)
-def _program(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: jax.sharding.Mesh, objective=None) -> _Program:
+def compiled_program(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: jax.sharding.Mesh,
+                     objective=None) -> CompiledProgram:
     """Everything compiled for one config on one mesh, compiled before the clock starts and
     kept, so a second run of the same config in this process (a test, a sweep) compiles nothing."""
     if train_cfg.batch_size % mesh.shape["data"]:
@@ -364,7 +366,7 @@ def _program(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: jax.sharding.
         train_step = jax.jit(make_train_step(model_cfg, train_cfg, optimizer, objective), donate_argnums=0,
                              in_shardings=(shardings, data_sharding), out_shardings=(shardings, None)
                              ).lower(abstract, batch).compile(compiler_options=compiler_options(train_cfg))
-    return _Program(
+    return CompiledProgram(
         abstract, shardings, data_sharding,
         init=jax.jit(make_state, out_shardings=shardings),
         train_step=train_step,
@@ -403,7 +405,7 @@ def load_model(out_dir: Path) -> tuple[ModelConfig, dict]:
 
 
 def unflatten(flat: dict[str, np.ndarray]) -> dict:
-    """A tree of device arrays from flat "layers_0/mlp/up_proj/kernel" names (`_flatten`'s inverse)."""
+    """A tree of device arrays from flat "layers_0/mlp/up_proj/kernel" names (`flatten_params`'s inverse)."""
     tree: dict = {}
     for name, array in flat.items():
         *parents, leaf = name.split("/")
@@ -424,7 +426,8 @@ def params_sha256(flat: dict[str, np.ndarray]) -> str:
     return h.hexdigest()
 
 
-def _flatten(params) -> dict[str, np.ndarray]:
+def flatten_params(params) -> dict[str, np.ndarray]:
+    """Host arrays by flat "layers_0/mlp/up_proj/kernel" names: safetensors' layout and params_sha256's input."""
     out = {}
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
         out["/".join(str(k.key) for k in path)] = np.asarray(leaf)
@@ -445,7 +448,7 @@ def _put(batch, sharding):
     return put_batch(batch, sharding)
 
 
-def _placed(init_params: dict, program: _Program) -> dict:
+def _placed(init_params: dict, program: CompiledProgram) -> dict:
     """Pretrained parameters laid out like a fresh state's; their shapes must be the model's."""
     want = jax.tree_util.tree_map(lambda a: (a.shape, str(a.dtype)), program.abstract["params"])
     got = jax.tree_util.tree_map(lambda a: (tuple(a.shape), str(a.dtype)), init_params)

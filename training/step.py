@@ -40,6 +40,11 @@ def init_state(model_cfg: ModelConfig, optimizer: optax.GradientTransformation, 
             "opt_state": optimizer.init(adapters), "rng": train_key}
 
 
+def trained_key(lora: LoraConfig | None) -> str:
+    """The state's entry that has gradients and optimizer state: the parameters, or with LoRA the adapters."""
+    return "params" if lora is None else "adapters"
+
+
 def model_params(state: dict, lora: LoraConfig | None) -> dict:
     """The parameters the model computes with: the state's, or with LoRA the merged ones."""
     return state["params"] if lora is None else merged(state["params"], state["adapters"], lora)
@@ -229,7 +234,7 @@ def make_train_step(model_cfg: ModelConfig, train_cfg: TrainConfig,
     check_objective_options(train_cfg, objective)
     objective = objective or next_token(model_cfg, train_cfg)
     lora = train_cfg.lora
-    trained = "params" if lora is None else "adapters"  # what has gradients and optimizer state
+    trained = trained_key(lora)
 
     def loss(trainable, frozen, batch):
         params = trainable if lora is None else merged(frozen, trainable, lora)
@@ -274,7 +279,7 @@ def make_update(train_cfg: TrainConfig, optimizer: optax.GradientTransformation)
     """(state, next rng, loss, aux, gradients) -> (state, metrics): the optimizer's step at the
     schedule's learning rate, the tail of every train step (one program or split)."""
     schedule = lr_schedule(train_cfg)
-    trained = "params" if train_cfg.lora is None else "adapters"
+    trained = trained_key(train_cfg.lora)
 
     def update(state: dict, rng, loss_value, aux: dict, grads):
         lr = schedule(state["step"])
