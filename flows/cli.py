@@ -13,7 +13,7 @@ EPILOG = """examples:
   kiln run configs/tiny_cpu.yaml --until acquire run only what `acquire` needs
   kiln run configs/ablation_cpu.yaml             every variant; shared steps run once
   kiln run experiments/two_widths.py             a Python experiment file, like a YAML one
-  kiln plan configs/tiny_cpu.yaml --json         each step's name, version, path, status, variants, warning
+  kiln plan configs/tiny_cpu.yaml --json         each step's name, stage, version, path, status, variants, warning
   kiln capacity configs/medium_gpu.yaml --devices 8   per-device memory, fit and step time, no GPU needed
   kiln compare configs/ablation_cpu.yaml         one row per variant: what it changed, its results
   kiln compare CONFIG --over steps               each metric against the training step (eval.checkpoints)
@@ -71,7 +71,7 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--store")
     pl.add_argument("--until", metavar="STAGE")
     pl.add_argument("--json", action="store_true",
-                    help="a JSON list of {name, stage, version, path, status, variants}")
+                    help="a JSON list of {name, stage, version, path, status, variants, warning}")
 
     ca = command("capacity", "Compile the train step for the config's mesh on simulated CPU devices (no "
                  "GPU, no parameters allocated) and print per device: parameter, optimizer and gradient bytes, "

@@ -222,8 +222,8 @@ class ExperimentConfig(ConfigModel):
     scaling: ScalingConfig | None = Field(
         None, description="An isoFLOP sweep instead of one model: its runs replace `model`, `train`, `eval`, "
         "`export` and `posttrain`, and the fits and forecast check follow (docs/scaling_laws.md).")
-    resources: ResourcesConfig = ResourcesConfig()
-    run: RunSettings = RunSettings()
+    resources: ResourcesConfig = setting(ResourcesConfig())
+    run: RunSettings = setting(RunSettings())
     variants: dict[str, dict[str, Any]] = setting(
         {}, description="Named partial overrides of this config (nested, or by dotted path such as "
         "`train.lr`), deep-merged; each variant is a branch of steps, and steps whose versions agree are shared. "

@@ -86,9 +86,10 @@ def _default(field) -> str:
 
 
 def reference() -> str:
-    out, seen, queue = [HEADER], set(), [("", ExperimentConfig)]
+    # (dotted path, model, whether the model sits under a setting: then none of its fields is identity)
+    out, seen, queue = [HEADER], set(), [("", ExperimentConfig, False)]
     while queue:
-        path, model = queue.pop(0)
+        path, model, in_setting = queue.pop(0)
         if model in seen:
             continue
         seen.add(model)
@@ -98,12 +99,13 @@ def reference() -> str:
             out.append(" ".join(model.__doc__.split()) + "\n")
         out.append("| field | type | default | identity | description |\n| --- | --- | --- | --- | --- |")
         for name, field in model.model_fields.items():
-            ident = "yes" if is_identity(model, name) else "no"
+            identity = is_identity(model, name) and not in_setting
+            ident = "yes" if identity else "no"
             cells = [f"`{name}`", _type_name(field.annotation) + _range(field), _default(field), ident,
                      field.description or ""]
             out.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
             for sub in _models(field.annotation):
-                queue.append((f"{path}.{name}".lstrip("."), sub))
+                queue.append((f"{path}.{name}".lstrip("."), sub, not identity))
     return "\n".join(out) + "\n"
 
 

@@ -343,6 +343,22 @@ def test_configuration_reference_matches_the_models():
     assert reference() == committed, "run: uv run python -m flows.reference > docs/configuration.md"
 
 
+def test_configuration_reference_marks_fields_under_a_setting_as_no_identity():
+    """A setting's sub-fields never reach a version (identity_fields skips the whole value), so the
+    reference must not call them identity: train.mesh's and train.evals' fields, resources, run."""
+    from flows.reference import reference
+
+    def rows(section: str) -> dict[str, str]:
+        table = reference().split(f"## `{section}` (", 1)[1].split("\n## ", 1)[0]
+        cells = [line.split(" | ") for line in table.splitlines() if line.startswith("| `")]
+        return {c[0].strip("|` "): c[3] for c in cells}
+
+    assert rows("top level")["resources"] == "no" and rows("top level")["run"] == "no"
+    assert rows("top level")["train"] == "yes"
+    assert set(rows("train.mesh").values()) == {"no"} and set(rows("train.evals").values()) == {"no"}
+    assert rows("train")["lr"] == "yes" and rows("train")["mesh"] == "no"
+
+
 def test_help_shows_examples():
     assert "examples:" in kiln("--help").stdout
     for command in ("run", "plan", "compare", "lineage", "why", "serve"):
