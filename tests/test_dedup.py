@@ -184,13 +184,19 @@ def test_bad_records_are_counted_not_fatal(tmp_path):
 
 @pytest.mark.ray  # its training (or data workers) starts a local Ray: tests/conftest.py ray_lock
 def test_output_bytes_are_the_same_with_one_and_two_workers(tmp_path):
+    import ray
+
     pairs = planted_pairs(120, seed=2)
     docs = [{"id": f"{k}-{i}", "text": t} for i, p in enumerate(pairs) for k, t in zip("ab", p[:2])]
     docs += [{"id": "dup", "text": pairs[0][0]}]
     write_docs(tmp_path / "in", docs, per_shard=60)
     cfg = DedupConfig(paragraphs=True)
+    ray.shutdown()  # so that what follows shows which run used Ray
     one = run_dedup_body(cfg, tmp_path / "in", tmp_path / "w1", workers=1)
+    assert not ray.is_initialized()
     two = run_dedup_body(cfg, tmp_path / "in", tmp_path / "w2", workers=2)
+    assert ray.is_initialized()  # the shards went to Ray workers, not the serial path
+    ray.shutdown()
     assert one == two and one["near_duplicates"] > 20 and one["exact_duplicates"] >= 1
     files = sorted(p.relative_to(tmp_path / "w1") for p in (tmp_path / "w1").rglob("*.gz"))
     assert len(files) == 2 * len(list_shards(tmp_path / "in")) == 10

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import REPO, free_port, stop_group, wait_until
+from tests.conftest import REPO, free_port, kiln, stop_group, wait_until
 
 
 def wait_for(predicate, timeout: float, what: str):
@@ -110,6 +110,16 @@ def serve_and_trigger(tmp_path: Path, prefect_server: dict) -> None:
         states = final_task_states(prefect_server, first.id)
         assert {"acquire", "filter", "dedup", "tokenizer", "tokenize"} <= set(states), states
         assert set(states.values()) == {"Completed"}, states
+        # the run used the parameters it was triggered with, not the served config: kiln plan finds
+        # the changed config's steps done in the store and the served config's acquire not
+        changed_path = tmp_path / "changed.yaml"
+        changed_path.write_text(yaml.safe_dump(changed))
+        plans = {}
+        for name, path in (("changed", changed_path), ("served", config_path)):
+            out = kiln("plan", str(path), "--store", str(store), "--until", "tokenize", "--json", env=prefect_server)
+            plans[name] = {s["name"]: s["status"] for s in json.loads(out.stdout)}
+        assert set(plans["changed"].values()) == {"done"}, plans
+        assert plans["served"]["acquire"] == "missing", plans
         second = run(prefect_server, "pipeline/pipeline", params)
         assert set(final_task_states(prefect_server, second.id).values()) == {"Cached"}
 

@@ -83,7 +83,8 @@ def test_loglikelihood_matches_the_forward_pass(lm, requests):
     got = lm.loglikelihood(requests, disable_tqdm=True)
     _, batches = lm.plan_batches([lm._encode_pair(*r.args) for r in requests if r.args[0]])
     assert any(window < inputs.shape[1] for _, inputs, _, _, window in batches)  # the windowed head ran
-    for req, (logprob, greedy) in zip(requests, got):
+    assert len(got) == len(requests)
+    for req, (logprob, greedy) in zip(requests, got, strict=True):
         expected, expected_greedy = direct_loglikelihood(lm, *req.args)
         assert logprob == pytest.approx(expected, abs=2e-4, rel=1e-5), req.args
         assert greedy == expected_greedy
@@ -91,6 +92,7 @@ def test_loglikelihood_matches_the_forward_pass(lm, requests):
     # twice per bucket.
     one = KilnLM(lm.cfg, lm.params, lm.tok, lm.eos_id, batch_size=1, score_window=None)  # full rows
     reversed_got = one.loglikelihood(requests[::-1], disable_tqdm=True)[::-1]
+    assert len(reversed_got) == len(got)
     assert np.allclose([g[0] for g in got], [r[0] for r in reversed_got], atol=2e-4)
     assert lm.scorer._cache_size() <= 2 * len(lm.buckets)  # a window and a full-row variant per bucket
 
@@ -126,8 +128,8 @@ def test_loglikelihood_rolling_scores_every_token_once(lm, kjv_data):  # noqa: F
     assert len(lm.tok_encode(texts[0])) > 5 * lm.cfg.seq_len
     got = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (t,), 0) for t in texts],
                                    disable_tqdm=True)
-    assert all(isinstance(g, float) for g in got)
-    for text, value in zip(texts, got):
+    assert len(got) == len(texts) and all(isinstance(g, float) for g in got)
+    for text, value in zip(texts, got, strict=True):
         assert value == pytest.approx(rolling_reference(lm, lm.tok_encode(text)), rel=1e-5)
 
 

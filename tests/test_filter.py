@@ -232,11 +232,17 @@ def test_strict_mode_names_file_and_line(tmp_path, shard_text, match):
 
 @pytest.mark.ray  # its training (or data workers) starts a local Ray: tests/conftest.py ray_lock
 def test_output_bytes_are_the_same_with_one_and_two_workers(tmp_path):
+    import ray
+
     docs = [{"id": f"kjv/{d['id']}", "text": d["text"]} for d in KJV[:240]]
     docs += [{"id": lang, "text": t} for lang, t in NON_ENGLISH.items()]
     write_docs(tmp_path / "in", docs, per_shard=50)
+    ray.shutdown()  # so that what follows shows which run used Ray
     one = run_filter_body(FilterConfig(), tmp_path / "in", tmp_path / "w1", workers=1)
+    assert not ray.is_initialized()
     two = run_filter_body(FilterConfig(), tmp_path / "in", tmp_path / "w2", workers=2)
+    assert ray.is_initialized()  # the shards went to Ray workers, not the serial path
+    ray.shutdown()
     assert one == two
     files = sorted(p.relative_to(tmp_path / "w1") for p in (tmp_path / "w1").rglob("*.gz"))
     assert len(files) == 2 * len(list_shards(tmp_path / "in"))

@@ -7,9 +7,9 @@ refused, naming the field."""
 from __future__ import annotations
 
 import json
-import secrets
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -33,17 +33,39 @@ def test_a_literal_credential_is_refused():
                  storage_options={"key": "${K}", "client_kwargs": {"endpoint_url": "http://127.0.0.1:9"}})
 
 
+def checking_credentials(endpoint: str) -> tuple[str, str]:
+    """An access key of a user allowed every S3 action, made in moto's IAM; from then on moto
+    checks every request's signature and permissions (by default it takes any key at all)."""
+    import boto3
+
+    iam = boto3.client("iam", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="setup",
+                       aws_secret_access_key="setup")
+    iam.create_user(UserName="kiln-test")
+    policy = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}
+    iam.put_user_policy(UserName="kiln-test", PolicyName="s3", PolicyDocument=json.dumps(policy))
+    made = iam.create_access_key(UserName="kiln-test")["AccessKey"]
+    request = urllib.request.Request(f"{endpoint}/moto-api/reset-auth", data=b"0", method="POST",
+                                     headers={"Content-Type": "text/plain"})  # a form body would not be read
+    with urllib.request.urlopen(request, timeout=30) as answer:  # no request without a valid key from here on
+        assert json.loads(answer.read())["status"] == "ok"
+    return made["AccessKeyId"], made["SecretAccessKey"]
+
+
 def test_a_planted_secret_is_nowhere_kiln_writes(tmp_path, monkeypatch):
     import s3fs
 
-    key, secret = f"AKIA{secrets.token_hex(8).upper()}", secrets.token_urlsafe(24)
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
     records = "".join(json.dumps({"id": i, "text": f"In the beginning was document {i}, " * 20}) + "\n"
                       for i in range(12))
     with moto_server() as endpoint, prefect_server_process() as (env, _):
-        fs = s3fs.S3FileSystem(key=key, secret=secret, client_kwargs={"endpoint_url": endpoint})
+        key, secret = checking_credentials(endpoint)
+        with pytest.raises(PermissionError):  # moto now refuses a wrong secret
+            s3fs.S3FileSystem(key=key, secret=secret[::-1], client_kwargs={"endpoint_url": endpoint},
+                              skip_instance_cache=True).mkdir("refused")
+        fs = s3fs.S3FileSystem(key=key, secret=secret, client_kwargs={"endpoint_url": endpoint},
+                               skip_instance_cache=True)
         fs.mkdir("corpus")
         fs.pipe("corpus/notes.jsonl", records.encode())
         config = {"name": "secrets", "data": {"sources": [{
@@ -55,7 +77,7 @@ def test_a_planted_secret_is_nowhere_kiln_writes(tmp_path, monkeypatch):
         run = kiln("run", str(path), "--store", str(store), "--until", "acquire",
                    env={**env, "KILN_TEST_S3_KEY": key, "KILN_TEST_S3_SECRET": secret})
         (lineage,) = store.glob("acquire/*/lineage.json")
-        assert json.loads(lineage.read_text())["stats"]["documents"] == 12  # it read them with the secret
+        assert json.loads(lineage.read_text())["stats"]["documents"] == 12  # read with the secret (moto checks it)
         assert "${KILN_TEST_S3_SECRET}" in lineage.read_text()  # the reference is recorded, not its value
         for needle in (secret, key):
             assert needle not in run.stdout + run.stderr
@@ -66,6 +88,9 @@ def test_a_planted_secret_is_nowhere_kiln_writes(tmp_path, monkeypatch):
         without = kiln("run", str(path), "--store", str(tmp_path / "other"), "--until", "acquire", env=env,
                        check=False)
         assert without.returncode != 0 and "KILN_TEST_S3_KEY" in without.stdout + without.stderr
+        wrong = kiln("run", str(path), "--store", str(tmp_path / "wrong"), "--until", "acquire", check=False,
+                     env={**env, "KILN_TEST_S3_KEY": key, "KILN_TEST_S3_SECRET": secret[::-1]})
+        assert wrong.returncode != 0 and not list((tmp_path / "wrong").glob("acquire/*/lineage.json"))
 
         # The secret from a Prefect Secret block instead (the API's database keeps it encrypted)
         options = config["data"]["sources"][0]["storage_options"]

@@ -118,7 +118,8 @@ def test_lm_eval_local_completions_scores_as_the_adapter_does(served, kiln_lm, e
                               tokenizer_backend="huggingface", max_length=T, batch_size=4, num_concurrent=2,
                               max_retries=1)
     got = api.loglikelihood(requests, disable_tqdm=True)
-    for req, (logprob, greedy), (want, want_greedy) in zip(requests, got, expected):
+    assert len(got) == len(expected) == len(requests)
+    for req, (logprob, greedy), (want, want_greedy) in zip(requests, got, expected, strict=True):
         assert logprob == pytest.approx(want, abs=1e-4), req.args
         assert greedy == want_greedy, req.args
     assert max(service.batcher.batch_sizes) > 1  # concurrent requests ran as one batch

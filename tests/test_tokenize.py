@@ -185,10 +185,12 @@ def test_token_shards_are_byte_identical_with_one_and_two_workers(corpus, gpt2, 
     docs_dir, _ = corpus
     tok_step, tok_dir = gpt2
     trees = []
+    ray.shutdown()  # so that what follows shows which run used Ray
     for workers in (1, 2):
         step = tokenize_step(TokenizeConfig(validation_fraction=0.1), tokenizer=tok_step, documents=fake_upstream("d"))
         out = tmp_path / f"w{workers}"
         run_body(step, out, {"tokenizer": tok_dir, "documents": docs_dir}, workers=workers)
+        assert ray.is_initialized() == (workers == 2)  # two workers: the shards went to Ray, not the serial path
         trees.append({p.relative_to(out): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()})
     ray.shutdown()
     assert len(trees[0]) == 1 + 2 * 2 * 4  # meta.json, and .bin + .idx.npy per split per shard
