@@ -86,3 +86,15 @@ def test_fit_and_step_time_from_the_numbers(plans):
     assert "does NOT fit" in table(report(huge, ["h100-80gb"], 0.4))
     with pytest.raises(ValueError, match="unknown device"):
         fits(plans["dp"], "h100")
+
+
+def test_a_plan_asked_again_reads_its_step_from_the_compilation_cache(tmp_path, monkeypatch):
+    """`kiln capacity`'s planning process keeps what it compiles (training/compile_cache.py): the
+    same plan again reads the step back and reports the same numbers."""
+    from flows.capacity import planned
+
+    monkeypatch.setenv("KILN_COMPILE_CACHE", str(tmp_path / "cache"))
+    first, again = planned(MODEL, TRAIN, devices=2), planned(MODEL, TRAIN, devices=2)
+    assert first.pop("compiled_programs_read") == 0 and again.pop("compiled_programs_read") >= 1
+    assert again == first and first["temp_bytes"] > 0
+    assert any((tmp_path / "cache").iterdir())

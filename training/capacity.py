@@ -180,9 +180,12 @@ def main(argv: list[str] | None = None) -> None:
     train_cfg = TrainConfig.model_validate_json(args.train)
     import jax
 
+    from training import compile_cache
+
     if jax.device_count() != args.devices:
         raise RuntimeError(f"asked for {args.devices} simulated devices, JAX has {jax.device_count()}")
-    print(json.dumps(plan(model_cfg, train_cfg)))
+    compile_cache.enable()  # a plan asked again (another --device, --mfu or --json) reads its step back
+    print(json.dumps({**plan(model_cfg, train_cfg), "compiled_programs_read": compile_cache.programs_read()[0]}))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-"""JAX's persistent compilation cache, on in every kiln process that trains or evaluates: a program
-this machine compiled before (a rerun, a resume after a crash, the next evaluate step of a series,
-a test suite's many small runs of one config) is read back in milliseconds instead
+"""JAX's persistent compilation cache, on in every kiln process that trains, evaluates or plans
+capacity: a program this machine compiled before (a rerun, a resume after a crash, the next
+evaluate step of a series, a test suite's many small runs of one config, `kiln capacity` asked
+again) is read back in milliseconds instead
 of compiled again (seconds on a CPU, minutes for a large model). What is read back is the
 executable XLA made for the same program, options and JAX version, so the results are the same
 bits (tests/test_training_loop.py resumes through it).
@@ -53,8 +54,8 @@ monitoring.register_event_duration_secs_listener(_count_saved)
 def enable() -> None:
     """Turn the cache on for this process, unless KILN_COMPILE_CACHE=off. JAX decides at a
     process's first compile whether it has a cache, so this is called before any
-    (training/loop.py `train`, evaluation/scoring.py); once compiling has begun it changes
-    nothing."""
+    (training/loop.py `train`, evaluation/scoring.py, training/capacity.py `main`); once
+    compiling has begun it changes nothing."""
     setting = os.environ.get(ENV, "").strip()
     if setting == "off":
         return
