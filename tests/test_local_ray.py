@@ -49,6 +49,15 @@ def alive(proc: psutil.Process) -> bool:
         return False
 
 
+def node_logs(ray_dir: Path) -> str:
+    """The keeper's log and the ends of its node's raylet and GCS logs: why a node died (CI saw
+    b's node "marked dead because the detector has missed too many heartbeats" once, 2026-12-04,
+    and the folder was gone with the test's scratch)."""
+    logs = [ray_dir / "keeper.log", *sorted(ray_dir.glob("session_latest/logs/raylet.*")),
+            *sorted(ray_dir.glob("session_latest/logs/gcs_server.*"))]
+    return "\n".join(f"--- {p.name}:\n{log_tail(p, 1500)}" for p in logs)
+
+
 def test_runs_share_one_local_ray_queue_for_its_cpus_and_it_ends_when_unused(tmp_path):
     with scratch("lr") as folder, contextlib.ExitStack() as stack:
         ray_dir = folder / "ray"
@@ -83,8 +92,9 @@ def test_runs_share_one_local_ray_queue_for_its_cpus_and_it_ends_when_unused(tmp
         assert any("raylet" in p.name() for p in tree), [p.name() for p in tree]
 
         (out / "a.release").touch()
-        assert finished(a, out, "a") == 0, log_tail(out / "a.log")
-        assert finished(b, out, "b") == 0, log_tail(out / "b.log")  # a's exit (and its reaper) left b's Ray alone
+        assert finished(a, out, "a") == 0, log_tail(out / "a.log") + node_logs(ray_dir)
+        # a's exit (and its reaper) left b's Ray alone
+        assert finished(b, out, "b") == 0, log_tail(out / "b.log") + node_logs(ray_dir)
         ran = {name: json.loads((out / f"{name}.json").read_text()) for name in ("a", "b")}
         assert ran["a"]["gcs"] == ran["b"]["gcs"] == head["address"]
         assert ran["a"]["keeper"] == ran["b"]["keeper"] == head["pid"]
