@@ -15,6 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tasks.engine.reaper import kept_apart
 from tests.conftest import REPO, scratch, stop_group, log_tail, wait_until
 
 # starts Ray nodes of its own (tests/conftest.py ray_lock): out of the fast suite, run by CI after it (pyproject.toml `ci`)
@@ -108,3 +109,63 @@ def test_runs_share_one_local_ray_queue_for_its_cpus_and_it_ends_when_unused(tmp
         wait_until(lambda: not any(alive(p) for p in tree), 90, "the keeper and its Ray to end", detail=lambda: log_tail(ray_dir / "keeper.log"))
         assert not (ray_dir / "head.json").exists()
         assert "unused for 2 s" in (ray_dir / "keeper.log").read_text()
+
+
+STARTER = """
+import sys, time
+import psutil
+from tasks.engine import local_ray, reaper
+reaper.watch_this_process()  # as kiln's CLI does
+head = local_ray.connect()
+keeper = psutil.Process(head["pid"])
+deadline = time.monotonic() + 120
+while not sum("Agent" in p.name() for p in keeper.children(recursive=True)) >= 2 and time.monotonic() < deadline:
+    time.sleep(0.2)
+time.sleep(2)  # the watcher, which looks every 0.5 s, has seen the node's agents by now
+print(head["pid"], reaper._watcher.pid, flush=True)
+sys.stdin.readline()
+"""
+
+PROBE = """
+import ray
+from tasks.engine import local_ray
+local_ray.connect()
+print(ray.get(ray.remote(lambda: 42).remote()))
+local_ray.disconnect()
+"""
+
+
+def test_the_run_that_started_the_local_ray_leaves_its_node_whole_when_it_exits(tmp_path):
+    """The keeper is a child of the run that started it, so that run's watcher (tasks/engine/reaper.py)
+    sees the whole node; at the run's exit it must end none of it. Ray's dashboard and runtime-env
+    agents read as having no environment (they rename themselves), so the keeper's mark is looked
+    for in their ancestors too: CI saw them killed and the node die under the next run."""
+    with scratch("lr") as folder:
+        env = {**os.environ, "PYTHONPATH": str(REPO), "KILN_RAY_DIR": str(folder / "ray"), "KILN_RAY_IDLE_S": "120"}
+        env.pop("RAY_ADDRESS", None)
+        starter = subprocess.Popen([sys.executable, "-c", STARTER], cwd=REPO, env=env, stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, stderr=open(folder / "starter.log", "wb"), text=True,
+                                   start_new_session=True)
+        keeper = None
+        try:
+            line = starter.stdout.readline()
+            assert line, log_tail(folder / "starter.log")
+            keeper_pid, watcher_pid = map(int, line.split())
+            keeper, watcher = psutil.Process(keeper_pid), psutil.Process(watcher_pid)
+            node = keeper.children(recursive=True)
+            assert sum("Agent" in p.name() for p in node) >= 2 and any("raylet" in p.name() for p in node)
+            # whenever a watcher first lists them (here after the agents renamed themselves), all are the keeper's
+            assert [p.name() for p in node if not kept_apart(p)] == []
+            starter.stdin.write("\n")
+            starter.stdin.flush()
+            assert starter.wait(timeout=60) == 0
+            watcher.wait(timeout=60)  # it has done what it would do at the starter's exit
+            assert [p.name() for p in node if not alive(p)] == [], node_logs(folder / "ray")
+            probe = subprocess.run([sys.executable, "-c", PROBE], cwd=REPO, env=env, capture_output=True, text=True,
+                                   timeout=300)
+            assert probe.returncode == 0 and probe.stdout.split()[-1] == "42", probe.stderr[-3000:]
+        finally:
+            stop_group(starter, 5)
+            subprocess.run([sys.executable, "-m", "tasks.engine.local_ray", "stop"], cwd=REPO, env=env, timeout=120)
+            if keeper is not None and alive(keeper):
+                keeper.kill()

@@ -11,7 +11,7 @@ children down already, so the watcher then finds nothing to do.
 
 One descendant is not this process's to end: the keeper of kiln's shared local Ray
 (tasks/engine/local_ray.py), which other runs may be using, ends its node itself once none is. It
-and its node's processes carry KILN_RAY_KEEPER=1 in their environment and are left alone,
+carries KILN_RAY_KEEPER=1 in its environment, and it and every process under it are left alone,
 except by the keeper's own watcher.
 
 Run as `python -m tasks.engine.reaper PID`.
@@ -43,17 +43,30 @@ def watch_this_process() -> None:
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
 
-def _kept_apart(proc: psutil.Process) -> bool:
-    """Whether `proc` belongs to the shared local Ray's keeper (tasks/engine/local_ray.py)."""
+def kept_apart(proc: psutil.Process) -> bool:
+    """Whether `proc` belongs to the shared local Ray's keeper (tasks/engine/local_ray.py): it or
+    a process it descends from carries the keeper's mark. Its ancestors count because some of the
+    node's processes read as having no environment at all: Ray's dashboard and runtime-env agents
+    rename themselves (setproctitle), and /proc/PID/environ of either is then empty; a run's
+    watcher that took them for the run's own killed them, and the raylet went with them (its node
+    "marked dead because the detector has missed too many heartbeats", a later run "Failed to
+    connect to Ray cluster")."""
     try:
-        return proc.environ().get(KEEPER_MARK) == "1"
-    except psutil.Error:
+        lineage = [proc, *proc.parents()]
+    except psutil.Error:  # it ended meanwhile
         return False
+    for p in lineage:
+        try:
+            if p.environ().get(KEEPER_MARK) == "1":
+                return True
+        except psutil.Error:  # gone, or not ours to read (init's, for a user who is not root)
+            continue
+    return False
 
 
 def watch(pid: int, poll_s: float = 0.5) -> None:
     driver = psutil.Process(pid)
-    spare_keepers = not _kept_apart(driver)  # a keeper's own watcher ends the keeper's node
+    spare_keepers = not kept_apart(driver)  # a keeper's own watcher ends the keeper's node
     seen: dict[int, float] = {}
     apart: set[int] = set()
     while True:
@@ -63,7 +76,7 @@ def watch(pid: int, poll_s: float = 0.5) -> None:
             for child in driver.children(recursive=True):
                 if child.pid == os.getpid() or child.pid in seen or child.pid in apart:
                     continue
-                if spare_keepers and _kept_apart(child):
+                if spare_keepers and kept_apart(child):
                     apart.add(child.pid)
                     continue
                 try:
@@ -77,7 +90,7 @@ def watch(pid: int, poll_s: float = 0.5) -> None:
         try:
             proc = psutil.Process(child)
             # asked again: one seen between fork and exec did not carry the keeper's mark yet
-            if proc.create_time() == started and not (spare_keepers and _kept_apart(proc)):
+            if proc.create_time() == started and not (spare_keepers and kept_apart(proc)):
                 os.kill(child, signal.SIGKILL)
         except (psutil.Error, ProcessLookupError):  # already gone: what the reaper wanted
             continue
