@@ -71,7 +71,8 @@ def run_steps(steps: list, store: str):
     return execute(steps, Store(store))
 
 
-@pytest.mark.slow  # trains, evaluates, exports via Prefect: 85-160 s on 2 shared cores, 65-85 s of CPU
+@pytest.mark.slow  # trains, evaluates, exports via Prefect: 24-33 s alone
+@pytest.mark.ci  # CI runs it after the fast suite (it had failed unseen for three days while only -m slow ran it)
 def test_evaluate_and_export_through_the_runner(tmp_path, prefect_harness):
     store = Store(tmp_path / "store")
     eval_config = EvalConfig(validation_fraction=FRACTION, limit=40, heldout_tokens=4097)
@@ -80,10 +81,14 @@ def test_evaluate_and_export_through_the_runner(tmp_path, prefect_harness):
     assert [r.status for r in first] == ["ran"] * 6
     assert [r.status for r in run_steps(pipeline(eval_config), store.root)] == ["cached"] * 6
 
-    # A setting (batch size) is not identity: still cached. A new limit reruns evaluate and export only.
-    assert run_steps(pipeline(eval_config.model_copy(update={"batch_size": 4})), store.root)[4].status == "cached"
-    edited = run_steps(pipeline(eval_config.model_copy(update={"limit": 30})), store.root)
-    assert [r.status for r in edited] == ["cached"] * 4 + ["ran"] * 2
+    # The batch size is identity once set away from its default (the batch shape moves the scores'
+    # last bits); its default, written out, keeps the versions. A new limit or batch size reruns
+    # evaluate and export only.
+    assert [r.status for r in run_steps(pipeline(eval_config.model_copy(update={"batch_size": 16})),
+                                        store.root)] == ["cached"] * 6
+    for edit in ({"limit": 30}, {"batch_size": 4}):
+        edited = run_steps(pipeline(eval_config.model_copy(update=edit)), store.root)
+        assert [r.status for r in edited] == ["cached"] * 4 + ["ran"] * 2, edit
 
     evaluation, export = first[4], first[5]
     assert evaluation.stats["heldout_tokens"] == 4096 and 0 <= evaluation.stats["next_passage_acc"] <= 1

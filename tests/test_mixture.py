@@ -156,7 +156,8 @@ def test_token_data_hands_the_hosts_the_same_mixture(parts):
 
 
 @pytest.mark.ray  # its training (or data workers) starts a local Ray: tests/conftest.py ray_lock
-@pytest.mark.slow  # a local Ray and a compile: ~40 s on the shared 2 cores
+@pytest.mark.slow  # a local Ray and a compile: 16 s alone, ~40 s on the shared 2 cores
+@pytest.mark.ci  # CI runs it after the fast suite
 def test_the_train_step_mixes_by_weight_and_records_what_it_drew(parts, tmp_path):
     """The train step on three tokenize outputs, through a local Ray host: its version holds the
     weights and caps, and its stats the tokens drawn from each source."""

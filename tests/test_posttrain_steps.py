@@ -80,6 +80,7 @@ def run(tmp: Path, kind: str, on_metrics=None, hooks=()) -> dict:
                  init_params=start, hooks=hooks)
 
 
+@pytest.mark.ci  # 9-14 s alone: CI runs it after the fast suite (the SIGKILL-and-resume pair below stays -m slow)
 @pytest.mark.parametrize("kind", ["sft", "dpo"])
 def test_learns_from_the_given_start(tmp_path, kind):
     model, cfg, objective, start, batch_at, val = setup(kind)

@@ -161,7 +161,8 @@ def test_tracking_is_a_setting_of_the_train_sft_and_dpo_steps():
 
 
 @pytest.mark.ray  # its training (or data workers) starts a local Ray: tests/conftest.py ray_lock
-@pytest.mark.slow
+@pytest.mark.slow  # 9 s alone
+@pytest.mark.ci  # CI runs it after the fast suite
 def test_train_step_logs_an_offline_wandb_run_named_after_its_version(tokens_dir, tmp_path, monkeypatch):  # noqa: F811
     """The step body end to end: training in a Ray task, W&B in the step's process."""
     folder, tokens = tokens_dir

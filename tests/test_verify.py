@@ -108,7 +108,8 @@ def status_of(stdout: str, stage: str) -> str:
 
 
 @pytest.mark.ray  # its training (or data workers) starts a local Ray: tests/conftest.py ray_lock
-@pytest.mark.slow  # two pipeline runs to a trained model: minutes
+@pytest.mark.slow  # two pipeline runs to a trained model: 22 s alone
+@pytest.mark.ci  # CI runs it after the fast suite
 def test_a_flipped_byte_in_params_is_found_and_the_next_run_recomputes(tmp_path):
     config, store = tiny_config(tmp_path), tmp_path / "store"
     first = kiln("run", str(config), "--store", str(store), "--until", "train")
