@@ -482,6 +482,10 @@ def _validation_message(e: RequestValidationError) -> tuple[str, str | None]:
         if err["type"] == "json_invalid":
             return (f"the request body is not valid JSON ({err.get('ctx', {}).get('error', 'parse error')}): "
                     "send a JSON object with Content-Type: application/json"), None
+        if not loc and err["type"] in ("model_attributes_type", "model_type", "dict_type"):
+            got = err.get("input")  # bytes when the content type was not JSON, else the parsed value
+            return (f"the request body must be a JSON object (got {got!r:.80}): send one with "
+                    "Content-Type: application/json"), None
         if err["type"] == "extra_forbidden":
             lines.append(f"{field}: not a field kiln serve-model takes (docs/serving.md lists them)")
         elif err["type"] == "missing":

@@ -209,6 +209,13 @@ def main(argv: list[str] | None = None) -> int:
     except KilnUserError as e:
         print(f"kiln: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        if not _stdout_reader_gone():  # a socket's broken pipe, not the reader of our output: an error
+            raise
+        # `kiln compare --json | head`: the reader took what it wanted. Stop quietly, as Unix tools
+        # do, and point stdout at /dev/null so that the interpreter's last flush does not fail too.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except Exception as e:
         lost = _lost_prefect_api(e)
         if lost is None:
@@ -217,6 +224,15 @@ def main(argv: list[str] | None = None) -> int:
               f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); is its server still running? "
               "What was published is kept: rerun when it is back and finished steps are cache hits", file=sys.stderr)
         return 1
+
+
+def _stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe whose reading end is closed (poll reports an error on it)."""
+    import select
+
+    poller = select.poll()
+    poller.register(sys.stdout.fileno(), select.POLLOUT)
+    return any(events & select.POLLERR for _, events in poller.poll(0))
 
 
 def _lost_prefect_api(error: BaseException) -> str | None:
@@ -525,7 +541,7 @@ def summary_rows(runs) -> list[list[str]]:
         for model in ("base", "sft", "dpo"):
             scores = r.stats.get(f"eval_{model}") or {}
             pairs += [(f"{model}.{m}", scores[m]) for m in CHAT_STATS if m in scores]
-        if isinstance(r.stats.get("per_source"), dict):  # data stages: documents out per source
+        if r.stats.get("per_source") and isinstance(r.stats["per_source"], dict):  # data stages: documents out per source
             pairs.append(("per_source", per_source_summary(r.stats["per_source"])))
         if r.stats.get("warnings"):
             pairs.append(("warnings", len(r.stats["warnings"])))

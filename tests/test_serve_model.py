@@ -248,7 +248,7 @@ def test_an_error_in_a_batch_fails_only_its_request():
 
 BAD = [  # (method, path, body (None: send `raw`), raw bytes, status, words the message must contain)
     ("POST", "/v1/completions", None, b'{"prompt": "x", ', 400, "not valid JSON"),
-    ("POST", "/v1/completions", None, b'["a list"]', 400, "dictionary"),
+    ("POST", "/v1/completions", None, b'["a list"]', 400, "must be a JSON object (got ['a list'])"),
     ("POST", "/v1/completions", {"max_tokens": 4}, None, 400, "prompt: required"),
     ("POST", "/v1/completions", {"prompt": 12}, None, 400, "prompt"),
     ("POST", "/v1/completions", {"prompt": []}, None, 400, "none of them empty"),
@@ -287,6 +287,12 @@ def test_bad_requests_get_4xx_that_say_what_is_wrong(served, model):
             assert r.status_code == status, (path, body or raw, r.text)
             error = r.json()["error"]
             assert words in error["message"] and error["type"], (body or raw, error)
+        # curl -d sends a form's content type: the message says what to send instead
+        form = client.post("/v1/completions", content=b'{"prompt": "x"}',
+                           headers={"content-type": "application/x-www-form-urlencoded"})
+        assert form.status_code == 400, form.text
+        assert "must be a JSON object" in form.json()["error"]["message"]
+        assert "Content-Type: application/json" in form.json()["error"]["message"]
         good = client.post("/v1/completions", json={"prompt": "And", "max_tokens": 2, "temperature": 0})
         assert good.status_code == 200 and good.json()["choices"][0]["text"]
 

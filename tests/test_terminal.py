@@ -116,3 +116,32 @@ def test_bars_for_steps_running_side_by_side_with_their_log_lines_above(tmp_path
     # Every log line printed above the bars, whole: none cut by a redraw or by another thread's line.
     lines = re.findall(r"(red|green|blue) finished unit ([1-6]) of 6", drawn)
     assert sorted(set(lines)) == sorted((s.name, str(u)) for s in steps for u in range(1, 7))
+
+
+def test_a_stage_without_documents_per_source_shows_no_empty_per_source():
+    shuffled = StepRun("negative_examples", "negative_examples", "4ba97061c545", "ran", 1.0, "kiln_store/n",
+                       {"docs_out": 1075, "per_source": {}})
+    kept = StepRun("filter", "filter", "3fced5ecf3cd", "ran", 1.0, "kiln_store/f",
+                   {"docs_out": 1075, "per_source": {"chichewa": {"docs_out": 0}, "kjv": {"docs_out": 1075}}})
+    (_, *_, empty), (_, *_, listed) = summary_rows([shuffled, kept])
+    assert empty == "docs_out=1075"
+    assert listed == "docs_out=1075, per_source=chichewa=0,kjv=1075"
+
+
+def test_a_reader_that_closed_its_end_gets_a_quiet_exit_not_a_traceback(tmp_path):
+    """`kiln compare --json | head`: once the reader is gone, kiln stops with exit 1 and prints
+    nothing on stderr (it printed BrokenPipeError's traceback)."""
+    import os
+    import subprocess
+
+    from tests.conftest import REPO
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before kiln writes its first line
+    try:
+        proc = subprocess.run([sys.executable, "-m", "flows.cli", "compare", "configs/ablation_cpu.yaml", "--json",
+                               "--store", str(tmp_path / "store")], stdout=write_end, stderr=subprocess.PIPE,
+                              cwd=REPO, timeout=300, text=True)
+    finally:
+        os.close(write_end)
+    assert proc.returncode == 1 and proc.stderr == "", proc.stderr
