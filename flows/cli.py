@@ -541,8 +541,9 @@ def summary_rows(runs) -> list[list[str]]:
         for model in ("base", "sft", "dpo"):
             scores = r.stats.get(f"eval_{model}") or {}
             pairs += [(f"{model}.{m}", scores[m]) for m in CHAT_STATS if m in scores]
-        if r.stats.get("per_source") and isinstance(r.stats["per_source"], dict):  # data stages: documents out per source
-            pairs.append(("per_source", per_source_summary(r.stats["per_source"])))
+        per_source = r.stats.get("per_source")
+        if per_source and isinstance(per_source, dict):  # data stages: documents kept per source read
+            pairs.append(("per_source", per_source_summary(per_source)))
         if r.stats.get("warnings"):
             pairs.append(("warnings", len(r.stats["warnings"])))
         stats = r.error if r.error else ", ".join(f"{k}={_fmt(v)}" for k, v in pairs)
