@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 import re
+import subprocess
 import sys
 import threading
 
@@ -21,6 +23,7 @@ from tasks.engine.scheduler import execute
 from tasks.engine.step import Step
 from tasks.engine.store import Store
 from tasks.engine.config import ConfigModel
+from tests.conftest import REPO
 
 RUNS = [StepRun("acquire", "acquire", "3f9c0a1b2c4d", "cached", 0.02, "kiln_store/acquire/3f9c0a1b2c4d",
                 {"documents": 1075}),
@@ -131,11 +134,6 @@ def test_a_stage_without_documents_per_source_shows_no_empty_per_source():
 def test_a_reader_that_closed_its_end_gets_a_quiet_exit_not_a_traceback(tmp_path):
     """`kiln compare --json | head`: once the reader is gone, kiln stops with exit 1 and prints
     nothing on stderr (it printed BrokenPipeError's traceback)."""
-    import os
-    import subprocess
-
-    from tests.conftest import REPO
-
     read_end, write_end = os.pipe()
     os.close(read_end)  # the reader is gone before kiln writes its first line
     try:
