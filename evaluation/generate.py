@@ -32,13 +32,22 @@ from training.model import decode_step, init_cache
 
 @dataclass(frozen=True)
 class Model:
-    """What generation needs: the config and parameters, the tokenizer and its EOS/BOS ids."""
+    """What generation needs: the config and parameters, the tokenizer and its EOS/BOS ids, and the
+    other tokens that end a generation as EOS does: a post-trained model's end-of-turn `<|end|>`,
+    which its export's generation_config.json lists beside EOS (as Llama 3 Instruct's does), so
+    that kiln, `transformers` and vLLM all stop a reply where its turn ends."""
 
     cfg: ModelConfig
     params: dict
     tokenizer: Tokenizer
     eos_id: int
     bos_id: int | None = None
+    end_ids: tuple[int, ...] = ()
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """Every token that ends a generation: EOS, then `end_ids`."""
+        return (self.eos_id, *self.end_ids)
 
     @property
     def start_id(self) -> int:
@@ -75,7 +84,8 @@ class Sampled:
 
 def sample(model: Model, prompt: list[int], max_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
            seed: int = 0, stop_ids: tuple[int, ...] = ()) -> list[int]:
-    """Up to `max_tokens` new token ids after `prompt`, ending before EOS or any of `stop_ids`.
+    """Up to `max_tokens` new token ids after `prompt`, ending before the model's stop ids (EOS, and
+    a post-trained model's end of turn) or any of `stop_ids`.
 
     The prompt is cut from the left to leave room for `max_tokens` in the model's context."""
     T = model.cfg.seq_len
@@ -83,7 +93,7 @@ def sample(model: Model, prompt: list[int], max_tokens: int, temperature: float 
         raise ValueError(f"max_tokens={max_tokens} must be between 1 and the model's context of {T} tokens "
                          "minus one (the prompt needs at least one)")
     prompt = (list(prompt) or [model.start_id])[-(T - max_tokens):]
-    row = Request(prompt, max_tokens, temperature, top_p, seed, (model.eos_id, *stop_ids))
+    row = Request(prompt, max_tokens, temperature, top_p, seed, (*model.stop_ids, *stop_ids))
     return sample_batch(model, [row])[0].ids
 
 
@@ -267,11 +277,26 @@ def load(path: Path, tokenizer_dir: Path | None = None) -> Model:
         from tasks.tokenizer import load_tokenizer, read_tokenizer_meta
 
         meta = read_tokenizer_meta(folder)
-        return Model(cfg, params, load_tokenizer(folder), meta["eos_id"], meta.get("bos_id"))
+        tokenizer = load_tokenizer(folder)
+        return Model(cfg, params, tokenizer, meta["eos_id"], meta.get("bos_id"), turn_end_ids(path, tokenizer))
     if (path / "config.json").is_file() and (path / "model.safetensors").is_file():
         return load_export(path)
     raise FileNotFoundError(f"{path} is neither a training output (model.json, params.safetensors) nor an "
                             "export (config.json, model.safetensors): point at <store>/train|sft|dpo|export/<version>")
+
+
+def turn_end_ids(model_dir: Path, tokenizer: Tokenizer) -> tuple[int, ...]:
+    """A post-trained output (SFT, DPO: it has a chat template) ends a reply at `<|end|>`: its id;
+    any other output, none."""
+    from training.posttrain import END_OF_TURN, TEMPLATE_FILE
+
+    if not (Path(model_dir) / TEMPLATE_FILE).is_file():
+        return ()
+    end = tokenizer.token_to_id(END_OF_TURN)
+    if end is None:
+        raise ValueError(f"{model_dir} has a chat template but its tokenizer lacks {END_OF_TURN}: pass the "
+                         "tokenizer it was post-trained with (--tokenizer)")
+    return (end,)
 
 
 def tokenizer_of(model_dir: Path) -> Path:
@@ -318,5 +343,9 @@ def load_export(folder: Path) -> Model:
     if not cfg.tie_embeddings:
         params["lm_head"] = {"kernel": w["lm_head.weight"].T}
     params = jax.tree_util.tree_map(lambda a: jnp.asarray(np.ascontiguousarray(a)), params)
-    return Model(cfg, params, Tokenizer.from_file(str(folder / "tokenizer.json")), hf["eos_token_id"],
-                 hf.get("bos_token_id"))
+    eos = hf["eos_token_id"]
+    generation = folder / "generation_config.json"  # what transformers and vLLM stop at: one id or a list
+    listed = json.loads(generation.read_text()).get("eos_token_id") if generation.is_file() else None
+    listed = listed if isinstance(listed, list) else [] if listed is None else [listed]
+    return Model(cfg, params, Tokenizer.from_file(str(folder / "tokenizer.json")), eos, hf.get("bos_token_id"),
+                 tuple(i for i in listed if i != eos))

@@ -360,7 +360,7 @@ class Service:
                 encoded.append((list(p), None, False))
             self.check_fits(encoded[-1][0], max_tokens, "prompt")
         want_logprobs = body.logprobs is not None
-        jobs = [Job(self.row(body, ids, max_tokens, (self.model.eos_id,)), body.echo and want_logprobs, body.logprobs)
+        jobs = [Job(self.row(body, ids, max_tokens, self.model.stop_ids), body.echo and want_logprobs, body.logprobs)
                 for ids, _, _ in encoded]
         results = await self.run(jobs)
         choices, used = [], 0
@@ -422,7 +422,7 @@ class Service:
                            f"{self.model.cfg.seq_len}: send fewer or shorter messages", "messages")
         self.check_fits(ids, max_tokens, "messages")
         k = (body.top_logprobs or 0) if body.logprobs else None
-        (result,) = await self.run([Job(self.row(body, ids, max_tokens, (self.model.eos_id, self.end_id)),
+        (result,) = await self.run([Job(self.row(body, ids, max_tokens, (*self.model.stop_ids, self.end_id)),
                                         top_logprobs=k)])
         new, text, finish = self.cut(result.sampled, body.stop_strings())
         logprobs = None

@@ -32,8 +32,7 @@ from pydantic import Field
 
 from evaluation.chat import ChatEvalConfig
 from tasks.chat_data import read_records
-from tasks.sft import (EVAL_DIR, TEMPLATE_FILE, comparison, evaluate_model, read_model_config,
-                       relay_to)
+from tasks.sft import EVAL_DIR, comparison, evaluate_model, read_model_config, relay_to
 from tasks.tokenizer import load_tokenizer, read_tokenizer_meta
 from tasks.engine.config import ConfigModel, setting
 from training.config import ResourcesConfig, TrainConfig
@@ -102,7 +101,8 @@ def generated_pairs(model_dir: Path, tokenizer_dir: Path, chat_dir: Path, out: P
 
 def run_dpo(ctx: StepContext) -> dict:
     from training.launch import launch_training
-    from training.posttrain import CHAT_TEMPLATE, ChatTemplate, DPOObjective, open_rows, pad_pairs, save_rows
+    from training.posttrain import (CHAT_TEMPLATE, TEMPLATE_FILE, ChatTemplate, DPOObjective, open_rows, pad_pairs,
+                                    save_rows)
 
     cfg: DPOConfig = ctx.config
     model_dir, tokenizer_dir, pairs_dir = ctx.inputs["model"], ctx.inputs["tokenizer"], ctx.inputs["pairs"]

@@ -23,7 +23,8 @@ from tasks.tokenizer import TOKENIZER_FILE, load_tokenizer, read_tokenizer_meta
 from tasks.engine.config import ConfigModel, identity_when_set
 from training.config import LoraConfig
 
-STAGE_VERSION = 1
+# 2: a post-trained model's generation_config.json lists its end-of-turn token beside EOS
+STAGE_VERSION = 2
 
 
 class ExportConfig(ConfigModel):
@@ -51,6 +52,7 @@ def run_export(ctx: StepContext) -> dict:
     from training.export import export_hf, model_card  # JAX, and only when exporting: not for plans
     from training.loop import load_model
     from training.model import param_count
+    from training.posttrain import TEMPLATE_FILE
 
     config: ExportConfig = ctx.config
     model_dir, tokenizer_dir = ctx.inputs["model"], ctx.inputs["tokenizer"]
@@ -59,7 +61,7 @@ def run_export(ctx: StepContext) -> dict:
     load_tokenizer(tokenizer_dir)  # checks tokenizer.json against its recorded hash
     tokenizer_json = (Path(tokenizer_dir) / TOKENIZER_FILE).read_text(encoding="utf-8")
     # a post-trained model (tasks/sft.py, tasks/dpo.py) keeps its chat template beside its weights
-    template_file = Path(model_dir) / "chat_template.jinja"
+    template_file = Path(model_dir) / TEMPLATE_FILE
     chat_template = template_file.read_text(encoding="utf-8") if template_file.is_file() else None
     stats = export_hf(cfg, params, tokenizer_json, meta, ctx.out, chat_template)
     if config.lora == "adapter":

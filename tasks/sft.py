@@ -34,7 +34,6 @@ if TYPE_CHECKING:  # JAX, orbax and Ray load when the step runs, not for `kiln p
 # 3: so does its rotary in one fused pass; 4: and its rotary tables computed once per forward, and SwiGLU's
 # hand-written backward
 STAGE_VERSION = 4
-TEMPLATE_FILE = "chat_template.jinja"
 EVAL_DIR = "chat_eval"
 
 
@@ -83,7 +82,8 @@ def relay_to(ctx: StepContext, steps: int):
 
 def run_sft(ctx: StepContext) -> dict:
     from training.launch import launch_training
-    from training.posttrain import CHAT_TEMPLATE, ChatTemplate, SFTObjective, open_rows, pack, save_rows
+    from training.posttrain import (CHAT_TEMPLATE, TEMPLATE_FILE, ChatTemplate, SFTObjective, open_rows, pack,
+                                    save_rows)
 
     cfg: SFTConfig = ctx.config
     model_dir, tokenizer_dir, chat_dir = ctx.inputs["model"], ctx.inputs["tokenizer"], ctx.inputs["chat"]

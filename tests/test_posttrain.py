@@ -5,6 +5,7 @@ gradient, and the DPO loss."""
 from __future__ import annotations
 
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -15,8 +16,8 @@ from tasks.tokenizer import GPT2_EOS, build_gpt2
 from tests.conftest import needs
 from training.config import ModelConfig
 from training.model import init_params
-from training.posttrain import (CHAT_SPECIAL_TOKENS, CHAT_TEMPLATE, ChatTemplate, DPOObjective, RowBatches,
-                                dpo_loss, pack, pad_pairs, reference_logprobs, sft_loss)
+from training.posttrain import (CHAT_SPECIAL_TOKENS, CHAT_TEMPLATE, END_OF_TURN, TEMPLATE_FILE, ChatTemplate,
+                                DPOObjective, RowBatches, dpo_loss, pack, pad_pairs, reference_logprobs, sft_loss)
 
 CONVERSATION = [
     {"role": "system", "content": "You continue passages of scripture."},
@@ -150,8 +151,10 @@ def test_row_batches_are_a_pure_function_of_the_step():
         np.testing.assert_array_equal(a.batch_at(step)["x"], b.batch_at(step)["x"])
 
 
-def test_exported_post_trained_model_carries_the_template_transformers_applies(tmp_path):
-    transformers = needs("transformers")
+def export_post_trained(tmp_path, params: dict) -> tuple:
+    """`params` (tiny_model's config) saved as a post-trained output (the train layout plus its chat
+    template) and exported by the export step, with a real tokenizer step's output: the folders
+    (tokenizer, post-trained model, export)."""
     import logging
 
     from safetensors.numpy import save_file
@@ -168,16 +171,21 @@ def test_exported_post_trained_model_carries_the_template_transformers_applies(t
 
     tok_step = tokenizer_step(TokenizerConfig(special_tokens=(GPT2_EOS, *CHAT_SPECIAL_TOKENS)))
     run_tokenizer(ctx(tok_step, "tokenizer", {}))
-    cfg, params = tiny_model()
-    model_dir = tmp_path / "sft"  # a post-trained output: the train layout plus its chat template
+    model_dir = tmp_path / "sft"
     model_dir.mkdir()
-    (model_dir / "model.json").write_text(cfg.model_dump_json())
+    (model_dir / "model.json").write_text(tiny_model()[0].model_dump_json())
     save_file(flatten_params(params), str(model_dir / "params.safetensors"))
-    (model_dir / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    (model_dir / TEMPLATE_FILE).write_text(CHAT_TEMPLATE)
     run_export(ctx(export_step(ExportConfig(), model=tok_step, tokenizer=tok_step), "export",
                    {"model": model_dir, "tokenizer": tmp_path / "tokenizer"}))
+    return tmp_path / "tokenizer", model_dir, tmp_path / "export"
 
-    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "export"))
+
+def test_exported_post_trained_model_carries_the_template_transformers_applies(tmp_path):
+    transformers = needs("transformers")
+    _, _, export = export_post_trained(tmp_path, tiny_model()[1])
+
+    hf = transformers.AutoTokenizer.from_pretrained(str(export))
     assert hf.chat_template == CHAT_TEMPLATE
     chat = ChatTemplate(tokenizer())
     clean = [m for m in CONVERSATION if "<|" not in m["content"]]  # HF parses special strings in text
@@ -186,6 +194,45 @@ def test_exported_post_trained_model_carries_the_template_transformers_applies(t
         ids = ids["input_ids"] if hasattr(ids, "keys") else ids
         assert list(ids) == chat.encode(messages, add_generation_prompt=gen)[0]
         assert hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen) == chat.render(messages, gen)
+
+
+def test_a_post_trained_model_ends_a_reply_at_end_of_turn_in_kiln_transformers_and_the_server(tmp_path):
+    """Plain generation (no chat template applied) on a post-trained model stops at `<|end|>`, as
+    vLLM does with a Llama 3 Instruct export: kiln's generate on the SFT folder and on its export,
+    `transformers` through generation_config.json, and `kiln serve-model`'s /v1/completions. The
+    model is made to answer `<|end|>` at once (its embedding row leads on one dimension every row
+    shares), so without the stop each would go on for all `max_tokens`."""
+    torch, transformers = needs("torch"), needs("transformers")
+    import httpx
+
+    from evaluation.generate import generate, load
+    from evaluation.server import Service
+    from tests.test_serve_model import serving
+
+    eos, end = tokenizer().token_to_id(GPT2_EOS), tokenizer().token_to_id(END_OF_TURN)
+    params = jax.tree_util.tree_map(np.asarray, tiny_model()[1])
+    embedding = params["embed_tokens"]["embedding"].copy()
+    embedding[:, 0] += 10.0  # every row: the residual stream points along dimension 0 ...
+    embedding[end, 0] += 20.0  # ... and <|end|>'s row most of all, so its logit leads
+    params["embed_tokens"]["embedding"] = embedding
+    tokenizer_dir, sft_dir, export = export_post_trained(tmp_path, params)
+
+    assert json.loads((export / "generation_config.json").read_text())["eos_token_id"] == [eos, end]
+    for folder in (sft_dir, export):
+        model = load(folder, tokenizer_dir)
+        assert model.stop_ids == (eos, end)
+        assert generate(model, "In the beginning", max_tokens=4, temperature=0.0) == ""
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(export))
+    prompt = torch.tensor([[eos, *tokenizer().encode("In the beginning").ids]])
+    out = hf.generate(prompt, max_new_tokens=4)
+    assert out[0, prompt.shape[1]:].tolist() == [end]  # the stop token, then nothing
+
+    with serving(Service(load(export), "sft")) as url:
+        answer = httpx.post(f"{url}/v1/completions", json={"prompt": "In the beginning", "max_tokens": 4,
+                                                           "temperature": 0}, timeout=60).json()
+    assert answer["choices"][0]["text"] == "" and answer["choices"][0]["finish_reason"] == "stop"
+    assert answer["usage"]["completion_tokens"] == 1  # the stop token
 
 
 def test_held_out_chat_data_asks_continuations_and_labels_of_held_out_documents_only():

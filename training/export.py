@@ -9,7 +9,8 @@ inverse. The folder holds what `AutoModelForCausalLM.from_pretrained` and
 
     config.json              LlamaConfig or Qwen2Config (rope_theta written flat, as transformers 4 and 5 read it)
     model.safetensors        the weights under HF names; lm_head.weight only when untied
-    generation_config.json   greedy by default, EOS from the tokenizer
+    generation_config.json   greedy by default, EOS from the tokenizer (for a post-trained model a list:
+                             EOS and the end-of-turn token, so generation stops where a reply ends)
     tokenizer.json           the tokenizer step's file, unchanged
     tokenizer_config.json    PreTrainedTokenizerFast and its special tokens
     special_tokens_map.json
@@ -25,9 +26,11 @@ from pathlib import Path
 
 import numpy as np
 from safetensors.numpy import save_file
+from tokenizers import Tokenizer
 
 from training.config import ModelConfig
 from training.model import param_count
+from training.posttrain import END_OF_TURN
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -153,6 +156,20 @@ def tokenizer_files(tokenizer_json: str, eos_token: str, bos_token: str | None, 
             "special_tokens_map.json": json.dumps(special, indent=2) + "\n"}
 
 
+def generation_eos(tokenizer_json: str, eos_id: int, chat_template: str | None) -> int | list[int]:
+    """generation_config.json's `eos_token_id`: EOS; for a post-trained model (it has a chat
+    template) also its end-of-turn token, as Llama 3 Instruct lists `<|eot_id|>`, so that
+    `transformers` and vLLM end a reply, even one asked for through plain completions, where kiln
+    does (evaluation.generate.Model.stop_ids)."""
+    if chat_template is None:
+        return eos_id
+    end_id = Tokenizer.from_str(tokenizer_json).token_to_id(END_OF_TURN)
+    if end_id is None:
+        raise ValueError(f"the model has a chat template but its tokenizer lacks {END_OF_TURN}: export it with "
+                         "the tokenizer it was post-trained with")
+    return [eos_id, end_id]
+
+
 def export_hf(cfg: ModelConfig, params: dict, tokenizer_json: str, tokenizer_meta: dict, out_dir: Path,
               chat_template: str | None = None) -> dict:
     """Write the Hugging Face folder (everything but the model card) into `out_dir`; return stats.
@@ -168,8 +185,8 @@ def export_hf(cfg: ModelConfig, params: dict, tokenizer_json: str, tokenizer_met
     weights = hf_state_dict(params, cfg)
     save_file(weights, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(hf_config(cfg, bos_id, eos_id), indent=2) + "\n")
-    generation = {"bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": eos_id, "do_sample": False,
-                  "max_length": cfg.seq_len}
+    generation = {"bos_token_id": bos_id, "eos_token_id": generation_eos(tokenizer_json, eos_id, chat_template),
+                  "pad_token_id": eos_id, "do_sample": False, "max_length": cfg.seq_len}
     (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     files = tokenizer_files(tokenizer_json, tokenizer_meta["eos_token"], tokenizer_meta.get("bos_token"), cfg.seq_len,
                             chat_template)

@@ -46,6 +46,7 @@ ROLES = ("system", "user", "assistant")
 ROLE_TOKENS = {role: f"<|{role}|>" for role in ROLES}
 END_OF_TURN = "<|end|>"
 CHAT_SPECIAL_TOKENS = (*ROLE_TOKENS.values(), END_OF_TURN)  # add these to TokenizerConfig.special_tokens
+TEMPLATE_FILE = "chat_template.jinja"  # beside a post-trained model's weights: what marks it as one
 # The same template for Hugging Face's `apply_chat_template` (tokenizer_config.json `chat_template`).
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
