@@ -4,7 +4,8 @@ lm-eval calls three methods, each with a list of requests:
 
     loglikelihood          (context, continuation) -> (log p(continuation | context), is_greedy)
     loglikelihood_rolling  (text,)                 -> log p(text), over windows of the context
-    generate_until         (context, gen_kwargs)   -> greedy text until a stop string or EOS
+    generate_until         (context, gen_kwargs)   -> greedy text until a stop string or a stop token
+                                                      (EOS; a post-trained model's <|end|> too)
 
 All three go through jitted functions on batches of a fixed number of rows, padded to a few
 bucket lengths (`evaluation.scoring.buckets`), so a whole evaluation compiles a handful of times.
@@ -42,7 +43,8 @@ class KilnLM(TemplateLM):
 
     def __init__(self, cfg: ModelConfig, params, tokenizer: Tokenizer, eos_id: int, bos_id: int | None = None,
                  batch_size: int = 16, max_gen_toks: int = 128, gen_chunk: int = 16,
-                 parse_special_tokens: bool = False, score_window: int | None = WINDOW):
+                 parse_special_tokens: bool = False, score_window: int | None = WINDOW,
+                 end_ids: tuple[int, ...] = ()):
         super().__init__()
         if tokenizer.get_vocab_size(with_added_tokens=True) > cfg.vocab_size:
             raise ValueError(f"the tokenizer has {tokenizer.get_vocab_size(with_added_tokens=True)} tokens but the "
@@ -52,6 +54,9 @@ class KilnLM(TemplateLM):
         self.tok = Tokenizer.from_str(tokenizer.to_str())  # a copy: we change how it reads specials
         self.tok.encode_special_tokens = not parse_special_tokens
         self.eos_id, self.bos_id = eos_id, bos_id
+        # generation also ends at these (a post-trained model's <|end|>: evaluation.generate.turn_end_ids),
+        # as transformers ends it at the export's generation_config.json eos_token_id list
+        self.stop_ids = np.array([eos_id, *end_ids])
         self.batch_size, self.max_gen_toks, self.gen_chunk = batch_size, max_gen_toks, gen_chunk
         self.score_window = score_window  # None: the output layer runs on every position
         self.buckets = buckets(cfg.seq_len)
@@ -185,7 +190,7 @@ class KilnLM(TemplateLM):
         return out.T, last, positions, cache
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        """Greedy continuations, cut before the first stop string (`until`) or EOS.
+        """Greedy continuations, cut before the first stop string (`until`) or stop token.
 
         Requests with the same generation settings are batched together, longest prompt first.
         """
@@ -223,7 +228,7 @@ class KilnLM(TemplateLM):
 
         Prompts are left-padded (padding has position -1, so nothing attends to it) and cut from
         the left to leave room for `max_gen` tokens in the model's context. Decoding runs in
-        compiled chunks of `gen_chunk` tokens and stops once every row has hit EOS or a stop string.
+        compiled chunks of `gen_chunk` tokens and stops once every row has hit a stop token or string.
         """
         T, B = self.cfg.seq_len, self.batch_size
         if not 0 < len(prompts) <= B:
@@ -251,16 +256,14 @@ class KilnLM(TemplateLM):
         return [self._cut(generated[r], until) for r in range(len(prompts))]
 
     def _finished(self, ids: np.ndarray, until: list[str]) -> bool:
-        if (ids == self.eos_id).any():
+        if np.isin(ids, self.stop_ids).any():
             return True
         text = self.tok_decode(ids.tolist())
         return any(stop in text for stop in until)
 
     def _cut(self, ids: np.ndarray, until: list[str]) -> str:
-        ids = ids.tolist()
-        if self.eos_id in ids:
-            ids = ids[:ids.index(self.eos_id)]
-        text = self.tok_decode(ids)
+        stops = np.flatnonzero(np.isin(ids, self.stop_ids))
+        text = self.tok_decode(ids[:stops[0] if len(stops) else len(ids)].tolist())
         for stop in until:
             text = text.split(stop, 1)[0]
         return text

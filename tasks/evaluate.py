@@ -37,7 +37,8 @@ from training.data import TokenDataset, read_meta
 if TYPE_CHECKING:  # lm-eval (with datasets and pandas) and JAX load when a model is evaluated, not for plans
     from evaluation.adapter import KilnLM
 
-STAGE_VERSION = 1
+# 2: a post-trained model's generated answers end at <|end|> (lm-eval tasks that generate)
+STAGE_VERSION = 2
 SUITE_DIR = "tasks"
 RESULTS_FILE = "results.json"
 
@@ -86,14 +87,18 @@ class EvalConfig(ConfigModel):
         return self
 
 
-def load_kiln_lm(model_dir: Path, tokenizer_dir: Path, **kwargs) -> KilnLM:
-    """The lm-eval adapter over a training output folder and a tokenizer step output folder."""
+def load_kiln_lm(model_dir: Path, tokenizer_dir: Path, step: int | None = None, **kwargs) -> KilnLM:
+    """The lm-eval adapter over a training output folder (at one of its kept steps, if `step`) and a
+    tokenizer step output folder. A post-trained output's generation ends at `<|end|>` too."""
     from evaluation.adapter import KilnLM
+    from evaluation.generate import turn_end_ids
     from training.loop import load_model
 
-    cfg, params = load_model(model_dir)
+    cfg, params = load_model(model_at(model_dir, step))
     meta = read_tokenizer_meta(tokenizer_dir)
-    return KilnLM(cfg, params, load_tokenizer(tokenizer_dir), meta["eos_id"], meta.get("bos_id"), **kwargs)
+    tokenizer = load_tokenizer(tokenizer_dir)
+    return KilnLM(cfg, params, tokenizer, meta["eos_id"], meta.get("bos_id"),
+                  end_ids=turn_end_ids(model_dir, tokenizer), **kwargs)
 
 
 def model_at(model_dir: Path, step: int | None) -> Path:
@@ -137,10 +142,9 @@ def run_evaluate(ctx: StepContext) -> dict:
     from evaluation.perplexity import heldout_metrics
 
     config: EvalConfig = ctx.config
-    model_dir, tokenizer_dir = model_at(ctx.inputs["model"], config.step), ctx.inputs["tokenizer"]
-    tokens_dir, documents_dir = ctx.inputs["tokens"], ctx.inputs["documents"]
+    tokenizer_dir, tokens_dir, documents_dir = ctx.inputs["tokenizer"], ctx.inputs["tokens"], ctx.inputs["documents"]
     _check_inputs(config, tokens_dir, tokenizer_dir)
-    lm = load_kiln_lm(model_dir, tokenizer_dir, batch_size=config.batch_size)
+    lm = load_kiln_lm(ctx.inputs["model"], tokenizer_dir, config.step, batch_size=config.batch_size)
 
     suite_dir = ctx.out / SUITE_DIR
     held_out = (d for d in read_documents(documents_dir, strict=True)

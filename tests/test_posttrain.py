@@ -199,7 +199,8 @@ def test_exported_post_trained_model_carries_the_template_transformers_applies(t
 def test_a_post_trained_model_ends_a_reply_at_end_of_turn_in_kiln_transformers_and_the_server(tmp_path):
     """Plain generation (no chat template applied) on a post-trained model stops at `<|end|>`, as
     vLLM does with a Llama 3 Instruct export: kiln's generate on the SFT folder and on its export,
-    `transformers` through generation_config.json, and `kiln serve-model`'s /v1/completions. The
+    `transformers` through generation_config.json, `kiln serve-model`'s /v1/completions, and the
+    lm-eval adapter's generate_until (the evaluate step's). The
     model is made to answer `<|end|>` at once (its embedding row leads on one dimension every row
     shares), so without the stop each would go on for all `max_tokens`."""
     torch, transformers = needs("torch"), needs("transformers")
@@ -207,6 +208,7 @@ def test_a_post_trained_model_ends_a_reply_at_end_of_turn_in_kiln_transformers_a
 
     from evaluation.generate import generate, load
     from evaluation.server import Service
+    from tasks.evaluate import load_kiln_lm
     from tests.test_serve_model import serving
 
     eos, end = tokenizer().token_to_id(GPT2_EOS), tokenizer().token_to_id(END_OF_TURN)
@@ -233,6 +235,13 @@ def test_a_post_trained_model_ends_a_reply_at_end_of_turn_in_kiln_transformers_a
                                                            "temperature": 0}, timeout=60).json()
     assert answer["choices"][0]["text"] == "" and answer["choices"][0]["finish_reason"] == "stop"
     assert answer["usage"]["completion_tokens"] == 1  # the stop token
+
+    # lm-eval's generate_until through kiln's adapter (the evaluate step's), as transformers on the export
+    prompt_ids = prompt[0, 1:].tolist()
+    assert load_kiln_lm(sft_dir, tokenizer_dir, batch_size=1).generate([prompt_ids], 4, []) == [""]
+    (sft_dir / TEMPLATE_FILE).unlink()  # the same weights, not post-trained: only EOS ends a generation
+    assert load(sft_dir, tokenizer_dir).stop_ids == (eos,)
+    assert load_kiln_lm(sft_dir, tokenizer_dir, batch_size=1).generate([prompt_ids], 4, []) == [END_OF_TURN * 4]
 
 
 def test_held_out_chat_data_asks_continuations_and_labels_of_held_out_documents_only():
