@@ -140,12 +140,11 @@ def test_the_run_that_started_the_local_ray_leaves_its_node_whole_when_it_exits(
     sees the whole node; at the run's exit it must end none of it. Ray's dashboard and runtime-env
     agents read as having no environment (they rename themselves), so the keeper's mark is looked
     for in their ancestors too: CI saw them killed and the node die under the next run."""
-    with scratch("lr") as folder:
+    with scratch("lr") as folder, open(folder / "starter.log", "wb") as starter_log:
         env = {**os.environ, "PYTHONPATH": str(REPO), "KILN_RAY_DIR": str(folder / "ray"), "KILN_RAY_IDLE_S": "120"}
         env.pop("RAY_ADDRESS", None)
         starter = subprocess.Popen([sys.executable, "-c", STARTER], cwd=REPO, env=env, stdin=subprocess.PIPE,
-                                   stdout=subprocess.PIPE, stderr=open(folder / "starter.log", "wb"), text=True,
-                                   start_new_session=True)
+                                   stdout=subprocess.PIPE, stderr=starter_log, text=True, start_new_session=True)
         keeper = None
         try:
             line = starter.stdout.readline()
@@ -166,6 +165,8 @@ def test_the_run_that_started_the_local_ray_leaves_its_node_whole_when_it_exits(
             assert probe.returncode == 0 and probe.stdout.split()[-1] == "42", probe.stderr[-3000:]
         finally:
             stop_group(starter, 5)
+            starter.stdin.close()
+            starter.stdout.close()
             subprocess.run([sys.executable, "-m", "tasks.engine.local_ray", "stop"], cwd=REPO, env=env, timeout=120)
             if keeper is not None and alive(keeper):
                 keeper.kill()
