@@ -101,3 +101,5 @@ def test_chat_data_sft_dpo_export(tmp_path):
     run_export(_ctx(exported, tmp_path, {"model": dpo, "tokenizer": tokenizer}))
     config = json.loads((tmp_path / "export" / "tokenizer_config.json").read_text())
     assert config["chat_template"] == CHAT_TEMPLATE
+    generation = json.loads((tmp_path / "export" / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == [50256, 50260]  # EOS, then <|end|> (the 4th of the chat tokens after it)
