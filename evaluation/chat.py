@@ -34,8 +34,10 @@ GENERATION, PREFERENCE = "kiln_chat_generation", "kiln_chat_preference"
 
 
 class ChatEvalConfig(ConfigModel):
-    limit: int | None = Field(64, ge=1)  # examples per task (the first of the eval split)
-    max_gen_toks: int = Field(32, ge=1)
+    limit: int | None = Field(64, ge=1, description="Examples per task: the first ones of the chat data's "
+                              "evaluation part. None: all.")
+    max_gen_toks: int = Field(32, ge=1, description="kiln_chat_generation: the most tokens generated per answer "
+                              "(greedy, until `<|end|>` or EOS).")
     batch_size: int = identity_when_set(16, ge=1, description="Sequences per forward pass. Identity: batch "
                                         "shape changes the last bits of the scores, and so which token greedy "
                                         "decoding picks at a near tie (DPO's generated rejections come from it); 16 "

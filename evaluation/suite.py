@@ -40,11 +40,15 @@ _SENTENCE_END = re.compile(r"^(\w+)[.!?;:]['\")\]]*$")
 class SuiteConfig(ConfigModel):
     """How the offline tasks are cut from the held-out documents (all of it changes the tasks)."""
 
-    context_words: int = Field(64, ge=4)
-    choice_words: int = Field(16, ge=1)
-    num_choices: int = Field(4, ge=2)
-    min_target_chars: int = Field(3, ge=1)  # last_word: shorter target words are skipped
-    seed: Seed = 0
+    context_words: int = Field(64, ge=4, description="Words of context before each question: next_passage's "
+                               "passage, and last_word's words before the target.")
+    choice_words: int = Field(16, ge=1, description="next_passage: words in each choice (the true continuation and "
+                              "each distractor).")
+    num_choices: int = Field(4, ge=2, description="next_passage: choices per question, the true one and "
+                             "num_choices - 1 distractors from other held-out documents; chance is 1 / num_choices.")
+    min_target_chars: int = Field(3, ge=1, description="last_word: shorter target words are skipped.")
+    seed: Seed = Field(0, description="Seeds the distractors, the place of the true choice and the shuffle of the "
+                       "examples (so `limit` takes a random sample).")
 
     @model_validator(mode="after")
     def _check(self) -> "SuiteConfig":

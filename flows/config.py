@@ -39,9 +39,12 @@ class QualityConfig(ConfigModel):
     passed `filter`, or files) against negatives (those documents with their words shuffled, or
     files), then used to score every document."""
 
-    classifier: QualityClassifierConfig = QualityClassifierConfig()
-    negatives: NegativeExamplesConfig = NegativeExamplesConfig()
-    filter: QualityFilterConfig = QualityFilterConfig(keep_fraction=0.9)
+    classifier: QualityClassifierConfig = Field(QualityClassifierConfig(), description="The fastText classifier "
+                                                "and its training (the `train_quality_classifier` step).")
+    negatives: NegativeExamplesConfig = Field(NegativeExamplesConfig(), description="The negatives made from the "
+                                              "positives by shuffling their words (the `negative_examples` step).")
+    filter: QualityFilterConfig = Field(QualityFilterConfig(keep_fraction=0.9), description="Which scored "
+                                        "documents are kept (the `quality_filter` step).")
 
 
 def _config_class(annotation: Any) -> type[BaseModel] | None:
@@ -73,14 +76,21 @@ def with_source_drop_limit(model: type[BaseModel], section: Any, limit: float) -
 
 
 class DataConfig(ConfigModel):
-    sources: list[SourceConfig] = Field(min_length=1)
-    docs_per_shard: int = Field(500, ge=1)
-    max_doc_bytes: int = Field(5_000_000, ge=1)
-    strict: bool = False
+    sources: list[SourceConfig] = Field(min_length=1, description="Where the documents come from; acquire reads "
+                                        "them in this order.")
+    docs_per_shard: int = Field(500, ge=1, description="Documents per shard of the acquire output; each later data "
+                                "stage writes one shard per input shard, so this also sets their count.")
+    max_doc_bytes: int = Field(5_000_000, ge=1, description="Acquire: larger documents (by their text's UTF-8 "
+                               "bytes, or a JSON line's) are counted as `too_large` and skipped.")
+    strict: bool = Field(False, description="Acquire: make a bad record an error naming file and line, instead of "
+                         "counting it. Each later data stage has its own `strict`.")
     extract: ExtractConfig | None = Field(None, description="HTML/WARC to main text; leave out for plain-text sources.")
-    filter: FilterConfig = FilterConfig()
-    quality: QualityConfig | None = None
-    dedup: DedupConfig | None = DedupConfig()
+    filter: FilterConfig = Field(FilterConfig(), description="Language identification and heuristic quality "
+                                 "rules.")
+    quality: QualityConfig | None = Field(None, description="A fastText quality classifier and filter after "
+                                          "`filter`; leave out for none.")
+    dedup: DedupConfig | None = Field(DedupConfig(), description="Exact and fuzzy deduplication; leave out with "
+                                      "`dedup: null`.")
     decontaminate: DecontaminateConfig | None = Field(
         DecontaminateConfig(), description="Drop training documents sharing a long n-gram with an eval example "
         "(the held-out documents kiln's suite is cut from, and `eval.lm_eval_tasks` YAMLs' data files; the "
@@ -138,9 +148,12 @@ class PosttrainConfig(ConfigModel):
     The tokenizer's `special_tokens` must include the chat tokens
     (`<|user|>`, `<|assistant|>`, `<|system|>`, `<|end|>`: training.posttrain.CHAT_SPECIAL_TOKENS)."""
 
-    chat: ChatDataConfig = ChatDataConfig()
-    sft: SFTConfig = SFTConfig()
-    dpo: DPOConfig | None = DPOConfig()
+    chat: ChatDataConfig = Field(ChatDataConfig(), description="The conversations and preference pairs that "
+                                 "SFT and DPO train and are evaluated on (the `chat_data` step).")
+    sft: SFTConfig = Field(SFTConfig(), description="Supervised fine-tuning of the last train step's model on "
+                           "the conversations.")
+    dpo: DPOConfig | None = Field(DPOConfig(), description="DPO of the SFT model on the preference pairs; leave out "
+                                  "with `dpo: null`.")
 
 
 class RunSettings(ConfigModel):
@@ -197,7 +210,10 @@ class PhaseConfig(ConfigModel):
                          "or another phase's name; empty: the phase before it.")
     step: Count | Literal["latest"] = Field("latest", description="Which step of that phase: one it keeps "
                                             "(kiln makes it keep it), or its last.")
-    mode: Literal["continue", "reset", "weights"] = "continue"
+    mode: Literal["continue", "reset", "weights"] = Field(
+        "continue", description="What the phase takes from the step it starts from (train.init.mode): `continue`, "
+        "parameters, optimizer state, step counter and data position; `reset`, parameters and optimizer moments, "
+        "with the step counter, schedule and data position starting at 0; `weights`, parameters only.")
     train: dict[str, Any] = Field(default_factory=dict, description="Fields of `train` this phase changes, over "
                                   "those of the phase it starts from (lr, schedule, decay_steps, batch_size, ...).")
     mixture: dict[str, MixtureSourceConfig] | None = Field(
@@ -207,23 +223,29 @@ class PhaseConfig(ConfigModel):
 
 class ExperimentConfig(ConfigModel):
     name: str = setting("experiment", description="A label for runs and deployments; enters no version.")
-    data: DataConfig
-    tokenizer: TokenizerConfig = TokenizerConfig()
-    tokenize: TokenizeConfig = TokenizeConfig()
+    data: DataConfig = Field(description="The sources and the data stages that turn them into training documents.")
+    tokenizer: TokenizerConfig = Field(TokenizerConfig(), description="The tokenizer: GPT-2's, a BPE trained on the "
+                                       "documents, or a Hugging Face model's.")
+    tokenize: TokenizeConfig = Field(TokenizeConfig(), description="Documents to token shards, and which documents "
+                                     "are held out for validation and evaluation.")
     model: ModelConfig = Field(ModelConfig(), description="`vocab_size` is set from the tokenizer.")
-    train: TrainConfig = TrainConfig()
+    train: TrainConfig = Field(TrainConfig(), description="The pretraining recipe: batch, steps, optimizer, "
+                               "schedule, checkpoints.")
     phases: dict[str, PhaseConfig] = Field(
         {}, description="Later phases of training, in order, each a train step `train/<phase>` that starts from "
         "the one before (or the one its `from` names) and is evaluated on its own; post-training and the export "
         "start from the last. A grid over `phases.<name>.step` makes cooldown branches (docs/starting_points.md).")
     eval: EvalConfig = Field(EvalConfig(), description="`validation_fraction` is set from `tokenize`.")
-    export: ExportConfig = ExportConfig()
+    export: ExportConfig = Field(ExportConfig(), description="The final model as a Hugging Face folder with a "
+                                 "model card.")
     posttrain: PosttrainConfig | None = Field(None, description="Optional SFT and DPO after pretraining.")
     scaling: ScalingConfig | None = Field(
         None, description="An isoFLOP sweep instead of one model: its runs replace `model`, `train`, `eval`, "
         "`export` and `posttrain`, and the fits and forecast check follow (docs/scaling_laws.md).")
-    resources: ResourcesConfig = setting(ResourcesConfig())
-    run: RunSettings = setting(RunSettings())
+    resources: ResourcesConfig = setting(ResourcesConfig(), description="Where the train steps run (hosts, CPUs, "
+                                         "GPUs, TPUs, Ray); enters no version.")
+    run: RunSettings = setting(RunSettings(), description="How steps are run: data-stage workers, steps at once, "
+                               "locks, cache checks, failure notices; enters no version.")
     variants: dict[str, dict[str, Any]] = setting(
         {}, description="Named partial overrides of this config (nested, or by dotted path such as "
         "`train.lr`), deep-merged; each variant is a branch of steps, and steps whose versions agree are shared. "

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import types
 import typing
+from typing import Iterator
 
 from pydantic import BaseModel
+from pydantic.fields import FieldInfo
 
 from flows.config import ExperimentConfig
 from tasks.engine.config import is_identity
@@ -85,27 +87,36 @@ def _default(field) -> str:
     return f"`{value!r}`" if value is not None else "`None`"
 
 
-def reference() -> str:
+def config_fields() -> Iterator[tuple[str, type[BaseModel], str, FieldInfo, bool]]:
+    """Every field of every config model reachable from ExperimentConfig, model by model (each
+    model once, at the first dotted path that reaches it, breadth first): (the model's path, the
+    model, the field's name, the field, whether it is identity: marked so, and under no setting)."""
     # (dotted path, model, whether the model sits under a setting: then none of its fields is identity)
-    out, seen, queue = [HEADER], set(), [("", ExperimentConfig, False)]
+    seen, queue = set(), [("", ExperimentConfig, False)]
     while queue:
         path, model, in_setting = queue.pop(0)
         if model in seen:
             continue
         seen.add(model)
-        title = path or "top level"
-        out.append(f"\n## `{title}` ({model.__name__})\n")
-        if model.__doc__ and not model.__doc__.startswith(("Create a new model", "A base class")):
-            out.append(" ".join(model.__doc__.split()) + "\n")
-        out.append("| field | type | default | identity | description |\n| --- | --- | --- | --- | --- |")
         for name, field in model.model_fields.items():
             identity = is_identity(model, name) and not in_setting
-            ident = "yes" if identity else "no"
-            cells = [f"`{name}`", _type_name(field.annotation) + _range(field), _default(field), ident,
-                     field.description or ""]
-            out.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+            yield path, model, name, field, identity
             for sub in _models(field.annotation):
                 queue.append((f"{path}.{name}".lstrip("."), sub, not identity))
+
+
+def reference() -> str:
+    out, current = [HEADER], None
+    for path, model, name, field, identity in config_fields():
+        if model is not current:
+            current, title = model, path or "top level"
+            out.append(f"\n## `{title}` ({model.__name__})\n")
+            if model.__doc__ and not model.__doc__.startswith(("Create a new model", "A base class")):
+                out.append(" ".join(model.__doc__.split()) + "\n")
+            out.append("| field | type | default | identity | description |\n| --- | --- | --- | --- | --- |")
+        cells = [f"`{name}`", _type_name(field.annotation) + _range(field), _default(field),
+                 "yes" if identity else "no", field.description or ""]
+        out.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(out) + "\n"
 
 

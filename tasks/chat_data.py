@@ -52,19 +52,28 @@ FILES = {"sft": ("sft_train.jsonl", "sft_eval.jsonl"), "pairs": ("pairs_train.js
 
 
 class ChatDataConfig(ConfigModel):
-    source: Literal["heldout", "files"] = "heldout"
-    paths: tuple[str, ...] = files(())  # files: JSON-lines files or `datasets` folders (versioned by content)
-    # heldout: which documents pretraining held out; must equal tokenize's (the pipeline copies it)
-    validation_fraction: float = Field(0.01, ge=0.0, le=1.0)
-    eval_fraction: float = Field(0.2, gt=0.0, lt=1.0)  # of records, by id hash, kept for evaluation
-    prompt_words: int = Field(40, ge=1)
-    answer_words: int = Field(12, ge=1)
-    instruction: str = "Continue this passage:"
-    # A second kind of question, about a span rather than after it: which value of this document
-    # metadata field (the Bible corpora's `title`: the book) it comes from. None: continuations only.
-    label_field: str | None = "title"
-    label_question: str = "Which book is this passage from?"
-    seed: Seed = 0
+    source: Literal["heldout", "files"] = Field(
+        "heldout", description="`heldout`: conversations and pairs built from the documents pretraining held out; "
+        "`files`: read from `paths`.")
+    paths: tuple[str, ...] = files((), description="source `files`: JSON-lines files (optionally .gz) or `datasets` "
+                                   "folders whose rows hold `messages` and/or a preference pair (`prompt`, `chosen`, "
+                                   "`rejected`); versioned by content.")
+    validation_fraction: float = Field(0.01, ge=0.0, le=1.0, description="source heldout: which documents "
+                                       "pretraining held out; must equal `tokenize.validation_fraction` (the "
+                                       "pipeline copies it).")
+    eval_fraction: float = Field(0.2, gt=0.0, lt=1.0, description="Share of the records kept for evaluation, "
+                                 "chosen by a hash of each record's id.")
+    prompt_words: int = Field(40, ge=1, description="source heldout: words of the passage in each prompt.")
+    answer_words: int = Field(12, ge=1, description="source heldout: words of each answer (the true continuation, "
+                              "and the rejected span from another document).")
+    instruction: str = Field("Continue this passage:", description="source heldout: the user turn's text before "
+                             "the passage.")
+    label_field: str | None = Field("title", description="source heldout: a second kind of question, about a span "
+                                    "rather than after it: which value of this document metadata field (the Bible "
+                                    "corpora's `title`: the book) it comes from. None: continuations only.")
+    label_question: str = Field("Which book is this passage from?", description="source heldout: the user turn's "
+                                "text before the passage in `label_field` questions.")
+    seed: Seed = Field(0, description="source heldout: seeds the choice of each pair's rejected answer.")
 
     @model_validator(mode="after")
     def _check(self) -> "ChatDataConfig":

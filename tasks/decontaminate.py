@@ -39,7 +39,8 @@ import numpy as np
 from pydantic import Field
 
 from tasks.documents import read_documents
-from tasks.judging import ATTRIBUTES, DEFAULT_MAX_DOC_BYTES, Judge, Verdict, run_judged
+from tasks.judging import (ATTRIBUTES, DEFAULT_MAX_DOC_BYTES, MAX_DOC_BYTES_DESCRIPTION, STRICT_DESCRIPTION,
+                           WORKERS_DESCRIPTION, Judge, Verdict, run_judged)
 from tasks.tokenize import is_validation
 from tasks.engine.config import ConfigModel, Count, Fraction, files, setting
 
@@ -66,9 +67,9 @@ class DecontaminateConfig(ConfigModel):
                                           "it from `tokenize.validation_fraction`.")
     lm_eval_tasks: list[str] = files(default_factory=list, description="lm-eval task YAMLs whose data files' "
                                      "strings are checked; the pipeline sets it from `eval.lm_eval_tasks`.")
-    max_doc_bytes: Count = DEFAULT_MAX_DOC_BYTES
-    strict: bool = False
-    workers: Count | None = setting(None)
+    max_doc_bytes: Count = Field(DEFAULT_MAX_DOC_BYTES, description=MAX_DOC_BYTES_DESCRIPTION)
+    strict: bool = Field(False, description=STRICT_DESCRIPTION)
+    workers: Count | None = setting(None, description=WORKERS_DESCRIPTION)
     max_source_drop: Fraction = setting(0.9, description="Warn (and record under `warnings`) when more than this "
                                         "share of one source is removed; set from `data.max_source_drop`.")
 

@@ -31,11 +31,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
-from pydantic import model_validator
+from pydantic import Field, model_validator
 
 from tasks.documents import list_shards, read_shard
-from tasks.judging import (DEFAULT_MAX_DOC_BYTES, Judge, ShardJob, Verdict, bad_document, check_sources,
-                                  judge_shard, merge_stats, run_map)
+from tasks.judging import (DEFAULT_MAX_DOC_BYTES, MAX_DOC_BYTES_DESCRIPTION, STRICT_DESCRIPTION, WORKERS_DESCRIPTION,
+                           Judge, ShardJob, Verdict, bad_document, check_sources, judge_shard, merge_stats, run_map)
 from tasks.engine.config import ConfigModel, Count, Fraction, OpenFraction, Seed, setting
 
 if TYPE_CHECKING:  # tasks.engine.step loads Prefect (seconds), which Ray workers running this module never need
@@ -50,12 +50,16 @@ class MinHashConfig(ConfigModel):
     """Word n-gram MinHash with LSH banding. `bands * rows` of the `num_perm` values form the
     bands; all `num_perm` estimate the Jaccard similarity that a candidate pair must reach."""
 
-    ngram: Count = 5
-    num_perm: Count = 128
-    bands: Count = 14
-    rows: Count = 8
-    threshold: OpenFraction = 0.8
-    seed: Seed = 0
+    ngram: Count = Field(5, description="Words per shingle (a document of fewer words is one shingle of all of "
+                         "them); words are runs of letters, digits or underscores, lowercased.")
+    num_perm: Count = Field(128, description="Hash permutations in each document's MinHash signature.")
+    bands: Count = Field(14, description="LSH bands: documents sharing any band's values are candidate "
+                         "duplicates.")
+    rows: Count = Field(8, description="Signature values per band.")
+    threshold: OpenFraction = Field(0.8, description="The share of all `num_perm` signature values two candidates "
+                                    "must agree on (their estimated Jaccard similarity) to be near duplicates.")
+    seed: Seed = Field(0, description="Seeds the permutations and the multipliers that combine word hashes into "
+                       "shingles and signature values into band keys.")
 
     @model_validator(mode="after")
     def _fits(self) -> "MinHashConfig":
@@ -65,12 +69,17 @@ class MinHashConfig(ConfigModel):
 
 
 class DedupConfig(ConfigModel):
-    exact: bool = True  # drop documents whose normalised text equals an earlier one's
-    minhash: MinHashConfig | None = MinHashConfig()  # None: no fuzzy dedup
-    paragraphs: bool = False  # also drop each line already seen in an earlier kept document
-    max_doc_bytes: Count = DEFAULT_MAX_DOC_BYTES
-    strict: bool = False
-    workers: Count | None = setting(None)
+    exact: bool = Field(True, description="Drop documents whose normalised text (NFKC, lowercase, white space "
+                        "collapsed) equals an earlier one's, as `exact_duplicate`.")
+    minhash: MinHashConfig | None = Field(MinHashConfig(), description="Fuzzy dedup: of each cluster of near "
+                                          "duplicates the earliest document is kept, the others dropped as "
+                                          "`near_duplicate`. None: no fuzzy dedup.")
+    paragraphs: bool = Field(False, description="Also remove from each kept document every non-blank line "
+                             "(compared stripped) already seen in an earlier kept document or earlier in the same "
+                             "one; a document left empty is dropped as `duplicate_paragraphs`.")
+    max_doc_bytes: Count = Field(DEFAULT_MAX_DOC_BYTES, description=MAX_DOC_BYTES_DESCRIPTION)
+    strict: bool = Field(False, description=STRICT_DESCRIPTION)
+    workers: Count | None = setting(None, description=WORKERS_DESCRIPTION)
     max_source_drop: Fraction = setting(0.9, description="Warn (and record under `warnings`) when more than this "
                                         "share of one source is removed; set from `data.max_source_drop`.")
 

@@ -50,17 +50,23 @@ STAGE_VERSION = 5
 
 
 class DPOConfig(ConfigModel):
-    beta: float = Field(0.1, gt=0.0)
+    beta: float = Field(0.1, gt=0.0, description="DPO's beta, the weight of its KL penalty: the loss is -log "
+                        "sigmoid(beta * (chosen minus rejected log-ratio to the reference, the SFT model)); larger "
+                        "keeps the model nearer the reference.")
     rejected: Literal["pairs", "generated"] = Field(
         "pairs", description="pairs: the chat data's rejected answers; generated: the SFT model's own "
         "greedy answers (SPIN), for the training and the held-out pairs alike.")
     max_gen_toks: int = Field(32, ge=1, description="Length limit of generated rejected answers.")
     sft_weight: float = Field(0.0, ge=0.0, description="Adds this times the chosen answers' token NLL to the "
                               "DPO loss (RPO), so that they stay likely.")
-    train: TrainConfig = TrainConfig(batch_size=8, steps=40, lr=3e-4, warmup=4, weight_decay=0.0,
-                                     checkpoint_every=20, eval_every=20, eval_batches=2)
-    evaluation: ChatEvalConfig = ChatEvalConfig()
-    resources: ResourcesConfig = setting(ResourcesConfig())
+    train: TrainConfig = Field(TrainConfig(batch_size=8, steps=40, lr=3e-4, warmup=4, weight_decay=0.0,
+                                           checkpoint_every=20, eval_every=20, eval_batches=2),
+                               description="DPO's own training recipe (not the top-level `train`), on the "
+                               "preference pairs.")
+    evaluation: ChatEvalConfig = Field(ChatEvalConfig(), description="The chat evaluation of the SFT and the DPO "
+                                       "model on the chat data's evaluation part.")
+    resources: ResourcesConfig = setting(ResourcesConfig(), description="Where DPO trains: its own section, not "
+                                         "the top-level `resources`.")
     tracking: TrackingConfig = setting(TrackingConfig(), description="Set from the experiment's `tracking`.")
 
 

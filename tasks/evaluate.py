@@ -47,17 +47,21 @@ class EvalConfig(ConfigModel):
     """What to evaluate. Every field changes the results, so all are in the version (`checkpoints`
     only says which further evaluate steps to make, each with its own `step`)."""
 
-    tasks: list[str] = Field(default_factory=lambda: list(SUITE_TASKS))  # kiln's offline suite
-    # lm-eval task/group names this machine can load, or task YAML files (versioned by their content
-    # and that of the data files they name, not by path)
-    lm_eval_tasks: list[str] = files(default_factory=list)
-    limit: int | None = Field(500, ge=1)  # examples per task (a seeded random sample of the suite)
-    num_fewshot: int = Field(0, ge=0)
-    bits_per_byte: bool = True  # also perplexity and bits per byte on the held-out token shards
-    heldout_tokens: int | None = Field(None, ge=2)  # score only the first N held-out tokens
-    # Which documents are held out; must equal the tokenize config's (the pipeline copies it).
-    validation_fraction: float = Field(0.01, ge=0.0, le=1.0)
-    suite: SuiteConfig = SuiteConfig()
+    tasks: list[str] = Field(default_factory=lambda: list(SUITE_TASKS), description="kiln's offline suite tasks "
+                             "(next_passage, last_word), cut from the held-out documents as `suite` says.")
+    lm_eval_tasks: list[str] = files(default_factory=list, description="lm-eval task or group names this machine "
+                                     "can load, or task YAML files (versioned by their content and that of the data "
+                                     "files they name, not by path).")
+    limit: int | None = Field(500, ge=1, description="Examples per task, lm-eval's `limit`: the first ones, which "
+                              "for the suite's tasks (shuffled by `suite.seed`) are a seeded random sample. None: all.")
+    num_fewshot: int = Field(0, ge=0, description="Few-shot examples lm-eval puts before each question.")
+    bits_per_byte: bool = Field(True, description="Also loss, perplexity and bits per byte on the held-out token "
+                                "shards (the tokenize output's validation split).")
+    heldout_tokens: int | None = Field(None, ge=2, description="Score only the first this many held-out tokens; "
+                                       "None: all of them.")
+    validation_fraction: float = Field(0.01, ge=0.0, le=1.0, description="Which documents are held out; must equal "
+                                       "`tokenize.validation_fraction` (the pipeline copies it).")
+    suite: SuiteConfig = Field(SuiteConfig(), description="How the suite tasks are cut from the held-out documents.")
     batch_size: int = identity_when_set(16, ge=1, description="Sequences per forward pass. Identity: the batch "
                                         "shape changes the last bits of the scores (tests/test_eval_adapter.py "
                                         "allows 2e-4 between batch sizes), and so the results; 16 keeps the "

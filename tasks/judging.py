@@ -29,6 +29,12 @@ if TYPE_CHECKING:  # tasks.engine.step loads Prefect (seconds), which Ray worker
 ATTRIBUTES = "attributes"
 UNREAD = "(unread)"  # the source of records that never parsed into a document
 DEFAULT_MAX_DOC_BYTES = 5_000_000  # larger lines are counted as `too_large`, never parsed
+# The descriptions of the fields every data stage's config declares alike (docs/configuration.md).
+MAX_DOC_BYTES_DESCRIPTION = ("An input line (one document as JSON) longer than this many bytes is counted as "
+                             "`too_large` and dropped unparsed.")
+STRICT_DESCRIPTION = ("Make bad input (a malformed line, invalid UTF-8, an empty or oversized document, a truncated "
+                      "shard) an error naming the file, instead of a drop counted under its reason.")
+WORKERS_DESCRIPTION = "Shards processed at once, by Ray workers when more than 1; None: `run.workers`."
 
 # A judge decides one document: (document to keep, possibly rewritten, or None; the reason it
 # was dropped, or None; scores for the attribute record).

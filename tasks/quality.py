@@ -32,11 +32,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
-from pydantic import model_validator
+from pydantic import Field, model_validator
 
 from tasks.documents import list_shards, read_documents, read_shard, write_shard
-from tasks.judging import (DEFAULT_MAX_DOC_BYTES, Judge, ShardJob, Verdict, bad_document, check_sources,
-                                  judge_shard, merge_stats, run_map)
+from tasks.judging import (DEFAULT_MAX_DOC_BYTES, MAX_DOC_BYTES_DESCRIPTION, STRICT_DESCRIPTION, WORKERS_DESCRIPTION,
+                           Judge, ShardJob, Verdict, bad_document, check_sources, judge_shard, merge_stats, run_map)
 from tasks.filter import load_fasttext
 from tasks.engine.config import (ConfigModel, Count, Fraction, HalfOpenFraction, NonNegative, OpenFraction, Positive,
                                  Seed, files, setting)
@@ -97,18 +97,29 @@ def fingerprint_paths(paths: list[str]) -> str:
 class QualityClassifierConfig(ConfigModel):
     """Positive and negative documents come from the step's inputs and/or these paths."""
 
-    positive_paths: tuple[str, ...] = files(())  # versioned by content, not by path
-    negative_paths: tuple[str, ...] = files(())
-    max_docs_per_class: Count = 20_000  # the first ones, in input order
-    max_words: Count = 500  # of each document
-    holdout_fraction: HalfOpenFraction = 0.1
-    dim: Count = 32
-    bucket: NonNegative = 200_000
-    word_ngrams: Count = 2
-    epoch: Count = 5
-    lr: Positive = 0.5  # at 0.1 it stayed at chance on KJV against shuffled KJV (only bigrams differ)
-    min_count: Count = 1
-    seed: Seed = 0
+    positive_paths: tuple[str, ...] = files((), description="More positive (high-quality) documents besides the "
+                                            "step's positive input (the documents `filter` kept): shard folders, "
+                                            "`.jsonl.gz` shards or `.txt` files of one document a line. Versioned "
+                                            "by content, not by path.")
+    negative_paths: tuple[str, ...] = files((), description="More negative documents besides the step's negative "
+                                            "input (those documents with their words shuffled: `negatives`), in the "
+                                            "same forms.")
+    max_docs_per_class: Count = Field(20_000, description="Documents read per class, held-out ones included: the "
+                                      "first ones, in input order.")
+    max_words: Count = Field(500, description="fastText sees each document's first this many lowercased tokens "
+                             "(punctuation split off), in training and when `quality_filter` scores.")
+    holdout_fraction: HalfOpenFraction = Field(0.1, description="Share of each class held out of training (by a hash "
+                                               "of the document id) for the reported precision, recall, accuracy "
+                                               "and ROC AUC.")
+    dim: Count = Field(32, description="fastText's dim: the size of its word and n-gram vectors.")
+    bucket: NonNegative = Field(200_000, description="fastText's hash buckets for word n-grams: 200k at dim 32 make "
+                                "a model of about 27 MB, where fastText's defaults (2M buckets) make 800 MB.")
+    word_ngrams: Count = Field(2, description="fastText's wordNgrams: the longest word n-gram used as a feature.")
+    epoch: Count = Field(5, description="fastText's passes over the training documents.")
+    lr: Positive = Field(0.5, description="fastText's learning rate (at 0.1 the classifier of KJV against shuffled "
+                         "KJV, where only the bigrams differ, stayed at chance).")
+    min_count: Count = Field(1, description="fastText's minCount: words seen fewer times are left out.")
+    seed: Seed = Field(0, description="fastText's seed, and the shuffle of the training documents.")
 
 
 def _examples(ctx: StepContext, which: str, paths: tuple[str, ...], bad: Counter) -> Iterator[dict]:
@@ -216,12 +227,14 @@ def train_quality_classifier_step(config: QualityClassifierConfig, *, positive: 
 class QualityFilterConfig(ConfigModel):
     """Keep documents with P(hq) >= `threshold`, or the top `keep_fraction` of them (ties by order)."""
 
-    threshold: Fraction | None = None
-    keep_fraction: OpenFraction | None = None
-    batch_size: Count = setting(512)  # documents per fastText call
-    max_doc_bytes: Count = DEFAULT_MAX_DOC_BYTES
-    strict: bool = False
-    workers: Count | None = setting(None)
+    threshold: Fraction | None = Field(None, description="Keep the documents with P(hq) at or above this. Give "
+                                       "exactly one of threshold and keep_fraction.")
+    keep_fraction: OpenFraction | None = Field(None, description="Keep this share of all documents (rounded), those "
+                                               "of the highest P(hq), ties broken by input order.")
+    batch_size: Count = setting(512, description="Documents per fastText predict call.")
+    max_doc_bytes: Count = Field(DEFAULT_MAX_DOC_BYTES, description=MAX_DOC_BYTES_DESCRIPTION)
+    strict: bool = Field(False, description=STRICT_DESCRIPTION)
+    workers: Count | None = setting(None, description=WORKERS_DESCRIPTION)
     max_source_drop: Fraction = setting(0.9, description="Warn (and record under `warnings`) when more than this "
                                         "share of one source is removed; set from `data.max_source_drop`.")
 
@@ -295,9 +308,9 @@ def quality_filter_step(config: QualityFilterConfig, *, documents: Step, classif
 class NegativeExamplesConfig(ConfigModel):
     """Negatives for the classifier: each document with its words shuffled."""
 
-    seed: Seed = 0
-    max_doc_bytes: Count = DEFAULT_MAX_DOC_BYTES
-    workers: Count | None = setting(None)
+    seed: Seed = Field(0, description="Seeds each document's shuffle, together with its id.")
+    max_doc_bytes: Count = Field(DEFAULT_MAX_DOC_BYTES, description=MAX_DOC_BYTES_DESCRIPTION)
+    workers: Count | None = setting(None, description=WORKERS_DESCRIPTION)
 
 
 def shuffle_words(doc: dict, seed: int) -> dict:

@@ -20,6 +20,8 @@ import functools
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pydantic import Field
+
 from evaluation.chat import ChatEvalConfig
 from tasks.chat_data import read_records
 from tasks.tokenizer import load_tokenizer, read_tokenizer_meta
@@ -40,10 +42,14 @@ EVAL_DIR = "chat_eval"
 class SFTConfig(ConfigModel):
     """The fine-tuning recipe (its own schedule: short, a lower peak, no weight decay)."""
 
-    train: TrainConfig = TrainConfig(batch_size=8, steps=60, lr=1e-3, warmup=6, weight_decay=0.0,
-                                     checkpoint_every=20, eval_every=20, eval_batches=2)
-    evaluation: ChatEvalConfig = ChatEvalConfig()
-    resources: ResourcesConfig = setting(ResourcesConfig())
+    train: TrainConfig = Field(TrainConfig(batch_size=8, steps=60, lr=1e-3, warmup=6, weight_decay=0.0,
+                                           checkpoint_every=20, eval_every=20, eval_batches=2),
+                               description="SFT's own training recipe (not the top-level `train`), on packed rows "
+                               "of conversations; the model's shape comes from the model it starts from.")
+    evaluation: ChatEvalConfig = Field(ChatEvalConfig(), description="The chat evaluation of the model before and "
+                                       "after SFT on the chat data's evaluation part.")
+    resources: ResourcesConfig = setting(ResourcesConfig(), description="Where SFT trains: its own section, not "
+                                         "the top-level `resources`.")
     tracking: TrackingConfig = setting(TrackingConfig(), description="Set from the experiment's `tracking`.")
 
 

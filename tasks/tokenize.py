@@ -48,8 +48,11 @@ CHUNK_CHARS = 2_000_000
 
 
 class TokenizeConfig(ConfigModel):
-    validation_fraction: float = Field(0.01, ge=0.0, le=1.0)  # of documents, chosen by id hash
-    workers: Count | None = setting(None)  # shards tokenized at once; None: the run's worker count
+    validation_fraction: float = Field(0.01, ge=0.0, le=1.0, description="Share of documents held out as the "
+                                       "validation split, chosen by a hash of each id (adding documents never moves "
+                                       "another); evaluation, decontamination and chat data use the same ones.")
+    workers: Count | None = setting(None, description="Shards tokenized at once, by Ray workers when more than 1; "
+                                    "None: `run.workers`. The output is the same for any count.")
 
 
 def is_validation(doc_id: str, fraction: float) -> bool:

@@ -23,7 +23,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Literal
 
-from pydantic import model_validator
+from pydantic import Field, model_validator
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from tasks.documents import read_documents
@@ -52,17 +52,24 @@ class TokenizerConfig(ConfigModel):
     first ids, in list order.
     """
 
-    kind: Literal["gpt2", "bpe", "hf"] = "gpt2"
+    kind: Literal["gpt2", "bpe", "hf"] = Field("gpt2", description="`gpt2`: GPT-2's BPE (50257 tokens); `bpe`: a "
+                                               "byte-level BPE trained on the documents; `hf`: the tokenizer.json of "
+                                               "the Hugging Face folder `path`.")
     # Not the path but what it holds enters the version (`hf_fingerprint`): tokenizer.json's sha256
     # and the EOS/BOS tokens, so a folder's new weights beside the same tokenizer retokenize nothing.
     path: str | None = setting(None, description="kind hf: a local Hugging Face model or tokenizer folder "
                                "holding tokenizer.json. It enters the version by that file's content and "
                                "the EOS/BOS tokens the folder names, never by the path.")
-    vocab_size: Count | None = None  # bpe only (special tokens and the 256 bytes included)
-    min_frequency: Count = 2  # bpe only: a pair merges only if seen at least this often
-    special_tokens: tuple[str, ...] = (GPT2_EOS,)
-    eos_token: str = GPT2_EOS  # put between documents by the tokenize step
-    bos_token: str | None = None  # put before each document when set
+    vocab_size: Count | None = Field(None, description="kind bpe only (and required there): the vocabulary "
+                                     "trained, the 256 bytes and the special tokens included.")
+    min_frequency: Count = Field(2, description="kind bpe only: a pair merges only if seen at least this often.")
+    special_tokens: tuple[str, ...] = Field((GPT2_EOS,), description="Tokens never split and never produced from "
+                                            "ordinary text (eos_token and bos_token among them): for gpt2 the extra "
+                                            "ones get the ids after 50256, for bpe the first ids, in list order.")
+    eos_token: str = Field(GPT2_EOS, description="Put after every document by the tokenize step, so it separates "
+                           "documents; one of special_tokens.")
+    bos_token: str | None = Field(None, description="Put before every document by the tokenize step when set; one "
+                                  "of special_tokens.")
 
     @model_validator(mode="after")
     def _check(self) -> "TokenizerConfig":

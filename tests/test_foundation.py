@@ -343,6 +343,17 @@ def test_configuration_reference_matches_the_models():
     assert reference() == committed, "run: uv run python -m flows.reference > docs/configuration.md"
 
 
+def test_every_config_field_has_a_description():
+    """Every field the reference lists says what it does: its description is the reference's last
+    column and the help text of the Prefect UI's parameter form."""
+    from flows.reference import config_fields
+
+    missing = [f"{model.__name__}.{name} (`{f'{path}.{name}'.lstrip('.')}`)"
+               for path, model, name, field, _ in config_fields() if not (field.description or "").strip()]
+    assert not missing, (f"{len(missing)} config fields have no description: {', '.join(missing)}; add "
+                         "Field(description=...) to each (setting, files and identity_when_set take description= too)")
+
+
 def test_configuration_reference_marks_fields_under_a_setting_as_no_identity():
     """A setting's sub-fields never reach a version (identity_fields skips the whole value), so the
     reference must not call them identity: train.mesh's and train.evals' fields, resources, run."""

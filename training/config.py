@@ -34,20 +34,25 @@ DETERMINISTIC_GPU_FLAG = "--xla_gpu_deterministic_ops=true"
 class ModelConfig(ConfigModel):
     """A Llama-style decoder. `vocab_size` is filled from the tokenizer by the pipeline."""
 
-    vocab_size: Count = 50257
-    d_model: Count = 128
-    n_layers: Count = 4
-    n_heads: Count = 4
-    n_kv_heads: Count = 2  # grouped-query attention: n_heads / n_kv_heads query heads share a K/V head
-    d_ff: Count = 352  # SwiGLU hidden width (Llama uses ~8/3 d_model, rounded)
-    seq_len: Count = 256
-    rope_theta: Positive = 10000.0
-    tie_embeddings: bool = True
-    norm_eps: Positive = 1e-5
-    init_std: Positive = 0.02
-    # Activations and matmuls run in this dtype; parameters and optimizer state stay float32.
-    # Identity: bfloat16 changes the bytes of the result.
-    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    vocab_size: Count = Field(50257, description="Token ids the embedding and output projection cover; the "
+                              "pipeline sets it from the tokenizer.")
+    d_model: Count = Field(128, description="Width of the residual stream (the embedding size).")
+    n_layers: Count = Field(4, description="Decoder blocks.")
+    n_heads: Count = Field(4, description="Query heads per attention layer; head_dim = d_model / n_heads, which "
+                           "must be even (rotary positions).")
+    n_kv_heads: Count = Field(2, description="Key/value heads (grouped-query attention): n_heads / n_kv_heads query "
+                              "heads share one; equal to n_heads for plain multi-head attention.")
+    d_ff: Count = Field(352, description="SwiGLU hidden width (Llama uses about 8/3 d_model, rounded).")
+    seq_len: Count = Field(256, description="Tokens per training sequence: the context length.")
+    rope_theta: Positive = Field(10000.0, description="Base of the rotary position embedding's frequencies.")
+    tie_embeddings: bool = Field(True, description="The output projection is the input embedding matrix "
+                                 "(transposed) instead of a matrix of its own.")
+    norm_eps: Positive = Field(1e-5, description="Epsilon added inside RMSNorm's square root.")
+    init_std: Positive = Field(0.02, description="Standard deviation of the normal initial weights; the residual "
+                               "output projections (o_proj, down_proj) get init_std / sqrt(2 * n_layers).")
+    compute_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="Activations and matmuls run in this dtype; parameters and optimizer state stay "
+        "float32. Identity: bfloat16 changes the bytes of the result.")
     attention_bias: bool = identity_when_set(False, description="Biases on the q, k and v projections, as in "
                                              "Qwen2 (training/hf_import.py sets it for a Qwen2 checkpoint).")
 
@@ -97,8 +102,11 @@ class MeshConfig(ConfigModel):
     `model` > 1 adds Megatron-style tensor parallelism on the `model` axis.
     """
 
-    strategy: Literal["dp", "fsdp"] = "fsdp"
-    model: Count = 1
+    strategy: Literal["dp", "fsdp"] = Field("fsdp", description="`dp`: parameters and optimizer state replicated "
+                                            "on every device; `fsdp`: each matrix also split along the `data` axis "
+                                            "(ZeRO-3 style), so memory per device falls with device count.")
+    model: Count = Field(1, description="Devices on the `model` axis (Megatron-style tensor parallelism); it must "
+                         "divide the device count. 1: none.")
 
 
 class InLoopEvalConfig(ConfigModel):
@@ -117,8 +125,8 @@ class InLoopEvalConfig(ConfigModel):
     lm_eval_tasks: tuple[str, ...] = Field((), description="lm-eval task names this machine can load "
                                      "(task YAML files are for the evaluate step).")
     limit: Count | None = Field(100, description="Examples per task (the same seeded sample as eval.limit).")
-    num_fewshot: NonNegative = 0
-    batch_size: Count = 16
+    num_fewshot: NonNegative = Field(0, description="Few-shot examples lm-eval puts before each question.")
+    batch_size: Count = Field(16, description="Sequences per forward pass, for the held-out tokens and the tasks.")
 
     @model_validator(mode="after")
     def _check(self) -> "InLoopEvalConfig":
@@ -140,7 +148,7 @@ class InLoopEvalConfig(ConfigModel):
 class LoraConfig(ConfigModel):
     """LoRA adapters (training/lora.py): only they train; the model stays as it started."""
 
-    rank: Count = 8
+    rank: Count = Field(8, description="Inner dimension of each adapter: A is [in, rank], B [rank, out].")
     alpha: Positive = Field(16.0, description="The update is scaled by alpha / rank (peft's lora_alpha).")
     targets: tuple[Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], ...] = Field(
         ("q_proj", "v_proj"), min_length=1, description="The projections of every layer that get an adapter.")
@@ -166,7 +174,10 @@ class InitConfig(ConfigModel):
                            "entering the version by its content. Mode `weights` only.")
     step: Count | Literal["latest"] = Field("latest", description="Which checkpoint of `from`: a step it keeps "
                                             "(the pipeline makes it keep the steps named here), or its last.")
-    mode: Literal["continue", "reset", "weights"] = "continue"
+    mode: Literal["continue", "reset", "weights"] = Field(
+        "continue", description="What it takes from `from`: `continue`, parameters, optimizer state, step counter "
+        "and data position (a new phase of the same run); `reset`, parameters and optimizer moments, with the step "
+        "counter, schedule and data position starting at 0; `weights`, parameters only.")
 
     def kept_step(self, parent_steps: int | None) -> int | None:
         """The step of the parent whose kept state this start reads (`parent_steps`: the steps the
@@ -190,34 +201,48 @@ class InitConfig(ConfigModel):
 class TrainConfig(ConfigModel):
     """The optimisation recipe. `batch_size` is global (sequences per step, over all hosts)."""
 
-    batch_size: Count = 16
-    microbatches: Count = 1  # gradient accumulation: the batch is split into this many parts
-    steps: Count = 300
-    lr: Positive = 3e-3
-    min_lr_ratio: Fraction = 0.1  # the schedule ends at lr * min_lr_ratio
-    warmup: NonNegative = 30
-    schedule: Literal["cosine", "wsd"] = "cosine"
-    decay_fraction: OpenFraction = 0.2  # WSD: the last fraction of steps decays linearly to min_lr
+    batch_size: Count = Field(16, description="Sequences (of model.seq_len tokens) per optimizer step, over all "
+                              "hosts: the global batch.")
+    microbatches: Count = Field(1, description="Gradient accumulation: each batch is split into this many parts, "
+                                "run one after another, and their gradients averaged into one step.")
+    steps: Count = Field(300, description="Optimizer steps the run trains.")
+    lr: Positive = Field(3e-3, description="Peak learning rate, reached at the end of warmup.")
+    min_lr_ratio: Fraction = Field(0.1, description="The schedule ends at lr * min_lr_ratio.")
+    warmup: NonNegative = Field(30, description="Steps of linear warmup up to `lr`; 0: none.")
+    schedule: Literal["cosine", "wsd"] = Field(
+        "cosine", description="After warmup: `cosine`, half a cosine down to lr * min_lr_ratio at the last step; "
+        "`wsd` (warmup-stable-decay), `lr` held, then a linear decay to lr * min_lr_ratio over the last "
+        "`decay_fraction` (or `decay_steps`) of the steps.")
+    decay_fraction: OpenFraction = Field(0.2, description="WSD: the last fraction of the steps decays linearly to "
+                                         "lr * min_lr_ratio.")
     decay_steps: Count | None = identity_when_set(
         None, description="WSD: decay over exactly this many last steps instead of `decay_fraction` of them (a "
         "cooldown branch of a fixed length, whichever step it starts from).")
-    weight_decay: NonNegativeFloat = 0.1  # applied to matrices only, never to norms
-    grad_clip: NonNegativeFloat = 1.0  # global-norm clipping; 0 turns it off
-    beta1: Beta = 0.9
-    beta2: Beta = 0.95
-    eps: Positive = 1e-8
-    seed: Seed = 0
-    eval_batches: Count = 4  # validation batches per evaluation (changes the reported val loss)
-    checkpoint_every: Count = setting(100)
+    weight_decay: NonNegativeFloat = Field(0.1, description="AdamW's decoupled weight decay (times the learning "
+                                           "rate), applied to matrices only, never to norms.")
+    grad_clip: NonNegativeFloat = Field(1.0, description="Clip the gradient's global norm to this; 0 turns "
+                                        "clipping off.")
+    beta1: Beta = Field(0.9, description="Adam's decay rate of the first moment (the gradient's running mean).")
+    beta2: Beta = Field(0.95, description="Adam's decay rate of the second moment (the squared gradient's).")
+    eps: Positive = Field(1e-8, description="Adam's epsilon, added to the denominator of each update.")
+    seed: Seed = Field(0, description="Seeds the initial parameters and the order the loader draws training "
+                       "sequences in.")
+    eval_batches: Count = Field(4, description="Held-out batches each validation loss is measured on (so it "
+                                "changes the reported val_loss); a mixture needs one per source.")
+    checkpoint_every: Count = setting(100, description="Save a checkpoint (the whole train state, to resume from) "
+                                      "every this many steps, and at the last step.")
     checkpoint_every_minutes: Positive | None = setting(
         None, description="Also save a checkpoint once this many minutes of wall time have passed since "
         "the last one (checked at log steps, as host 0's clock sees it). None: by steps only.")
-    log_every: Count = setting(10)
-    eval_every: Count = setting(50)  # only when validation is measured; never changes parameters
-    mesh: MeshConfig = setting(MeshConfig())
-    # Device peak FLOP/s for MFU; None: the declared peak of a known accelerator, or the measured
-    # float32 matmul peak on CPU.
-    peak_flops: Positive | None = setting(None)
+    log_every: Count = setting(10, description="Measure and log a metrics record (loss, lr, grad_norm, tokens/s, "
+                               "MFU) every this many steps, and at the last step.")
+    eval_every: Count = setting(50, description="Measure val_loss every this many steps (at those that are also "
+                                "log steps) and at the last step, when there is held-out data; never changes the "
+                                "parameters.")
+    mesh: MeshConfig = setting(MeshConfig(), description="How parameters and batches are laid out over the "
+                               "devices.")
+    peak_flops: Positive | None = setting(None, description="Peak FLOP/s of one device, for MFU; None: the declared "
+                                          "peak of a known accelerator, or the measured float32 matmul peak on CPU.")
     evals: InLoopEvalConfig | None = setting(None, description="Evaluations during training (held-out bits per "
                                              "byte per source, suite tasks) every N steps; leave out for none.")
     keep_checkpoints: tuple[int, ...] = setting((), description="Steps whose whole state (parameters, optimizer "
@@ -345,8 +370,9 @@ class MixtureConfig(ConfigModel):
 class ResourcesConfig(ConfigModel):
     """Where training runs. None of it changes what is learned, so none of it is identity."""
 
-    hosts: Count = setting(1)  # one Ray task per host, all joined in one JAX distributed runtime
-    cpus_per_host: Count = setting(2)
+    hosts: Count = setting(1, description="Hosts the step trains on: one Ray task per host, all joined in one JAX "
+                           "distributed runtime; batch_size is split over them.")
+    cpus_per_host: Count = setting(2, description="Ray CPUs each host's task asks for.")
     cpu_devices: Count = setting(1, description=(
         "On a CPU host: XLA CPU devices its step is split over, data parallel (one per core of cpus_per_host). "
         "XLA runs most of a small model's ops on one thread, so 2 devices on 2 cores take a small step faster "
@@ -356,16 +382,19 @@ class ResourcesConfig(ConfigModel):
         "run in another order: the same bits for the same setting, rounding-level differences across settings. "
         "Experimental: once, a process with two CPU devices aborted in XLA's all-reduce rendezvous ('only 1 of 2 "
         "threads arrived', after 40 s) when a second program ran right after the step; no shipped config sets it."))
-    gpus_per_host: NonNegative = setting(0)
-    tpu_hosts: bool = setting(False)  # ask Ray for the host's TPU chips ("TPU" resource)
-    tpus_per_host: Count = setting(4)
-    ray_address: str | None = setting(None)  # None: RAY_ADDRESS, else a local Ray in-process
-    # Set XLA's deterministic GPU ops (--xla_gpu_deterministic_ops=true): slower scatters,
-    # bitwise-reproducible runs on the same GPU type.
-    deterministic_gpu: bool = setting(True)
-    # How long a host waits to join the others (JAX's coordinator on host 0's node) before the
-    # step fails with an error naming the host and the address it tried.
-    connect_timeout_s: Count = setting(120)
+    gpus_per_host: NonNegative = setting(0, description="Ray GPUs each host's task asks for; 0 (and no TPUs): "
+                                         "training runs on CPU.")
+    tpu_hosts: bool = setting(False, description="Ask Ray for each host's TPU chips (its `TPU` resource).")
+    tpus_per_host: Count = setting(4, description="With tpu_hosts: the TPU chips each host's task asks for.")
+    ray_address: str | None = setting(None, description="The Ray cluster to train on; None: RAY_ADDRESS, else a Ray "
+                                      "this process is connected to, else kiln's local Ray on this machine "
+                                      "(tasks/engine/local_ray.py).")
+    deterministic_gpu: bool = setting(True, description="On GPU hosts, set XLA's deterministic GPU ops "
+                                      "(--xla_gpu_deterministic_ops=true): slower scatters, bitwise-reproducible "
+                                      "runs on the same GPU type.")
+    connect_timeout_s: Count = setting(120, description="Seconds a host waits to join the others (JAX's "
+                                       "coordinator on host 0's node) before the step fails with an error naming the "
+                                       "host and the address it tried.")
     slots: str | None = setting(None, pattern=r"^[A-Za-z0-9_.-]+$", description="A slot limit this step holds "
                                 "hosts x gpus_per_host slots of (one per host without GPUs) while it trains, so "
                                 "that runs never double-book the accelerators; its size is run.slot_limits' "

@@ -93,33 +93,44 @@ class ScalingConfig(ConfigModel):
     tokens_per_param: float = Field(86.0, gt=0, description="Prior D/N at budget_ref.")
     prior_exponent: float = Field(0.28, gt=0, lt=1, description="Prior N_opt ~ C^prior_exponent.")
     tolerance: float = Field(0.03, gt=0, lt=0.5, description="Largest relative miss of a run's FLOPs.")
-    min_steps: int = Field(20, ge=2)
+    min_steps: int = Field(20, ge=2, description="Fewest steps a run may train: a (budget, size) whose budget buys "
+                           "fewer is an error (BudgetError) naming it.")
     max_size: int = Field(24, ge=2, description="Largest size index k on the ladder.")
     # shape rule
-    width_step: Count = 4
-    aspect: Positive = 48.0  # d_model / n_layers, once past min_layers
-    min_layers: Count = 2
-    head_dim: Count = 4
-    tie_embeddings: bool = False
-    # init_std = init_scale / sqrt(d_model). ModelConfig's 0.02 suits d_model ~ 1000; at d_model
-    # 8-40 it is ~10x below 1/sqrt(fan_in), and runs of few steps then lost a varying part of them
-    # near the unigram loss before learning (measured: +0.18 bits/byte on one run of 325 steps).
-    # None: ModelConfig's init_std.
-    init_scale: Positive | None = 0.5
-    seq_len: Count = 64
+    width_step: Count = Field(4, description="d_model of size index k: width_step * k (a multiple of head_dim).")
+    aspect: Positive = Field(48.0, description="d_model / n_layers, once past min_layers: n_layers = "
+                             "max(min_layers, floor(d_model / aspect + 1/2)).")
+    min_layers: Count = Field(2, description="Fewest layers of any size (one layer cannot form induction heads).")
+    head_dim: Count = Field(4, description="Width of every attention head: n_heads = d_model / head_dim, with as "
+                            "many key/value heads (no GQA).")
+    tie_embeddings: bool = Field(False, description="Tie the output projection to the input embedding. Off by "
+                                 "default: tied, these tiny models sat on the unigram plateau for a number of steps "
+                                 "that varied from run to run.")
+    # ModelConfig's 0.02 suits d_model ~ 1000; at d_model 8-40 it is ~10x below 1/sqrt(fan_in), and
+    # runs of few steps then lost a varying part of them near the unigram loss before learning
+    # (measured: +0.18 bits/byte on one run of 325 steps).
+    init_scale: Positive | None = Field(0.5, description="Each run's init_std is init_scale / sqrt(d_model); None: "
+                                        "ModelConfig's init_std (0.02).")
+    seq_len: Count = Field(64, description="Tokens per training sequence of every run (model.seq_len).")
     # batch rule
-    batch_ref: Count = 32
-    budget_ref: Positive = 1e12
-    batch_exponent: Fraction = 0.33
+    batch_ref: Count = Field(32, description="The batch size at budget_ref: batch_size = batch_ref * (C / "
+                             "budget_ref) ^ batch_exponent, rounded to a multiple of batch_multiple.")
+    budget_ref: Positive = Field(1e12, description="The reference budget (FLOPs) of the batch rule and of the size "
+                                 "prior (tokens_per_param is D/N there).")
+    batch_exponent: Fraction = Field(0.33, description="How the batch grows with the budget (DeepSeek LLM fits the "
+                                     "optimal batch as about C^0.33).")
     batch_multiple: int = Field(1, ge=1, description="e.g. the number of data-parallel devices")
     # learning-rate rule
-    lr_ref: Positive = 5e-3
-    width_ref: Count = 128
-    lr_max: Positive = 2e-2
-    warmup_fraction: HalfOpenFraction = 0.05
-    weight_decay: NonNegativeFloat = 0.1
-    beta2: Beta = 0.95
-    seed: Seed = 0
+    lr_ref: Positive = Field(5e-3, description="The learning rate at width width_ref: lr = min(lr_max, lr_ref * "
+                             "width_ref / d_model), Adam's best rate falling as 1 / width.")
+    width_ref: Count = Field(128, description="The d_model at which the learning rate is lr_ref.")
+    lr_max: Positive = Field(2e-2, description="The highest learning rate of any run.")
+    warmup_fraction: HalfOpenFraction = Field(0.05, description="Warmup as a share of each run's steps (at least "
+                                              "one step), then a cosine decay.")
+    weight_decay: NonNegativeFloat = Field(0.1, description="Every run's train.weight_decay.")
+    beta2: Beta = Field(0.95, description="Every run's train.beta2.")
+    seed: Seed = Field(0, description="Every run's train.seed; with `seeds` > 1 the further runs of a (budget, "
+                       "size) take seed + 1, seed + 2, ...")
     # More than one seed trains every (budget, size) `seeds` times, with seeds seed, seed + 1, ...: the
     # first keeps the run (and the version) a one-seed sweep has, the others are runs of their own
     # (`train/<C>/k<size>/seed<s>`). The fits take every seed as a point and the bootstrap then
