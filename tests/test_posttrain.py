@@ -236,9 +236,16 @@ def test_a_post_trained_model_ends_a_reply_at_end_of_turn_in_kiln_transformers_a
     assert answer["choices"][0]["text"] == "" and answer["choices"][0]["finish_reason"] == "stop"
     assert answer["usage"]["completion_tokens"] == 1  # the stop token
 
-    # lm-eval's generate_until through kiln's adapter (the evaluate step's), as transformers on the export
+    # lm-eval's generate_until: kiln's adapter (the evaluate step's) and lm-eval's hf model on the export
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    request = Instance("generate_until", {}, ("In the beginning", {"until": ["\n\n"], "max_gen_toks": 4}), 0)
+    assert load_kiln_lm(sft_dir, tokenizer_dir, batch_size=1).generate_until([request]) == [""]
+    # (lm-eval's hf model decodes without special tokens, so it answers '' with or without the stop: the stop
+    # itself is the token-level transformers check above; this one checks the two adapters agree)
+    assert HFLM(pretrained=str(export), device="cpu", dtype="float32", batch_size=1).generate_until([request]) == [""]
     prompt_ids = prompt[0, 1:].tolist()
-    assert load_kiln_lm(sft_dir, tokenizer_dir, batch_size=1).generate([prompt_ids], 4, []) == [""]
     (sft_dir / TEMPLATE_FILE).unlink()  # the same weights, not post-trained: only EOS ends a generation
     assert load(sft_dir, tokenizer_dir).stop_ids == (eos,)
     assert load_kiln_lm(sft_dir, tokenizer_dir, batch_size=1).generate([prompt_ids], 4, []) == [END_OF_TURN * 4]
