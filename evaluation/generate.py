@@ -345,7 +345,7 @@ def load_export(folder: Path) -> Model:
     params = jax.tree_util.tree_map(lambda a: jnp.asarray(np.ascontiguousarray(a)), params)
     eos = hf["eos_token_id"]
     generation = folder / "generation_config.json"  # what transformers and vLLM stop at: one id or a list
-    listed = json.loads(generation.read_text()).get("eos_token_id") if generation.is_file() else None
-    listed = listed if isinstance(listed, list) else [] if listed is None else [listed]
+    listed = json.loads(generation.read_text()).get("eos_token_id", eos) if generation.is_file() else eos
+    end_ids = tuple(i for i in (listed if isinstance(listed, list) else [listed]) if i != eos)
     return Model(cfg, params, Tokenizer.from_file(str(folder / "tokenizer.json")), eos, hf.get("bos_token_id"),
-                 tuple(i for i in listed if i != eos))
+                 end_ids)

@@ -26,7 +26,6 @@ from pathlib import Path
 
 import numpy as np
 from safetensors.numpy import save_file
-from tokenizers import Tokenizer
 
 from training.config import ModelConfig
 from training.model import param_count
@@ -156,25 +155,26 @@ def tokenizer_files(tokenizer_json: str, eos_token: str, bos_token: str | None, 
             "special_tokens_map.json": json.dumps(special, indent=2) + "\n"}
 
 
-def generation_eos(tokenizer_json: str, eos_id: int, chat_template: str | None) -> int | list[int]:
+def generation_eos(tokenizer_meta: dict, chat_template: str | None) -> int | list[int]:
     """generation_config.json's `eos_token_id`: EOS; for a post-trained model (it has a chat
     template) also its end-of-turn token, as Llama 3 Instruct lists `<|eot_id|>`, so that
     `transformers` and vLLM end a reply, even one asked for through plain completions, where kiln
-    does (evaluation.generate.Model.stop_ids)."""
+    does (evaluation.generate.Model.stop_ids). The ids come from the tokenizer meta's special tokens."""
     if chat_template is None:
-        return eos_id
-    end_id = Tokenizer.from_str(tokenizer_json).token_to_id(END_OF_TURN)
+        return tokenizer_meta["eos_id"]
+    end_id = tokenizer_meta["special_tokens"].get(END_OF_TURN)
     if end_id is None:
         raise ValueError(f"the model has a chat template but its tokenizer lacks {END_OF_TURN}: export it with "
                          "the tokenizer it was post-trained with")
-    return [eos_id, end_id]
+    return [tokenizer_meta["eos_id"], end_id]
 
 
 def export_hf(cfg: ModelConfig, params: dict, tokenizer_json: str, tokenizer_meta: dict, out_dir: Path,
               chat_template: str | None = None) -> dict:
     """Write the Hugging Face folder (everything but the model card) into `out_dir`; return stats.
 
-    `tokenizer_meta` is the tokenizer step's meta: eos_token, eos_id, bos_token, bos_id, vocab_size.
+    `tokenizer_meta` is the tokenizer step's meta: eos_token, eos_id, bos_token, bos_id, vocab_size,
+    special_tokens.
     """
     out_dir = Path(out_dir)
     if tokenizer_meta["vocab_size"] > cfg.vocab_size:
@@ -185,7 +185,7 @@ def export_hf(cfg: ModelConfig, params: dict, tokenizer_json: str, tokenizer_met
     weights = hf_state_dict(params, cfg)
     save_file(weights, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(hf_config(cfg, bos_id, eos_id), indent=2) + "\n")
-    generation = {"bos_token_id": bos_id, "eos_token_id": generation_eos(tokenizer_json, eos_id, chat_template),
+    generation = {"bos_token_id": bos_id, "eos_token_id": generation_eos(tokenizer_meta, chat_template),
                   "pad_token_id": eos_id, "do_sample": False, "max_length": cfg.seq_len}
     (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     files = tokenizer_files(tokenizer_json, tokenizer_meta["eos_token"], tokenizer_meta.get("bos_token"), cfg.seq_len,
