@@ -12,8 +12,11 @@ bucket lengths (`evaluation.scoring.buckets`), so a whole evaluation compiles a 
 Requests are sorted by length so each batch pads little, and answers come back in request order.
 
 Tokenization matches the tokenize step: text is encoded without special tokens, and special-token
-strings inside it stay ordinary text (unless `parse_special_tokens`, for prompts that carry chat
-markers on purpose). An empty context is replaced by the BOS token, or EOS when the tokenizer has
+strings inside it stay ordinary text. Generated special tokens are dropped from an answer, as
+lm-eval's hf model (and vLLM) decode it. `parse_special_tokens` is for prompts and answers that
+carry chat markers on purpose (kiln's chat evaluation, DPO's generated answers): their strings in
+a prompt become their tokens, and they stay in the answer, where a stop string can find them.
+An empty context is replaced by the BOS token, or EOS when the tokenizer has
 no BOS, which is what precedes every document in training.
 """
 
@@ -53,6 +56,7 @@ class KilnLM(TemplateLM):
         self.cfg, self.params = cfg, params
         self.tok = Tokenizer.from_str(tokenizer.to_str())  # a copy: we change how it reads specials
         self.tok.encode_special_tokens = not parse_special_tokens
+        self.skip_special_tokens = not parse_special_tokens
         self.eos_id, self.bos_id = eos_id, bos_id
         # generation also ends at these (a post-trained model's <|end|>: evaluation.generate.turn_end_ids),
         # as transformers ends it at the export's generation_config.json eos_token_id list
@@ -82,7 +86,7 @@ class KilnLM(TemplateLM):
         return self.tok.encode(string, add_special_tokens=False).ids
 
     def tok_decode(self, tokens: list[int]) -> str:
-        return self.tok.decode(list(tokens), skip_special_tokens=False)
+        return self.tok.decode(list(tokens), skip_special_tokens=self.skip_special_tokens)
 
     def get_model_info(self) -> dict:
         return {"model": "kiln", "params": param_count(self.params), "seq_len": self.cfg.seq_len,

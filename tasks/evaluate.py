@@ -38,7 +38,8 @@ if TYPE_CHECKING:  # lm-eval (with datasets and pandas) and JAX load when a mode
     from evaluation.adapter import KilnLM
 
 # 2: a post-trained model's generated answers end at <|end|> (lm-eval tasks that generate)
-STAGE_VERSION = 2
+# 3: generated special tokens are dropped from an lm-eval answer, as lm-eval's hf model drops them
+STAGE_VERSION = 3
 SUITE_DIR = "tasks"
 RESULTS_FILE = "results.json"
 

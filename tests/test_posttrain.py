@@ -151,6 +151,18 @@ def test_row_batches_are_a_pure_function_of_the_step():
         np.testing.assert_array_equal(a.batch_at(step)["x"], b.batch_at(step)["x"])
 
 
+def answering(token: int) -> dict:
+    """tiny_model's parameters made to answer `token` after any prompt: every embedding row (the
+    output layer is tied to it) points the residual stream along dimension 0, and `token`'s row
+    most of all, so its logit leads."""
+    params = jax.tree_util.tree_map(np.asarray, tiny_model()[1])
+    embedding = params["embed_tokens"]["embedding"].copy()
+    embedding[:, 0] += 10.0
+    embedding[token, 0] += 20.0
+    params["embed_tokens"]["embedding"] = embedding
+    return params
+
+
 def export_post_trained(tmp_path, params: dict) -> tuple:
     """`params` (tiny_model's config) saved as a post-trained output (the train layout plus its chat
     template) and exported by the export step, with a real tokenizer step's output: the folders
@@ -200,9 +212,8 @@ def test_a_post_trained_model_ends_a_reply_at_end_of_turn_in_kiln_transformers_a
     """Plain generation (no chat template applied) on a post-trained model stops at `<|end|>`, as
     vLLM does with a Llama 3 Instruct export: kiln's generate on the SFT folder and on its export,
     `transformers` through generation_config.json, `kiln serve-model`'s /v1/completions, and the
-    lm-eval adapter's generate_until (the evaluate step's). The
-    model is made to answer `<|end|>` at once (its embedding row leads on one dimension every row
-    shares), so without the stop each would go on for all `max_tokens`."""
+    lm-eval adapter's generate_until (the evaluate step's). The model is made to answer `<|end|>`
+    at once (`answering`), so without the stop each would go on for all `max_tokens`."""
     torch, transformers = needs("torch"), needs("transformers")
     import httpx
 
@@ -212,12 +223,7 @@ def test_a_post_trained_model_ends_a_reply_at_end_of_turn_in_kiln_transformers_a
     from tests.test_serve_model import serving
 
     eos, end = tokenizer().token_to_id(GPT2_EOS), tokenizer().token_to_id(END_OF_TURN)
-    params = jax.tree_util.tree_map(np.asarray, tiny_model()[1])
-    embedding = params["embed_tokens"]["embedding"].copy()
-    embedding[:, 0] += 10.0  # every row: the residual stream points along dimension 0 ...
-    embedding[end, 0] += 20.0  # ... and <|end|>'s row most of all, so its logit leads
-    params["embed_tokens"]["embedding"] = embedding
-    tokenizer_dir, sft_dir, export = export_post_trained(tmp_path, params)
+    tokenizer_dir, sft_dir, export = export_post_trained(tmp_path, answering(end))
 
     assert json.loads((export / "generation_config.json").read_text())["eos_token_id"] == [eos, end]
     for folder in (sft_dir, export):
@@ -248,7 +254,32 @@ def test_a_post_trained_model_ends_a_reply_at_end_of_turn_in_kiln_transformers_a
     prompt_ids = prompt[0, 1:].tolist()
     (sft_dir / TEMPLATE_FILE).unlink()  # the same weights, not post-trained: only EOS ends a generation
     assert load(sft_dir, tokenizer_dir).stop_ids == (eos,)
-    assert load_kiln_lm(sft_dir, tokenizer_dir, batch_size=1).generate([prompt_ids], 4, []) == [END_OF_TURN * 4]
+    unfinished = load_kiln_lm(sft_dir, tokenizer_dir, batch_size=1, parse_special_tokens=True)  # keeps <|end|> text
+    assert unfinished.generate([prompt_ids], 4, []) == [END_OF_TURN * 4]
+
+
+def test_lm_eval_answers_drop_generated_special_tokens_as_lm_evals_hf_model_does(tmp_path):
+    """A model that answers `<|user|>` (special, but it ends nothing) generates it four times in
+    transformers; lm-eval's hf model decodes the answer without special tokens, and so does kiln's
+    adapter. Where chat markers are the point (kiln's chat evaluation, DPO's generated answers:
+    `parse_special_tokens`), the adapter keeps them."""
+    torch, transformers = needs("torch"), needs("transformers")
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from tasks.evaluate import load_kiln_lm
+
+    user = tokenizer().token_to_id("<|user|>")
+    tokenizer_dir, sft_dir, export = export_post_trained(tmp_path, answering(user))
+    prompt = torch.tensor([[tokenizer().token_to_id(GPT2_EOS), *tokenizer().encode("In the beginning").ids]])
+    out = transformers.AutoModelForCausalLM.from_pretrained(str(export)).generate(prompt, max_new_tokens=4)
+    assert out[0, prompt.shape[1]:].tolist() == [user] * 4
+
+    request = Instance("generate_until", {}, ("In the beginning", {"until": ["\n\n"], "max_gen_toks": 4}), 0)
+    assert HFLM(pretrained=str(export), device="cpu", dtype="float32", batch_size=1).generate_until([request]) == [""]
+    assert load_kiln_lm(sft_dir, tokenizer_dir, batch_size=1).generate_until([request]) == [""]
+    chat = load_kiln_lm(sft_dir, tokenizer_dir, batch_size=1, parse_special_tokens=True)
+    assert chat.generate_until([request]) == ["<|user|>" * 4]
 
 
 def test_held_out_chat_data_asks_continuations_and_labels_of_held_out_documents_only():
