@@ -41,20 +41,19 @@ def test_a_lease_is_renewed_while_its_holder_lives_and_ends_when_it_dies(redis_u
 
     script = tmp_path / "hold.py"
     script.write_text(HOLD_SCRIPT)
-    proc = subprocess.Popen([sys.executable, str(script), redis_url], cwd=REPO, stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
-    try:
-        assert proc.stdout.readline().strip() == "HOLDING"
-        assert other.is_locked("step-x")
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        t0 = time.monotonic()
-        assert other.acquire_lock("step-x", holder="next", acquire_timeout=10)
-        assert time.monotonic() - t0 < 5  # freed within about one lease, not never
-        other.release_lock("step-x", holder="next")
-    finally:
-        proc.kill()
-        proc.wait()
+    with subprocess.Popen([sys.executable, str(script), redis_url], cwd=REPO, stdout=subprocess.PIPE, text=True,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}) as proc:  # closes its pipe on the way out
+        try:
+            assert proc.stdout.readline().strip() == "HOLDING"
+            assert other.is_locked("step-x")
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            t0 = time.monotonic()
+            assert other.acquire_lock("step-x", holder="next", acquire_timeout=10)
+            assert time.monotonic() - t0 < 5  # freed within about one lease, not never
+            other.release_lock("step-x", holder="next")
+        finally:
+            proc.kill()
 
 
 TOY = textwrap.dedent('''
