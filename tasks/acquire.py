@@ -156,6 +156,19 @@ def is_url(path: str) -> bool:
     return re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", path) is not None and not path.startswith("file://")
 
 
+class _ClosingGzipFile(gzip.GzipFile):
+    """A gunzipping stream that also closes the file under it: GzipFile leaves a `fileobj` it was
+    given open, so each `.gz` source kept a file (or a remote connection) open until collected."""
+
+    def close(self) -> None:
+        under = self.fileobj
+        try:
+            super().close()
+        finally:
+            if under is not None:
+                under.close()
+
+
 @dataclass(frozen=True)
 class SourceFile:
     """One file a source reads: a local path, or a path on an fsspec filesystem."""
@@ -177,7 +190,7 @@ class SourceFile:
             raw = io.BufferedReader(self.fs.open(self.path, "rb", block_size=0))  # lines without seeking
         else:
             raw = self.fs.open(self.path, "rb")
-        return gzip.GzipFile(fileobj=raw, mode="rb") if self.name.endswith(".gz") else raw
+        return _ClosingGzipFile(fileobj=raw, mode="rb") if self.name.endswith(".gz") else raw
 
     def identity(self) -> str:
         """What the file holds now: a local file's sha256; for a remote one the ETag or checksum

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.acquire import AcquireConfig, SourceConfig, acquire_step, run_acquire, source_fingerprint
+from tasks.acquire import AcquireConfig, SourceConfig, SourceFile, acquire_step, run_acquire, source_fingerprint
 from tasks.documents import BadRecord, read_documents
 from tasks.engine.step import StepContext
 
@@ -78,6 +78,16 @@ def test_hf_dataset_saved_to_disk(tmp_path):
     datasets.Dataset.from_dict({"text": ["alpha", "beta"], "id": ["a", "b"]}).save_to_disk(str(tmp_path / "ds"))
     stats, docs = run(tmp_path, sources=[SourceConfig(name="hf", kind="hf_dataset", paths=[str(tmp_path / "ds")])])
     assert [d["id"] for d in docs] == ["hf/a", "hf/b"] and docs[1]["text"] == "beta"
+
+
+def test_a_gz_source_closes_the_file_under_it(tmp_path):
+    with gzip.open(tmp_path / "a.jsonl.gz", "wb") as f:
+        f.write(b'{"text": "alpha"}\n')
+    stream = SourceFile(location=str(tmp_path / "a.jsonl.gz")).open()
+    under = stream.fileobj
+    with stream:
+        assert stream.read() == b'{"text": "alpha"}\n'
+    assert under.closed  # gzip.GzipFile alone leaves a given file open until it is collected
 
 
 def test_bad_records_are_counted_by_reason_or_fatal_when_strict(tmp_path):
