@@ -5,7 +5,8 @@ default; docs/serving.md is the user's page.
 
     GET  /v1/models               the one model served here, under its name
     POST /v1/completions          text or token-id prompts; echo; logprobs of the prompt and of the
-                                  new tokens; max_tokens, temperature, top_p, stop, seed
+                                  new tokens; max_tokens, temperature, top_p, stop, seed,
+                                  skip_special_tokens (vLLM's, default true)
     POST /v1/chat/completions     messages rendered with the model's chat template (SFT and DPO
                                   outputs have its tokens); 400 for a model without them
     POST /tokenize, /detokenize   vLLM's tokenizer endpoints, and GET /tokenizer_info: with them
@@ -95,6 +96,9 @@ class _Body(BaseModel):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # vLLM's: special tokens the model generates (<|user|>, ...) are left out of the answer's text and
+    # of its logprobs' token strings, as vLLM leaves them out by default; false keeps them
+    skip_special_tokens: bool = True
 
     @field_validator(*NEUTRAL_ONLY, check_fields=False)
     @classmethod
@@ -297,7 +301,7 @@ class Service:
             self.no_template = f"its tokenizer lacks the chat tokens {missing}"
         else:
             self.template, self.end_id = ChatTemplate(model.tokenizer), model.tokenizer.token_to_id(END_OF_TURN)
-        self._pieces: dict[int, str] = {}
+        self._pieces: dict[tuple[int, bool], str] = {}
 
     # --- helpers --------------------------------------------------------------------------------
 
@@ -306,13 +310,15 @@ class Service:
             raise ApiError(404, f"the model {name!r} is not served here: this server serves {self.name!r} "
                            "(GET /v1/models); send that name, or leave `model` out", "model")
 
-    def piece(self, token: int) -> str:
-        if token not in self._pieces:
-            self._pieces[token] = self.model.tokenizer.decode([token], skip_special_tokens=False)
-        return self._pieces[token]
+    def piece(self, token: int, skip_special: bool = False) -> str:
+        """One token's text ('' for a special token when `skip_special`)."""
+        key = (token, skip_special)
+        if key not in self._pieces:
+            self._pieces[key] = self.model.tokenizer.decode([token], skip_special_tokens=skip_special)
+        return self._pieces[key]
 
-    def decode(self, ids: list[int]) -> str:
-        return self.model.tokenizer.decode(ids, skip_special_tokens=False)
+    def decode(self, ids: list[int], skip_special: bool = False) -> str:
+        return self.model.tokenizer.decode(ids, skip_special_tokens=skip_special)
 
     def check_fits(self, ids: list[int], max_tokens: int, param: str) -> None:
         T = self.model.cfg.seq_len
@@ -332,13 +338,14 @@ class Service:
     async def run(self, jobs: list[Job]) -> list[Result]:
         return await asyncio.gather(*(asyncio.wrap_future(self.batcher.submit(j)) for j in jobs))
 
-    def cut(self, sampled: Sampled, stops: list[str]) -> tuple[list[int], str, str]:
-        """(the tokens kept, their text, finish_reason) after cutting at the first stop string."""
-        text = self.decode(sampled.ids)
+    def cut(self, sampled: Sampled, stops: list[str], skip_special: bool) -> tuple[list[int], str, str]:
+        """(the tokens kept, their text, finish_reason) after cutting at the first stop string,
+        which is looked for in the text as the answer shows it (as vLLM does)."""
+        text = self.decode(sampled.ids, skip_special)
         at = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
         if at < 0:
             return sampled.ids, text, "stop" if sampled.stopped else "length"
-        ends = np.cumsum([len(self.piece(t)) for t in sampled.ids])
+        ends = np.cumsum([len(self.piece(t, skip_special)) for t in sampled.ids])
         keep = int(np.searchsorted(ends, at, side="left")) + 1 if at > 0 else 0  # through the token holding `at`
         return sampled.ids[:keep], text[:at], "stop"
 
@@ -365,7 +372,7 @@ class Service:
         results = await self.run(jobs)
         choices, used = [], 0
         for i, ((ids, text, added), result) in enumerate(zip(encoded, results)):
-            new, new_text, finish = self.cut(result.sampled, body.stop_strings())
+            new, new_text, finish = self.cut(result.sampled, body.stop_strings(), body.skip_special_tokens)
             used += spent(new, result.sampled)
             prompt_text = (text if text is not None else self.decode(ids)) if body.echo else ""
             logprobs = None
@@ -377,30 +384,35 @@ class Service:
                 tokens += new
                 lps += result.sampled.logprobs[:n]
                 tops += result.sampled.top[:n]
-                logprobs = self.completion_logprobs(tokens, lps, tops, body.logprobs, hidden=int(body.echo and added))
+                logprobs = self.completion_logprobs(tokens, lps, tops, body.logprobs, hidden=int(body.echo and added),
+                                                    generated=len(tokens) - n, skip_special=body.skip_special_tokens)
             choices.append({"index": i, "text": prompt_text + new_text, "logprobs": logprobs, "finish_reason": finish})
         return {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": int(time.time()),
                 "model": self.name, "choices": choices,
                 "usage": self.usage(sum(len(ids) for ids, _, _ in encoded), used)}
 
-    def completion_logprobs(self, tokens: list[int], lps: list, tops: list, k: int, hidden: int) -> dict:
+    def completion_logprobs(self, tokens: list[int], lps: list, tops: list, k: int, hidden: int,
+                            generated: int, skip_special: bool) -> dict:
         """OpenAI's completion logprobs. `top_logprobs[i]`: the k most likely tokens at i and the token
         chosen (as vLLM); null where nothing came before. `text_offset[i]`: where token i's text starts
-        in `text`; the first `hidden` tokens (the start token before a text prompt) add none."""
+        in `text`; the first `hidden` tokens (the start token before a text prompt) add none. Tokens
+        from `generated` on are the new ones, whose strings follow `skip_special`; an echoed
+        prompt's are its text as sent."""
         offsets, at = [], 0
         top_dicts: list[dict | None] = []
         for i, (token, lp, top) in enumerate(zip(tokens, lps, tops)):
+            skip = skip_special and i >= generated
             offsets.append(at)
-            at += 0 if i < hidden else len(self.piece(token))
+            at += 0 if i < hidden else len(self.piece(token, skip))
             if lp is None:
                 top_dicts.append(None)
                 continue
             entry = {}
             for alt, alt_lp in [*top[:k], (token, lp)]:
-                entry.setdefault(self.piece(alt), alt_lp)
+                entry.setdefault(self.piece(alt, skip), alt_lp)
             top_dicts.append(entry)
-        return {"tokens": [self.piece(t) for t in tokens], "token_logprobs": lps, "top_logprobs": top_dicts,
-                "text_offset": offsets}
+        pieces = [self.piece(t, skip_special and i >= generated) for i, t in enumerate(tokens)]
+        return {"tokens": pieces, "token_logprobs": lps, "top_logprobs": top_dicts, "text_offset": offsets}
 
     # --- /v1/chat/completions ----------------------------------------------------------------------
 
@@ -424,10 +436,10 @@ class Service:
         k = (body.top_logprobs or 0) if body.logprobs else None
         (result,) = await self.run([Job(self.row(body, ids, max_tokens, (*self.model.stop_ids, self.end_id)),
                                         top_logprobs=k)])
-        new, text, finish = self.cut(result.sampled, body.stop_strings())
+        new, text, finish = self.cut(result.sampled, body.stop_strings(), body.skip_special_tokens)
         logprobs = None
         if body.logprobs:
-            logprobs = {"content": [self.chat_logprob(t, lp, top[:k]) for t, lp, top in
+            logprobs = {"content": [self.chat_logprob(t, lp, top[:k], body.skip_special_tokens) for t, lp, top in
                                     zip(new, result.sampled.logprobs, result.sampled.top)]}
         return {"id": f"chatcmpl-{secrets.token_hex(12)}", "object": "chat.completion", "created": int(time.time()),
                 "model": self.name,
@@ -435,9 +447,9 @@ class Service:
                              "finish_reason": finish}],
                 "usage": self.usage(len(ids), spent(new, result.sampled))}
 
-    def chat_logprob(self, token: int, lp: float, top: list[tuple[int, float]]) -> dict:
+    def chat_logprob(self, token: int, lp: float, top: list[tuple[int, float]], skip_special: bool) -> dict:
         def entry(t: int, value: float) -> dict:
-            piece = self.piece(t)
+            piece = self.piece(t, skip_special)
             return {"token": piece, "logprob": value, "bytes": list(piece.encode("utf-8"))}
 
         return {**entry(token, lp), "top_logprobs": [entry(t, v) for t, v in top]}

@@ -306,3 +306,39 @@ def test_held_out_chat_data_asks_continuations_and_labels_of_held_out_documents_
     # continuations only, when asked
     plain, _ = heldout_records(iter(docs), cfg.model_copy(update={"label_field": None}))
     assert [c["id"] for c in plain] == [c["id"] for c in convs if not c["id"].endswith("/label")]
+
+
+def test_the_server_leaves_generated_special_tokens_out_of_its_text_unless_asked_as_vllm_does(tmp_path):
+    """`kiln serve-model` takes vLLM's `skip_special_tokens` (default true): a model that answers
+    `<|user|>` (special, but it ends nothing) gets '' for text, token strings and chat content,
+    and a stop string is looked for in that text; with false the tokens are shown and can stop it."""
+    import httpx
+
+    from evaluation.generate import load
+    from evaluation.server import Service
+    from tests.test_serve_model import serving
+
+    tokenizer_dir, sft_dir, _ = export_post_trained(tmp_path, answering(tokenizer().token_to_id("<|user|>")))
+    ask = {"prompt": "In the beginning", "max_tokens": 4, "temperature": 0, "logprobs": 1}
+    chat = {"messages": [{"role": "user", "content": "Who?"}], "max_tokens": 4, "temperature": 0, "logprobs": True}
+    with serving(Service(load(sft_dir, tokenizer_dir), "sft")) as url:
+        def post(path: str, **body) -> dict:
+            response = httpx.post(f"{url}{path}", json=body, timeout=60)
+            assert response.status_code == 200, response.text
+            return response.json()["choices"][0]
+
+        skipped, shown = post("/v1/completions", **ask), post("/v1/completions", **ask, skip_special_tokens=False)
+        assert (skipped["text"], skipped["logprobs"]["tokens"], skipped["logprobs"]["text_offset"]) == ("", [""] * 4,
+                                                                                                       [0] * 4)
+        assert (shown["text"], shown["logprobs"]["tokens"]) == ("<|user|>" * 4, ["<|user|>"] * 4)
+        assert shown["logprobs"]["text_offset"] == [0, 8, 16, 24]
+        assert skipped["logprobs"]["token_logprobs"] == shown["logprobs"]["token_logprobs"]  # the same tokens
+
+        assert post("/v1/completions", **ask, stop="<|user|>")["finish_reason"] == "length"  # not in the text
+        stopped = post("/v1/completions", **ask, stop="<|user|>", skip_special_tokens=False)
+        assert (stopped["text"], stopped["finish_reason"]) == ("", "stop")
+
+        assert post("/v1/chat/completions", **chat)["message"]["content"] == ""
+        answer = post("/v1/chat/completions", **chat, skip_special_tokens=False)
+        assert answer["message"]["content"] == "<|user|>" * 4
+        assert [c["token"] for c in answer["logprobs"]["content"]] == ["<|user|>"] * 4
