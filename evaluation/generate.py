@@ -9,6 +9,10 @@ et al. 2020). Randomness comes from one PRNG key per row made from its seed, fol
 token's index, so the same seed, prompt and settings give the same text, alone or in a batch.
 Temperature 0 is greedy: the argmax at every step, no randomness.
 
+A row can be streamed (`Request.stream`): each token goes to its callback as the loop draws it,
+through a host callback inside the compiled loop (`jax.experimental.io_callback`), so a server
+sends text while the batch is still decoding; the batch's tokens are the same either way.
+
 Models: a train, SFT or DPO output folder (`model.json`, `params.safetensors`; the tokenizer is
 found through its lineage, or given), or an export folder (Hugging Face layout: `config.json`,
 `model.safetensors`, `tokenizer.json`). No Prefect here.
@@ -17,13 +21,16 @@ found through its lineage, or given), or an export folder (Hugging Face layout: 
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import io_callback
 from tokenizers import Tokenizer
 
 from training.config import ModelConfig
@@ -68,6 +75,9 @@ class Request:
     top_p: float = 1.0
     seed: int = 0
     stop_ids: tuple[int, ...] = ()  # end the row after any of these (not returned)
+    # called as stream(i, token) with each new token as it is drawn (i counts from 0; the stop token
+    # is not sent); a failed batch may run again, sending the same (i, token) pairs again
+    stream: Callable[[int, int], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -134,9 +144,16 @@ def sample_batch(model: Model, rows: list[Request], top_logprobs: int | None = N
         keys[b] = seed_key(r.seed)
         stops[b, :len(r.stop_ids)] = r.stop_ids
         settings[:, b] = r.temperature, r.top_p, r.max_tokens
-    ids, logprobs, top_ids, top_lps = jax.device_get(_decode_rows(
-        model.params, tokens, positions, keys, settings[0], settings[1], settings[2].astype(np.int32), stops,
-        cfg=model.cfg, cache_len=P + W, top_k=top_k_size(top_logprobs)))
+    streamed = any(r.stream is not None for r in rows)
+    tag = next(_stream_tags)
+    if streamed:
+        _STREAMS[tag] = _RowStreams(rows)
+    try:
+        ids, logprobs, top_ids, top_lps = jax.device_get(_decode_rows(
+            model.params, tokens, positions, keys, settings[0], settings[1], settings[2].astype(np.int32), stops,
+            np.int32(tag), cfg=model.cfg, cache_len=P + W, top_k=top_k_size(top_logprobs), stream=streamed))
+    finally:
+        _STREAMS.pop(tag, None)
     out = []
     for b, r in enumerate(rows):
         row = ids[b, :r.max_tokens].tolist()
@@ -150,6 +167,33 @@ def sample_batch(model: Model, rows: list[Request], top_logprobs: int | None = N
     return out
 
 
+class _RowStreams:
+    """Hands each streamed row its tokens from the loop's per-step callback, until the row ends."""
+
+    def __init__(self, rows: list[Request]):
+        self.rows, self.ended = rows, [r.stream is None for r in rows]
+
+    def __call__(self, i: int, tokens: np.ndarray) -> None:
+        for b, r in enumerate(self.rows):
+            if self.ended[b]:
+                continue
+            token = int(tokens[b])
+            if token in r.stop_ids:
+                self.ended[b] = True
+                continue
+            self.ended[b] = i + 1 >= r.max_tokens
+            r.stream(i, token)
+
+
+_STREAMS: dict[int, _RowStreams] = {}  # a streaming sample_batch call's tag -> its rows' callbacks
+_stream_tags = itertools.count()
+
+
+def _send_tokens(tag, i, tokens) -> None:
+    """The host side of the loop's callback: step i's tokens [B] to the rows of call `tag`."""
+    _STREAMS[int(tag)](int(i), np.asarray(tokens))
+
+
 def seed_key(seed: int) -> np.ndarray:
     """A raw PRNG key (uint32 [2]) from any integer seed, taken modulo 2**64; for seeds in
     [0, 2**32) it is `jax.random.PRNGKey(seed)`."""
@@ -157,14 +201,15 @@ def seed_key(seed: int) -> np.ndarray:
     return np.array([seed >> 32, seed & 0xFFFFFFFF], np.uint32)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "cache_len", "top_k"))
-def _decode_rows(params, tokens, positions, keys, temperature, top_p, max_new, stop_ids, *, cfg: ModelConfig,
-                 cache_len: int, top_k: int | None):
+@functools.partial(jax.jit, static_argnames=("cfg", "cache_len", "top_k", "stream"))
+def _decode_rows(params, tokens, positions, keys, temperature, top_p, max_new, stop_ids, tag, *, cfg: ModelConfig,
+                 cache_len: int, top_k: int | None, stream: bool = False):
     """Left-padded prompts tokens, positions [B, P] -> new tokens [B, W] (W = cache_len - P), their
     log-probabilities [B, W] and the top_k most likely alternatives' ids and log-probabilities
     [B, W, top_k] (top_k None: no log-probabilities, zeros). Row b is done after max_new[b]
     tokens or one in stop_ids[b]; what a done row draws after that is never read. One prefill,
-    then a while loop of one-token steps that ends once every row is done."""
+    then a while loop of one-token steps that ends once every row is done. With `stream`, each
+    step's tokens also go to the host as they are drawn (`_send_tokens(tag, i, tokens)`), in order."""
     B, P = tokens.shape
     W = cache_len - P
     logits, cache = prefill(params, cfg, tokens, init_cache(cfg, B, cache_len), positions)
@@ -180,6 +225,8 @@ def _decode_rows(params, tokens, positions, keys, temperature, top_p, max_new, s
             best, alternatives = jax.lax.top_k(logp, top_k)
             top_ids, top_lps = top_ids.at[:, i].set(alternatives), top_lps.at[:, i].set(best)
         done = done | (token[:, None] == stop_ids).any(axis=-1) | (i + 1 >= max_new)
+        if stream:
+            io_callback(_send_tokens, None, tag, i, token, ordered=True)
         return token, (ids, lps, top_ids, top_lps), done
 
     out = (jnp.zeros((B, W), jnp.int32), jnp.zeros((B, W), jnp.float32),

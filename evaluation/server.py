@@ -6,7 +6,7 @@ default; docs/serving.md is the user's page.
     GET  /v1/models               the one model served here, under its name
     POST /v1/completions          text or token-id prompts; echo; logprobs of the prompt and of the
                                   new tokens; max_tokens, temperature, top_p, stop, seed,
-                                  skip_special_tokens (vLLM's, default true)
+                                  skip_special_tokens (vLLM's, default true); stream
     POST /v1/chat/completions     messages rendered with the model's chat template (SFT and DPO
                                   outputs have its tokens); 400 for a model without them
     POST /tokenize, /detokenize   vLLM's tokenizer endpoints, and GET /tokenizer_info: with them
@@ -17,7 +17,8 @@ batch: new tokens by `evaluation.generate.sample_batch` (one prefill and one com
 loop over the KV cache, each row as it would come out alone), an echoed prompt's
 log-probabilities by `evaluation.scoring.make_prompt_scorer` (the lm-eval adapter's
 computation). If a batch fails, its requests run again one by one, so an error fails only the
-request that causes it. A bad request gets a 4xx with an OpenAI-style body, `{"error": {"message",
+request that causes it. With `stream`, each token comes from inside the decoding loop
+(`Request.stream`) and is sent as server-sent events while the batch decodes. A bad request gets a 4xx with an OpenAI-style body, `{"error": {"message",
 "type", "param", "code"}}`, whose message says what to change; the server goes on answering.
 
 No Prefect and no Ray here.
@@ -28,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import json
 import queue
 import secrets
 import signal
@@ -35,13 +37,13 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, AsyncIterator, Callable, Literal
 
 import jax
 import numpy as np
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationInfo, field_validator
 from starlette.exceptions import HTTPException
 from tokenizers import Tokenizer
@@ -70,7 +72,6 @@ class ApiError(Exception):
 NEUTRAL_ONLY = {
     "n": ((1,), "only n=1 is supported: send the request n times with different seeds"),
     "best_of": ((None, 1), "only best_of=1 is supported"),
-    "stream": ((False,), "streaming is not supported: send stream=false and read the whole answer"),
     "presence_penalty": ((0,), "penalties are not supported: leave them out (or 0)"),
     "frequency_penalty": ((0,), "penalties are not supported: leave them out (or 0)"),
     "logit_bias": ((None, {}), "logit_bias is not supported: leave it out"),
@@ -78,9 +79,14 @@ NEUTRAL_ONLY = {
 }
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False  # a last chunk with `usage` and no choices (and `usage: null` before it)
+
+
 class _Body(BaseModel):
     """What both endpoints take. Fields OpenAI defines that kiln does not implement are accepted
-    at their neutral values only (n=1, no penalties, no streaming); any other field is an error."""
+    at their neutral values only (n=1, no penalties); any other field is an error."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -91,7 +97,8 @@ class _Body(BaseModel):
     stop: StrictStr | list[StrictStr] | None = None
     seed: StrictInt | None = None  # None: a fresh random seed
     n: StrictInt = 1
-    stream: bool = False
+    stream: bool = False  # server-sent events, text as it is generated (Service.stream)
+    stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
@@ -111,6 +118,15 @@ class _Body(BaseModel):
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         return [s for s in stops if s]
+
+    def check_stream(self, unstreamed: dict[str, bool]) -> None:
+        """400 for stream_options without stream, and for the fields in `unstreamed` that are set
+        while streaming (their answers are not streamed)."""
+        if self.stream_options is not None and not self.stream:
+            raise ApiError(400, "stream_options needs stream=true", "stream_options")
+        for field, is_set in unstreamed.items():
+            if self.stream and is_set:
+                raise ApiError(400, f"{field} is not streamed: send stream=false to get it", field)
 
 
 class CompletionBody(_Body):
@@ -331,9 +347,10 @@ class Service:
             raise ApiError(400, f"token ids {bad[:5]} are outside this model's vocabulary of "
                            f"{self.model.cfg.vocab_size}", param)
 
-    def row(self, body: _Body, ids: list[int], max_tokens: int, stop_ids: tuple[int, ...]) -> Request:
+    def row(self, body: _Body, ids: list[int], max_tokens: int, stop_ids: tuple[int, ...],
+            stream: Callable[[int, int], None] | None = None) -> Request:
         seed = secrets.randbits(64) if body.seed is None else body.seed
-        return Request(ids, max_tokens, body.temperature, body.top_p, seed, stop_ids)
+        return Request(ids, max_tokens, body.temperature, body.top_p, seed, stop_ids, stream)
 
     async def run(self, jobs: list[Job]) -> list[Result]:
         return await asyncio.gather(*(asyncio.wrap_future(self.batcher.submit(j)) for j in jobs))
@@ -354,7 +371,7 @@ class Service:
 
     # --- /v1/completions ----------------------------------------------------------------------------
 
-    async def completions(self, body: CompletionBody) -> dict:
+    async def completions(self, body: CompletionBody) -> dict | AsyncIterator[str]:
         self.check_model(body.model)
         max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
         several = isinstance(body.prompt, list) and not isinstance(body.prompt[0], int)
@@ -367,6 +384,10 @@ class Service:
                 encoded.append((list(p), None, False))
             self.check_fits(encoded[-1][0], max_tokens, "prompt")
         want_logprobs = body.logprobs is not None
+        body.check_stream({"logprobs": want_logprobs, "echo": body.echo})
+        if body.stream:
+            rows = [(ids, max_tokens, self.model.stop_ids) for ids, _, _ in encoded]
+            return self.stream(body, "text_completion", rows, lambda piece: {"text": piece, "logprobs": None})
         jobs = [Job(self.row(body, ids, max_tokens, self.model.stop_ids), body.echo and want_logprobs, body.logprobs)
                 for ids, _, _ in encoded]
         results = await self.run(jobs)
@@ -416,7 +437,7 @@ class Service:
 
     # --- /v1/chat/completions ----------------------------------------------------------------------
 
-    async def chat(self, body: ChatBody) -> dict:
+    async def chat(self, body: ChatBody) -> dict | AsyncIterator[str]:
         self.check_model(body.model)
         if self.template is None:
             raise ApiError(400, f"{self.name} has no chat template ({self.no_template}): chat needs a post-trained "
@@ -433,6 +454,11 @@ class Service:
             raise ApiError(400, f"the messages take {len(ids)} tokens, all of this model's context of "
                            f"{self.model.cfg.seq_len}: send fewer or shorter messages", "messages")
         self.check_fits(ids, max_tokens, "messages")
+        body.check_stream({"logprobs": body.logprobs})
+        if body.stream:
+            return self.stream(body, "chat.completion.chunk", [(ids, max_tokens, (*self.model.stop_ids, self.end_id))],
+                               lambda piece: {"delta": {"content": piece}, "logprobs": None},
+                               first={"delta": {"role": "assistant", "content": ""}, "logprobs": None})
         k = (body.top_logprobs or 0) if body.logprobs else None
         (result,) = await self.run([Job(self.row(body, ids, max_tokens, (*self.model.stop_ids, self.end_id)),
                                         top_logprobs=k)])
@@ -446,6 +472,60 @@ class Service:
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                              "finish_reason": finish}],
                 "usage": self.usage(len(ids), spent(new, result.sampled))}
+
+    # --- stream: true ---------------------------------------------------------------------------
+
+    async def stream(self, body: _Body, kind: str, rows: list[tuple[list[int], int, tuple[int, ...]]],
+                     choice: Callable[[str], dict], first: dict | None = None) -> AsyncIterator[str]:
+        """Server-sent events, OpenAI's: a chunk per piece of text as the tokens are drawn (each
+        choice's own `index`), a last chunk per choice with its `finish_reason`, with
+        `stream_options.include_usage` a chunk with the usage, then `data: [DONE]`. `rows`: each
+        choice's prompt ids, max_tokens and stop ids; `choice(piece)` is a chunk's choice body
+        (`first`, if given, opens each choice). An error after the first chunk comes as an
+        `error` event: the status line was sent already."""
+        loop = asyncio.get_running_loop()
+        arrivals: asyncio.Queue = asyncio.Queue()  # (choice, token index, token) or (choice, None, finished job)
+        stops = body.stop_strings()
+        texts = [TextStream(lambda ids: self.decode(ids, body.skip_special_tokens), stops) for _ in rows]
+        head = {"id": f"{'chatcmpl' if first else 'cmpl'}-{secrets.token_hex(12)}", "object": kind,
+                "created": int(time.time()), "model": self.name}
+        usage = body.stream_options is not None and body.stream_options.include_usage
+
+        def event(choices: list[dict]) -> str:
+            return f"data: {json.dumps({**head, 'choices': choices, **({'usage': None} if usage else {})})}\n\n"
+
+        def deliver(item: tuple) -> None:  # from the engine's thread (mid-loop for a token)
+            if not loop.is_closed():  # closed: the server is gone, and nobody reads the stream
+                loop.call_soon_threadsafe(arrivals.put_nowait, item)
+
+        for n, (ids, max_tokens, stop_ids) in enumerate(rows):
+            job = Job(self.row(body, ids, max_tokens, stop_ids, lambda i, token, n=n: deliver((n, i, token))))
+            self.batcher.submit(job).add_done_callback(lambda done, n=n: deliver((n, None, done)))
+        if first is not None:
+            yield event([{"index": n, **first, "finish_reason": None} for n in range(len(rows))])
+        used, pending = 0, set(range(len(rows)))
+        try:
+            while pending:
+                n, i, item = await arrivals.get()
+                if i is not None:
+                    piece = texts[n].push(i, item)
+                    if piece:
+                        yield event([{"index": n, **choice(piece), "finish_reason": None}])
+                    continue
+                sampled = item.result().sampled  # the finished job: the tokens were all sent before it
+                new, text, finish = self.cut(sampled, stops, body.skip_special_tokens)
+                used += spent(new, sampled)
+                pending.discard(n)
+                yield event([{"index": n, **choice(texts[n].rest(text)), "finish_reason": finish}])
+        except Exception as e:  # noqa: BLE001 - the client gets it as the stream's last event
+            status, message = (e.status, e.message) if isinstance(e, ApiError) else (
+                500, f"the model failed on this request: {type(e).__name__}: {e}")
+            yield f"data: {json.dumps({'error': {'message': message, 'type': 'server_error', 'code': status}})}\n\n"
+        else:
+            if usage:
+                totals = self.usage(sum(len(ids) for ids, _, _ in rows), used)
+                yield f"data: {json.dumps({**head, 'choices': [], 'usage': totals})}\n\n"
+        yield "data: [DONE]\n\n"
 
     def chat_logprob(self, token: int, lp: float, top: list[tuple[int, float]], skip_special: bool) -> dict:
         def entry(t: int, value: float) -> dict:
@@ -469,6 +549,42 @@ class Service:
         return {"tokenizer_class": "kiln", "eos_token": tok.id_to_token(self.model.eos_id), "bos_token": bos,
                 "pad_token": None, "model_max_length": self.model.cfg.seq_len,
                 "chat_template": CHAT_TEMPLATE if self.template is not None else None}
+
+
+class TextStream:
+    """One streamed answer's text as its tokens arrive, given out in pieces that never run past a
+    stop string (a tail that could begin one waits for the next token) or end inside a character
+    (a token can end between the bytes of one). The last piece is what remains of the answer's
+    text as `Service.cut` makes it without streaming, so the pieces add up to that text."""
+
+    def __init__(self, decode: Callable[[list[int]], str], stops: list[str]):
+        self.decode, self.stops = decode, stops
+        self.ids: list[int] = []
+        self.sent = ""
+
+    def push(self, i: int, token: int) -> str:
+        """The new text that token i makes safe to send ('' if none)."""
+        if i < len(self.ids):  # a failed batch ran again and sends its tokens again
+            return ""
+        self.ids.append(token)
+        text = self.decode(self.ids).rstrip("\ufffd")  # an unfinished character decodes to U+FFFD
+        end = len(text)
+        for stop in self.stops:
+            at = text.find(stop)
+            if at >= 0:
+                end = min(end, at)
+            tail = next((k for k in range(min(len(stop) - 1, len(text)), 0, -1) if text.endswith(stop[:k])), 0)
+            end = min(end, len(text) - tail)
+        piece = text[len(self.sent):end]
+        self.sent += piece
+        return piece
+
+    def rest(self, final: str) -> str:
+        """What is left of the answer's `final` text after the pieces sent."""
+        if not final.startswith(self.sent):
+            raise RuntimeError(f"the streamed text {self.sent!r} is not the start of the answer {final!r}: a kiln bug, "
+                               "please report it; send stream=false meanwhile")
+        return final[len(self.sent):]
 
 
 def spent(kept: list[int], sampled: Sampled) -> int:
@@ -545,13 +661,16 @@ def create_app(service: Service) -> FastAPI:
         service.check_model(name)
         return service.model_card()
 
+    def answer(result: dict | AsyncIterator[str]):
+        return result if isinstance(result, dict) else StreamingResponse(result, media_type="text/event-stream")
+
     @app.post("/v1/completions")
     async def completions(body: CompletionBody):
-        return await service.completions(body)
+        return answer(await service.completions(body))
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody):
-        return await service.chat(body)
+        return answer(await service.chat(body))
 
     @app.get("/health")
     async def health():

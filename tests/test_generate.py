@@ -123,3 +123,32 @@ def test_kiln_generate_command_and_export_agree(store, tmp_path):
 
     bad = kiln("generate", str(tmp_path / "nothing"), "--prompt", "x", check=False)
     assert bad.returncode == 2 and "neither a training output" in bad.stderr
+
+
+def test_a_streamed_row_gets_its_tokens_from_inside_the_decoding_loop():
+    """`Request.stream` gets each new token of its row, in order, as the compiled loop draws it (a
+    host callback in the while loop's body), not the stop token, nothing after the row ends;
+    the rows' tokens are those of the same batch without streaming."""
+    from evaluation.generate import Model, Request, _decode_rows, sample_batch
+    from training.model import init_params
+
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64, seq_len=64)
+    model = Model(cfg, init_params(cfg, jax.random.PRNGKey(0)), None, eos_id=5)
+    rows = [Request([1, 2, 3], 24, 1.0, 1.0, seed, (5, 9)) for seed in range(6)] + [Request([4], 40, 0.0, 1.0, 0, (5,))]
+    plain = sample_batch(model, rows)
+    assert any(r.stopped for r in plain) and any(not r.stopped for r in plain)  # both ends are checked
+    got: dict[int, list] = {b: [] for b in range(len(rows))}
+    streaming = [Request(r.prompt, r.max_tokens, r.temperature, r.top_p, r.seed, r.stop_ids,
+                         lambda i, t, b=b: got[b].append((i, t))) for b, r in enumerate(rows)]
+    for b, (streamed, alone) in enumerate(zip(sample_batch(model, streaming), plain, strict=True)):
+        assert streamed.ids == alone.ids
+        assert got[b] == list(enumerate(alone.ids))
+
+    args = (model.params, np.ones((1, 4), np.int32), np.arange(4)[None].astype(np.int32), np.zeros((1, 2), np.uint32),
+            np.ones(1, np.float32), np.ones(1, np.float32), np.full(1, 8, np.int32), np.full((1, 4), 5, np.int32),
+            np.int32(0))
+    for stream in (True, False):
+        jaxpr = jax.make_jaxpr(lambda *a: _decode_rows(*a, cfg=cfg, cache_len=16, top_k=None, stream=stream))(*args)
+        loops = [e for e in jaxpr.jaxpr.eqns[0].params["jaxpr"].jaxpr.eqns if e.primitive.name == "while"]
+        body = str(loops[0].params["body_jaxpr"])
+        assert ("io_callback" in body) == stream

@@ -174,6 +174,50 @@ def test_openai_client_completions_and_chat(served, model):
         client.completions.create(model=NAME, prompt=PROMPT, max_tokens=64)
 
 
+def test_streamed_answers_add_up_to_the_answers_without_streaming(served, model):
+    """stream=true: OpenAI's server-sent events, whose pieces add up to the text the same request
+    gets without streaming (same seed), stop strings included (a piece never runs past one),
+    several prompts each under its own index, chat with its role first and usage last."""
+    from openai import OpenAI
+
+    url, _ = served
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    ask = dict(model=NAME, prompt=PROMPT, max_tokens=40, temperature=1.0, seed=3)
+    whole = client.completions.create(**ask).choices[0]
+    chunks = list(client.completions.create(**ask, stream=True))
+    assert len(chunks) > 2 and "".join(c.choices[0].text for c in chunks) == whole.text
+    assert [c.choices[0].finish_reason for c in chunks] == [None] * (len(chunks) - 1) + [whole.finish_reason]
+
+    stop = whole.text[len(whole.text) // 3:][:3]  # from inside the answer: it ends before it
+    cut = client.completions.create(**ask, stop=[stop, "\n\n\n"]).choices[0]
+    assert cut.finish_reason == "stop" and stop not in cut.text and len(cut.text) < len(whole.text)
+    pieces = [c.choices[0].text for c in client.completions.create(**ask, stop=[stop, "\n\n\n"], stream=True)]
+    assert "".join(pieces) == cut.text
+
+    prompts = [PROMPT, "And God", "In the"]
+    unstreamed = client.completions.create(**{**ask, "prompt": prompts}).choices
+    texts = ["", "", ""]
+    for c in client.completions.create(**{**ask, "prompt": prompts}, stream=True):
+        texts[c.choices[0].index] += c.choices[0].text
+    assert texts == [c.text for c in sorted(unstreamed, key=lambda c: c.index)]
+
+    chat = dict(model=NAME, messages=[{"role": "user", "content": "Who made the light?"}], max_tokens=24,
+                temperature=0.8, seed=5)
+    answer = client.chat.completions.create(**chat)
+    events = list(client.chat.completions.create(**chat, stream=True, stream_options={"include_usage": True}))
+    assert events[0].object == "chat.completion.chunk" and events[0].choices[0].delta.role == "assistant"
+    assert "".join(e.choices[0].delta.content or "" for e in events if e.choices) == answer.choices[0].message.content
+    assert events[-1].choices == [] and events[-1].usage == answer.usage
+    assert events[-2].choices[0].finish_reason == answer.choices[0].finish_reason
+
+    # on the wire: `data: {json}` events, then `data: [DONE]`
+    with httpx.stream("POST", f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "stream": True},
+                      timeout=60) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]" and all(line.startswith("data: {") for line in lines[:-1])
+
+
 def test_greedy_echo_and_batches_agree_with_kiln(served, model, kiln_lm):
     url, service = served
     prompt = [model.start_id, *model.tokenizer.encode(PROMPT).ids]
@@ -263,7 +307,10 @@ BAD = [  # (method, path, body (None: send `raw`), raw bytes, status, words the 
     ("POST", "/v1/completions", {"prompt": "x", "top_p": 1.5}, None, 400, "top_p"),
     ("POST", "/v1/completions", {"prompt": "x", "temperature": -1}, None, 400, "temperature"),
     ("POST", "/v1/completions", {"prompt": "x", "logprobs": 50}, None, 400, "logprobs"),
-    ("POST", "/v1/completions", {"prompt": "x", "stream": True}, None, 400, "streaming is not supported"),
+    ("POST", "/v1/completions", {"prompt": "x", "stream": True, "logprobs": 1}, None, 400, "logprobs is not streamed"),
+    ("POST", "/v1/completions", {"prompt": "x", "stream": True, "echo": True}, None, 400, "echo is not streamed"),
+    ("POST", "/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, None, 400,
+     "stream_options needs stream=true"),
     ("POST", "/v1/completions", {"prompt": "x", "frequency_penalty": 0.5}, None, 400, "penalties"),
     ("POST", "/v1/completions", {"prompt": "x", "beam_width": 4}, None, 400, "beam_width: not a field"),
     ("POST", "/v1/completions", {"prompt": [1, 2, 99999]}, None, 400, "outside this model's vocabulary"),
