@@ -6,7 +6,10 @@
                 (training/export.py export_hf), eager PyTorch with its dynamic KV cache
 
 Each batch (1 and 8 rows, every prompt `--prompt-tokens` long, so neither side pads) generates
-`--new-tokens` tokens per row with no stop token; the two sides' tokens must be identical. The
+`--new-tokens` tokens per row with no stop token; the two sides' tokens must be identical. kiln
+also runs each batch streamed (`Request.stream`, what `kiln serve-model` does for `stream: true`:
+each token handed to the host from inside the loop), which must give the same tokens; it prints
+the streamed rate against the plain one and when the first token reached the host. The
 model is the tiny_cpu config's shape (GPT-2 vocabulary) with random weights drawn wide (init_std
 0.1), so that its greedy choices are far from ties; `--model PATH` takes a train or export folder
 instead. Each side runs in a process of its own (in one process, XLA's and PyTorch's thread pools
@@ -96,7 +99,26 @@ def kiln_side(folder: Path, batches: list[list[list[int]]], new: int, repeats: i
     for batch in batches:
         tokens, seconds = timed(lambda: [s.ids for s in sample_batch(model, [Request(p, new, 0.0) for p in batch])],
                                 repeats)
-        results.append({"tokens": tokens, "seconds": seconds})
+        first_token_s: list[float] = []
+
+        def streamed() -> list[list[int]]:
+            got: list[list[int]] = [[] for _ in batch]
+            start = time.perf_counter()
+
+            def sink(row: int):
+                def take(i: int, token: int) -> None:
+                    if i == 0 and row == 0:
+                        first_token_s.append(time.perf_counter() - start)
+                    got[row].append(token)
+                return take
+
+            sample_batch(model, [Request(p, new, 0.0, stream=sink(r)) for r, p in enumerate(batch)])
+            return got
+
+        streamed_tokens, streamed_seconds = timed(streamed, repeats)
+        assert streamed_tokens == tokens, "streamed tokens differ from the plain run's"
+        results.append({"tokens": tokens, "seconds": seconds, "streamed_seconds": streamed_seconds,
+                        "first_token_s": statistics.median(first_token_s[1:])})  # the warm-up's left out
     return results
 
 
@@ -176,11 +198,18 @@ def main() -> None:
         assert not differ, (f"batch {rows}: tokens differ in rows {differ}; row {differ[0]}: kiln "
                             f"{ours['tokens'][differ[0]][:12]} vs transformers {theirs['tokens'][differ[0]][:12]}")
         rate = {name: rows * args.new_tokens / side["seconds"] for name, side in (("kiln", ours), ("hf", theirs))}
+        streamed = rows * args.new_tokens / ours["streamed_seconds"]
         summary.append({"batch": rows, "kiln_tokens_per_s": round(rate["kiln"], 1),
                         "transformers_tokens_per_s": round(rate["hf"], 1),
-                        "kiln_over_transformers": round(rate["kiln"] / rate["hf"], 2)})
+                        "kiln_over_transformers": round(rate["kiln"] / rate["hf"], 2),
+                        "kiln_streamed_tokens_per_s": round(streamed, 1),
+                        "streamed_over_plain": round(streamed / rate["kiln"], 2),
+                        "first_token_ms": round(ours["first_token_s"] * 1000, 1),
+                        "streamed_total_ms": round(ours["streamed_seconds"] * 1000, 1)})
         print(f"batch {rows}: kiln {rate['kiln']:9.1f} tok/s   transformers {rate['hf']:9.1f} tok/s   "
               f"kiln/transformers {rate['kiln'] / rate['hf']:.2f}   (identical tokens)")
+        print(f"         kiln streamed {streamed:9.1f} tok/s   streamed/plain {streamed / rate['kiln']:.2f}   first "
+              f"token on the host after {ours['first_token_s'] * 1000:.1f} ms of {ours['streamed_seconds'] * 1000:.1f}")
     print(json.dumps(summary))
 
 

@@ -93,9 +93,10 @@ class Sampled:
 
 
 def sample(model: Model, prompt: list[int], max_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
-           seed: int = 0, stop_ids: tuple[int, ...] = ()) -> list[int]:
+           seed: int = 0, stop_ids: tuple[int, ...] = (),
+           stream: Callable[[int, int], None] | None = None) -> list[int]:
     """Up to `max_tokens` new token ids after `prompt`, ending before the model's stop ids (EOS, and
-    a post-trained model's end of turn) or any of `stop_ids`.
+    a post-trained model's end of turn) or any of `stop_ids`; `stream` as `Request.stream`.
 
     The prompt is cut from the left to leave room for `max_tokens` in the model's context."""
     T = model.cfg.seq_len
@@ -103,7 +104,7 @@ def sample(model: Model, prompt: list[int], max_tokens: int, temperature: float 
         raise ValueError(f"max_tokens={max_tokens} must be between 1 and the model's context of {T} tokens "
                          "minus one (the prompt needs at least one)")
     prompt = (list(prompt) or [model.start_id])[-(T - max_tokens):]
-    row = Request(prompt, max_tokens, temperature, top_p, seed, (*model.stop_ids, *stop_ids))
+    row = Request(prompt, max_tokens, temperature, top_p, seed, (*model.stop_ids, *stop_ids), stream)
     return sample_batch(model, [row])[0].ids
 
 
@@ -291,11 +292,11 @@ def top_k_size(k: int | None) -> int | None:
 
 
 def generate(model: Model, prompt: str, max_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0,
-             seed: int = 0, chat: bool = False) -> str:
+             seed: int = 0, chat: bool = False, on_text: Callable[[str], None] | None = None) -> str:
     """The text sampled after `prompt`. With `chat`, the prompt is one user message in the chat
     template (training/posttrain.py), the answer starts after the assistant token and ends at
     the end-of-turn token. Without, the prompt continues a document (EOS/BOS before it, as
-    between training documents)."""
+    between training documents). `on_text` gets the text in pieces as the tokens are drawn."""
     stop_ids: tuple[int, ...] = ()
     if chat:
         from training.posttrain import END_OF_TURN, ChatTemplate
@@ -306,8 +307,53 @@ def generate(model: Model, prompt: str, max_tokens: int = 64, temperature: float
         tok = Tokenizer.from_str(model.tokenizer.to_str())
         tok.encode_special_tokens = True  # special-token strings in the prompt stay text, as in training
         ids = tok.encode(prompt, add_special_tokens=False).ids
-    out = sample(model, [model.start_id, *ids], max_tokens, temperature, top_p, seed, stop_ids)
-    return model.tokenizer.decode(out, skip_special_tokens=False)
+    def decode(ids: list[int]) -> str:
+        return model.tokenizer.decode(ids, skip_special_tokens=False)
+
+    pieces = None if on_text is None else TextStream(decode, [])
+    stream = None if pieces is None else lambda i, token: on_text(pieces.push(i, token))
+    out = sample(model, [model.start_id, *ids], max_tokens, temperature, top_p, seed, stop_ids, stream)
+    text = decode(out)
+    if pieces is not None:
+        on_text(pieces.rest(text))
+    return text
+
+
+class TextStream:
+    """One streamed answer's text as its tokens arrive, given out in pieces that never run past a
+    stop string (a tail that could begin one waits for the next token) or end inside a character
+    (a token can end between the bytes of one). The last piece is what remains of the answer's
+    text as it is without streaming (`kiln serve-model` cuts it at the first stop string), so the
+    pieces add up to that text."""
+
+    def __init__(self, decode: Callable[[list[int]], str], stops: list[str]):
+        self.decode, self.stops = decode, stops
+        self.ids: list[int] = []
+        self.sent = ""
+
+    def push(self, i: int, token: int) -> str:
+        """The new text that token i makes safe to send ('' if none)."""
+        if i < len(self.ids):  # a failed batch ran again and sends its tokens again
+            return ""
+        self.ids.append(token)
+        text = self.decode(self.ids).rstrip("\ufffd")  # an unfinished character decodes to U+FFFD
+        end = len(text)
+        for stop in self.stops:
+            at = text.find(stop)
+            if at >= 0:
+                end = min(end, at)
+            tail = next((k for k in range(min(len(stop) - 1, len(text)), 0, -1) if text.endswith(stop[:k])), 0)
+            end = min(end, len(text) - tail)
+        piece = text[len(self.sent):end]
+        self.sent += piece
+        return piece
+
+    def rest(self, final: str) -> str:
+        """What is left of the answer's `final` text after the pieces sent."""
+        if not final.startswith(self.sent):
+            raise RuntimeError(f"the streamed text {self.sent!r} is not the start of the answer {final!r}: a kiln "
+                               "bug, please report it; generate without streaming meanwhile")
+        return final[len(self.sent):]
 
 
 # --- loading a model folder ------------------------------------------------------------------

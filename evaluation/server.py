@@ -18,8 +18,9 @@ loop over the KV cache, each row as it would come out alone), an echoed prompt's
 log-probabilities by `evaluation.scoring.make_prompt_scorer` (the lm-eval adapter's
 computation). If a batch fails, its requests run again one by one, so an error fails only the
 request that causes it. With `stream`, each token comes from inside the decoding loop
-(`Request.stream`) and is sent as server-sent events while the batch decodes. A bad request gets a 4xx with an OpenAI-style body, `{"error": {"message",
-"type", "param", "code"}}`, whose message says what to change; the server goes on answering.
+(`Request.stream`) and is sent as server-sent events while the batch decodes. A bad request
+gets a 4xx with an OpenAI-style body, `{"error": {"message", "type", "param", "code"}}`, whose
+message says what to change; the server goes on answering.
 
 No Prefect and no Ray here.
 """
@@ -48,7 +49,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, Validat
 from starlette.exceptions import HTTPException
 from tokenizers import Tokenizer
 
-from evaluation.generate import MAX_LOGPROBS, Model, Request, Sampled, sample_batch, top_k_size
+from evaluation.generate import MAX_LOGPROBS, Model, Request, Sampled, TextStream, sample_batch, top_k_size
 from evaluation.scoring import bucket_for, buckets, make_prompt_scorer, pad_rows
 from training.posttrain import CHAT_SPECIAL_TOKENS, CHAT_TEMPLATE, END_OF_TURN, ChatTemplate
 
@@ -549,42 +550,6 @@ class Service:
         return {"tokenizer_class": "kiln", "eos_token": tok.id_to_token(self.model.eos_id), "bos_token": bos,
                 "pad_token": None, "model_max_length": self.model.cfg.seq_len,
                 "chat_template": CHAT_TEMPLATE if self.template is not None else None}
-
-
-class TextStream:
-    """One streamed answer's text as its tokens arrive, given out in pieces that never run past a
-    stop string (a tail that could begin one waits for the next token) or end inside a character
-    (a token can end between the bytes of one). The last piece is what remains of the answer's
-    text as `Service.cut` makes it without streaming, so the pieces add up to that text."""
-
-    def __init__(self, decode: Callable[[list[int]], str], stops: list[str]):
-        self.decode, self.stops = decode, stops
-        self.ids: list[int] = []
-        self.sent = ""
-
-    def push(self, i: int, token: int) -> str:
-        """The new text that token i makes safe to send ('' if none)."""
-        if i < len(self.ids):  # a failed batch ran again and sends its tokens again
-            return ""
-        self.ids.append(token)
-        text = self.decode(self.ids).rstrip("\ufffd")  # an unfinished character decodes to U+FFFD
-        end = len(text)
-        for stop in self.stops:
-            at = text.find(stop)
-            if at >= 0:
-                end = min(end, at)
-            tail = next((k for k in range(min(len(stop) - 1, len(text)), 0, -1) if text.endswith(stop[:k])), 0)
-            end = min(end, len(text) - tail)
-        piece = text[len(self.sent):end]
-        self.sent += piece
-        return piece
-
-    def rest(self, final: str) -> str:
-        """What is left of the answer's `final` text after the pieces sent."""
-        if not final.startswith(self.sent):
-            raise RuntimeError(f"the streamed text {self.sent!r} is not the start of the answer {final!r}: a kiln bug, "
-                               "please report it; send stream=false meanwhile")
-        return final[len(self.sent):]
 
 
 def spent(kept: list[int], sampled: Sampled) -> int:

@@ -404,10 +404,11 @@ def cmd_generate(args) -> int:
 
     try:
         model = load(Path(args.path), None if args.tokenizer is None else Path(args.tokenizer))
-        text = generate(model, args.prompt, args.max_tokens, args.temperature, args.top_p, args.seed, args.chat)
+        generate(model, args.prompt, args.max_tokens, args.temperature, args.top_p, args.seed, args.chat,
+                 on_text=lambda piece: print(piece, end="", flush=True))  # as the tokens are drawn
     except (ValueError, FileNotFoundError) as e:
         raise KilnUserError(str(e)) from None
-    print(text)
+    print()
     return 0
 
 

@@ -152,3 +152,33 @@ def test_a_streamed_row_gets_its_tokens_from_inside_the_decoding_loop():
         loops = [e for e in jaxpr.jaxpr.eqns[0].params["jaxpr"].jaxpr.eqns if e.primitive.name == "while"]
         body = str(loops[0].params["body_jaxpr"])
         assert ("io_callback" in body) == stream
+
+
+def test_streamed_text_never_splits_a_character_or_runs_past_a_stop_string():
+    """TextStream's pieces: a token that ends between the bytes of a character waits for the rest
+    of it; a tail that could begin a stop string waits until it cannot; the pieces add up to the
+    whole text (without stops) or to the text before the first stop."""
+    from evaluation.generate import TextStream
+    from tasks.tokenizer import build_gpt2
+
+    tok = build_gpt2(("<|endoftext|>",))
+    text = "Light 😀 and dark: the end. Light again"
+    ids = tok.encode(text).ids
+    assert any("\ufffd" in tok.decode([t]) for t in ids)  # the emoji's bytes span several tokens
+
+    def pieces(stops: list[str]) -> list[str]:
+        stream = TextStream(lambda some: tok.decode(some), stops)
+        out = [stream.push(i, t) for i, t in enumerate(ids)]
+        whole = tok.decode(ids)
+        cut = min([whole.find(s) for s in stops if s in whole], default=len(whole))
+        return out + [stream.rest(whole[:cut])]
+
+    plain = pieces([])
+    assert "".join(plain) == text and not any("\ufffd" in p for p in plain)
+    assert sum(bool(p) for p in plain) > 5  # it does come in pieces
+    stopped = pieces(["the end", "dark!"])
+    assert "".join(stopped) == "Light 😀 and dark: "
+    sent = ""
+    for piece in stopped[:-1]:  # before the end, nothing past a place where a stop could still begin
+        sent += piece
+        assert not sent.endswith("dark") and "the end" not in sent
