@@ -6,7 +6,7 @@ default; docs/serving.md is the user's page.
     GET  /v1/models               the one model served here, under its name
     POST /v1/completions          text or token-id prompts; echo; logprobs of the prompt and of the
                                   new tokens; max_tokens, temperature, top_p, stop, seed,
-                                  skip_special_tokens (vLLM's, default true); stream
+                                  n, skip_special_tokens (vLLM's, default true); stream
     POST /v1/chat/completions     messages rendered with the model's chat template (SFT and DPO
                                   outputs have its tokens); 400 for a model without them
     POST /tokenize, /detokenize   vLLM's tokenizer endpoints, and GET /tokenizer_info: with them
@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import hashlib
 import json
 import queue
 import secrets
@@ -56,6 +57,7 @@ from training.posttrain import CHAT_SPECIAL_TOKENS, CHAT_TEMPLATE, END_OF_TURN, 
 WINDOW_S = 0.005  # how long the first request of a batch waits for company
 SCORE_FLOATS = 1 << 28  # log-probabilities one scoring call holds at most (1 GiB of float32)
 DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI's and vLLM's
+MAX_CHOICES = 128  # `n` at most: each choice is a row of its own in the batches
 
 
 # --- request bodies ----------------------------------------------------------------------------------
@@ -71,7 +73,6 @@ class ApiError(Exception):
 
 # Fields of OpenAI's API that kiln does not implement: accepted at their neutral values only.
 NEUTRAL_ONLY = {
-    "n": ((1,), "only n=1 is supported: send the request n times with different seeds"),
     "best_of": ((None, 1), "only best_of=1 is supported"),
     "presence_penalty": ((0,), "penalties are not supported: leave them out (or 0)"),
     "frequency_penalty": ((0,), "penalties are not supported: leave them out (or 0)"),
@@ -87,7 +88,7 @@ class StreamOptions(BaseModel):
 
 class _Body(BaseModel):
     """What both endpoints take. Fields OpenAI defines that kiln does not implement are accepted
-    at their neutral values only (n=1, no penalties); any other field is an error."""
+    at their neutral values only (best_of=1, no penalties); any other field is an error."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -97,7 +98,7 @@ class _Body(BaseModel):
     top_p: float = Field(1.0, gt=0, le=1)
     stop: StrictStr | list[StrictStr] | None = None
     seed: StrictInt | None = None  # None: a fresh random seed
-    n: StrictInt = 1
+    n: StrictInt = Field(1, ge=1, le=MAX_CHOICES)  # choices per prompt, each drawn with a seed of its own
     stream: bool = False  # server-sent events, text as it is generated (Service.stream)
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
@@ -348,9 +349,10 @@ class Service:
             raise ApiError(400, f"token ids {bad[:5]} are outside this model's vocabulary of "
                            f"{self.model.cfg.vocab_size}", param)
 
-    def row(self, body: _Body, ids: list[int], max_tokens: int, stop_ids: tuple[int, ...],
+    def row(self, body: _Body, ids: list[int], max_tokens: int, stop_ids: tuple[int, ...], choice: int = 0,
             stream: Callable[[int, int], None] | None = None) -> Request:
-        seed = secrets.randbits(64) if body.seed is None else body.seed
+        """Choice `choice` (of `n`) of a prompt, as the engine runs it."""
+        seed = secrets.randbits(64) if body.seed is None else choice_seed(body.seed, choice)
         return Request(ids, max_tokens, body.temperature, body.top_p, seed, stop_ids, stream)
 
     async def run(self, jobs: list[Job]) -> list[Result]:
@@ -386,14 +388,18 @@ class Service:
             self.check_fits(encoded[-1][0], max_tokens, "prompt")
         want_logprobs = body.logprobs is not None
         body.check_stream({"logprobs": want_logprobs, "echo": body.echo})
+        # OpenAI's order: prompt p's choices are p*n ... p*n + n-1
+        choices_of = [(ids, text, added, j) for ids, text, added in encoded for j in range(body.n)]
+        prompt_tokens = sum(len(ids) for ids, _, _ in encoded)
         if body.stream:
-            rows = [(ids, max_tokens, self.model.stop_ids) for ids, _, _ in encoded]
-            return self.stream(body, "text_completion", rows, lambda piece: {"text": piece, "logprobs": None})
-        jobs = [Job(self.row(body, ids, max_tokens, self.model.stop_ids), body.echo and want_logprobs, body.logprobs)
-                for ids, _, _ in encoded]
+            rows = [(ids, max_tokens, self.model.stop_ids, j) for ids, _, _, j in choices_of]
+            return self.stream(body, "text_completion", rows, prompt_tokens,
+                               lambda piece: {"text": piece, "logprobs": None})
+        jobs = [Job(self.row(body, ids, max_tokens, self.model.stop_ids, j), body.echo and want_logprobs,
+                    body.logprobs) for ids, _, _, j in choices_of]
         results = await self.run(jobs)
         choices, used = [], 0
-        for i, ((ids, text, added), result) in enumerate(zip(encoded, results)):
+        for i, ((ids, text, added, _), result) in enumerate(zip(choices_of, results)):
             new, new_text, finish = self.cut(result.sampled, body.stop_strings(), body.skip_special_tokens)
             used += spent(new, result.sampled)
             prompt_text = (text if text is not None else self.decode(ids)) if body.echo else ""
@@ -410,8 +416,7 @@ class Service:
                                                     generated=len(tokens) - n, skip_special=body.skip_special_tokens)
             choices.append({"index": i, "text": prompt_text + new_text, "logprobs": logprobs, "finish_reason": finish})
         return {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": int(time.time()),
-                "model": self.name, "choices": choices,
-                "usage": self.usage(sum(len(ids) for ids, _, _ in encoded), used)}
+                "model": self.name, "choices": choices, "usage": self.usage(prompt_tokens, used)}
 
     def completion_logprobs(self, tokens: list[int], lps: list, tops: list, k: int, hidden: int,
                             generated: int, skip_special: bool) -> dict:
@@ -456,34 +461,38 @@ class Service:
                            f"{self.model.cfg.seq_len}: send fewer or shorter messages", "messages")
         self.check_fits(ids, max_tokens, "messages")
         body.check_stream({"logprobs": body.logprobs})
+        stop_ids = (*self.model.stop_ids, self.end_id)
         if body.stream:
-            return self.stream(body, "chat.completion.chunk", [(ids, max_tokens, (*self.model.stop_ids, self.end_id))],
-                               lambda piece: {"delta": {"content": piece}, "logprobs": None},
+            return self.stream(body, "chat.completion.chunk", [(ids, max_tokens, stop_ids, j) for j in range(body.n)],
+                               len(ids), lambda piece: {"delta": {"content": piece}, "logprobs": None},
                                first={"delta": {"role": "assistant", "content": ""}, "logprobs": None})
         k = (body.top_logprobs or 0) if body.logprobs else None
-        (result,) = await self.run([Job(self.row(body, ids, max_tokens, (*self.model.stop_ids, self.end_id)),
-                                        top_logprobs=k)])
-        new, text, finish = self.cut(result.sampled, body.stop_strings(), body.skip_special_tokens)
-        logprobs = None
-        if body.logprobs:
-            logprobs = {"content": [self.chat_logprob(t, lp, top[:k], body.skip_special_tokens) for t, lp, top in
-                                    zip(new, result.sampled.logprobs, result.sampled.top)]}
+        results = await self.run([Job(self.row(body, ids, max_tokens, stop_ids, j), top_logprobs=k)
+                                  for j in range(body.n)])
+        choices, used = [], 0
+        for j, result in enumerate(results):
+            new, text, finish = self.cut(result.sampled, body.stop_strings(), body.skip_special_tokens)
+            used += spent(new, result.sampled)
+            logprobs = None
+            if body.logprobs:
+                logprobs = {"content": [self.chat_logprob(t, lp, top[:k], body.skip_special_tokens) for t, lp, top in
+                                        zip(new, result.sampled.logprobs, result.sampled.top)]}
+            choices.append({"index": j, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                            "finish_reason": finish})
         return {"id": f"chatcmpl-{secrets.token_hex(12)}", "object": "chat.completion", "created": int(time.time()),
-                "model": self.name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                             "finish_reason": finish}],
-                "usage": self.usage(len(ids), spent(new, result.sampled))}
+                "model": self.name, "choices": choices, "usage": self.usage(len(ids), used)}
 
     # --- stream: true ---------------------------------------------------------------------------
 
-    async def stream(self, body: _Body, kind: str, rows: list[tuple[list[int], int, tuple[int, ...]]],
-                     choice: Callable[[str], dict], first: dict | None = None) -> AsyncIterator[str]:
+    async def stream(self, body: _Body, kind: str, rows: list[tuple[list[int], int, tuple[int, ...], int]],
+                     prompt_tokens: int, choice: Callable[[str], dict],
+                     first: dict | None = None) -> AsyncIterator[str]:
         """Server-sent events, OpenAI's: a chunk per piece of text as the tokens are drawn (each
         choice's own `index`), a last chunk per choice with its `finish_reason`, with
         `stream_options.include_usage` a chunk with the usage, then `data: [DONE]`. `rows`: each
-        choice's prompt ids, max_tokens and stop ids; `choice(piece)` is a chunk's choice body
-        (`first`, if given, opens each choice). An error after the first chunk comes as an
-        `error` event: the status line was sent already."""
+        choice's prompt ids, max_tokens, stop ids and number among its prompt's `n`;
+        `choice(piece)` is a chunk's choice body (`first`, if given, opens each choice). An error
+        after the first chunk comes as an `error` event: the status line was sent already."""
         loop = asyncio.get_running_loop()
         arrivals: asyncio.Queue = asyncio.Queue()  # (choice, token index, token) or (choice, None, finished job)
         stops = body.stop_strings()
@@ -499,8 +508,8 @@ class Service:
             if not loop.is_closed():  # closed: the server is gone, and nobody reads the stream
                 loop.call_soon_threadsafe(arrivals.put_nowait, item)
 
-        for n, (ids, max_tokens, stop_ids) in enumerate(rows):
-            job = Job(self.row(body, ids, max_tokens, stop_ids, lambda i, token, n=n: deliver((n, i, token))))
+        for n, (ids, max_tokens, stop_ids, j) in enumerate(rows):
+            job = Job(self.row(body, ids, max_tokens, stop_ids, j, lambda i, token, n=n: deliver((n, i, token))))
             self.batcher.submit(job).add_done_callback(lambda done, n=n: deliver((n, None, done)))
         if first is not None:
             yield event([{"index": n, **first, "finish_reason": None} for n in range(len(rows))])
@@ -524,7 +533,7 @@ class Service:
             yield f"data: {json.dumps({'error': {'message': message, 'type': 'server_error', 'code': status}})}\n\n"
         else:
             if usage:
-                totals = self.usage(sum(len(ids) for ids, _, _ in rows), used)
+                totals = self.usage(prompt_tokens, used)
                 yield f"data: {json.dumps({**head, 'choices': [], 'usage': totals})}\n\n"
         yield "data: [DONE]\n\n"
 
@@ -550,6 +559,14 @@ class Service:
         return {"tokenizer_class": "kiln", "eos_token": tok.id_to_token(self.model.eos_id), "bos_token": bos,
                 "pad_token": None, "model_max_length": self.model.cfg.seq_len,
                 "chat_template": CHAT_TEMPLATE if self.template is not None else None}
+
+
+def choice_seed(seed: int, choice: int) -> int:
+    """The seed of choice `choice` of a request's `n`: the request's own for the first (so n=1 and
+    the first of n=8 give the same answer), and one fixed by (seed, choice) for each other."""
+    if choice == 0:
+        return seed
+    return int.from_bytes(hashlib.sha256(f"{seed}/{choice}".encode()).digest()[:8], "big")
 
 
 def spent(kept: list[int], sampled: Sampled) -> int:

@@ -174,6 +174,44 @@ def test_openai_client_completions_and_chat(served, model):
         client.completions.create(model=NAME, prompt=PROMPT, max_tokens=64)
 
 
+def test_n_choices_per_prompt_each_with_a_seed_of_its_own(served, model):
+    """`n` (RL rollouts ask several answers per prompt): choice j of prompt p is index p*n + j, the
+    first is the n=1 answer of the same seed, the others differ and repeat with the seed;
+    prompt tokens count once per prompt; chat and streaming take n too."""
+    from openai import OpenAI
+
+    url, _ = served
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    ask = dict(model=NAME, max_tokens=12, temperature=1.0, seed=11)
+    one = client.completions.create(**ask, prompt=PROMPT)
+    four = client.completions.create(**ask, prompt=PROMPT, n=4)
+    assert [c.index for c in four.choices] == [0, 1, 2, 3]
+    texts = [c.text for c in four.choices]
+    assert texts[0] == one.choices[0].text and len(set(texts)) > 2
+    assert texts == [c.text for c in client.completions.create(**ask, prompt=PROMPT, n=4).choices]
+    assert four.usage.prompt_tokens == one.usage.prompt_tokens
+    counted = client.completions.create(**ask, prompt=PROMPT, n=4, logprobs=0)  # its tokens, one by one
+    assert [c.text for c in counted.choices] == texts
+    assert four.usage.completion_tokens == sum(len(c.logprobs.tokens) + (c.finish_reason == "stop")
+                                               for c in counted.choices)
+
+    both = client.completions.create(**ask, prompt=[PROMPT, "And God"], n=2).choices
+    assert [c.index for c in both] == [0, 1, 2, 3] and [c.text for c in both[:2]] == texts[:2]
+    assert both[2].text == client.completions.create(**ask, prompt="And God").choices[0].text
+
+    streamed = ["", "", ""]
+    for chunk in client.completions.create(**ask, prompt=PROMPT, n=3, stream=True):
+        streamed[chunk.choices[0].index] += chunk.choices[0].text
+    assert streamed == texts[:3]
+
+    chat = dict(model=NAME, messages=[{"role": "user", "content": "Who made the light?"}], max_tokens=10,
+                temperature=1.0, seed=2)
+    answers = client.chat.completions.create(**chat, n=3).choices
+    assert [a.index for a in answers] == [0, 1, 2]
+    assert answers[0].message.content == client.chat.completions.create(**chat).choices[0].message.content
+    assert len({a.message.content for a in answers}) > 1
+
+
 def test_streamed_answers_add_up_to_the_answers_without_streaming(served, model):
     """stream=true: OpenAI's server-sent events, whose pieces add up to the text the same request
     gets without streaming (same seed), stop strings included (a piece never runs past one),
@@ -302,7 +340,9 @@ BAD = [  # (method, path, body (None: send `raw`), raw bytes, status, words the 
     ("POST", "/v1/completions", {"prompt": "x " * 70, "max_tokens": 4}, None, 400, "context is 64 tokens"),
     ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 64}, None, 400, "lower max_tokens"),
     ("POST", "/v1/completions", {"prompt": "x", "model": "llama-70b"}, None, 404, "not served here"),
-    ("POST", "/v1/completions", {"prompt": "x", "n": 2}, None, 400, "only n=1"),
+    ("POST", "/v1/completions", {"prompt": "x", "n": 0}, None, 400, "n: Input should be greater than or equal to 1"),
+    ("POST", "/v1/completions", {"prompt": "x", "n": 1000}, None, 400, "n: Input should be less than or equal to 128"),
+    ("POST", "/v1/completions", {"prompt": "x", "best_of": 2}, None, 400, "only best_of=1"),
     ("POST", "/v1/completions", {"prompt": "x", "top_p": 0}, None, 400, "top_p"),
     ("POST", "/v1/completions", {"prompt": "x", "top_p": 1.5}, None, 400, "top_p"),
     ("POST", "/v1/completions", {"prompt": "x", "temperature": -1}, None, 400, "temperature"),
