@@ -255,6 +255,12 @@ def test_streamed_answers_add_up_to_the_answers_without_streaming(served, model)
         lines = [line for line in response.iter_lines() if line]
     assert lines[-1] == "data: [DONE]" and all(line.startswith("data: {") for line in lines[:-1])
 
+    # a client that leaves mid-stream costs the others nothing
+    with httpx.stream("POST", f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 40, "stream": True},
+                      timeout=60) as response:
+        next(response.iter_lines())
+    assert client.completions.create(**ask).choices[0].text == whole.text
+
 
 def test_greedy_echo_and_batches_agree_with_kiln(served, model, kiln_lm):
     url, service = served
