@@ -78,13 +78,18 @@ class Request:
     # called as stream(i, token) with each new token as it is drawn (i counts from 0; the stop token
     # is not sent); a failed batch may run again, sending the same (i, token) pairs again
     stream: Callable[[int, int], None] | None = None
+    # OpenAI's: (token id, bias) pairs added to the logits a token is drawn from; each new token's
+    # logit lowered by presence_penalty once it was drawn before and by frequency_penalty per time
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
 
 @dataclass(frozen=True)
 class Sampled:
     """A row's new tokens (before the stop token, if one ended it), the model's log-probability of
-    each (log-softmax of its logits, float32, before temperature or top-p), and per token the
-    `top_logprobs` most likely (id, log-probability) pairs, most likely first."""
+    each (log-softmax of its logits, float32, before temperature, top-p, bias or penalties), and
+    per token the `top_logprobs` most likely (id, log-probability) pairs, most likely first."""
 
     ids: list[int]
     logprobs: list[float]
@@ -118,7 +123,8 @@ def sample_batch(model: Model, rows: list[Request], top_logprobs: int | None = N
     tokens to `evaluation.scoring.buckets`), so a server compiles a handful of times. The loop
     ends as soon as every row has stopped, so a generous max_tokens costs nothing once rows are
     done. `top_logprobs` None: no log-probabilities at all (`Sampled.logprobs` and `top` empty),
-    which saves a log-softmax over the vocabulary per token."""
+    which saves a log-softmax over the vocabulary per token. A batch with a row that has a logit
+    bias or a penalty runs a program that keeps each row's token counts; other batches do not."""
     from evaluation.scoring import bucket_for, buckets
 
     T = model.cfg.seq_len
@@ -128,6 +134,8 @@ def sample_batch(model: Model, rows: list[Request], top_logprobs: int | None = N
                              f"model's context of {T} tokens (the prompt needs at least one, max_tokens too)")
         if r.temperature < 0 or not 0 < r.top_p <= 1:
             raise ValueError(f"temperature={r.temperature} must be >= 0 and top_p={r.top_p} in (0, 1]")
+        if any(not 0 <= t < model.cfg.vocab_size for t, _ in r.logit_bias):
+            raise ValueError(f"logit_bias names token ids outside the model's vocabulary of {model.cfg.vocab_size}")
     if top_logprobs is not None and not 0 <= top_logprobs <= MAX_LOGPROBS:
         raise ValueError(f"top_logprobs={top_logprobs} must be between 0 and {MAX_LOGPROBS}")
     B = max(len(rows), pad_rows_to or 1 << (len(rows) - 1).bit_length())
@@ -145,6 +153,13 @@ def sample_batch(model: Model, rows: list[Request], top_logprobs: int | None = N
         keys[b] = seed_key(r.seed)
         stops[b, :len(r.stop_ids)] = r.stop_ids
         settings[:, b] = r.temperature, r.top_p, r.max_tokens
+    bias = penalties = None  # None: a batch without biases or penalties, whose program keeps no counts
+    if any(r.logit_bias or r.presence_penalty or r.frequency_penalty for r in rows):
+        bias, penalties = np.zeros((B, model.cfg.vocab_size), np.float32), np.zeros((2, B), np.float32)
+        for b, r in enumerate(rows):
+            for token, value in r.logit_bias:
+                bias[b, token] = value
+            penalties[:, b] = r.presence_penalty, r.frequency_penalty
     streamed = any(r.stream is not None for r in rows)
     tag = next(_stream_tags)
     if streamed:
@@ -152,7 +167,8 @@ def sample_batch(model: Model, rows: list[Request], top_logprobs: int | None = N
     try:
         ids, logprobs, top_ids, top_lps = jax.device_get(_decode_rows(
             model.params, tokens, positions, keys, settings[0], settings[1], settings[2].astype(np.int32), stops,
-            np.int32(tag), cfg=model.cfg, cache_len=P + W, top_k=top_k_size(top_logprobs), stream=streamed))
+            bias, penalties, np.int32(tag), cfg=model.cfg, cache_len=P + W, top_k=top_k_size(top_logprobs),
+            stream=streamed))
     finally:
         _STREAMS.pop(tag, None)
     out = []
@@ -203,20 +219,28 @@ def seed_key(seed: int) -> np.ndarray:
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "cache_len", "top_k", "stream"))
-def _decode_rows(params, tokens, positions, keys, temperature, top_p, max_new, stop_ids, tag, *, cfg: ModelConfig,
-                 cache_len: int, top_k: int | None, stream: bool = False):
+def _decode_rows(params, tokens, positions, keys, temperature, top_p, max_new, stop_ids, bias, penalties, tag, *,
+                 cfg: ModelConfig, cache_len: int, top_k: int | None, stream: bool = False):
     """Left-padded prompts tokens, positions [B, P] -> new tokens [B, W] (W = cache_len - P), their
     log-probabilities [B, W] and the top_k most likely alternatives' ids and log-probabilities
     [B, W, top_k] (top_k None: no log-probabilities, zeros). Row b is done after max_new[b]
     tokens or one in stop_ids[b]; what a done row draws after that is never read. One prefill,
     then a while loop of one-token steps that ends once every row is done. With `stream`, each
-    step's tokens also go to the host as they are drawn (`_send_tokens(tag, i, tokens)`), in order."""
+    step's tokens also go to the host as they are drawn (`_send_tokens(tag, i, tokens)`), in order.
+    `bias` [B, V] and `penalties` [2, B] (presence, frequency), unless None, adjust the logits a
+    token is drawn from, with each row's counts of its new tokens [B, V] carried through the
+    loop; log-probabilities are the model's own, before them."""
     B, P = tokens.shape
     W = cache_len - P
     logits, cache = prefill(params, cfg, tokens, init_cache(cfg, B, cache_len), positions)
 
-    def emit(i, logits, out, done):  # draw token i of every row from logits [B, V]; record it
-        token = pick(logits, jax.vmap(jax.random.fold_in, (0, None))(keys, i), temperature, top_p)
+    def emit(i, logits, out, done, counts):  # draw token i of every row from logits [B, V]; record it
+        drawn_from = logits
+        if bias is not None:
+            drawn_from = logits + bias - penalties[0][:, None] * (counts > 0) - penalties[1][:, None] * counts
+        token = pick(drawn_from, jax.vmap(jax.random.fold_in, (0, None))(keys, i), temperature, top_p)
+        if bias is not None:
+            counts = counts.at[jnp.arange(B), token].add(1)
         ids, lps, top_ids, top_lps = out
         ids = ids.at[:, i].set(token)
         if top_k is not None:
@@ -228,19 +252,20 @@ def _decode_rows(params, tokens, positions, keys, temperature, top_p, max_new, s
         done = done | (token[:, None] == stop_ids).any(axis=-1) | (i + 1 >= max_new)
         if stream:
             io_callback(_send_tokens, None, tag, i, token, ordered=True)
-        return token, (ids, lps, top_ids, top_lps), done
+        return token, (ids, lps, top_ids, top_lps), done, counts
 
     out = (jnp.zeros((B, W), jnp.int32), jnp.zeros((B, W), jnp.float32),
            jnp.zeros((B, W, top_k or 0), jnp.int32), jnp.zeros((B, W, top_k or 0), jnp.float32))
-    token, out, done = emit(0, logits, out, jnp.zeros((B,), bool))
+    counts = None if bias is None else jnp.zeros(bias.shape, jnp.int32)
+    token, out, done, counts = emit(0, logits, out, jnp.zeros((B,), bool), counts)
 
     def step(state):
-        i, token, pos, cache, out, done = state
+        i, token, pos, cache, out, counts, done = state
         logits, cache = decode_step(params, cfg, token[:, None], cache, pos[:, None])
-        token, out, done = emit(i, logits[:, 0], out, done)
-        return i + 1, token, pos + 1, cache, out, done
+        token, out, done, counts = emit(i, logits[:, 0], out, done, counts)
+        return i + 1, token, pos + 1, cache, out, counts, done
 
-    state = (jnp.int32(1), token, positions[:, -1] + 1, cache, out, done)
+    state = (jnp.int32(1), token, positions[:, -1] + 1, cache, out, counts, done)
     return jax.lax.while_loop(lambda s: (s[0] < W) & ~s[-1].all(), step, state)[4]
 
 

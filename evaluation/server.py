@@ -5,8 +5,9 @@ default; docs/serving.md is the user's page.
 
     GET  /v1/models               the one model served here, under its name
     POST /v1/completions          text or token-id prompts; echo; logprobs of the prompt and of the
-                                  new tokens; max_tokens, temperature, top_p, stop, seed,
-                                  n, skip_special_tokens (vLLM's, default true); stream
+                                  new tokens; max_tokens, temperature, top_p, stop, seed, n,
+                                  logit_bias, presence and frequency penalties,
+                                  skip_special_tokens (vLLM's, default true); stream
     POST /v1/chat/completions     messages rendered with the model's chat template (SFT and DPO
                                   outputs have its tokens); 400 for a model without them
     POST /tokenize, /detokenize   vLLM's tokenizer endpoints, and GET /tokenizer_info: with them
@@ -74,9 +75,6 @@ class ApiError(Exception):
 # Fields of OpenAI's API that kiln does not implement: accepted at their neutral values only.
 NEUTRAL_ONLY = {
     "best_of": ((None, 1), "only best_of=1 is supported"),
-    "presence_penalty": ((0,), "penalties are not supported: leave them out (or 0)"),
-    "frequency_penalty": ((0,), "penalties are not supported: leave them out (or 0)"),
-    "logit_bias": ((None, {}), "logit_bias is not supported: leave it out"),
     "suffix": ((None, ""), "suffix (insertion) is not supported: leave it out"),
 }
 
@@ -88,7 +86,7 @@ class StreamOptions(BaseModel):
 
 class _Body(BaseModel):
     """What both endpoints take. Fields OpenAI defines that kiln does not implement are accepted
-    at their neutral values only (best_of=1, no penalties); any other field is an error."""
+    at their neutral values only (best_of=1, no suffix); any other field is an error."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -101,9 +99,9 @@ class _Body(BaseModel):
     n: StrictInt = Field(1, ge=1, le=MAX_CHOICES)  # choices per prompt, each drawn with a seed of its own
     stream: bool = False  # server-sent events, text as it is generated (Service.stream)
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float = Field(0.0, ge=-2, le=2)  # OpenAI's range
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None  # token id (a string) -> bias
     user: str | None = None
     # vLLM's: special tokens the model generates (<|user|>, ...) are left out of the answer's text and
     # of its logprobs' token strings, as vLLM leaves them out by default; false keeps them
@@ -115,6 +113,14 @@ class _Body(BaseModel):
         allowed, advice = NEUTRAL_ONLY[info.field_name]
         if v not in allowed:
             raise ValueError(advice)
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, v):
+        bad = [k for k in (v or {}) if not k.isdigit()]
+        if bad:
+            raise ValueError(f"logit_bias maps token ids (strings of digits, as OpenAI's) to biases; {bad[:3]} are not")
         return v
 
     def stop_strings(self) -> list[str]:
@@ -349,11 +355,20 @@ class Service:
             raise ApiError(400, f"token ids {bad[:5]} are outside this model's vocabulary of "
                            f"{self.model.cfg.vocab_size}", param)
 
+    def check_bias(self, body: _Body) -> None:
+        V = self.model.cfg.vocab_size
+        bad = [t for t in (body.logit_bias or {}) if int(t) >= V]
+        if bad:
+            raise ApiError(400, f"logit_bias names token ids {bad[:5]} outside this model's vocabulary of {V}",
+                           "logit_bias")
+
     def row(self, body: _Body, ids: list[int], max_tokens: int, stop_ids: tuple[int, ...], choice: int = 0,
             stream: Callable[[int, int], None] | None = None) -> Request:
         """Choice `choice` (of `n`) of a prompt, as the engine runs it."""
         seed = secrets.randbits(64) if body.seed is None else choice_seed(body.seed, choice)
-        return Request(ids, max_tokens, body.temperature, body.top_p, seed, stop_ids, stream)
+        bias = tuple((int(t), v) for t, v in (body.logit_bias or {}).items())
+        return Request(ids, max_tokens, body.temperature, body.top_p, seed, stop_ids, stream, bias,
+                       body.presence_penalty, body.frequency_penalty)
 
     async def run(self, jobs: list[Job]) -> list[Result]:
         return await asyncio.gather(*(asyncio.wrap_future(self.batcher.submit(j)) for j in jobs))
@@ -376,6 +391,7 @@ class Service:
 
     async def completions(self, body: CompletionBody) -> dict | AsyncIterator[str]:
         self.check_model(body.model)
+        self.check_bias(body)
         max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
         several = isinstance(body.prompt, list) and not isinstance(body.prompt[0], int)
         prompts = body.prompt if several else [body.prompt]
@@ -445,6 +461,7 @@ class Service:
 
     async def chat(self, body: ChatBody) -> dict | AsyncIterator[str]:
         self.check_model(body.model)
+        self.check_bias(body)
         if self.template is None:
             raise ApiError(400, f"{self.name} has no chat template ({self.no_template}): chat needs a post-trained "
                            "model, an SFT or DPO output or its export; for this model use /v1/completions", "messages")

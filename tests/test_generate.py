@@ -146,7 +146,7 @@ def test_a_streamed_row_gets_its_tokens_from_inside_the_decoding_loop():
 
     args = (model.params, np.ones((1, 4), np.int32), np.arange(4)[None].astype(np.int32), np.zeros((1, 2), np.uint32),
             np.ones(1, np.float32), np.ones(1, np.float32), np.full(1, 8, np.int32), np.full((1, 4), 5, np.int32),
-            np.int32(0))
+            None, None, np.int32(0))
     for stream in (True, False):
         jaxpr = jax.make_jaxpr(lambda *a: _decode_rows(*a, cfg=cfg, cache_len=16, top_k=None, stream=stream))(*args)
         loops = [e for e in jaxpr.jaxpr.eqns[0].params["jaxpr"].jaxpr.eqns if e.primitive.name == "while"]
@@ -182,3 +182,45 @@ def test_streamed_text_never_splits_a_character_or_runs_past_a_stop_string():
     for piece in stopped[:-1]:  # before the end, nothing past a place where a stop could still begin
         sent += piece
         assert not sent.endswith("dark") and "the end" not in sent
+
+
+def test_logit_bias_and_penalties_change_the_draws_as_openai_defines_them():
+    """Greedy rows with a logit bias, a presence or a frequency penalty get the tokens of a plain
+    loop that adjusts the full forward pass's last logits the same way (bias added; presence
+    subtracted once a token was drawn, frequency per time it was); a plain row in the same batch
+    gets its unadjusted tokens, and log-probabilities stay the model's own."""
+    from evaluation.generate import Model, Request, sample_batch
+    from training.model import init_params
+
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64, seq_len=64,
+                      init_std=0.1)
+    params = init_params(cfg, jax.random.PRNGKey(1))
+    model = Model(cfg, params, None, eos_id=63)
+    prompt = [1, 2, 3, 4]
+
+    def reference(new: int, bias: dict, presence: float, frequency: float) -> list[int]:
+        seq, counts = list(prompt), np.zeros(cfg.vocab_size)
+        for _ in range(new):
+            logits = np.asarray(forward(params, jnp.asarray([seq]), cfg))[0, -1].astype(np.float64)
+            for t, v in bias.items():
+                logits[t] += v
+            token = int(np.argmax(logits - presence * (counts > 0) - frequency * counts))
+            counts[token] += 1
+            seq.append(token)
+        return seq[len(prompt):]
+
+    plain = reference(16, {}, 0, 0)
+    assert len(set(plain)) < 12  # it repeats itself, so the penalties have something to change
+    cases = [({}, 0.0, 0.0), ({plain[0]: -100.0}, 0.0, 0.0), ({7: 5.0}, 0.0, 0.0), ({}, 2.0, 0.0), ({}, 0.0, 1.5),
+             ({7: 3.0}, 0.5, 0.8)]
+    rows = [Request(prompt, 16, 0.0, 1.0, 0, (), None, tuple(bias.items()), presence, frequency)
+            for bias, presence, frequency in cases]
+    got = sample_batch(model, rows, top_logprobs=0)
+    alone = sample_batch(model, rows[:1], top_logprobs=0)[0]
+    assert got[0].ids == alone.ids == plain
+    for (bias, presence, frequency), row in zip(cases, got):
+        assert row.ids == reference(16, bias, presence, frequency), (bias, presence, frequency)
+    assert all(r.ids != plain for r in got[1:])  # each adjustment changed something
+    forced = sample_batch(model, [Request(prompt, 4, 0.0, 1.0, 0, (), None, ((7, 100.0),))], top_logprobs=0)[0]
+    assert forced.ids == [7] * 4
+    assert max(forced.logprobs) < -0.5  # the model's own log-probability of a token it does not favour

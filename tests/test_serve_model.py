@@ -24,7 +24,7 @@ import uvicorn
 import yaml
 
 from evaluation.adapter import KilnLM
-from evaluation.generate import Request, generate, load, sample
+from evaluation.generate import Request, generate, load, sample, sample_batch
 from evaluation.server import Batcher, Job, Service, create_app
 from tests.conftest import free_port, kiln, server, log_tail, wait_until
 from tests.test_generate import PROMPT, store  # noqa: F401  (a fixture)
@@ -212,6 +212,31 @@ def test_n_choices_per_prompt_each_with_a_seed_of_its_own(served, model):
     assert len({a.message.content for a in answers}) > 1
 
 
+def test_logit_bias_and_penalties_reach_the_draws(served, model):
+    """OpenAI's logit_bias, presence_penalty and frequency_penalty over HTTP: a bias of 100 on a
+    token makes greedy decoding answer it throughout, in completions and chat; a penalty changes
+    the greedy answer as `sample_batch` with the same settings does (tests/test_generate.py checks
+    that against a plain loop)."""
+    from openai import OpenAI
+
+    url, _ = served
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    word = model.tokenizer.encode(" Amen").ids[0]
+    ask = dict(model=NAME, prompt=PROMPT, max_tokens=6, temperature=0)
+    forced = client.completions.create(**ask, logit_bias={str(word): 100}).choices[0].text
+    assert forced == model.tokenizer.decode([word] * 6)
+    chat = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Who?"}], max_tokens=3,
+                                          temperature=0, logit_bias={str(word): 100})
+    assert chat.choices[0].message.content == model.tokenizer.decode([word] * 3)
+
+    ids = [model.start_id, *model.tokenizer.encode(PROMPT).ids]
+    for penalties in ({"presence_penalty": 2.0}, {"frequency_penalty": 2.0}):
+        want = sample_batch(model, [Request(ids, 24, 0.0, presence_penalty=penalties.get("presence_penalty", 0.0),
+                                            frequency_penalty=penalties.get("frequency_penalty", 0.0))])[0].ids
+        got = client.completions.create(**{**ask, "max_tokens": 24}, **penalties).choices[0].text
+        assert got == model.tokenizer.decode(want) != client.completions.create(**{**ask, "max_tokens": 24}).choices[0].text
+
+
 def test_streamed_answers_add_up_to_the_answers_without_streaming(served, model):
     """stream=true: OpenAI's server-sent events, whose pieces add up to the text the same request
     gets without streaming (same seed), stop strings included (a piece never runs past one),
@@ -357,7 +382,11 @@ BAD = [  # (method, path, body (None: send `raw`), raw bytes, status, words the 
     ("POST", "/v1/completions", {"prompt": "x", "stream": True, "echo": True}, None, 400, "echo is not streamed"),
     ("POST", "/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, None, 400,
      "stream_options needs stream=true"),
-    ("POST", "/v1/completions", {"prompt": "x", "frequency_penalty": 0.5}, None, 400, "penalties"),
+    ("POST", "/v1/completions", {"prompt": "x", "frequency_penalty": 2.5}, None, 400, "frequency_penalty"),
+    ("POST", "/v1/completions", {"prompt": "x", "logit_bias": {"abc": 1}}, None, 400, "strings of digits"),
+    ("POST", "/v1/completions", {"prompt": "x", "logit_bias": {"99999": 1}}, None, 400, "outside this model's vocab"),
+    ("POST", "/v1/completions", {"prompt": "x", "logit_bias": {"5": 101}}, None, 400, "logit_bias.5"),
+    ("POST", "/v1/completions", {"prompt": "x", "suffix": "y"}, None, 400, "suffix"),
     ("POST", "/v1/completions", {"prompt": "x", "beam_width": 4}, None, 400, "beam_width: not a field"),
     ("POST", "/v1/completions", {"prompt": [1, 2, 99999]}, None, 400, "outside this model's vocabulary"),
     ("POST", "/v1/completions", {"prompt": "x", "seed": "abc"}, None, 400, "seed"),
