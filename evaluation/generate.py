@@ -332,9 +332,7 @@ def generate(model: Model, prompt: str, max_tokens: int = 64, temperature: float
         tok = Tokenizer.from_str(model.tokenizer.to_str())
         tok.encode_special_tokens = True  # special-token strings in the prompt stay text, as in training
         ids = tok.encode(prompt, add_special_tokens=False).ids
-    def decode(ids: list[int]) -> str:
-        return model.tokenizer.decode(ids, skip_special_tokens=False)
-
+    decode = functools.partial(model.tokenizer.decode, skip_special_tokens=False)
     pieces = None if on_text is None else TextStream(decode, [])
     stream = None if pieces is None else lambda i, token: on_text(pieces.push(i, token))
     out = sample(model, [model.start_id, *ids], max_tokens, temperature, top_p, seed, stop_ids, stream)
