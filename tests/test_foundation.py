@@ -216,15 +216,14 @@ def test_sigkill_mid_write_leaves_nothing_done(tmp_path):
     store = Store(tmp_path / "store")
     script = tmp_path / "kill_me.py"
     script.write_text(KILL_SCRIPT)
-    proc = subprocess.Popen([sys.executable, str(script), store.root], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
-    deadline = time.time() + 300
-    for line in proc.stdout:
-        if "WRITING" in line or time.time() > deadline:
-            break
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    with subprocess.Popen([sys.executable, str(script), store.root], cwd=REPO,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}) as proc:  # its pipe closed on the way out
+        deadline = time.time() + 300
+        for line in proc.stdout:
+            if "WRITING" in line or time.time() > deadline:
+                break
+        proc.send_signal(signal.SIGKILL)
     step = Step("slow", "slow", 1, AConfig(), _body)
     from flows.plan import step_status
 

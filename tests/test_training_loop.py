@@ -128,19 +128,19 @@ def test_sigkill_after_checkpoint_then_rerun_gives_same_parameters(tmp_path, uni
     # a compilation cache of their own: the killed run compiles into it, the rerun reads from it
     env = {**os.environ, "KILN_COMPILE_CACHE": str(tmp_path / "compiled"),
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}  # kept however fast this machine compiles
-    child = subprocess.Popen(cmd + ["pause", cadence], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             text=True, env=env)
-    try:
-        for line in child.stdout:
-            if json.loads(line).get("step") == 15:
-                break
-        checkpoints = written_checkpoints(tmp_path / "work" / "checkpoints", "10")
-        assert checkpoints == kept, checkpoints  # killed after the checkpoint at step 10 was written
-        os.kill(child.pid, signal.SIGKILL)
-        assert child.wait(timeout=60) == -signal.SIGKILL
-    finally:
-        if child.poll() is None:
-            child.kill()
+    with subprocess.Popen(cmd + ["pause", cadence], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          text=True, env=env) as child:  # its pipes closed on the way out
+        try:
+            for line in child.stdout:
+                if json.loads(line).get("step") == 15:
+                    break
+            checkpoints = written_checkpoints(tmp_path / "work" / "checkpoints", "10")
+            assert checkpoints == kept, checkpoints  # killed after the checkpoint at step 10 was written
+            os.kill(child.pid, signal.SIGKILL)
+            assert child.wait(timeout=60) == -signal.SIGKILL
+        finally:
+            if child.poll() is None:
+                child.kill()
     assert not (tmp_path / "out" / "params.safetensors").exists()
 
     assert list((tmp_path / "compiled").glob("jit_train_step-*")), list((tmp_path / "compiled").iterdir())
