@@ -144,6 +144,26 @@ def test_lm_eval_local_completions_scores_as_the_adapter_does(served, kiln_lm, e
     assert evaluate(api, [task_file], [], None)["results"]["kjv_endings"]["acc,none"] == pytest.approx(acc)
 
 
+def test_lm_eval_local_chat_completions_gets_kilns_chat_answers(served, model):
+    """lm-eval's chat API model (`local-chat-completions`, what `--apply_chat_template` evaluations
+    of a served chat model use) sends its messages, stop strings and seed to /v1/chat/completions
+    and gets the answers `kiln generate --chat` gives, cut at the task's stop string."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.api_models import JsonChatStr
+    from lm_eval.models.openai_completions import LocalChatCompletion
+
+    url, _ = served
+    api = LocalChatCompletion(base_url=f"{url}/v1/chat/completions", model=NAME, max_retries=1, num_concurrent=2)
+    questions = ["Who made the light?", "What did God divide?", "Where was the garden?", "Who said it was good?"]
+    stop = ",."  # the tiny model answers in punctuation
+    requests = [Instance("generate_until", {}, (JsonChatStr(json.dumps([{"role": "user", "content": q}])),
+                                                {"until": [stop], "max_gen_toks": 12, "do_sample": False}), i)
+                for i, q in enumerate(questions)]
+    answers = [generate(model, q, max_tokens=12, temperature=0.0, chat=True) for q in questions]
+    assert sum(stop in a for a in answers) >= 1  # the stop string cuts at least one of them
+    assert api.generate_until(requests, disable_tqdm=True) == [a.split(stop)[0] for a in answers]
+
+
 def test_openai_client_completions_and_chat(served, model):
     from openai import BadRequestError, NotFoundError, OpenAI
 
