@@ -125,7 +125,7 @@ def parser() -> argparse.ArgumentParser:
 
     sm = command("serve-model", "Serve a trained, post-trained or exported model over an OpenAI-compatible "
                  "HTTP API (/v1/models, /v1/completions, /v1/chat/completions; docs/serving.md) until SIGTERM "
-                 "or Ctrl-C; concurrent requests run in batches.",
+                 "or Ctrl-C; concurrent requests run in batches, and answers can stream as they are generated.",
                  "kiln serve-model kiln_store/export/<version> --port 8000 --name my-model")
     sm.add_argument("path", help="a train, sft or dpo output folder, or an export folder")
     sm.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine "
