@@ -198,10 +198,14 @@ def test_logit_bias_and_penalties_change_the_draws_as_openai_defines_them():
     model = Model(cfg, params, None, eos_id=63)
     prompt = [1, 2, 3, 4]
 
+    last_logits = jax.jit(lambda tokens, at: forward(params, tokens, cfg)[0, at])  # causal: padding after is unseen
+
     def reference(new: int, bias: dict, presence: float, frequency: float) -> list[int]:
         seq, counts = list(prompt), np.zeros(cfg.vocab_size)
         for _ in range(new):
-            logits = np.asarray(forward(params, jnp.asarray([seq]), cfg))[0, -1].astype(np.float64)
+            padded = np.zeros((1, len(prompt) + new), np.int32)
+            padded[0, :len(seq)] = seq
+            logits = np.asarray(last_logits(padded, len(seq) - 1)).astype(np.float64)
             for t, v in bias.items():
                 logits[t] += v
             token = int(np.argmax(logits - presence * (counts > 0) - frequency * counts))
