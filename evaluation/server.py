@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import hashlib
 import json
 import queue
@@ -350,17 +351,13 @@ class Service:
             raise ApiError(400, f"this model's context is {T} tokens, but the request asks for "
                            f"{len(ids) + max_tokens}: {len(ids)} in the prompt and max_tokens={max_tokens}; "
                            "shorten the prompt or lower max_tokens", param)
-        bad = [t for t in ids if not 0 <= t < self.model.cfg.vocab_size]
+        self.check_vocabulary(ids, param)
+
+    def check_vocabulary(self, ids, param: str) -> None:
+        bad = [t for t in ids if not 0 <= int(t) < self.model.cfg.vocab_size]
         if bad:
             raise ApiError(400, f"token ids {bad[:5]} are outside this model's vocabulary of "
                            f"{self.model.cfg.vocab_size}", param)
-
-    def check_bias(self, body: _Body) -> None:
-        V = self.model.cfg.vocab_size
-        bad = [t for t in (body.logit_bias or {}) if int(t) >= V]
-        if bad:
-            raise ApiError(400, f"logit_bias names token ids {bad[:5]} outside this model's vocabulary of {V}",
-                           "logit_bias")
 
     def row(self, body: _Body, ids: list[int], max_tokens: int, stop_ids: tuple[int, ...], choice: int = 0,
             stream: Callable[[int, int], None] | None = None) -> Request:
@@ -391,7 +388,7 @@ class Service:
 
     async def completions(self, body: CompletionBody) -> dict | AsyncIterator[str]:
         self.check_model(body.model)
-        self.check_bias(body)
+        self.check_vocabulary(body.logit_bias or {}, "logit_bias")
         max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
         several = isinstance(body.prompt, list) and not isinstance(body.prompt[0], int)
         prompts = body.prompt if several else [body.prompt]
@@ -461,7 +458,7 @@ class Service:
 
     async def chat(self, body: ChatBody) -> dict | AsyncIterator[str]:
         self.check_model(body.model)
-        self.check_bias(body)
+        self.check_vocabulary(body.logit_bias or {}, "logit_bias")
         if self.template is None:
             raise ApiError(400, f"{self.name} has no chat template ({self.no_template}): chat needs a post-trained "
                            "model, an SFT or DPO output or its export; for this model use /v1/completions", "messages")
@@ -513,8 +510,9 @@ class Service:
         loop = asyncio.get_running_loop()
         arrivals: asyncio.Queue = asyncio.Queue()  # (choice, token index, token) or (choice, None, finished job)
         stops = body.stop_strings()
-        texts = [TextStream(lambda ids: self.decode(ids, body.skip_special_tokens), stops) for _ in rows]
-        head = {"id": f"{'chatcmpl' if first else 'cmpl'}-{secrets.token_hex(12)}", "object": kind,
+        decode = functools.partial(self.decode, skip_special=body.skip_special_tokens)
+        texts = [TextStream(decode, stops) for _ in rows]
+        head = {"id": f"{'chatcmpl' if kind.startswith('chat') else 'cmpl'}-{secrets.token_hex(12)}", "object": kind,
                 "created": int(time.time()), "model": self.name}
         usage = body.stream_options is not None and body.stream_options.include_usage
 
