@@ -43,8 +43,9 @@ from training.step import init_state, make_train_step
 CPU_MODEL = ModelConfig(vocab_size=8192, d_model=384, n_layers=5, n_heads=6, n_kv_heads=2, d_ff=1024, seq_len=256)
 
 
-def train_config(steps: int, batch_size: int, microbatches: int = 1) -> TrainConfig:
-    return TrainConfig(batch_size=batch_size, microbatches=microbatches, steps=steps, lr=1e-3, warmup=2,
+def train_config(steps: int, batch_size: int, microbatches: int = 1, batch_parts: int = 1) -> TrainConfig:
+    return TrainConfig(batch_size=batch_size, microbatches=microbatches, batch_parts=batch_parts, steps=steps,
+                       lr=1e-3, warmup=2,
                        log_every=10, eval_every=10**9, checkpoint_every=10**9, peak_flops=1.0)
 
 
@@ -247,10 +248,11 @@ def machine() -> str:
 
 def cpu(args) -> None:
     print(f"machine: {machine()}", flush=True)
-    model, cfg = CPU_MODEL, train_config(args.steps, args.batch_size)
+    model, cfg = CPU_MODEL, train_config(args.steps, args.batch_size, batch_parts=args.batch_parts)
     n_params = param_count(jax.eval_shape(lambda: init_params(model, jax.random.PRNGKey(0))))
     print(f"model: {n_params / 1e6:.1f}M params, {model.n_layers} layers, d_model {model.d_model}, "
-          f"vocab {model.vocab_size}, batch {cfg.batch_size} x {model.seq_len}, {cfg.steps} steps x {args.rounds} rounds")
+          f"vocab {model.vocab_size}, batch {cfg.batch_size} x {model.seq_len} in {cfg.batch_parts} part(s), "
+          f"{cfg.steps} steps x {args.rounds} rounds")
     batches = make_batches(model, cfg, 8)
     print(f"twins agree: max |loss_jax - loss_torch| over 3 steps = {check_twins_agree(model, cfg, batches):.2e}")
     contenders = {"kiln": lambda: run_kiln(model, cfg, batches), "bare jax": lambda: run_bare(model, cfg, batches),
@@ -326,6 +328,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--batch-parts", type=int, default=1, help="kiln's train.batch_parts (2: two independent halves, "
+                   "what docs/configuration.md advises on a 2-core CPU)")
     p.add_argument("--torch-compile", action="store_true", help="also time torch.compile (CPU)")
     p.add_argument("--pipelines", action="store_true", help="time the tiny pipeline's and the sweep's trainings")
     p.add_argument("--budget", type=float, default=6e10, help="the sweep budget --pipelines times")
