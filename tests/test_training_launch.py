@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 import ray
@@ -14,6 +15,7 @@ from tasks.engine import local_ray
 from flows.config import load_config
 from tests.conftest import REPO, ray_head, ray_lock
 from tests.test_training_kjv_data import WindowBatches, kjv_tokens
+from training.hooks import Hook, LoopContext, StepInfo
 from training.config import MeshConfig, ModelConfig, ResourcesConfig, TrainConfig, check_cpu_devices
 from training.launch import launch_training
 from training.loop import train
@@ -35,14 +37,23 @@ def configs(steps: int = 12) -> tuple[ModelConfig, TrainConfig]:
                               checkpoint_every=6, peak_flops=1e11)
 
 
-def launch(tmp: Path, hosts: int, steps: int = 12, cpu_devices: int = 1, **train_fields) -> tuple[dict, list[dict]]:
+def launch(tmp: Path, hosts: int, steps: int = 12, cpu_devices: int = 1, hooks=(), **train_fields) -> tuple[dict, list[dict]]:
     model, cfg = configs(steps)
     cfg = cfg.model_copy(update=train_fields)
     seen: list[dict] = []
     stats = launch_training(model, cfg, ResourcesConfig(hosts=hosts, cpus_per_host=1, cpu_devices=cpu_devices),
                             functools.partial(kjv_data, cfg.batch_size, model.seq_len),
-                            tmp / "work", tmp / "out", on_metrics=seen.append)
+                            tmp / "work", tmp / "out", on_metrics=seen.append, hooks=hooks)
     return stats, seen
+
+
+def failing_on(host: int, step: int, ctx: LoopContext) -> list[Hook]:
+    """A hook factory (runs on every host): host `host` raises after `step`, while its peer goes on
+    into the next step, whose collectives wait for the failed host."""
+    def fail(info: StepInfo) -> None:
+        if jax.process_index() == host and info.step == step:
+            raise RuntimeError(f"planted failure on host {host} after step {step}")
+    return [Hook(fail, 1)]
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +125,22 @@ def test_two_hosts_join_one_jax_runtime_and_match_one_host(one_host, tmp_path):
     assert sorted(p.name for p in (tmp_path / "work" / "checkpoints").iterdir()) == ["11", "12"]
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
         "loss.png", "metrics.jsonl", "model.json", "params.safetensors", "tensorboard"]
+
+
+# Two JAX processes again, as above (~15 s each here). Before, a failed host first waited in JAX's
+# shutdown barrier (its timeout: 300 s) for a peer that was itself waiting in the step's collectives
+# for it: host 0's case was still waiting when this test's 240 s timeout failed it.
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("host", [0, 1])
+def test_a_host_that_fails_mid_run_fails_the_launch_naming_it(tmp_path, host):
+    with pytest.raises(RuntimeError, match=rf"(?s)training host {host} of 2 failed, on node .*planted failure on "
+                                           rf"host {host} after step 3"):
+        launch(tmp_path, hosts=2, hooks=(functools.partial(failing_on, host, 3),))
+    # host 0 writes the metrics: it failed before logging step 3, or its peer failed and it stopped
+    # in step 4's collectives (cancelled while waiting there)
+    logged = [r["step"] for r in read_metrics(tmp_path / "work" / "metrics.jsonl")]
+    assert (logged == [1, 2]) if host == 0 else (logged in ([1, 2], [1, 2, 3]))
 
 
 @pytest.mark.slow  # the pipeline's version of this runs in CI: tests/test_pipeline_ray.py

@@ -96,7 +96,9 @@ def launch_training(model_cfg: ModelConfig, train_cfg: TrainConfig, resources: R
             coordinator = ray.get(probe.remote())
         env = _worker_env(resources)
         driver = (ray.get_runtime_context().get_node_id(), os.getpid())
-        host_main = ray.remote(_host_main)
+        # With several hosts each worker process exits after its task (max_calls=1): a host that
+        # failed leaves its JAX distributed runtime up (_host_main), and no later task may inherit it.
+        host_main = ray.remote(max_calls=1 if resources.hosts > 1 else 0)(_host_main)
         refs = [
             host_main.options(num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
                               resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
@@ -206,17 +208,19 @@ def _host_main(host: int, hosts: int, coordinator: str | None, model_cfg: ModelC
         else:
             start_from = StartFrom(folder, init_step, init_mode)
     pushing = host == 0 and work.remote
-    try:
-        stats = train(model_cfg, train_cfg, batch_at, val_batches, local, out,
-                      on_metrics=queue.put if queue is not None else None, objective=objective,
-                      init_params=init_params, shared_work=not work.remote, hooks=hooks, start_from=start_from,
-                      on_checkpoint=(lambda steps: work.push(checkpoint_steps=steps, host=0)) if pushing else None)
-        if pushing:
-            work.push(output=True, host=0)
-        return {**stats, "host": {**node, "device_kind": jax.devices()[0].device_kind}}
-    finally:
-        if hosts > 1:
-            jax.distributed.shutdown()
+    stats = train(model_cfg, train_cfg, batch_at, val_batches, local, out,
+                  on_metrics=queue.put if queue is not None else None, objective=objective,
+                  init_params=init_params, shared_work=not work.remote, hooks=hooks, start_from=start_from,
+                  on_checkpoint=(lambda steps: work.push(checkpoint_steps=steps, host=0)) if pushing else None)
+    if pushing:
+        work.push(output=True, host=0)
+    # Only a host that finished leaves the runtime: JAX's shutdown waits at a barrier for every
+    # host, and a failed host's peers are blocked in the step's collectives waiting for it, so
+    # its error would reach the driver only after the barrier's timeout (300 s). A failed host
+    # raises at once; the driver cancels its peers (_wait_relaying) and the worker exits (max_calls).
+    if hosts > 1:
+        jax.distributed.shutdown()
+    return {**stats, "host": {**node, "device_kind": jax.devices()[0].device_kind}}
 
 
 def _join_jax_runtime(host: int, hosts: int, coordinator: str, node_ip: str, timeout_s: float) -> None:
