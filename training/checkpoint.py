@@ -40,10 +40,16 @@ class Checkpoints:
         self.directory = Path(directory).absolute()
         self._writing = False  # a save was started whose completion `finished`/`wait` has not yet reported
         multiprocessing = ocp.options.MultiprocessingOptions(primary_host=None if gathered else 0)
+        # Gathered, each process creates its own folders before writing into them. Orbax's default
+        # creates them in the background and tells the writers through signals shared by all
+        # processes, so another host's folder being ready could release this host's writer early:
+        # once in a two-node run, host 0's JSON write found no `<step>.orbax-checkpoint-tmp/meta...`
+        # folder, and the hosts then waited on each other in orbax's finalize barrier (20 min).
+        async_options = ocp.AsyncOptions(create_directories_asynchronously=not gathered)
         self.manager = ocp.CheckpointManager(
             Path(directory).absolute(),
             options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=asynchronous,
-                                                 cleanup_tmp_directories=True,
+                                                 cleanup_tmp_directories=True, async_options=async_options,
                                                  multiprocessing_options=multiprocessing),
             item_handlers={"state": ocp.StandardCheckpointHandler(multiprocessing_options=multiprocessing),
                            "meta": ocp.JsonCheckpointHandler(multiprocessing_options=multiprocessing)},
