@@ -45,8 +45,7 @@ CPU_MODEL = ModelConfig(vocab_size=8192, d_model=384, n_layers=5, n_heads=6, n_k
 
 def train_config(steps: int, batch_size: int, microbatches: int = 1, batch_parts: int = 1) -> TrainConfig:
     return TrainConfig(batch_size=batch_size, microbatches=microbatches, batch_parts=batch_parts, steps=steps,
-                       lr=1e-3, warmup=2,
-                       log_every=10, eval_every=10**9, checkpoint_every=10**9, peak_flops=1.0)
+                       lr=1e-3, warmup=2, log_every=10, eval_every=10**9, checkpoint_every=10**9, peak_flops=1.0)
 
 
 def make_batches(model: ModelConfig, cfg: TrainConfig, n: int, seed: int = 0) -> np.ndarray:

@@ -15,8 +15,8 @@ from tasks.engine import local_ray
 from flows.config import load_config
 from tests.conftest import REPO, ray_head, ray_lock
 from tests.test_training_kjv_data import WindowBatches, kjv_tokens
-from training.hooks import Hook, LoopContext, StepInfo
 from training.config import MeshConfig, ModelConfig, ResourcesConfig, TrainConfig, check_cpu_devices
+from training.hooks import Hook, LoopContext, StepInfo
 from training.launch import launch_training
 from training.loop import train
 from training.metrics import read_metrics
@@ -37,7 +37,8 @@ def configs(steps: int = 12) -> tuple[ModelConfig, TrainConfig]:
                               checkpoint_every=6, peak_flops=1e11)
 
 
-def launch(tmp: Path, hosts: int, steps: int = 12, cpu_devices: int = 1, hooks=(), **train_fields) -> tuple[dict, list[dict]]:
+def launch(tmp: Path, hosts: int, steps: int = 12, cpu_devices: int = 1, hooks=(),
+           **train_fields) -> tuple[dict, list[dict]]:
     model, cfg = configs(steps)
     cfg = cfg.model_copy(update=train_fields)
     seen: list[dict] = []
