@@ -1,6 +1,7 @@
 """Asynchronous checkpoints: a write killed midway leaves nothing `latest_step` would pick, the
-caller only ever hears of checkpoints complete on disk, and the time cadence saves at steps the
-step cadence never would, which a run then resumes from to the same bits."""
+caller only ever hears of checkpoints complete on disk, the time cadence saves at steps the
+step cadence never would, which a run then resumes from to the same bits, and a write that fails
+on one of two processes fails both within the timeout instead of leaving them waiting."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tests.conftest import REPO
+from tests.conftest import REPO, free_port
 from tests.test_training_loop import tiny
 from tests.test_training_kjv_data import WindowBatches, kjv_tokens
 from training.checkpoint import Checkpoints
@@ -87,3 +88,61 @@ def _train(tmp: Path, model, cfg, on_checkpoint=None) -> dict:
 def test_minutes_passed_counts_minutes_of_wall_time():
     now = time.monotonic()
     assert _minutes_passed(now - 90, 1) and not _minutes_passed(now, 1) and not _minutes_passed(now - 3600, None)
+
+
+# Two processes in one JAX runtime (as two training hosts of a remote store), each saving the whole
+# state into its own folder. Process 0's second write fails in orbax's background (its JSON record
+# cannot be serialised: a stand-in for any failed write, such as the folder race seen in two-node
+# runs); it then skips the barrier process 1 waits at, and each waits for the other.
+TWO_HOSTS = """
+import os, sys, time
+from pathlib import Path
+import jax.numpy as jnp
+from training.launch import _join_jax_runtime
+
+host, port, folder = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+_join_jax_runtime(host, 2, f"127.0.0.1:{port}", "127.0.0.1", 60)
+from training.checkpoint import Checkpoints
+
+checkpoints = Checkpoints(folder / f"host{host}", gathered=True, timeout_s=10)
+state = {"w": jnp.arange(8, dtype=jnp.float32)}
+checkpoints.save(1, state, {"step": 1})
+assert checkpoints.wait() == [1]
+checkpoints.save(2, state, {"step": 2, "unwritable": object()} if host == 0 else {"step": 2})
+try:
+    checkpoints.wait()
+    print("no error")
+except RuntimeError as e:
+    chain = []
+    while e is not None:
+        chain.append(f"{type(e).__name__}: {e}")
+        e = e.__cause__ or e.__context__
+    print(" <- ".join(chain).replace("\\n", " "))  # one line, the last of the output
+sys.stdout.flush()
+# Process 0 holds the runtime's coordinator, whose end would abort process 1: it waits for 1 to be done
+(folder / f"done{host}").touch()
+deadline = time.monotonic() + 60
+while host == 0 and not (folder / "done1").exists() and time.monotonic() < deadline:
+    time.sleep(0.1)
+os._exit(0)  # skips JAX's shutdown barrier, which would wait for a peer that may be gone
+"""
+
+
+def test_a_write_failing_on_one_of_two_processes_fails_both_within_the_timeout(tmp_path):
+    port = free_port()
+    hosts = [subprocess.Popen([sys.executable, "-c", TWO_HOSTS, str(host), str(port), str(tmp_path)], cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for host in (0, 1)]
+    try:
+        # orbax's own bound is 20 minutes: without the timeout both would still be waiting here
+        said = [host.communicate(timeout=240) for host in hosts]
+    finally:
+        for host in hosts:
+            host.kill()
+    for host, (out, err) in enumerate(said):
+        assert hosts[host].returncode == 0, err[-3000:]
+        out = out.splitlines()[-1]  # gloo prints to stdout too
+        assert out.startswith(f"RuntimeError: process {host}: the checkpoint write of step 2 in "
+                              f"{tmp_path / f'host{host}'} failed, or with several processes another's did and "
+                              "this one waited 10 s for it"), (out, err[-3000:])
+        assert sorted(p.name for p in (tmp_path / f"host{host}").iterdir() if p.name.isdigit()) == ["1"]  # kept
+    assert said[0][0].rstrip().endswith("<- TypeError: Object of type object is not JSON serializable")  # the cause, on its process

@@ -34,7 +34,7 @@ CONFIG = {
     "tokenize": {"validation_fraction": 0.1},
     "model": {"d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "d_ff": 96, "seq_len": 64},
     "train": {"batch_size": 8, "steps": 12, "lr": 1.0e-2, "warmup": 2, "log_every": 1, "checkpoint_every": 6,
-              "eval_every": 6},
+              "eval_every": 6, "checkpoint_timeout_minutes": 3},  # a failed write ends the run in minutes
     "resources": {"hosts": 2, "cpus_per_host": 1},
     "run": {"workers": 2},  # the data stages' shards on the cluster's Ray workers
 }

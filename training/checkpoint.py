@@ -35,17 +35,22 @@ class Checkpoints:
     every host pulls before it restores (training/launch.py). Restoring places the arrays with
     the shardings asked for. The state must then fit in one host's memory."""
 
-    def __init__(self, directory: Path, keep: int = 2, gathered: bool = False, asynchronous: bool = True):
+    def __init__(self, directory: Path, keep: int = 2, gathered: bool = False, asynchronous: bool = True,
+                 timeout_s: int = 1200):
+        """`timeout_s` bounds a write and, with several processes, how long each waits for the others
+        to finish theirs (orbax's barriers): a process whose write fails skips the barrier its peers
+        wait at, and each would otherwise wait out the whole bound before the run fails."""
         self.gathered = gathered
         self.directory = Path(directory).absolute()
-        self._writing = False  # a save was started whose completion `finished`/`wait` has not yet reported
+        self.timeout_s = timeout_s
+        self._writing: int | None = None  # the step whose write `finished`/`wait` has not yet reported
         multiprocessing = ocp.options.MultiprocessingOptions(primary_host=None if gathered else 0)
         # Gathered, each process creates its own folders before writing into them. Orbax's default
         # creates them in the background and tells the writers through signals shared by all
         # processes, so another host's folder being ready could release this host's writer early:
-        # once in a two-node run, host 0's JSON write found no `<step>.orbax-checkpoint-tmp/meta...`
-        # folder, and the hosts then waited on each other in orbax's finalize barrier (20 min).
-        async_options = ocp.AsyncOptions(create_directories_asynchronously=not gathered)
+        # twice in two-node runs, host 0's JSON write found no `<step>.orbax-checkpoint-tmp/meta...`
+        # folder, and the hosts then waited on each other in orbax's barriers for `timeout_s`.
+        async_options = ocp.AsyncOptions(timeout_secs=timeout_s, create_directories_asynchronously=not gathered)
         self.manager = ocp.CheckpointManager(
             Path(directory).absolute(),
             options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=asynchronous,
@@ -74,22 +79,28 @@ class Checkpoints:
             state = multihost_utils.process_allgather(state, tiled=True)
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                         meta=ocp.args.JsonSave(meta)), force=True)
-        self._writing = True
+        self._writing = step
 
     def finished(self) -> list[int] | None:
         """The steps kept on disk, all complete, if a write finished since the last report (a
         synchronous save finishes inside `save`); None while one is in flight or none was
         started. Never waits; raises the error of a write that failed."""
-        if not self._writing or self.manager.is_saving_in_progress():
+        if self._writing is None or self.manager.is_saving_in_progress():
             return None
         return self.wait()
 
     def wait(self) -> list[int] | None:
         """Wait for the write in flight; then as `finished`."""
-        self.manager.wait_until_finished()  # raises what the background write raised
-        if not self._writing:
+        try:
+            self.manager.wait_until_finished()  # raises what the background write raised
+        except Exception as e:
+            raise RuntimeError(
+                f"process {jax.process_index()}: the checkpoint write of step {self._writing} in {self.directory} "
+                f"failed, or with several processes another's did and this one waited {self.timeout_s} s for it "
+                "(train.checkpoint_timeout_minutes); the first error, on the failed process, says why") from e
+        if self._writing is None:
             return None
-        self._writing = False
+        self._writing = None
         return self.all_steps()
 
     def restore(self, step: int, abstract_state: dict, shardings: dict) -> tuple[dict, dict]:

@@ -99,7 +99,8 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, batch_at: Callable[[in
     if read > read_before:
         log.info("read %d compiled program(s) from the compilation cache instead of compiling them (%.1f s saved)",
                  read - read_before, saved - saved_before)
-    checkpoints = Checkpoints(work_dir / "checkpoints", gathered=not shared_work and jax.process_count() > 1)
+    checkpoints = Checkpoints(work_dir / "checkpoints", gathered=not shared_work and jax.process_count() > 1,
+                              timeout_s=max(1, round(train_cfg.checkpoint_timeout_minutes * 60)))
     identity = _identity(model_cfg, train_cfg)
     if objective is not None:
         identity["objective"] = {"class": type(objective).__name__, **dataclasses.asdict(objective)}
