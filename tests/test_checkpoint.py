@@ -91,27 +91,40 @@ def test_minutes_passed_counts_minutes_of_wall_time():
 
 
 # Two processes in one JAX runtime (as two training hosts of a remote store), each saving the whole
-# state into its own folder. Process 0's second write fails in orbax's background (its JSON record
-# cannot be serialised: a stand-in for any failed write, such as the folder race seen in two-node
-# runs); it then skips the barrier process 1 waits at, and each waits for the other.
+# state into its own folder, in one of two scenarios (argv[4]):
+# - "failing": process 0's second write fails in orbax's background (its JSON record cannot be
+#   serialised: a stand-in for any failed write); it then skips the barrier process 1 waits at,
+#   and each waits for the other.
+# - "slow-folders": process 0's folders take a while to create (a slow filesystem, a busy host).
+#   Orbax's signal that a step's folders exist is shared by the processes, so with its default
+#   (folders created in the background) process 1's signal released process 0's writers into
+#   folders not yet there: the race that twice hung the two-node test.
 TWO_HOSTS = """
-import os, sys, time
+import asyncio, os, sys, time
 from pathlib import Path
 import jax.numpy as jnp
+from orbax.checkpoint._src.path import async_path
 from training.launch import _join_jax_runtime
 
-host, port, folder = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+host, port, folder, scenario = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3]), sys.argv[4]
 _join_jax_runtime(host, 2, f"127.0.0.1:{port}", "127.0.0.1", 60)
 from training.checkpoint import Checkpoints
 
+if scenario == "slow-folders" and host == 0:
+    mkdir = async_path.mkdir
+
+    async def slow_mkdir(*args, **kwargs):
+        await asyncio.sleep(0.5)
+        return await mkdir(*args, **kwargs)
+    async_path.mkdir = slow_mkdir
+
 checkpoints = Checkpoints(folder / f"host{host}", gathered=True, timeout_s=10)
 state = {"w": jnp.arange(8, dtype=jnp.float32)}
-checkpoints.save(1, state, {"step": 1})
-assert checkpoints.wait() == [1]
-checkpoints.save(2, state, {"step": 2, "unwritable": object()} if host == 0 else {"step": 2})
 try:
-    checkpoints.wait()
-    print("no error")
+    for step in (1, 2, 3):
+        bad = scenario == "failing" and host == 0 and step == 2
+        checkpoints.save(step, state, {"step": step, "unwritable": object()} if bad else {"step": step})
+        print("kept", checkpoints.wait())
 except RuntimeError as e:
     chain = []
     while e is not None:
@@ -128,21 +141,33 @@ os._exit(0)  # skips JAX's shutdown barrier, which would wait for a peer that ma
 """
 
 
-def test_a_write_failing_on_one_of_two_processes_fails_both_within_the_timeout(tmp_path):
+def _two_hosts(tmp: Path, scenario: str) -> list[str]:
+    """Each process's last line of output (gloo prints to stdout too)."""
     port = free_port()
-    hosts = [subprocess.Popen([sys.executable, "-c", TWO_HOSTS, str(host), str(port), str(tmp_path)], cwd=REPO,
+    hosts = [subprocess.Popen([sys.executable, "-c", TWO_HOSTS, str(host), str(port), str(tmp), scenario], cwd=REPO,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for host in (0, 1)]
     try:
-        # orbax's own bound is 20 minutes: without the timeout both would still be waiting here
+        # orbax's own bound is 20 minutes: without the timeout a waiting process would still wait here
         said = [host.communicate(timeout=240) for host in hosts]
     finally:
         for host in hosts:
             host.kill()
-    for host, (out, err) in enumerate(said):
-        assert hosts[host].returncode == 0, err[-3000:]
-        out = out.splitlines()[-1]  # gloo prints to stdout too
-        assert out.startswith(f"RuntimeError: process {host}: the checkpoint write of step 2 in "
-                              f"{tmp_path / f'host{host}'} failed, or with several processes another's did and "
-                              "this one waited 10 s for it"), (out, err[-3000:])
+    for host, (out, err) in zip(hosts, said):
+        assert host.returncode == 0, err[-3000:]
+    return [out.splitlines()[-1] for out, _ in said]
+
+
+def test_a_write_failing_on_one_of_two_processes_fails_both_within_the_timeout(tmp_path):
+    said = _two_hosts(tmp_path, "failing")
+    for host, last in enumerate(said):
+        assert last.startswith(f"RuntimeError: process {host}: the checkpoint write of step 2 in "
+                               f"{tmp_path / f'host{host}'} failed, or with several processes another's did and "
+                               "this one waited 10 s for it"), last
         assert sorted(p.name for p in (tmp_path / f"host{host}").iterdir() if p.name.isdigit()) == ["1"]  # kept
-    assert said[0][0].rstrip().endswith("<- TypeError: Object of type object is not JSON serializable")  # the cause, on its process
+    assert said[0].endswith("<- TypeError: Object of type object is not JSON serializable")  # the cause, on host 0
+
+
+def test_one_process_slow_to_create_its_folders_still_writes_every_checkpoint(tmp_path):
+    assert _two_hosts(tmp_path, "slow-folders") == ["kept [2, 3]", "kept [2, 3]"]
+    for host in (0, 1):
+        assert sorted(p.name for p in (tmp_path / f"host{host}").iterdir() if p.name.isdigit()) == ["2", "3"]

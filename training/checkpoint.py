@@ -46,10 +46,11 @@ class Checkpoints:
         self._writing: int | None = None  # the step whose write `finished`/`wait` has not yet reported
         multiprocessing = ocp.options.MultiprocessingOptions(primary_host=None if gathered else 0)
         # Gathered, each process creates its own folders before writing into them. Orbax's default
-        # creates them in the background and tells the writers through signals shared by all
-        # processes, so another host's folder being ready could release this host's writer early:
-        # twice in two-node runs, host 0's JSON write found no `<step>.orbax-checkpoint-tmp/meta...`
-        # folder, and the hosts then waited on each other in orbax's barriers for `timeout_s`.
+        # creates them in the background and tells the writers through a signal keyed by the save
+        # alone, not the process, so another host's folders being ready released this host's
+        # writers early: twice in two-node runs host 0's JSON write found no `<step>.orbax-
+        # checkpoint-tmp/meta...` folder, and the hosts then waited on each other in orbax's
+        # barriers for `timeout_s` (tests/test_checkpoint.py makes one host's folders slow).
         async_options = ocp.AsyncOptions(timeout_secs=timeout_s, create_directories_asynchronously=not gathered)
         self.manager = ocp.CheckpointManager(
             Path(directory).absolute(),
