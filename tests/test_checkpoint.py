@@ -1,7 +1,8 @@
 """Asynchronous checkpoints: a write killed midway leaves nothing `latest_step` would pick, the
 caller only ever hears of checkpoints complete on disk, the time cadence saves at steps the
-step cadence never would, which a run then resumes from to the same bits, and a write that fails
-on one of two processes fails both within the timeout instead of leaving them waiting."""
+step cadence never would, which a run then resumes from to the same bits, a write that fails on
+one of two processes fails both within the timeout instead of leaving them waiting, and one
+process slow to create its folders still writes every checkpoint."""
 
 from __future__ import annotations
 

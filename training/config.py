@@ -236,8 +236,9 @@ class TrainConfig(ConfigModel):
         "the last one (checked at log steps, as host 0's clock sees it). None: by steps only.")
     checkpoint_timeout_minutes: Positive = setting(
         20, description="The longest a checkpoint write may take and, with several hosts, how long each "
-        "waits for the others to finish theirs: a host whose write fails leaves its peers waiting this long "
-        "before the run fails naming it. Raise it for states that take longer to write.")
+        "waits for the others to finish theirs: a host whose write fails leaves itself and its peers waiting "
+        "this long before the run fails (the failed host's error says why). Raise it for states that take "
+        "longer to write.")
     log_every: Count = setting(10, description="Measure and log a metrics record (loss, lr, grad_norm, tokens/s, "
                                "MFU) every this many steps, and at the last step.")
     eval_every: Count = setting(50, description="Measure val_loss every this many steps (at those that are also "
