@@ -53,7 +53,7 @@ class Checkpoints:
         # barriers for `timeout_s` (tests/test_checkpoint.py makes one host's folders slow).
         async_options = ocp.AsyncOptions(timeout_secs=timeout_s, create_directories_asynchronously=not gathered)
         self.manager = ocp.CheckpointManager(
-            Path(directory).absolute(),
+            self.directory,
             options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=asynchronous,
                                                  cleanup_tmp_directories=True, async_options=async_options,
                                                  multiprocessing_options=multiprocessing),
