@@ -15,7 +15,10 @@ itself, giving up after `pause_timeout_s` when the server no longer answers (Pre
 on shutdown retries against a dead server without end, so `kiln serve` would never exit). Prefect's
 graceful stop after SIGTERM can itself hang with the server gone (seen on a loaded machine: its
 log said "initiating graceful shutdown" and the process was still up 30 s later), so kiln gives it
-`STOP_GRACE_S`, then pauses what it can and exits anyway.
+`STOP_GRACE_S`, then pauses what it can and exits anyway. A SIGTERM that comes while kiln pauses
+is said and otherwise waits for the pause (at most `pause_timeout_s`): Prefect's handler, still
+installed, would `sys.exit(0)` in the middle of it, ending the process with nothing said (seen once
+in CI, with the server gone and the schedules left as they were).
 """
 
 from __future__ import annotations
@@ -111,24 +114,39 @@ def serve(config: ExperimentConfig, store: str, cron: str = DEFAULT_CRON, refres
     os.environ.setdefault("KILN_STORE", store)
     served = deployments(config, store, cron, refresh_until, canary=canary)
     _unwinding.clear()
-    if threading.current_thread() is threading.main_thread():
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    if in_main_thread:
         # SIGTERM before Prefect's runner has put in its own handler (it does once it starts) must
         # stop serving the same way, not kill the process before the schedules are paused.
-        signal.signal(signal.SIGTERM, _interrupt)
+        previous_handler = signal.signal(signal.SIGTERM, _interrupt)
     names = [d.full_name for d in served]
     try:  # from the first registration on: a signal from here on ends in the pause below
         runner = Runner(limit=limit, pause_on_shutdown=False)
         for deployment in served:
             runner.add_deployment(deployment)  # registers it on the server
         _stop_within(runner, names, url, pause_timeout_s)
-        print(f"kiln serve: serving {', '.join(names)} from {url} (trigger them in the UI or with `prefect "
-              "deployment run NAME`; SIGTERM or Ctrl-C stops)", file=sys.stderr, flush=True)
-        asyncio.run(runner.start())
+        asyncio.run(_start_saying_so(runner, f"kiln serve: serving {', '.join(names)} from {url} (trigger them "
+                                     "in the UI or with `prefect deployment run NAME`; SIGTERM or Ctrl-C stops)"))
     except (KeyboardInterrupt, TerminationSignal):
         pass
     finally:
         _unwinding.set()
+        print(f"kiln serve: stopped serving; pausing the schedules (giving up after {pause_timeout_s:.0f} s)",
+              file=sys.stderr, flush=True)
         pause(names, url, pause_timeout_s)
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous_handler)
+
+
+async def _start_saying_so(runner, serving: str) -> None:
+    """Run Prefect's runner; print `serving` once it has started (it polls for runs, and its own
+    SIGTERM handler is in place), not before."""
+    started = asyncio.ensure_future(runner.start())
+    while not (runner.started or started.done()):
+        await asyncio.sleep(0.05)
+    if runner.started:
+        print(serving, file=sys.stderr, flush=True)
+    await started
 
 
 def _stop_within(runner, names: list[str], url: str, pause_timeout_s: float) -> None:
@@ -138,6 +156,9 @@ def _stop_within(runner, names: list[str], url: str, pause_timeout_s: float) -> 
     graceful = runner.handle_sigterm
 
     def handle_sigterm(*args):
+        if _unwinding.is_set():  # Prefect's handler would sys.exit(0) in the middle of the pause
+            _still_pausing()
+            return
         if not runner.stopping:
             threading.Thread(target=_exit_unless_stopped, args=(names, url, pause_timeout_s),
                              name="kiln-serve-stop-deadline", daemon=True).start()
@@ -157,6 +178,11 @@ def _exit_unless_stopped(names: list[str], url: str, pause_timeout_s: float) -> 
 
 
 _unwinding = threading.Event()  # serve has stopped serving: a signal now must not interrupt the pause
+
+
+def _still_pausing() -> None:
+    print("kiln serve: SIGTERM while pausing the schedules: the pause ends first (SIGKILL ends the process now)",
+          file=sys.stderr, flush=True)
 
 
 def _interrupt(signum, frame) -> None:
