@@ -67,9 +67,10 @@ sys.exit(main(sys.argv[1:]))
 
 
 def test_a_second_sigterm_while_pausing_waits_for_the_pause(tmp_path, prefect_server):
-    """Seen once in CI: Prefect's SIGTERM handler, still installed once serving had ended, called
-    sys.exit(0) in the middle of kiln's pause, so `kiln serve` exited 0 with nothing said and the
-    schedules left active."""
+    """CI once saw `kiln serve` exit 0 right after Prefect's "SIGTERM received" line, without the
+    pause's message and with the schedules left active. This is a way to that ending: Prefect's
+    SIGTERM handler, still installed once serving has ended, calls sys.exit(0) in the middle of
+    kiln's pause unless kiln's wrapper holds it off."""
     env = {**prefect_server, "PYTHONUNBUFFERED": "1"}
     serve_log = tmp_path / "serve.log"
     with open(serve_log, "ab") as out:
