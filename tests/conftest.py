@@ -109,8 +109,8 @@ def pytest_unconfigure(config):
 # With `--dist loadfile --no-loadscope-reorder` xdist hands out files in collection order, so the
 # long ones start early instead of leaving one worker alone with a long file at the end. (The
 # tests that hold the Ray lock exclusively, and the end-to-end tests that take 1.4-6 times as long
-# beside the suite's other processes as alone, are `ci` tests, which CI runs after the fast suite,
-# one at a time: pyproject.toml.)
+# beside the suite's other processes as alone, are `ci` tests, which CI runs after the fast suite:
+# .ci/run.)
 LONGEST_FIRST = ["test_model_features.py",  # ~120
                  "test_training_model.py",  # ~105
                  "test_training_loop.py", "test_in_loop_evals.py", "test_scheduler.py",  # ~80 each

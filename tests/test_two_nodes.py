@@ -128,6 +128,7 @@ WAITS_FOR_PLACEMENT = textwrap.dedent("""
 # a slow run fails with what it had said.
 @pytest.mark.slow  # two Ray nodes, S3 and a training: out of the fast suite, run by CI after it (pyproject.toml `ci`)
 @pytest.mark.ci
+@pytest.mark.ray_heavy  # its own two Ray nodes: nothing beside it (tests/two_nodes.py holds the lock so, too)
 @pytest.mark.timeout(1800)
 def test_two_hosts_on_two_nodes_train_through_the_store(tmp_path):
     config = tmp_path / "two.yaml"
@@ -192,6 +193,7 @@ PARAMS_SHA = textwrap.dedent("""
 
 
 @pytest.mark.slow  # three trainings on the two-node cluster: ~10 minutes here
+@pytest.mark.ray_heavy
 @pytest.mark.timeout(3600)
 def test_a_node_dies_mid_training_and_the_rerun_resumes_from_the_store_to_the_same_bits(tmp_path):
     long = {**CONFIG, "train": {**CONFIG["train"], "steps": 40, "checkpoint_every": 10, "eval_every": 20},
