@@ -39,22 +39,28 @@ def sweep_runs(store: Path) -> list[RunResult]:
 
 def score(runs: list[RunResult], budgets: tuple[float, ...], heldout: float, bootstrap: int) -> dict:
     """Fit on `budgets`' runs; the held-out budget's runs against the parametric law's interval
-    for one run, and its best run against the isoFLOP frontier."""
+    for one run, and against it corrected by the law's backtest (where it has one), and its best
+    run against the isoFLOP frontier."""
     fit_runs = [r for r in runs if r.budget in budgets]
     test = sorted((r for r in runs if r.budget == heldout), key=lambda r: r.params)
     law = fit_scaling_law(fit_runs, bootstrap=bootstrap)
     rows = []
     for r in test:
-        at = law.bootstrap.at(law.parametric, r.params, r.tokens)
+        at = law.bootstrap.at(law.parametric, r.params, r.tokens, law.backtest)
         lo, hi = at["run_interval"]
         rows.append({"params": r.params, "trained": r.loss, "predicted": at["loss"],
                      "error": at["loss"] / r.loss - 1, "inside": lo <= r.loss <= hi, "width": hi - lo})
+        if law.backtest is not None:
+            lo, hi = at["backtest_run_interval"]
+            rows[-1].update({"backtest": at["backtest_loss"], "backtest_error": at["backtest_loss"] / r.loss - 1,
+                             "backtest_inside": lo <= r.loss <= hi, "backtest_width": hi - lo})
     best = min(test, key=lambda r: r.loss)
     frontier = float(law.frontier(heldout))
     return {"budgets": budgets, "rows": rows,
             "dropped": [budget_label(d.budget) for d in law.dropped],
             "parametric_rms_error": float(np.sqrt(np.mean([x["error"] ** 2 for x in rows]))),
             "inside": sum(x["inside"] for x in rows), "mean_width": float(np.mean([x["width"] for x in rows])),
+            "backtest_inside": sum(x.get("backtest_inside", False) for x in rows) if law.backtest else None,
             "frontier": frontier, "frontier_err": float(law.frontier.err(heldout)), "best": best.loss,
             "frontier_error": frontier / best.loss - 1}
 
@@ -89,9 +95,14 @@ def main() -> int:
               f"{s['inside']:>4} of {len(s['rows']):<3} {s['mean_width']:>10.4f} "
               f"{s['frontier']:>8.4f} ± {s['frontier_err']:.4f} {s['best']:>7.4f} {100 * s['frontier_error']:>+6.2f}%"
               f"  {', '.join(s['dropped']) or '-'}")
+        if s["backtest_inside"] is not None:
+            print(f"    corrected by the backtest: {s['backtest_inside']} of {len(s['rows'])} inside")
         for x in s["rows"]:
             print(f"    N {x['params']:>9,.0f}: trained {x['trained']:.4f}, predicted {x['predicted']:.4f} "
-                  f"({100 * x['error']:+.2f}%), {'inside' if x['inside'] else 'outside'} (width {x['width']:.4f})")
+                  f"({100 * x['error']:+.2f}%), {'inside' if x['inside'] else 'outside'} (width {x['width']:.4f})"
+                  + (f"; backtest {x['backtest']:.4f} ({100 * x['backtest_error']:+.2f}%), "
+                     f"{'inside' if x['backtest_inside'] else 'outside'} (width {x['backtest_width']:.4f})"
+                     if "backtest" in x else ""))
     return 0
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 from tasks.evaluate import EvalConfig, evaluate_step
@@ -138,7 +139,8 @@ def ready_forecast_steps(config, store: Store, sweep: list[Step]) -> list[Step]:
 
 def forecast_line(runs: list[StepRun]) -> str | None:
     """The summary's last lines: the held-out budget's forecast with its interval, the trained loss,
-    whether it lies inside, and which budgets each fit used (and why others were left out)."""
+    whether it lies inside, the same corrected by the law's backtest, and which budgets each fit used
+    (and why others were left out)."""
     forecast = [r for r in runs if r.stage == "scaling_forecast"]
     if not forecast:
         return None
@@ -149,9 +151,17 @@ def forecast_line(runs: list[StepRun]) -> str | None:
              f"{s['level']:.0%} interval [{s['interval_lo']:.4f}, {s['interval_hi']:.4f}]; trained "
              f"{s['trained_loss']:.4f}: {inside} the interval, relative error {s['relative_error']:+.2%} (goal met: "
              f"{s['within_goal']}); isoFLOP law {s['isoflop_predicted_loss']:.4f} ({s['isoflop_relative_error']:+.2%})",
-             f"the sweep's {s['heldout_runs']} runs at C={c}: {s['heldout_inside']} inside their intervals",
-             f"fitted without C={c}: parametric law on every run below it; isoFLOP law on budgets {s['budgets_used']}; "
-             f"left out of it: {s['budgets_left_out']}"]
+             f"the sweep's {s['heldout_runs']} runs at C={c}: {s['heldout_inside']} inside their intervals"]
+    if "backtest_predicted_loss" in s:
+        inside = "inside" if s["inside_backtest_interval"] else "OUTSIDE"
+        lines += [f"corrected by the backtest (the law fitted without C={budget_label(s['backtest_budget'])}: relative "
+                  f"error {math.expm1(s['backtest_bias']):+.2%} there on average): predicted "
+                  f"{s['backtest_predicted_loss']:.4f}, "
+                  f"interval [{s['backtest_interval_lo']:.4f}, {s['backtest_interval_hi']:.4f}]; trained {inside}, "
+                  f"relative error {s['backtest_relative_error']:+.2%}; the sweep's runs at C={c}: "
+                  f"{s['heldout_inside_backtest']} of {s['heldout_runs']} inside theirs"]
+    lines += [f"fitted without C={c}: parametric law on every run below it; isoFLOP law on budgets "
+              f"{s['budgets_used']}; left out of it: {s['budgets_left_out']}"]
     full = next((r for r in runs if r.stage == "scaling_fit" and r.name == "scaling_fit" and r.stats), None)
     if full is not None and "budgets_used" in full.stats:
         lines.append(f"full sweep's isoFLOP law on budgets {full.stats['budgets_used']}; left out of it: "

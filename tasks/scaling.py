@@ -8,12 +8,14 @@ exist and in what order they train is the flow's business (flows/scaling.py).
     scaling_fit       law.json: the isoFLOP fit (approach 2) of the budgets whose runs bracket their
                       optimum, every parameter with its standard error, the budgets left out and
                       why; the parametric law L(N, D) = E + A/N^alpha + B/D^beta (approach 3) over
-                      every run, with its bootstrap refits; the state to predict from.
+                      every run, with its bootstrap refits and its backtest (the same law without
+                      the largest budget, scored on it); the state to predict from.
                       isoflops.png, optimal.png, frontier.png
     scaling_forecast  forecast.json: at the held-out budget, the parametric law's loss for the run
                       trained there with its interval, that run's loss, whether it lies inside, the
-                      relative error; the same for every size the sweep trained at that budget;
-                      the isoFLOP law's forecast beside it. forecast.png
+                      relative error; the same corrected by the held-out law's backtest; both for
+                      every size the sweep trained at that budget; the isoFLOP law's forecast
+                      beside it. forecast.png
 
 Inside a Prefect run both also publish a markdown summary and the plots as image artifacts
 (embedded as data URLs, so they show whatever the store is); outside one (tests, notebooks) they
@@ -47,7 +49,8 @@ from training.scaling import (
 # 2: budgets that do not bracket are left out, not fatal; the parametric law and its bootstrap;
 #    the forecast compares the trained run, and every run the sweep has at that budget, with the
 #    parametric law's interval
-STAGE_VERSION = 2
+# 3: the parametric law's backtest, and the forecast corrected by it
+STAGE_VERSION = 3
 LAW_FILE = "law.json"
 FORECAST_FILE = "forecast.json"
 LOSS_STAT = "bits_per_byte"  # what the evaluate step reports for the held-out split
@@ -133,6 +136,12 @@ def run_fit(ctx: StepContext) -> dict:
                         budget_label(d.budget), d.points, d.reason)
     ctx.log.info("parametric: L(N, D) = %.4g + %.4g / N^%.3f + %.4g / D^%.3f (rms of ln L %.4f over %d runs)",
                  math.exp(p.ln_e), math.exp(p.ln_a), p.alpha, math.exp(p.ln_b), p.beta, p.residual_rms, len(results))
+    if law.backtest is not None:
+        bt = law.backtest
+        stats.update({"backtest_budget": bt.budget, "backtest_bias": bt.bias})
+        ctx.log.info("backtest: the parametric law fitted without C=%s, on its %d runs: relative error %+.2f%% on "
+                     "average (%+.2f%% to %+.2f%%)", budget_label(bt.budget), len(bt.ln_errors),
+                     100 * math.expm1(bt.bias), 100 * math.expm1(min(bt.ln_errors)), 100 * math.expm1(max(bt.ln_errors)))
     if "forecast" in data:
         fc = data["forecast"]
         stats.update({f"forecast_isoflop_{k}": v for k, v in fc["isoflop"].items()})
@@ -166,7 +175,7 @@ def run_forecast(ctx: StepContext) -> dict:
         raise FitError(f"{ctx.inputs['law'] / LAW_FILE} has no bootstrap refits, so no interval to check against: "
                        "fit it with bootstrap > 0")
     actual = run_loss(ctx, "run")
-    at_run = law.bootstrap.at(law.parametric, cfg.params, cfg.tokens)
+    at_run = law.bootstrap.at(law.parametric, cfg.params, cfg.tokens, law.backtest)
     lo, hi = at_run["run_interval"]
     error = actual / at_run["loss"] - 1
     iso = pred["isoflop"]
@@ -174,11 +183,15 @@ def run_forecast(ctx: StepContext) -> dict:
     # interval can be luck, the share of them inside says whether the interval is honest.
     sizes = []
     for r in cfg.heldout:
-        at = law.bootstrap.at(law.parametric, r.params, r.tokens)
+        at = law.bootstrap.at(law.parametric, r.params, r.tokens, law.backtest)
         loss = run_loss(ctx, r.input)
         sizes.append({"input": r.input, "size": r.size, "params": r.params, "tokens": r.tokens, "loss": loss,
                       "predicted": at["loss"], "run_interval": at["run_interval"],
                       "inside": at["run_interval"][0] <= loss <= at["run_interval"][1]})
+        if law.backtest is not None:
+            bt_lo, bt_hi = at["backtest_run_interval"]
+            sizes[-1].update({"backtest_predicted": at["backtest_loss"], "backtest_run_interval": (bt_lo, bt_hi),
+                              "inside_backtest": bt_lo <= loss <= bt_hi})
     full = law_from_json(json.loads((ctx.inputs["full"] / LAW_FILE).read_text()))
     at_budget = next((b for b in full.budgets if b.budget == cfg.budget), None)
     result = {
@@ -191,7 +204,13 @@ def run_forecast(ctx: StepContext) -> dict:
         "heldout_runs": sizes,
         # The full sweep's own isoFLOP minimum at this budget, for comparison (None if left out there).
         "full_sweep_minimum": dataclasses.asdict(at_budget) if at_budget else None,
+        "backtest": held_out.get("backtest"),
     }
+    backtested = law.backtest is not None
+    if backtested:
+        bt_lo, bt_hi = at_run["backtest_run_interval"]
+        result.update({"backtest_relative_error": actual / at_run["backtest_loss"] - 1,
+                       "inside_backtest_interval": bt_lo <= actual <= bt_hi})
     (ctx.out / FORECAST_FILE).write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
     shown = dataclasses.replace(law, runs=full.runs)  # show every run, the held-out ones too
     plot_frontier(shown, ctx.out / "forecast.png",
@@ -210,6 +229,18 @@ def run_forecast(ctx: StepContext) -> dict:
              "heldout_runs": len(sizes), "heldout_inside": sum(r["inside"] for r in sizes)}
     if at_budget:
         stats.update({"full_sweep_loss_opt": at_budget.loss_opt, "full_sweep_n_opt": at_budget.n_opt})
+    if backtested:
+        bt = law.backtest
+        stats.update({"backtest_budget": bt.budget, "backtest_bias": bt.bias,
+                      "backtest_predicted_loss": at_run["backtest_loss"], "backtest_interval_lo": bt_lo,
+                      "backtest_interval_hi": bt_hi, "backtest_relative_error": result["backtest_relative_error"],
+                      "inside_backtest_interval": result["inside_backtest_interval"],
+                      "heldout_inside_backtest": sum(r["inside_backtest"] for r in sizes)})
+        ctx.log.info("backtest (the law fitted without C=%s: relative error %+.2f%% there on average): predicted %.4f, "
+                     "%.0f%% interval [%.4f, %.4f]; trained %.4f (%s): error %+.2f%%", budget_label(bt.budget),
+                     100 * math.expm1(bt.bias), at_run["backtest_loss"], 100 * at_run["level"], bt_lo, bt_hi, actual,
+                     "inside" if result["inside_backtest_interval"] else "OUTSIDE",
+                     100 * result["backtest_relative_error"])
     md = (f"# Forecast at C = {budget_label(cfg.budget)}\n\n"
           f"Fitted without this budget, on budgets {result['budgets_used']} (isoFLOP fit); left out of it: "
           f"{result['budgets_left_out']}.\n\n"
@@ -220,12 +251,22 @@ def run_forecast(ctx: StepContext) -> dict:
           f"- trained: **{actual:.4f}**, {'inside' if result['inside_interval'] else 'OUTSIDE'} the interval; "
           f"relative error {error:+.2%} (goal {cfg.goal:.0%})\n"
           f"- isoFLOP law's L_opt: {iso['loss']:.4f} ± {iso['loss_err']:.4f} ({result['isoflop_relative_error']:+.2%})\n")
+    if backtested:
+        md += (f"- corrected by the backtest (the law fitted without C = {budget_label(bt.budget)}: relative error "
+               f"{math.expm1(bt.bias):+.2%} there on average): **{at_run['backtest_loss']:.4f}**, one run "
+               f"[{bt_lo:.4f}, {bt_hi:.4f}]; trained {'inside' if result['inside_backtest_interval'] else 'OUTSIDE'}, "
+               f"error {result['backtest_relative_error']:+.2%}\n")
     if sizes:
         md += (f"\nEvery size the sweep trained at C = {budget_label(cfg.budget)}: "
-               f"{stats['heldout_inside']} of {len(sizes)} inside the interval for one run\n\n"
-               "| size | N | D | trained | predicted | interval | inside |\n| --- | --- | --- | --- | --- | --- | --- |\n")
+               f"{stats['heldout_inside']} of {len(sizes)} inside the interval for one run"
+               + (f", {stats['heldout_inside_backtest']} inside the backtest's" if backtested else "") + "\n\n"
+               "| size | N | D | trained | predicted | interval | inside | backtest | its interval | inside |\n"
+               "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n")
         md += "".join(f"| {r['size']} | {r['params']:,} | {r['tokens']:,} | {r['loss']:.4f} | {r['predicted']:.4f} | "
-                      f"[{r['run_interval'][0]:.4f}, {r['run_interval'][1]:.4f}] | {'yes' if r['inside'] else 'no'} |\n"
+                      f"[{r['run_interval'][0]:.4f}, {r['run_interval'][1]:.4f}] | {'yes' if r['inside'] else 'no'} | "
+                      + (f"{r['backtest_predicted']:.4f} | [{r['backtest_run_interval'][0]:.4f}, "
+                         f"{r['backtest_run_interval'][1]:.4f}] | {'yes' if r['inside_backtest'] else 'no'} |\n"
+                         if backtested else "- | - | - |\n")
                       for r in sizes)
     show(ctx, md, ["forecast.png"])
     return stats
@@ -253,6 +294,10 @@ def fit_markdown(data: dict) -> str:
                   "attention is negligible)",
                   f"- intervals: {boot.get('replicates', 0)} bootstrap refits over {boot.get('resample', '-')}, "
                   f"seed {boot.get('seed', '-')}"]
+        bt = data.get("backtest")
+        if bt:
+            lines.append(f"- backtest: fitted without C = {budget_label(bt['budget'])}, on that budget's "
+                         f"{len(bt['ln_errors'])} runs: relative error {math.expm1(bt['bias']):+.2%} on average")
     if "forecast" in data:
         c, iso = data["forecast"]["budget"], data["forecast"]["isoflop"]
         lines += ["", f"## Forecast at C = {budget_label(c)}", "",
@@ -265,6 +310,9 @@ def fit_markdown(data: dict) -> str:
                          f"{par['n_opt_interval'][1]:,.0f}), D_opt {par['d_opt']:,.0f}, L_opt {par['loss']:.4f} "
                          f"({q}: {par['loss_interval'][0]:.4f} to {par['loss_interval'][1]:.4f}; one run: "
                          f"{par['run_interval'][0]:.4f} to {par['run_interval'][1]:.4f})")
+            if "backtest_loss" in par:
+                lines.append(f"- corrected by the backtest: L_opt {par['backtest_loss']:.4f} (one run: "
+                             f"{par['backtest_run_interval'][0]:.4f} to {par['backtest_run_interval'][1]:.4f})")
     return "\n".join(lines)
 
 

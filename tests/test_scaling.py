@@ -14,9 +14,10 @@ import pytest
 from pydantic import ValidationError
 
 from training.config import flops_per_token, matmul_params
-from training.scaling import (BudgetError, FitError, ParametricLaw, RunResult, ScalingConfig, bootstrap_parametric,
-                              fit_isoflop, fit_parametric, fit_scaling_law, isoflop_grid, law_from_json, nearest_size,
-                              plan_run, plot_frontier, plot_isoflops, plot_optimal, shape)
+from training.scaling import (BudgetError, FitError, ParametricLaw, RunResult, ScalingConfig, backtest_parametric,
+                              bootstrap_parametric, fit_isoflop, fit_parametric, fit_scaling_law, isoflop_grid,
+                              law_from_json, nearest_size, plan_run, plot_frontier, plot_isoflops, plot_optimal,
+                              shape)
 
 BUDGETS = [1e11, 2e11, 4e11, 8e11, 1.6e12]
 
@@ -262,6 +263,42 @@ def test_the_bootstrap_interval_holds_the_truth_for_mildly_noisy_runs():
     assert again["loss_interval"] == pred["loss_interval"]
     other = bootstrap_parametric(runs, law.parametric, 40, 0.9, seed=1).optimum(law.parametric, c)
     assert other["loss_interval"] != pred["loss_interval"]
+
+
+def test_the_backtest_scores_the_law_without_its_largest_budget_and_corrects_a_biased_forecast():
+    budgets = [1e18, 3e18, 1e19, 3e19, 1e20]
+    # Runs of the law itself: fitted without 1e20, the law forecasts 1e20 exactly, and says so.
+    clean = fit_scaling_law(parametric_runs(budgets), bootstrap=0).backtest
+    assert clean.fitted == (1e18, 3e18, 1e19, 3e19) and clean.budget == 1e20 and len(clean.ln_errors) == 7
+    assert max(abs(e) for e in clean.ln_errors) < 1e-6
+    assert backtest_parametric(parametric_runs(budgets[:2])) is None  # nothing left to score a law on
+
+    # Loss that falls faster with compute than the law's form can follow (as tiny models' does):
+    # budget j's losses exp(-0.004 j^2) times the law's (-6.2% at the largest), and 0.3% noise.
+    rng = np.random.default_rng(3)
+    runs = [RunResult(r.budget, r.params, r.tokens,
+                      r.loss * math.exp(-0.004 * budgets.index(r.budget) ** 2 + rng.normal(0, 0.003)), r.name, r.flops)
+            for r in parametric_runs(budgets)]
+    law = fit_scaling_law([r for r in runs if r.budget < 1e20], bootstrap=40)
+    bt = law.backtest
+    assert bt.fitted == (1e18, 3e18, 1e19) and bt.budget == 3e19
+    below = fit_parametric([r for r in runs if r.budget < 3e19])
+    assert bt.ln_errors == pytest.approx([math.log(r.loss / float(below.loss(r.params, r.tokens)))
+                                          for r in runs if r.budget == 3e19])
+    assert bt.bias < -0.004  # one budget up, the law was too high
+    # At 1e20, which none of the fits saw: the law's own interval misses most runs, the backtest's holds them.
+    inside = {"run_interval": 0, "backtest_run_interval": 0}
+    for r in (r for r in runs if r.budget == 1e20):
+        at = law.bootstrap.at(law.parametric, r.params, r.tokens, bt)
+        assert at["backtest_loss"] == pytest.approx(at["loss"] * math.exp(bt.bias))
+        for key in inside:
+            inside[key] += at[key][0] <= r.loss <= at[key][1]
+    assert inside["run_interval"] <= 4 and inside["backtest_run_interval"] >= 6, inside
+    # The backtest travels with the law's JSON, and the forecast at a budget carries its correction.
+    again = law_from_json(json.loads(json.dumps(law.to_json())))
+    assert again.backtest == bt
+    assert again.predict(1e20)["parametric"]["backtest_run_interval"] == law.predict(1e20)["parametric"][
+        "backtest_run_interval"]
 
 
 def test_with_several_seeds_the_bootstrap_resamples_seeds_within_each_size():

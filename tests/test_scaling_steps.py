@@ -173,6 +173,19 @@ def test_fit_and_forecast_steps_write_the_law_plots_and_the_error(tmp_path):
                                   status="ran", seconds=1.0, path="", stats=result)])
     assert "90% interval [" in line and "inside the interval" in line and "1e11, 2e11, 4e11" in line
     assert f"the sweep's 4 runs at C=8e11: {result['heldout_inside']} inside their intervals" in line
+    # The held-out law's backtest (fitted on 1e11 and 2e11, scored on 4e11) corrects the same forecast.
+    assert forecast["backtest"]["fitted"] == [1e11, 2e11] and forecast["backtest"]["budget"] == 4e11
+    assert result["backtest_predicted_loss"] == pytest.approx(result["predicted_loss"]
+                                                              * math.exp(result["backtest_bias"]))
+    assert result["backtest_relative_error"] == pytest.approx(actual / result["backtest_predicted_loss"] - 1)
+    assert result["inside_backtest_interval"] == (result["backtest_interval_lo"] <= actual
+                                                  <= result["backtest_interval_hi"])
+    assert result["heldout_inside_backtest"] == sum(
+        r["backtest_run_interval"][0] <= stats[r["input"].removeprefix("heldout/")]["bits_per_byte"]
+        <= r["backtest_run_interval"][1] for r in forecast["heldout_runs"])
+    assert (f"corrected by the backtest (the law fitted without C=4e11: relative error "
+            f"{math.expm1(result['backtest_bias']):+.2%} there on average)") in line
+    assert f"{result['heldout_inside_backtest']} of 4 inside theirs" in line
 
 
 def test_a_fit_input_without_bits_per_byte_is_an_error(tmp_path):

@@ -52,7 +52,9 @@ Approach 3, a parametric law through every run, bracketing or not:
     with a Huber loss (delta 1e-3) on the residuals of ln L and L-BFGS-B from the best starts of a
     grid, as Hoffmann et al. Its optimum at C minimises L(N, C / flops_per_token(N)) over N, with
     flops_per_token = 6N + attention(N) as the runs spent it, so it is consistent with the recipe.
-    Intervals: percentiles of `bootstrap` refits on resampled runs (a fixed seed).
+    Intervals: percentiles of `bootstrap` refits on resampled runs (a fixed seed). Backtest: the
+    law refitted without the largest budget and scored on it, whose errors correct a forecast one
+    budget up and give its interval for one run (`Backtest`).
 
 No Prefect, no Ray: numpy, scipy and matplotlib.
 """
@@ -552,19 +554,33 @@ class Bootstrap:
         lo, hi = np.percentile(np.asarray(values, float), [tail, 100 - tail])
         return float(lo), float(hi)
 
-    def at(self, law: ParametricLaw, n: float, d: float) -> dict:
-        """The law at one (N, D) with the interval of its value and of one run's loss."""
+    def at(self, law: ParametricLaw, n: float, d: float, backtest: Backtest | None = None) -> dict:
+        """The law at one (N, D) with the interval of its value and of one run's loss; with a
+        backtest, also the loss and one run's interval corrected by it (`Backtest`)."""
         values = _loss(np.asarray(self.thetas), np.log([n]), np.log([d]))[:, 0]
-        return {"loss": float(law.loss(n, d)), "loss_interval": self.interval(values),
-                "run_interval": self.interval(values * np.exp(np.asarray(self.noise))), "level": self.level}
+        loss = float(law.loss(n, d))
+        return {"loss": loss, "loss_interval": self.interval(values),
+                "run_interval": self.interval(values * np.exp(np.asarray(self.noise))), "level": self.level,
+                **self._backtested(loss, values, backtest)}
 
-    def optimum(self, law: ParametricLaw, budget: float) -> dict:
+    def optimum(self, law: ParametricLaw, budget: float, backtest: Backtest | None = None) -> dict:
         """N_opt, D_opt and L_opt at `budget` with their intervals (and one run's loss there)."""
         n, d, loss = law.optimum(budget)
         ns, ds, losses = _optima(np.asarray(self.thetas), budget, law)
         return {"n_opt": n, "n_opt_interval": self.interval(ns), "d_opt": d, "d_opt_interval": self.interval(ds),
                 "loss": loss, "loss_interval": self.interval(losses),
-                "run_interval": self.interval(losses * np.exp(np.asarray(self.noise))), "level": self.level}
+                "run_interval": self.interval(losses * np.exp(np.asarray(self.noise))), "level": self.level,
+                **self._backtested(loss, losses, backtest)}
+
+    def _backtested(self, loss: float, values: np.ndarray, backtest: Backtest | None) -> dict:
+        """The backtest's correction: the law's value times exp(its mean error), and one run's
+        interval from each refit's value times one of its errors (each error in turn, so the
+        interval carries the backtest's own bias and scatter: a run's noise is in them already)."""
+        if backtest is None:
+            return {}
+        errors = np.resize(np.asarray(backtest.ln_errors), len(values))
+        return {"backtest_loss": loss * math.exp(backtest.bias),
+                "backtest_run_interval": self.interval(values * np.exp(errors))}
 
 
 def bootstrap_parametric(runs: list[RunResult], law: ParametricLaw, replicates: int, level: float = 0.9,
@@ -598,6 +614,38 @@ def bootstrap_parametric(runs: list[RunResult], law: ParametricLaw, replicates: 
 
 
 @dataclass(frozen=True)
+class Backtest:
+    """The forecast one budget earlier: the parametric law fitted on every budget but the largest,
+    scored on the largest budget's runs. The bootstrap sees how the fitted runs scatter, not how a
+    law that fits them extrapolates: on configs/scaling_cpu.yaml's runs (2026-12-05) each next
+    budget's runs came out 1.6%, 4.1% and 4.8% below the law fitted under it, on average (tiny
+    models' loss falls faster at the top of the sweep than a law that flattens can follow).
+    `ln_errors` (ln of trained / predicted loss, one per run) are that cost of extrapolating one
+    step of the sweep's budget ladder; two steps out it was larger there (the 2.4e11 runs 5-12%
+    below the law fitted on 1.5e10-6e10, all 7 outside even the corrected interval)."""
+
+    fitted: tuple  # the budgets the law was fitted on
+    budget: float  # the budget it was scored on
+    ln_errors: tuple  # ln(trained / predicted loss) of each run at `budget`
+
+    @property
+    def bias(self) -> float:
+        return float(np.mean(self.ln_errors))
+
+
+def backtest_parametric(runs: list[RunResult]) -> Backtest | None:
+    """The parametric law without the largest budget, scored on it; None with fewer than 3 budgets
+    or 6 (budget, N) points left to fit (a law the full fit could not have been judged by)."""
+    budgets = sorted({r.budget for r in runs})
+    fitted = [r for r in runs if r.budget != budgets[-1]]
+    if len(budgets) < 3 or len({(r.budget, r.params) for r in fitted}) < 6:
+        return None
+    law = fit_parametric(fitted)
+    errors = [math.log(r.loss / float(law.loss(r.params, r.tokens))) for r in runs if r.budget == budgets[-1]]
+    return Backtest(fitted=tuple(budgets[:-1]), budget=budgets[-1], ln_errors=tuple(errors))
+
+
+@dataclass(frozen=True)
 class ScalingLaw:
     """Both fits of one sweep: the isoFLOP minima (approach 2) of the budgets that bracket theirs,
     with the budgets left out and why, and the parametric law (approach 3) over every run."""
@@ -610,6 +658,7 @@ class ScalingLaw:
     dropped: list[DroppedBudget] = field(default_factory=list)
     parametric: ParametricLaw | None = None
     bootstrap: Bootstrap | None = None
+    backtest: Backtest | None = None
 
     def predict(self, budget: float) -> dict:
         """Both fits' N_opt, D_opt and loss at `budget`: the isoFLOP law's with standard errors, the
@@ -620,7 +669,7 @@ class ScalingLaw:
                            "loss": float(self.frontier(budget)), "loss_err": float(self.frontier.err(budget))}}
         if self.parametric is not None:
             if self.bootstrap is not None:
-                out["parametric"] = self.bootstrap.optimum(self.parametric, budget)
+                out["parametric"] = self.bootstrap.optimum(self.parametric, budget, self.backtest)
             else:
                 n, d, loss = self.parametric.optimum(budget)
                 out["parametric"] = {"n_opt": n, "d_opt": d, "loss": loss}
@@ -655,6 +704,11 @@ class ScalingLaw:
             data["bootstrap"] = {"replicates": len(self.bootstrap.thetas), "level": self.bootstrap.level,
                                  "seed": self.bootstrap.seed, "resample": self.bootstrap.resample}
             data["state"]["bootstrap"] = asdict(self.bootstrap)
+        if self.backtest is not None:
+            b = self.backtest
+            data["backtest"] = {"fitted": list(b.fitted), "budget": b.budget, "ln_errors": list(b.ln_errors),
+                                "bias": b.bias}
+            data["state"]["backtest"] = asdict(b)
         return data
 
 
@@ -674,7 +728,8 @@ def law_from_json(data: dict) -> ScalingLaw:
         runs=[RunResult(**r) for r in data["runs"]],
         dropped=[DroppedBudget(**d) for d in data.get("dropped", [])],
         parametric=load(ParametricLaw, state["parametric"]) if "parametric" in state else None,
-        bootstrap=load(Bootstrap, state["bootstrap"]) if "bootstrap" in state else None)
+        bootstrap=load(Bootstrap, state["bootstrap"]) if "bootstrap" in state else None,
+        backtest=load(Backtest, state["backtest"]) if "backtest" in state else None)
 
 
 def _law_json(law: PowerLaw, formula: str) -> dict:
@@ -815,8 +870,9 @@ def fit_isoflops(runs: list[RunResult], min_points: int = 4) -> tuple[list[IsoFl
 def fit_scaling_law(runs: list[RunResult], min_points: int = 4, bootstrap: int = 200, level: float = 0.9,
                     seed: int = 0) -> ScalingLaw:
     """The isoFLOP law from the budgets that bracket their optimum (the rest reported in `dropped`),
-    and the parametric law over every run with `bootstrap` refits for its intervals (0: none).
-    FitError only when fewer than 3 budgets are left for the frontier, naming those dropped."""
+    and the parametric law over every run with `bootstrap` refits for its intervals (0: none) and
+    its backtest (`Backtest`, with 3 budgets or more). FitError only when fewer than 3 budgets are
+    left for the frontier, naming those dropped."""
     fits, dropped = fit_isoflops(runs, min_points)
     if len(fits) < 3:
         why = "; ".join(f"{budget_label(d.budget)} left out: {d.reason}" for d in dropped) or "none left out"
@@ -830,7 +886,7 @@ def fit_scaling_law(runs: list[RunResult], min_points: int = 4, bootstrap: int =
     parametric = fit_parametric(runs)
     boot = bootstrap_parametric(runs, parametric, bootstrap, level, seed) if bootstrap else None
     return ScalingLaw(fits, n_opt, d_opt, frontier, sorted(runs, key=lambda r: (r.budget, r.params, r.name)), dropped,
-                      parametric, boot)
+                      parametric, boot, backtest_parametric(runs))
 
 
 # --- plots --------------------------------------------------------------------------------------
