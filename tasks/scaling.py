@@ -215,7 +215,9 @@ def run_forecast(ctx: StepContext) -> dict:
     shown = dataclasses.replace(law, runs=full.runs)  # show every run, the held-out ones too
     plot_frontier(shown, ctx.out / "forecast.png",
                   forecast={"budget": cfg.budget, "loss": at_run["loss"], "interval": (lo, hi), "actual": actual,
-                            "relative_error": error})
+                            "relative_error": error,
+                            "backtest": {"loss": at_run["backtest_loss"], "interval": at_run["backtest_run_interval"]}
+                            if backtested else None})
     ctx.log.info("forecast at C=%s: predicted %.4f bits/byte for N=%d, %.0f%% interval [%.4f, %.4f]; trained %.4f "
                  "(%s the interval): error %+.2f%% (goal %.0f%%)", budget_label(cfg.budget), at_run["loss"], cfg.params,
                  100 * at_run["level"], lo, hi, actual, "inside" if result["inside_interval"] else "OUTSIDE",

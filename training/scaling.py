@@ -977,7 +977,8 @@ def plot_optimal(law: ScalingLaw, path: Path, extra: list[float] = ()) -> None:
 def plot_frontier(law: ScalingLaw, path: Path, forecast: dict | None = None) -> None:
     """Every run's loss against its budget, the isoFLOP minima and L(C) = a C^-b + e, the
     parametric law's L_opt(C) with its bootstrap band; with `forecast` ({budget, loss, interval,
-    actual, relative_error}), the held-out budget's predicted loss and the one trained there."""
+    actual, relative_error} and optionally backtest: {loss, interval}), the held-out budget's
+    predicted loss (and the backtest's correction of it, just right of it) and the one trained there."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
     ax.plot([r.budget for r in law.runs], [r.loss for r in law.runs], "o", color="0.6", ms=4, label="runs")
@@ -1003,6 +1004,11 @@ def plot_frontier(law: ScalingLaw, path: Path, forecast: dict | None = None) -> 
         lo, hi = forecast["interval"]
         ax.errorbar([forecast["budget"]], [forecast["loss"]], yerr=[[forecast["loss"] - lo], [hi - forecast["loss"]]],
                     fmt="D", color="C3", capsize=3, label=f"forecast at {budget_label(forecast['budget'])}")
+        if forecast.get("backtest"):
+            bt = forecast["backtest"]
+            lo, hi = bt["interval"]
+            ax.errorbar([forecast["budget"] * 1.08], [bt["loss"]], yerr=[[bt["loss"] - lo], [hi - bt["loss"]]],
+                        fmt="D", color="C1", capsize=3, label="corrected by the backtest")
         ax.plot([forecast["budget"]], [forecast["actual"]], "X", color="k", ms=10,
                 label=f"trained: {forecast['actual']:.4f} ({forecast['relative_error']:+.2%})")
     _budget_axis(ax, [*c, forecast["budget"]] if forecast else c)
