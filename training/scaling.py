@@ -564,7 +564,8 @@ class Bootstrap:
                 **self._backtested(loss, values, backtest)}
 
     def optimum(self, law: ParametricLaw, budget: float, backtest: Backtest | None = None) -> dict:
-        """N_opt, D_opt and L_opt at `budget` with their intervals (and one run's loss there)."""
+        """N_opt, D_opt and L_opt at `budget` with their intervals (and one run's loss there); with a
+        backtest, also L_opt and one run's interval corrected by it."""
         n, d, loss = law.optimum(budget)
         ns, ds, losses = _optima(np.asarray(self.thetas), budget, law)
         return {"n_opt": n, "n_opt_interval": self.interval(ns), "d_opt": d, "d_opt_interval": self.interval(ds),
@@ -634,8 +635,8 @@ class Backtest:
 
 
 def backtest_parametric(runs: list[RunResult]) -> Backtest | None:
-    """The parametric law without the largest budget, scored on it; None with fewer than 3 budgets
-    or 6 (budget, N) points left to fit (a law the full fit could not have been judged by)."""
+    """The parametric law without the largest budget, scored on it; None with fewer than 3 budgets,
+    or fewer than 6 (budget, N) points below the largest (too few for the law's 5 parameters)."""
     budgets = sorted({r.budget for r in runs})
     fitted = [r for r in runs if r.budget != budgets[-1]]
     if len(budgets) < 3 or len({(r.budget, r.params) for r in fitted}) < 6:
