@@ -17,6 +17,7 @@ EPILOG = """examples:
   kiln capacity configs/medium_gpu.yaml --devices 8   per-device memory, fit and step time, no GPU needed
   kiln compare configs/ablation_cpu.yaml         one row per variant: what it changed, its results
   kiln compare CONFIG --over steps               each metric against the training step (eval.checkpoints)
+  kiln forecast kiln_store/scaling_fit/<version> --budget 1e21   N_opt, D_opt and loss from a sweep's fitted law
   kiln lineage kiln_store/acquire/<version>      the tree back to the raw sources
   kiln verify --store kiln_store                 check every artefact against its recorded sha256s
   kiln generate kiln_store/sft/<version> --prompt "Who made the light?" --chat   sample from a model
@@ -99,6 +100,15 @@ def parser() -> argparse.ArgumentParser:
     co.add_argument("--over", choices=["variants", "steps"], default="variants",
                     help="steps: one row per evaluated training step of each variant (eval.checkpoints), "
                     "each metric against the step (default: one row per variant)")
+
+    fo = command("forecast", "A scaling sweep's fitted law at other budgets: the compute-optimal N and D "
+                 "and the loss, from both fits, with the parametric law's intervals and its backtest's correction, "
+                 "and how far each budget lies beyond the sweep (docs/scaling_laws.md).",
+                 "kiln forecast kiln_store/scaling_fit/<version> --budget 1e19 1e21 --json")
+    fo.add_argument("law", help="a scaling_fit output folder (`kiln plan CONFIG` lists them) or its law.json")
+    fo.add_argument("--budget", type=float, nargs="+", required=True, metavar="FLOPS",
+                    help="training budgets C in FLOPs (6N + attention per token, as the sweep counted them)")
+    fo.add_argument("--json", action="store_true", help="one object per budget")
 
     li = command("lineage", "Print the tree from an artefact back to its raw inputs.",
                  "kiln lineage kiln_store/tokenize/3f9c0a1b2c4d --json")
@@ -365,6 +375,50 @@ def cmd_run(args) -> int:
     return 0
 
 
+def cmd_forecast(args) -> int:
+    from flows.scaling import forecast_rows
+    from flows.terminal import print_table
+    from training.scaling import budget_label, law_from_json
+
+    if any(c <= 0 for c in args.budget):
+        raise KilnUserError(f"budgets must be positive FLOPs, got {args.budget}")
+    path = Path(args.law)
+    path = path / "law.json" if path.is_dir() else path
+    if not path.is_file():
+        raise KilnUserError(f"no {path}: give a scaling_fit output folder (kiln plan CONFIG lists them) "
+                            "or its law.json")
+    try:
+        law = law_from_json(json.loads(path.read_text()))
+    except (ValueError, KeyError, TypeError) as e:
+        raise KilnUserError(f"{path} is not a scaling_fit step's law.json ({type(e).__name__}: {e})") from None
+    rows = forecast_rows(law, args.budget)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+
+    def spread(value, interval, fmt):
+        if value is None:
+            return "-"
+        return f"{value:{fmt}}" + (f" [{interval[0]:{fmt}}, {interval[1]:{fmt}}]" if interval else "")
+
+    print_table(["budget", "ladder steps beyond", "N_opt", "D_opt", "loss (one run)", "corrected by the backtest",
+                 "isoFLOP N_opt", "isoFLOP loss"],
+                [[budget_label(r["budget"]), "-" if r["steps_beyond"] is None else f"{r['steps_beyond']:.1f}",
+                  spread(r["n_opt"], r["n_opt_interval"], ",.0f"), spread(r["d_opt"], r["d_opt_interval"], ",.0f"),
+                  spread(r["loss"], r["run_interval"], ".4f"),
+                  spread(r["backtest_loss"], r["backtest_run_interval"], ".4f"),
+                  f"{r['isoflop_n_opt']:,.0f}", f"{r['isoflop_loss']:.4f} ± {r['isoflop_loss_err']:.4f}"]
+                 for r in rows])
+    for r in rows:
+        if r["steps_beyond"] is not None and r["steps_beyond"] > 1.05:
+            bt = law.backtest
+            print(f"kiln: warning: C={budget_label(r['budget'])} is {r['steps_beyond']:.1f} steps of the sweep's "
+                  f"budget ladder (x{bt.budget / max(bt.fitted):.3g}) beyond its largest budget "
+                  f"{budget_label(bt.budget)}; the backtest measured one step, so read its interval as a lower "
+                  "bound on the error there", file=sys.stderr)
+    return 0
+
+
 def cmd_verify(args) -> int:
     from tasks.engine.store import is_verifiable, published, verify_output
 
@@ -521,6 +575,7 @@ def cmd_canary(args) -> int:
 COMMANDS = {"run": cmd_run, "plan": cmd_plan, "compare": cmd_compare, "lineage": cmd_lineage, "verify": cmd_verify,
             "generate": cmd_generate, "serve-model": cmd_serve_model, "why": cmd_why, "serve": cmd_serve}
 COMMANDS["capacity"] = cmd_capacity
+COMMANDS["forecast"] = cmd_forecast
 COMMANDS.update({"server": cmd_server, "deploy": cmd_deploy, "canary": cmd_canary})
 
 KEY_STATS = ["documents", "docs_out", "tokens", "unigram_entropy", "final_loss", "final_val_loss",

@@ -39,7 +39,7 @@ from tasks.engine.store import Store
 from tasks.tokenizer import TokenizerConfig
 from tasks.train import train_step
 from training.config import ResourcesConfig
-from training.scaling import RunPlan, ScalingConfig, budget_label, isoflop_grid, nearest_size
+from training.scaling import RunPlan, ScalingConfig, ScalingLaw, budget_label, isoflop_grid, nearest_size
 
 
 def planned_vocab_size(tokenizer: TokenizerConfig) -> int:
@@ -167,3 +167,27 @@ def forecast_line(runs: list[StepRun]) -> str | None:
         lines.append(f"full sweep's isoFLOP law on budgets {full.stats['budgets_used']}; left out of it: "
                      f"{full.stats['budgets_left_out']}")
     return "\n".join(lines)
+
+
+def forecast_rows(law: ScalingLaw, budgets: list[float]) -> list[dict]:
+    """`kiln forecast`: at each budget, N_opt, D_opt and the loss from both fits (the parametric
+    law's with its intervals and its backtest's correction), and how far the budget lies beyond the
+    largest one fitted, in steps of the sweep's budget ladder (the backtest measured one such step;
+    None without a backtest). The backtest corrects forecasts beyond the sweep only: at a budget it
+    trained, the law was fitted to those runs."""
+    largest = max(r.budget for r in law.runs)
+    bt = law.backtest
+    ladder = bt.budget / max(bt.fitted) if bt is not None else None
+    rows = []
+    for c in budgets:
+        predicted = law.predict(c)
+        iso, par = predicted["isoflop"], predicted.get("parametric", {})
+        if c <= largest:
+            par = {k: v for k, v in par.items() if not k.startswith("backtest_")}
+        rows.append({"budget": c, "steps_beyond": math.log(c / largest) / math.log(ladder) if ladder else None,
+                     **{k: par.get(k) for k in ("n_opt", "n_opt_interval", "d_opt", "d_opt_interval", "loss",
+                                                "loss_interval", "run_interval", "backtest_loss",
+                                                "backtest_run_interval")},
+                     "isoflop_n_opt": iso["n_opt"], "isoflop_d_opt": iso["d_opt"], "isoflop_loss": iso["loss"],
+                     "isoflop_loss_err": iso["loss_err"]})
+    return rows

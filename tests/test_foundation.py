@@ -371,5 +371,5 @@ def test_configuration_reference_marks_fields_under_a_setting_as_no_identity():
 
 def test_help_shows_examples():
     assert "examples:" in kiln("--help").stdout
-    for command in ("run", "plan", "compare", "lineage", "why", "serve"):
+    for command in ("run", "plan", "compare", "lineage", "why", "serve", "forecast"):
         assert "example:" in kiln(command, "--help").stdout

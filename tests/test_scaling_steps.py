@@ -188,6 +188,41 @@ def test_fit_and_forecast_steps_write_the_law_plots_and_the_error(tmp_path):
     assert f"{result['heldout_inside_backtest']} of 4 inside theirs" in line
 
 
+def test_kiln_forecast_reads_a_fit_and_says_how_far_beyond_the_sweep_each_budget_lies(tmp_path, capsys):
+    from flows.cli import main
+    from training.scaling import law_from_json
+
+    config = experiment(BUDGETS)
+    stats = synthetic_stats(config, np.random.default_rng(0))
+    fit = next(s for s in sweep(config) if s.name == "scaling_fit")
+    ctx = context(fit, tmp_path, {}, {k: stats[k] for k in fit.inputs})
+    run_fit(ctx)
+    law = law_from_json(json.loads((ctx.out / LAW_FILE).read_text()))
+
+    assert main(["forecast", str(ctx.out), "--budget", "8e11", "1.6e12", "--json"]) == 0
+    inside, beyond = json.loads(capsys.readouterr().out)
+    # 1.6e12 is one step of the sweep's x2 ladder beyond 8e11: the law's prediction with its backtest's correction
+    assert beyond["steps_beyond"] == pytest.approx(1.0) and inside["steps_beyond"] == pytest.approx(0.0)
+    want = law.predict(1.6e12)
+    for key in ("n_opt", "d_opt", "loss", "backtest_loss"):
+        assert beyond[key] == pytest.approx(want["parametric"][key]), key
+    assert beyond["run_interval"] == pytest.approx(list(want["parametric"]["run_interval"]))
+    assert beyond["isoflop_n_opt"] == pytest.approx(want["isoflop"]["n_opt"])
+    # at a budget the sweep trained, the law was fitted to those runs: no backtest correction there
+    assert inside["backtest_loss"] is None and inside["loss"] == pytest.approx(law.predict(8e11)["parametric"]["loss"])
+
+    assert main(["forecast", str(ctx.out / LAW_FILE), "--budget", "1.6e12", "1e15"]) == 0
+    out, err = capsys.readouterr()
+    assert "1.6e12" in out and "1e15" in out and f"{want['parametric']['loss']:.4f}" in out
+    assert "C=1e15 is 10.3 steps of the sweep's budget ladder (x2) beyond its largest budget 8e11" in err
+    assert "C=1.6e12" not in err
+    assert main(["forecast", str(tmp_path / "nothing"), "--budget", "1e12"]) == 2
+    assert "give a scaling_fit output folder" in capsys.readouterr().err
+    (tmp_path / "other.json").write_text('{"runs": []}')
+    assert main(["forecast", str(tmp_path / "other.json"), "--budget", "1e12"]) == 2
+    assert "is not a scaling_fit step's law.json (KeyError" in capsys.readouterr().err
+
+
 def test_a_fit_input_without_bits_per_byte_is_an_error(tmp_path):
     config = experiment(BUDGETS)
     fit = next(s for s in sweep(config) if s.name == "scaling_fit")
