@@ -8,9 +8,10 @@ It reads the runs from the store's full fit (the `scaling_fit` output holding th
 needs no training. For each subset of budgets (default: every budget below the held-out one, and
 every subset with one of them left out) it prints the parametric law's held-out errors (at each
 size trained there, and how many lie inside the 90% interval for one run: the share that says
-whether the interval is honest) and the isoFLOP frontier's forecast of the held-out budget's best
-loss against the best trained. The same fits and intervals as the scaling steps
-(training/scaling.py `fit_scaling_law`, 200 bootstrap refits, seed 0).
+whether the interval is honest), the same for the forecast corrected by the fit's backtest, and
+the isoFLOP frontier's forecast of the held-out budget's best loss against the best trained. The
+same fits and intervals as the scaling steps (training/scaling.py `fit_scaling_law`, 200 bootstrap
+refits, seed 0, its backtest).
 """
 
 from __future__ import annotations
