@@ -173,8 +173,7 @@ def forecast_rows(law: ScalingLaw, budgets: list[float]) -> list[dict]:
     """`kiln forecast`: at each budget, N_opt, D_opt and the loss from both fits (the parametric
     law's with its intervals and its backtest's correction), and how far the budget lies beyond the
     largest one fitted, in steps of the sweep's budget ladder (the backtest measured one such step;
-    None without a backtest). The backtest corrects forecasts beyond the sweep only: at a budget it
-    trained, the law was fitted to those runs."""
+    None without a backtest)."""
     largest = max(r.budget for r in law.runs)
     bt = law.backtest
     ladder = bt.budget / max(bt.fitted) if bt is not None else None
@@ -182,8 +181,6 @@ def forecast_rows(law: ScalingLaw, budgets: list[float]) -> list[dict]:
     for c in budgets:
         predicted = law.predict(c)
         iso, par = predicted["isoflop"], predicted.get("parametric", {})
-        if c <= largest:
-            par = {k: v for k, v in par.items() if not k.startswith("backtest_")}
         rows.append({"budget": c, "steps_beyond": math.log(c / largest) / math.log(ladder) if ladder else None,
                      **{k: par.get(k) for k in ("n_opt", "n_opt_interval", "d_opt", "d_opt_interval", "loss",
                                                 "loss_interval", "run_interval", "backtest_loss",

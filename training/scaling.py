@@ -663,14 +663,16 @@ class ScalingLaw:
 
     def predict(self, budget: float) -> dict:
         """Both fits' N_opt, D_opt and loss at `budget`: the isoFLOP law's with standard errors, the
-        parametric law's with bootstrap intervals."""
+        parametric law's with bootstrap intervals, and beyond the runs' largest budget also corrected
+        by the backtest (at a budget the sweep trained, the law was fitted to those runs)."""
         out = {"budget": budget,
                "isoflop": {"n_opt": float(self.n_opt(budget)), "ln_n_opt_err": float(self.n_opt.ln_err(budget)),
                            "d_opt": float(self.d_opt(budget)), "ln_d_opt_err": float(self.d_opt.ln_err(budget)),
                            "loss": float(self.frontier(budget)), "loss_err": float(self.frontier.err(budget))}}
         if self.parametric is not None:
             if self.bootstrap is not None:
-                out["parametric"] = self.bootstrap.optimum(self.parametric, budget, self.backtest)
+                beyond = budget > max((r.budget for r in self.runs), default=math.inf)
+                out["parametric"] = self.bootstrap.optimum(self.parametric, budget, self.backtest if beyond else None)
             else:
                 n, d, loss = self.parametric.optimum(budget)
                 out["parametric"] = {"n_opt": n, "d_opt": d, "loss": loss}
