@@ -9,7 +9,10 @@ Each batch (1 and 8 rows, every prompt `--prompt-tokens` long, so neither side p
 `--new-tokens` tokens per row with no stop token; the two sides' tokens must be identical. kiln
 also runs each batch streamed (`Request.stream`, what `kiln serve-model` does for `stream: true`:
 each token handed to the host from inside the loop), which must give the same tokens; it prints
-the streamed rate against the plain one and when the first token reached the host. The
+the streamed rate against the plain one and when the first token reached the host; with
+`--logprobs K` both kiln runs also compute each token's log-probability and its K most likely
+alternatives (what `logprobs: K` asks of the server; streamed, the loop hands them over with the
+tokens). The
 model is the tiny_cpu config's shape (GPT-2 vocabulary) with random weights drawn wide (init_std
 0.1), so that its greedy choices are far from ties; `--model PATH` takes a train or export folder
 instead. Each side runs in a process of its own (in one process, XLA's and PyTorch's thread pools
@@ -17,7 +20,7 @@ slow each other down: transformers' batch 1 ran 5-25x slower after a JAX run), i
 first (kiln compiles), then runs `--repeats` times; the median counts. Prints tokens/s of each
 and kiln / transformers.
 
-    uv run python benchmarks/generate_bench.py [--new-tokens 64] [--prompt-tokens 32] [--repeats 5]
+    uv run python benchmarks/generate_bench.py [--new-tokens 64] [--prompt-tokens 32] [--repeats 5] [--logprobs K]
 
 torch is no dependency of kiln's: install the CPU build into the environment first, e.g.
 `uv pip install torch --index-url https://download.pytorch.org/whl/cpu` and `uv pip install
@@ -91,14 +94,15 @@ def timed(run, repeats: int) -> tuple[list[list[int]], float]:
     return out, statistics.median(seconds)
 
 
-def kiln_side(folder: Path, batches: list[list[list[int]]], new: int, repeats: int) -> list[dict]:
+def kiln_side(folder: Path, batches: list[list[list[int]]], new: int, repeats: int,
+              logprobs: int | None = None) -> list[dict]:
     from evaluation.generate import Request, load, sample_batch
 
     model = load(folder)
     results = []
     for batch in batches:
-        tokens, seconds = timed(lambda: [s.ids for s in sample_batch(model, [Request(p, new, 0.0) for p in batch])],
-                                repeats)
+        tokens, seconds = timed(lambda: [s.ids for s in sample_batch(model, [Request(p, new, 0.0) for p in batch],
+                                                                     logprobs)], repeats)
         first_token_s: list[float] = []
 
         def streamed() -> list[list[int]]:
@@ -106,13 +110,13 @@ def kiln_side(folder: Path, batches: list[list[list[int]]], new: int, repeats: i
             start = time.perf_counter()
 
             def sink(row: int):
-                def take(i: int, token: int) -> None:
+                def take(i: int, token: int, _logprob: float | None, _top: list) -> None:
                     if i == 0 and row == 0:
                         first_token_s.append(time.perf_counter() - start)
                     got[row].append(token)
                 return take
 
-            sample_batch(model, [Request(p, new, 0.0, stream=sink(r)) for r, p in enumerate(batch)])
+            sample_batch(model, [Request(p, new, 0.0, stream=sink(r)) for r, p in enumerate(batch)], logprobs)
             return got
 
         streamed_tokens, streamed_seconds = timed(streamed, repeats)
@@ -122,7 +126,8 @@ def kiln_side(folder: Path, batches: list[list[list[int]]], new: int, repeats: i
     return results
 
 
-def transformers_side(folder: Path, batches: list[list[list[int]]], new: int, repeats: int) -> list[dict]:
+def transformers_side(folder: Path, batches: list[list[list[int]]], new: int, repeats: int,
+                      logprobs: int | None = None) -> list[dict]:  # tokens only: `logprobs` is kiln's
     import torch
     from transformers import LlamaForCausalLM
 
@@ -151,13 +156,14 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--logprobs", type=int, metavar="K", help="kiln also computes top-K log-probabilities")
     parser.add_argument("--side", choices=["kiln", "transformers"], help=argparse.SUPPRESS)  # one side, alone
     parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.side is not None:
         work = json.loads((args.work / "work.json").read_text())
         run = kiln_side if args.side == "kiln" else transformers_side
-        print(json.dumps(run(args.work / "export", work["batches"], args.new_tokens, args.repeats)))
+        print(json.dumps(run(args.work / "export", work["batches"], args.new_tokens, args.repeats, args.logprobs)))
         return
     try:
         import torch  # noqa: F401  (only checked here: the transformers side runs in its own process)
@@ -182,15 +188,17 @@ def main() -> None:
         load_before = os.getloadavg()[0]
         sides = {}
         for side in ("kiln", "transformers"):
+            extra = [] if args.logprobs is None else ["--logprobs", str(args.logprobs)]
             proc = subprocess.run([sys.executable, __file__, "--side", side, "--work", str(work), "--new-tokens",
-                                   str(args.new_tokens), "--repeats", str(args.repeats)],
+                                   str(args.new_tokens), "--repeats", str(args.repeats), *extra],
                                   capture_output=True, text=True, check=False)
             if proc.returncode != 0:
                 sys.exit(f"the {side} side failed:\n{proc.stderr[-3000:]}")
             sides[side] = json.loads(proc.stdout.strip().splitlines()[-1])
     print(f"model: d_model={config['hidden_size']} n_layers={config['num_hidden_layers']} "
           f"vocab={config['vocab_size']}; "
-          f"prompts of {args.prompt_tokens} tokens, {args.new_tokens} new per row; "
+          f"prompts of {args.prompt_tokens} tokens, {args.new_tokens} new per row"
+          f"{'' if args.logprobs is None else f', kiln with top-{args.logprobs} log-probabilities'}; "
           f"load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after; {os.cpu_count()} CPUs")
     summary = []
     for rows, ours, theirs in zip(args.batches, sides["kiln"], sides["transformers"]):

@@ -9,9 +9,10 @@ et al. 2020). Randomness comes from one PRNG key per row made from its seed, fol
 token's index, so the same seed, prompt and settings give the same text, alone or in a batch.
 Temperature 0 is greedy: the argmax at every step, no randomness.
 
-A row can be streamed (`Request.stream`): each token goes to its callback as the loop draws it,
-through a host callback inside the compiled loop (`jax.experimental.io_callback`), so a server
-sends text while the batch is still decoding; the batch's tokens are the same either way.
+A row can be streamed (`Request.stream`): each token, with its log-probabilities when the batch
+computes them, goes to its callback as the loop draws it, through a host callback inside the
+compiled loop (`jax.experimental.io_callback`), so a server sends text while the batch is still
+decoding; the batch's tokens are the same either way.
 
 Models: a train, SFT or DPO output folder (`model.json`, `params.safetensors`; the tokenizer is
 found through its lineage, or given), or an export folder (Hugging Face layout: `config.json`,
@@ -62,6 +63,7 @@ class Model:
         return self.eos_id if self.bos_id is None else self.bos_id
 
 
+Stream = Callable[[int, int, float | None, list[tuple[int, float]]], None]  # Request.stream
 MAX_LOGPROBS = 20  # alternatives per token at most (`top_logprobs`; vLLM's default limit too)
 
 
@@ -75,9 +77,11 @@ class Request:
     top_p: float = 1.0
     seed: int = 0
     stop_ids: tuple[int, ...] = ()  # end the row after any of these (not returned)
-    # called as stream(i, token) with each new token as it is drawn (i counts from 0; the stop token
-    # is not sent); a failed batch may run again, sending the same (i, token) pairs again
-    stream: Callable[[int, int], None] | None = None
+    # called as stream(i, token, logprob, top) with each new token as it is drawn (i counts from 0;
+    # the stop token is not sent): its log-probability and its batch's `top_logprobs` most likely
+    # (id, log-probability) pairs as in `Sampled` (None and [] in a batch run without them); a
+    # failed batch may run again, sending the same tokens again
+    stream: Stream | None = None
     # OpenAI's: (token id, bias) pairs added to the logits a token is drawn from; each new token's
     # logit lowered by presence_penalty once it was drawn before and by frequency_penalty per time
     logit_bias: tuple[tuple[int, float], ...] = ()
@@ -99,7 +103,7 @@ class Sampled:
 
 def sample(model: Model, prompt: list[int], max_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
            seed: int = 0, stop_ids: tuple[int, ...] = (),
-           stream: Callable[[int, int], None] | None = None) -> list[int]:
+           stream: Stream | None = None) -> list[int]:
     """Up to `max_tokens` new token ids after `prompt`, ending before the model's stop ids (EOS, and
     a post-trained model's end of turn) or any of `stop_ids`; `stream` as `Request.stream`.
 
@@ -163,7 +167,7 @@ def sample_batch(model: Model, rows: list[Request], top_logprobs: int | None = N
     streamed = any(r.stream is not None for r in rows)
     tag = next(_stream_tags)
     if streamed:
-        _STREAMS[tag] = _RowStreams(rows)
+        _STREAMS[tag] = _RowStreams(rows, top_logprobs)
     try:
         ids, logprobs, top_ids, top_lps = jax.device_get(_decode_rows(
             model.params, tokens, positions, keys, settings[0], settings[1], settings[2].astype(np.int32), stops,
@@ -185,12 +189,14 @@ def sample_batch(model: Model, rows: list[Request], top_logprobs: int | None = N
 
 
 class _RowStreams:
-    """Hands each streamed row its tokens from the loop's per-step callback, until the row ends."""
+    """Hands each streamed row its tokens (and their log-probabilities, when the batch has them)
+    from the loop's per-step callback, until the row ends."""
 
-    def __init__(self, rows: list[Request]):
-        self.rows, self.ended = rows, [r.stream is None for r in rows]
+    def __init__(self, rows: list[Request], top_logprobs: int | None):
+        self.rows, self.ended, self.k = rows, [r.stream is None for r in rows], top_logprobs
 
-    def __call__(self, i: int, tokens: np.ndarray) -> None:
+    def __call__(self, i: int, tokens: np.ndarray, logprobs: np.ndarray, top_ids: np.ndarray,
+                 top_lps: np.ndarray) -> None:
         for b, r in enumerate(self.rows):
             if self.ended[b]:
                 continue
@@ -199,16 +205,21 @@ class _RowStreams:
                 self.ended[b] = True
                 continue
             self.ended[b] = i + 1 >= r.max_tokens
-            r.stream(i, token)
+            if self.k is None:
+                r.stream(i, token, None, [])
+            else:
+                r.stream(i, token, float(logprobs[b]), list(zip(top_ids[b, :self.k].tolist(),
+                                                                top_lps[b, :self.k].tolist())))
 
 
 _STREAMS: dict[int, _RowStreams] = {}  # a streaming sample_batch call's tag -> its rows' callbacks
 _stream_tags = itertools.count()
 
 
-def _send_tokens(tag, i, tokens) -> None:
-    """The host side of the loop's callback: step i's tokens [B] to the rows of call `tag`."""
-    _STREAMS[int(tag)](int(i), np.asarray(tokens))
+def _send_tokens(tag, i, tokens, logprobs, top_ids, top_lps) -> None:
+    """The host side of the loop's callback: step i's tokens [B], their log-probabilities [B] and
+    top alternatives [B, top_k] to the rows of call `tag`."""
+    _STREAMS[int(tag)](int(i), *(np.asarray(a) for a in (tokens, logprobs, top_ids, top_lps)))
 
 
 def seed_key(seed: int) -> np.ndarray:
@@ -226,7 +237,8 @@ def _decode_rows(params, tokens, positions, keys, temperature, top_p, max_new, s
     [B, W, top_k] (top_k None: no log-probabilities, zeros). Row b is done after max_new[b]
     tokens or one in stop_ids[b]; what a done row draws after that is never read. One prefill,
     then a while loop of one-token steps that ends once every row is done. With `stream`, each
-    step's tokens also go to the host as they are drawn (`_send_tokens(tag, i, tokens)`), in order.
+    step's tokens (with their log-probabilities and alternatives) also go to the host as they are
+    drawn (`_send_tokens`), in order.
     `bias` [B, V] and `penalties` [2, B] (presence, frequency), unless None, adjust the logits a
     token is drawn from, with each row's counts of its new tokens [B, V] carried through the
     loop; log-probabilities are the model's own, before them."""
@@ -243,15 +255,18 @@ def _decode_rows(params, tokens, positions, keys, temperature, top_p, max_new, s
             counts = counts.at[jnp.arange(B), token].add(1)
         ids, lps, top_ids, top_lps = out
         ids = ids.at[:, i].set(token)
+        lp = jnp.zeros((B,), jnp.float32)
+        best, alternatives = jnp.zeros((B, top_k or 0), jnp.float32), jnp.zeros((B, top_k or 0), jnp.int32)
         if top_k is not None:
             logp = jax.nn.log_softmax(logits, axis=-1)
-            lps = lps.at[:, i].set(jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0])
+            lp = jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
+            lps = lps.at[:, i].set(lp)
         if top_k:
             best, alternatives = jax.lax.top_k(logp, top_k)
             top_ids, top_lps = top_ids.at[:, i].set(alternatives), top_lps.at[:, i].set(best)
         done = done | (token[:, None] == stop_ids).any(axis=-1) | (i + 1 >= max_new)
         if stream:
-            io_callback(_send_tokens, None, tag, i, token, ordered=True)
+            io_callback(_send_tokens, None, tag, i, token, lp, alternatives, best, ordered=True)
         return token, (ids, lps, top_ids, top_lps), done, counts
 
     out = (jnp.zeros((B, W), jnp.int32), jnp.zeros((B, W), jnp.float32),
@@ -334,7 +349,7 @@ def generate(model: Model, prompt: str, max_tokens: int = 64, temperature: float
         ids = tok.encode(prompt, add_special_tokens=False).ids
     decode = functools.partial(model.tokenizer.decode, skip_special_tokens=False)
     pieces = None if on_text is None else TextStream(decode, [])
-    stream = None if pieces is None else lambda i, token: on_text(pieces.push(i, token))
+    stream = None if pieces is None else lambda i, token, _lp, _top: on_text(pieces.push(i, token))
     out = sample(model, [model.start_id, *ids], max_tokens, temperature, top_p, seed, stop_ids, stream)
     text = decode(out)
     if pieces is not None:

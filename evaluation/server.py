@@ -18,8 +18,9 @@ batch: new tokens by `evaluation.generate.sample_batch` (one prefill and one com
 loop over the KV cache, each row as it would come out alone), an echoed prompt's
 log-probabilities by `evaluation.scoring.make_prompt_scorer` (the lm-eval adapter's
 computation). If a batch fails, its requests run again one by one, so an error fails only the
-request that causes it. With `stream`, each token comes from inside the decoding loop
-(`Request.stream`) and is sent as server-sent events while the batch decodes. A bad request
+request that causes it. With `stream`, each token (with its log-probabilities, when asked
+for) comes from inside the decoding loop (`Request.stream`) and is sent as server-sent events
+while the batch decodes. A bad request
 gets a 4xx with an OpenAI-style body, `{"error": {"message", "type", "param", "code"}}`, whose
 message says what to change; the server goes on answering.
 
@@ -29,6 +30,7 @@ No Prefect and no Ray here.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import concurrent.futures
 import contextlib
 import functools
@@ -52,7 +54,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, Validat
 from starlette.exceptions import HTTPException
 from tokenizers import Tokenizer
 
-from evaluation.generate import MAX_LOGPROBS, Model, Request, Sampled, TextStream, sample_batch, top_k_size
+from evaluation.generate import MAX_LOGPROBS, Model, Request, Sampled, Stream, TextStream, sample_batch, top_k_size
 from evaluation.scoring import bucket_for, buckets, make_prompt_scorer, pad_rows
 from training.posttrain import CHAT_SPECIAL_TOKENS, CHAT_TEMPLATE, END_OF_TURN, ChatTemplate
 
@@ -128,14 +130,10 @@ class _Body(BaseModel):
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         return [s for s in stops if s]
 
-    def check_stream(self, unstreamed: dict[str, bool]) -> None:
-        """400 for stream_options without stream, and for the fields in `unstreamed` that are set
-        while streaming (their answers are not streamed)."""
+    def check_stream(self) -> None:
+        """400 for stream_options without stream."""
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "stream_options needs stream=true", "stream_options")
-        for field, is_set in unstreamed.items():
-            if self.stream and is_set:
-                raise ApiError(400, f"{field} is not streamed: send stream=false to get it", field)
 
 
 class CompletionBody(_Body):
@@ -360,7 +358,7 @@ class Service:
                            f"{self.model.cfg.vocab_size}", param)
 
     def row(self, body: _Body, ids: list[int], max_tokens: int, stop_ids: tuple[int, ...], choice: int = 0,
-            stream: Callable[[int, int], None] | None = None) -> Request:
+            stream: Stream | None = None) -> Request:
         """Choice `choice` (of `n`) of a prompt, as the engine runs it."""
         seed = secrets.randbits(64) if body.seed is None else choice_seed(body.seed, choice)
         bias = tuple((int(t), v) for t, v in (body.logit_bias or {}).items())
@@ -400,59 +398,88 @@ class Service:
                 encoded.append((list(p), None, False))
             self.check_fits(encoded[-1][0], max_tokens, "prompt")
         want_logprobs = body.logprobs is not None
-        body.check_stream({"logprobs": want_logprobs, "echo": body.echo})
+        body.check_stream()
+        k, skip = body.logprobs, body.skip_special_tokens
+        # echo with logprobs: each prompt scored once, however many choices it has
+        scoring = [Job(self.row(body, ids, 0, ()), score_prompt=True, top_logprobs=k)
+                   for ids, _, _ in encoded] if body.echo and want_logprobs else []
         # OpenAI's order: prompt p's choices are p*n ... p*n + n-1
-        choices_of = [(ids, text, added, j) for ids, text, added in encoded for j in range(body.n)]
+        choices_of = [(p, j) for p in range(len(encoded)) for j in range(body.n)]
         prompt_tokens = sum(len(ids) for ids, _, _ in encoded)
+
+        def echoed(p: int, scores: list[Result]) -> dict:
+            """The echoed prompt p: its text and, when it was scored, its tokens' logprobs."""
+            ids, text, added = encoded[p]
+            prompt_text = text if text is not None else self.decode(ids)
+            if not scores:
+                return {"text": prompt_text, "logprobs": None}
+            score = scores[p]
+            return {"text": prompt_text, "logprobs": self.completion_logprobs(
+                ids, score.prompt_logprobs, score.prompt_top, k, hidden=int(added), skip_special=False)}
+
+        def offset(p: int) -> int:  # where prompt p's new tokens' text_offset begins: after an echoed prompt
+            ids, _, added = encoded[p]
+            return self.text_end(ids, int(added)) if body.echo else 0
+
         if body.stream:
-            rows = [(ids, max_tokens, self.model.stop_ids, j) for ids, _, _, j in choices_of]
-            return self.stream(body, "text_completion", rows, prompt_tokens,
-                               lambda piece: {"text": piece, "logprobs": None})
-        jobs = [Job(self.row(body, ids, max_tokens, self.model.stop_ids, j), body.echo and want_logprobs,
-                    body.logprobs) for ids, _, _, j in choices_of]
-        results = await self.run(jobs)
+            scores = await self.run(scoring)  # before the first chunk: the echoed prompt comes first
+            firsts = [echoed(p, scores) for p, _ in choices_of] if body.echo else None
+
+            def chunk(n: int, piece: str, drawn: list | None, start: int) -> dict:
+                if drawn is None:
+                    return {"text": piece, "logprobs": None}
+                return {"text": piece, "logprobs": self.completion_logprobs(
+                    [t for t, _, _ in drawn], [lp for _, lp, _ in drawn], [top for _, _, top in drawn], k, 0, skip,
+                    start=offset(choices_of[n][0]) + start)}
+
+            rows = [(encoded[p][0], max_tokens, self.model.stop_ids, j) for p, j in choices_of]
+            return self.stream(body, "text_completion", rows, prompt_tokens, chunk, firsts, k)
+        drawing = [Job(self.row(body, encoded[p][0], max_tokens, self.model.stop_ids, j), top_logprobs=k)
+                   for p, j in choices_of] if max_tokens > 0 else []
+        scores, results = await asyncio.gather(self.run(scoring), self.run(drawing))
         choices, used = [], 0
-        for i, ((ids, text, added, _), result) in enumerate(zip(choices_of, results)):
-            new, new_text, finish = self.cut(result.sampled, body.stop_strings(), body.skip_special_tokens)
-            used += spent(new, result.sampled)
-            prompt_text = (text if text is not None else self.decode(ids)) if body.echo else ""
+        for i, (p, _) in enumerate(choices_of):
+            sampled = results[i].sampled if results else Sampled([], [], [], False)
+            new, new_text, finish = self.cut(sampled, body.stop_strings(), skip)
+            used += spent(new, sampled)
+            prompt = echoed(p, scores) if body.echo else {"text": "", "logprobs": None}
             logprobs = None
             if want_logprobs:
-                tokens, lps, tops = [], [], []
-                if body.echo:
-                    tokens, lps, tops = list(ids), list(result.prompt_logprobs), list(result.prompt_top)
                 n = len(new)
-                tokens += new
-                lps += result.sampled.logprobs[:n]
-                tops += result.sampled.top[:n]
-                logprobs = self.completion_logprobs(tokens, lps, tops, body.logprobs, hidden=int(body.echo and added),
-                                                    generated=len(tokens) - n, skip_special=body.skip_special_tokens)
-            choices.append({"index": i, "text": prompt_text + new_text, "logprobs": logprobs, "finish_reason": finish})
+                logprobs = self.completion_logprobs(new, sampled.logprobs[:n], sampled.top[:n], k, 0, skip, offset(p))
+                if body.echo:
+                    logprobs = {key: prompt["logprobs"][key] + logprobs[key] for key in logprobs}
+            choices.append({"index": i, "text": prompt["text"] + new_text, "logprobs": logprobs,
+                            "finish_reason": finish})
         return {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": int(time.time()),
                 "model": self.name, "choices": choices, "usage": self.usage(prompt_tokens, used)}
 
+    def text_end(self, ids: list[int], hidden: int) -> int:
+        """Where the text of `ids` ends, as `completion_logprobs` counts offsets (the first `hidden`
+        tokens add none; special tokens are counted as they are written)."""
+        return sum(len(self.piece(t)) for t in ids[hidden:])
+
     def completion_logprobs(self, tokens: list[int], lps: list, tops: list, k: int, hidden: int,
-                            generated: int, skip_special: bool) -> dict:
+                            skip_special: bool, start: int = 0) -> dict:
         """OpenAI's completion logprobs. `top_logprobs[i]`: the k most likely tokens at i and the token
         chosen (as vLLM); null where nothing came before. `text_offset[i]`: where token i's text starts
-        in `text`; the first `hidden` tokens (the start token before a text prompt) add none. Tokens
-        from `generated` on are the new ones, whose strings follow `skip_special`; an echoed
-        prompt's are its text as sent."""
-        offsets, at = [], 0
+        in the choice's `text`, counted from `start` (the first token's); the first `hidden` tokens
+        (the start token before a text prompt) add none. The token strings follow `skip_special`
+        (false for an echoed prompt, whose text is as sent)."""
+        offsets, at = [], start
         top_dicts: list[dict | None] = []
         for i, (token, lp, top) in enumerate(zip(tokens, lps, tops)):
-            skip = skip_special and i >= generated
             offsets.append(at)
-            at += 0 if i < hidden else len(self.piece(token, skip))
+            at += 0 if i < hidden else len(self.piece(token, skip_special))
             if lp is None:
                 top_dicts.append(None)
                 continue
             entry = {}
             for alt, alt_lp in [*top[:k], (token, lp)]:
-                entry.setdefault(self.piece(alt, skip), alt_lp)
+                entry.setdefault(self.piece(alt, skip_special), alt_lp)
             top_dicts.append(entry)
-        pieces = [self.piece(t, skip_special and i >= generated) for i, t in enumerate(tokens)]
-        return {"tokens": pieces, "token_logprobs": lps, "top_logprobs": top_dicts, "text_offset": offsets}
+        pieces = [self.piece(t, skip_special) for t in tokens]
+        return {"tokens": pieces, "token_logprobs": list(lps), "top_logprobs": top_dicts, "text_offset": offsets}
 
     # --- /v1/chat/completions ----------------------------------------------------------------------
 
@@ -474,13 +501,17 @@ class Service:
             raise ApiError(400, f"the messages take {len(ids)} tokens, all of this model's context of "
                            f"{self.model.cfg.seq_len}: send fewer or shorter messages", "messages")
         self.check_fits(ids, max_tokens, "messages")
-        body.check_stream({"logprobs": body.logprobs})
+        body.check_stream()
         stop_ids = (*self.model.stop_ids, self.end_id)
-        if body.stream:
-            return self.stream(body, "chat.completion.chunk", [(ids, max_tokens, stop_ids, j) for j in range(body.n)],
-                               len(ids), lambda piece: {"delta": {"content": piece}, "logprobs": None},
-                               first={"delta": {"role": "assistant", "content": ""}, "logprobs": None})
         k = (body.top_logprobs or 0) if body.logprobs else None
+        if body.stream:
+            def chunk(n: int, piece: str, drawn: list | None, start: int) -> dict:
+                return {"delta": {"content": piece}, "logprobs": None if drawn is None else {"content": [
+                    self.chat_logprob(t, lp, top[:k], body.skip_special_tokens) for t, lp, top in drawn]}}
+
+            first = {"delta": {"role": "assistant", "content": ""}, "logprobs": None}
+            return self.stream(body, "chat.completion.chunk", [(ids, max_tokens, stop_ids, j) for j in range(body.n)],
+                               len(ids), chunk, [first] * body.n, k)
         results = await self.run([Job(self.row(body, ids, max_tokens, stop_ids, j), top_logprobs=k)
                                   for j in range(body.n)])
         choices, used = [], 0
@@ -499,19 +530,33 @@ class Service:
     # --- stream: true ---------------------------------------------------------------------------
 
     async def stream(self, body: _Body, kind: str, rows: list[tuple[list[int], int, tuple[int, ...], int]],
-                     prompt_tokens: int, choice: Callable[[str], dict],
-                     first: dict | None = None) -> AsyncIterator[str]:
+                     prompt_tokens: int, chunk: Callable[[int, str, list | None, int], dict],
+                     firsts: list[dict] | None, top_logprobs: int | None) -> AsyncIterator[str]:
         """Server-sent events, OpenAI's: a chunk per piece of text as the tokens are drawn (each
         choice's own `index`), a last chunk per choice with its `finish_reason`, with
         `stream_options.include_usage` a chunk with the usage, then `data: [DONE]`. `rows`: each
         choice's prompt ids, max_tokens, stop ids and number among its prompt's `n`;
-        `choice(piece)` is a chunk's choice body (`first`, if given, opens each choice). An error
-        after the first chunk comes as an `error` event: the status line was sent already."""
+        `chunk(n, piece, drawn, start)` is choice n's body for a chunk: `drawn`, the (token,
+        log-probability, alternatives) of the tokens whose log-probabilities it carries (None
+        when `top_logprobs` is None: none were asked for), `start` where the first one's text
+        begins among the new text. A token's log-probabilities come with the chunk that sends the
+        end of its text (or with the choice's last), so that the chunks' add up to those the
+        request gets without streaming. `firsts[n]`, if given, opens choice n. An error after the
+        first chunk comes as an `error` event: the status line was sent already."""
         loop = asyncio.get_running_loop()
-        arrivals: asyncio.Queue = asyncio.Queue()  # (choice, token index, token) or (choice, None, finished job)
-        stops = body.stop_strings()
-        decode = functools.partial(self.decode, skip_special=body.skip_special_tokens)
+        arrivals: asyncio.Queue = asyncio.Queue()  # (choice, token index, drawn token) or (choice, None, finished job)
+        stops, skip = body.stop_strings(), body.skip_special_tokens
+        decode = functools.partial(self.decode, skip_special=skip)
         texts = [TextStream(decode, stops) for _ in rows]
+        drawn: list[list[tuple[int, float | None, list]]] = [[] for _ in rows]  # each choice's tokens so far
+        ends: list[list[int]] = [[] for _ in rows]  # where each one's text ends, as `cut` counts
+        given = [0] * len(rows)  # of each choice's tokens, how many went out with their log-probabilities
+
+        def body_of(n: int, piece: str, upto: int) -> dict:  # choice n's chunk: piece, tokens given[n]:upto
+            start = ends[n][given[n] - 1] if given[n] else 0
+            carried = None if top_logprobs is None else drawn[n][given[n]:upto]
+            given[n] = max(given[n], upto)
+            return chunk(n, piece, carried, start)
         head = {"id": f"{'chatcmpl' if kind.startswith('chat') else 'cmpl'}-{secrets.token_hex(12)}", "object": kind,
                 "created": int(time.time()), "model": self.name}
         usage = body.stream_options is not None and body.stream_options.include_usage
@@ -524,24 +569,30 @@ class Service:
                 loop.call_soon_threadsafe(arrivals.put_nowait, item)
 
         for n, (ids, max_tokens, stop_ids, j) in enumerate(rows):
-            job = Job(self.row(body, ids, max_tokens, stop_ids, j, lambda i, token, n=n: deliver((n, i, token))))
+            row = self.row(body, ids, max_tokens, stop_ids, j, lambda i, *token, n=n: deliver((n, i, token)))
+            job = Job(row, top_logprobs=top_logprobs)
             self.batcher.submit(job).add_done_callback(lambda done, n=n: deliver((n, None, done)))
-        if first is not None:
-            yield event([{"index": n, **first, "finish_reason": None} for n in range(len(rows))])
+        for n, first in enumerate(firsts or []):
+            yield event([{"index": n, **first, "finish_reason": None}])
         used, pending = 0, set(range(len(rows)))
         try:
             while pending:
                 n, i, item = await arrivals.get()
                 if i is not None:
-                    piece = texts[n].push(i, item)
-                    if piece:
-                        yield event([{"index": n, **choice(piece), "finish_reason": None}])
+                    if i == len(drawn[n]):  # else a failed batch's row, run again, sends its tokens again
+                        drawn[n].append(item)
+                        ends[n].append((ends[n][-1] if ends[n] else 0) + len(self.piece(item[0], skip)))
+                    piece = texts[n].push(i, item[0])
+                    if piece:  # with the tokens whose whole text is out now
+                        upto = bisect.bisect_right(ends[n], len(texts[n].sent))
+                        yield event([{"index": n, **body_of(n, piece, upto), "finish_reason": None}])
                     continue
                 sampled = item.result().sampled  # the finished job: the tokens were all sent before it
-                new, text, finish = self.cut(sampled, stops, body.skip_special_tokens)
+                new, text, finish = self.cut(sampled, stops, skip)
                 used += spent(new, sampled)
                 pending.discard(n)
-                yield event([{"index": n, **choice(texts[n].rest(text)), "finish_reason": finish}])
+                drawn[n] = list(zip(new, sampled.logprobs, sampled.top))
+                yield event([{"index": n, **body_of(n, texts[n].rest(text), len(new)), "finish_reason": finish}])
         except Exception as e:  # noqa: BLE001 - the client gets it as the stream's last event
             status, message = (e.status, e.message) if isinstance(e, ApiError) else (
                 500, f"the model failed on this request: {type(e).__name__}: {e}")

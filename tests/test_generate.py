@@ -128,7 +128,8 @@ def test_kiln_generate_command_and_export_agree(store, tmp_path):
 def test_a_streamed_row_gets_its_tokens_from_inside_the_decoding_loop():
     """`Request.stream` gets each new token of its row, in order, as the compiled loop draws it (a
     host callback in the while loop's body), not the stop token, nothing after the row ends;
-    the rows' tokens are those of the same batch without streaming."""
+    the rows' tokens are those of the same batch without streaming, and with log-probabilities
+    asked for, each token comes with the log-probability and alternatives `Sampled` holds."""
     from evaluation.generate import Model, Request, _decode_rows, sample_batch
     from training.model import init_params
 
@@ -139,10 +140,18 @@ def test_a_streamed_row_gets_its_tokens_from_inside_the_decoding_loop():
     assert any(r.stopped for r in plain) and any(not r.stopped for r in plain)  # both ends are checked
     got: dict[int, list] = {b: [] for b in range(len(rows))}
     streaming = [Request(r.prompt, r.max_tokens, r.temperature, r.top_p, r.seed, r.stop_ids,
-                         lambda i, t, b=b: got[b].append((i, t))) for b, r in enumerate(rows)]
+                         lambda i, t, lp, top, b=b: got[b].append((i, t, lp, top))) for b, r in enumerate(rows)]
     for b, (streamed, alone) in enumerate(zip(sample_batch(model, streaming), plain, strict=True)):
         assert streamed.ids == alone.ids
-        assert got[b] == list(enumerate(alone.ids))
+        assert got[b] == [(i, t, None, []) for i, t in enumerate(alone.ids)]
+
+    for b in got:
+        got[b].clear()
+    scored = sample_batch(model, rows, top_logprobs=3)
+    assert [s.ids for s in sample_batch(model, streaming, top_logprobs=3)] == [s.ids for s in plain]
+    for b, alone in enumerate(scored):
+        assert got[b] == [(i, t, lp, top) for i, (t, lp, top) in enumerate(zip(alone.ids, alone.logprobs, alone.top))]
+        assert all(len(top) == 3 and lp <= top[0][1] for _, _, lp, top in got[b])
 
     args = (model.params, np.ones((1, 4), np.int32), np.arange(4)[None].astype(np.int32), np.zeros((1, 2), np.uint32),
             np.ones(1, np.float32), np.ones(1, np.float32), np.full(1, 8, np.int32), np.full((1, 4), 5, np.int32),

@@ -307,6 +307,60 @@ def test_streamed_answers_add_up_to_the_answers_without_streaming(served, model)
     assert client.completions.create(**ask).choices[0].text == whole.text
 
 
+def test_streamed_logprobs_and_echo_add_up_to_the_answers_without_streaming(served):
+    """stream=true with logprobs (and echo): each chunk carries the log-probabilities of the tokens
+    whose text it completes, and the chunks' lists joined are the request's own without
+    streaming (same seed): tokens, log-probabilities, alternatives, text offsets, also with a
+    stop string, several choices, an echoed prompt scored first, and chat's `logprobs.content`."""
+    url, _ = served
+
+    def streamed(path: str, body: dict) -> list[dict]:
+        with httpx.stream("POST", f"{url}{path}", json={**body, "stream": True}, timeout=120) as response:
+            assert response.status_code == 200, response.read()
+            events = [line.removeprefix("data: ") for line in response.iter_lines() if line]
+        assert events[-1] == "[DONE]"
+        return [json.loads(e) for e in events[:-1]]
+
+    def joined(chunks: list[dict], n: int) -> list[dict]:  # each choice's text and logprobs, chunks joined
+        out = [{"text": "", "logprobs": {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []},
+                "finish_reason": None} for _ in range(n)]
+        for c in chunks:
+            choice = c["choices"][0]
+            assert "error" not in c and len(c["choices"]) == 1
+            got = out[choice["index"]]
+            got["text"] += choice["text"]
+            for key, values in (choice["logprobs"] or {}).items():
+                got["logprobs"][key] += values
+            got["finish_reason"] = choice["finish_reason"]
+        return out
+
+    ask = dict(prompt=PROMPT, max_tokens=30, temperature=1.0, seed=7, logprobs=3)
+    whole = httpx.post(f"{url}/v1/completions", json=ask, timeout=120).json()["choices"]
+    chunks = streamed("/v1/completions", ask)
+    assert len(chunks) > 3 and any(len(c["choices"][0]["logprobs"]["tokens"]) for c in chunks[:-1])
+    assert joined(chunks, 1) == [{k: v for k, v in c.items() if k != "index"} for c in whole]
+
+    stop = whole[0]["text"][len(whole[0]["text"]) // 2:][:2]  # from inside the answer: it ends before it
+    for body in ({**ask, "stop": [stop]}, {**ask, "n": 2, "echo": True, "max_tokens": 12},
+                 {**ask, "echo": True, "max_tokens": 0}, {**ask, "echo": True, "logprobs": None}):
+        whole = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["choices"]
+        got = joined(streamed("/v1/completions", body), len(whole))
+        for choice in whole:
+            choice.pop("index")
+            if body["logprobs"] is None:
+                choice["logprobs"] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        assert got == whole, body
+    assert whole[0]["text"].startswith(PROMPT)
+
+    chat = dict(messages=[{"role": "user", "content": "Who made the light?"}], max_tokens=16, temperature=0.8, seed=5,
+                logprobs=True, top_logprobs=2)
+    answer = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=120).json()["choices"][0]
+    events = streamed("/v1/chat/completions", chat)
+    content = [e for c in events if c["choices"][0]["logprobs"] for e in c["choices"][0]["logprobs"]["content"]]
+    assert content == answer["logprobs"]["content"] and len(content) > 1
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in events) == answer["message"]["content"]
+
+
 def test_greedy_echo_and_batches_agree_with_kiln(served, model, kiln_lm):
     url, service = served
     prompt = [model.start_id, *model.tokenizer.encode(PROMPT).ids]
@@ -398,8 +452,6 @@ BAD = [  # (method, path, body (None: send `raw`), raw bytes, status, words the 
     ("POST", "/v1/completions", {"prompt": "x", "top_p": 1.5}, None, 400, "top_p"),
     ("POST", "/v1/completions", {"prompt": "x", "temperature": -1}, None, 400, "temperature"),
     ("POST", "/v1/completions", {"prompt": "x", "logprobs": 50}, None, 400, "logprobs"),
-    ("POST", "/v1/completions", {"prompt": "x", "stream": True, "logprobs": 1}, None, 400, "logprobs is not streamed"),
-    ("POST", "/v1/completions", {"prompt": "x", "stream": True, "echo": True}, None, 400, "echo is not streamed"),
     ("POST", "/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, None, 400,
      "stream_options needs stream=true"),
     ("POST", "/v1/completions", {"prompt": "x", "frequency_penalty": 2.5}, None, 400, "frequency_penalty"),
