@@ -400,9 +400,7 @@ class Service:
         want_logprobs = body.logprobs is not None
         body.check_stream()
         k, skip = body.logprobs, body.skip_special_tokens
-        # echo with logprobs: each prompt scored once, however many choices it has
-        scoring = [Job(self.row(body, ids, 0, ()), score_prompt=True, top_logprobs=k)
-                   for ids, _, _ in encoded] if body.echo and want_logprobs else []
+        scored = body.echo and want_logprobs  # each prompt scored once, however many choices it has
         # OpenAI's order: prompt p's choices are p*n ... p*n + n-1
         choices_of = [(p, j) for p in range(len(encoded)) for j in range(body.n)]
         prompt_tokens = sum(len(ids) for ids, _, _ in encoded)
@@ -421,8 +419,9 @@ class Service:
             ids, _, added = encoded[p]
             return self.text_end(ids, int(added)) if body.echo else 0
 
-        if body.stream:
-            scores = await self.run(scoring)  # before the first chunk: the echoed prompt comes first
+        if body.stream:  # the prompts scored before the first chunk: an echoed prompt comes first
+            scores = await self.run([Job(self.row(body, ids, 0, ()), score_prompt=True, top_logprobs=k)
+                                     for ids, _, _ in encoded]) if scored else []
             firsts = [echoed(p, scores) for p, _ in choices_of] if body.echo else None
 
             def chunk(n: int, piece: str, drawn: list | None, start: int) -> dict:
@@ -434,12 +433,13 @@ class Service:
 
             rows = [(encoded[p][0], max_tokens, self.model.stop_ids, j) for p, j in choices_of]
             return self.stream(body, "text_completion", rows, prompt_tokens, chunk, firsts, k)
-        drawing = [Job(self.row(body, encoded[p][0], max_tokens, self.model.stop_ids, j), top_logprobs=k)
-                   for p, j in choices_of] if max_tokens > 0 else []
-        scores, results = await asyncio.gather(self.run(scoring), self.run(drawing))
+        # the first choice of each prompt scores it too: one job, as lm-eval's loglikelihood requests need
+        results = await self.run([Job(self.row(body, encoded[p][0], max_tokens, self.model.stop_ids, j),
+                                      scored and j == 0, k) for p, j in choices_of])
+        scores = results[::body.n] if scored else []
         choices, used = [], 0
         for i, (p, _) in enumerate(choices_of):
-            sampled = results[i].sampled if results else Sampled([], [], [], False)
+            sampled = results[i].sampled
             new, new_text, finish = self.cut(sampled, body.stop_strings(), skip)
             used += spent(new, sampled)
             prompt = echoed(p, scores) if body.echo else {"text": "", "logprobs": None}

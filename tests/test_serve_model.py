@@ -311,8 +311,11 @@ def test_streamed_logprobs_and_echo_add_up_to_the_answers_without_streaming(serv
     """stream=true with logprobs (and echo): each chunk carries the log-probabilities of the tokens
     whose text it completes, and the chunks' lists joined are the request's own without
     streaming (same seed): tokens, log-probabilities, alternatives, text offsets, also with a
-    stop string, several choices, an echoed prompt scored first, and chat's `logprobs.content`."""
-    url, _ = served
+    stop string, several choices, an echoed prompt scored first, and chat's `logprobs.content`.
+    A prompt is scored once however many choices it has: without streaming by its first
+    choice's job (one job per choice, as lm-eval's loglikelihood requests need), streamed by a
+    job of its own before the choices'."""
+    url, service = served
 
     def streamed(path: str, body: dict) -> list[dict]:
         with httpx.stream("POST", f"{url}{path}", json={**body, "stream": True}, timeout=120) as response:
@@ -343,8 +346,11 @@ def test_streamed_logprobs_and_echo_add_up_to_the_answers_without_streaming(serv
     stop = whole[0]["text"][len(whole[0]["text"]) // 2:][:2]  # from inside the answer: it ends before it
     for body in ({**ask, "stop": [stop]}, {**ask, "n": 2, "echo": True, "max_tokens": 12},
                  {**ask, "echo": True, "max_tokens": 0}, {**ask, "echo": True, "logprobs": None}):
+        jobs = sum(service.batcher.batch_sizes)
         whole = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["choices"]
+        assert sum(service.batcher.batch_sizes) - jobs == len(whole)
         got = joined(streamed("/v1/completions", body), len(whole))
+        assert sum(service.batcher.batch_sizes) - jobs == 2 * len(whole) + ("echo" in body and bool(body["logprobs"]))
         for choice in whole:
             choice.pop("index")
             if body["logprobs"] is None:
