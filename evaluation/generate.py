@@ -87,6 +87,12 @@ class Request:
     logit_bias: tuple[tuple[int, float], ...] = ()
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # vLLM's: draw from the top_k most likely tokens only (0: all), and only from those at least
+    # min_p times as likely as the most likely one (0: all); no stop id ends the row before
+    # min_tokens new tokens (they are never drawn before)
+    top_k: int = 0
+    min_p: float = 0.0
+    min_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -136,8 +142,11 @@ def sample_batch(model: Model, rows: list[Request], top_logprobs: int | None = N
         if not r.prompt or r.max_tokens < 1 or len(r.prompt) + r.max_tokens > T:
             raise ValueError(f"a prompt of {len(r.prompt)} tokens and max_tokens={r.max_tokens} do not fit the "
                              f"model's context of {T} tokens (the prompt needs at least one, max_tokens too)")
-        if r.temperature < 0 or not 0 < r.top_p <= 1:
-            raise ValueError(f"temperature={r.temperature} must be >= 0 and top_p={r.top_p} in (0, 1]")
+        if r.temperature < 0 or not 0 < r.top_p <= 1 or r.top_k < 0 or not 0 <= r.min_p <= 1:
+            raise ValueError(f"temperature={r.temperature} must be >= 0, top_p={r.top_p} in (0, 1], top_k={r.top_k} "
+                             f">= 0 and min_p={r.min_p} in [0, 1]")
+        if not 0 <= r.min_tokens <= r.max_tokens:
+            raise ValueError(f"min_tokens={r.min_tokens} must be between 0 and max_tokens={r.max_tokens}")
         if any(not 0 <= t < model.cfg.vocab_size for t, _ in r.logit_bias):
             raise ValueError(f"logit_bias names token ids outside the model's vocabulary of {model.cfg.vocab_size}")
     if top_logprobs is not None and not 0 <= top_logprobs <= MAX_LOGPROBS:
@@ -146,17 +155,21 @@ def sample_batch(model: Model, rows: list[Request], top_logprobs: int | None = N
     sizes = buckets(T)
     P = bucket_for(max(len(r.prompt) for r in rows), sizes)
     W = bucket_for(max(r.max_tokens for r in rows), sizes)
-    n_stops = max(4, *(len(r.stop_ids) for r in rows))
+    n_stops = max(4, 1 << (max(len(r.stop_ids) for r in rows) - 1).bit_length())  # few compiled variants
     tokens, positions = np.zeros((B, P), np.int32), np.full((B, P), -1, np.int32)
     keys, stops = np.zeros((B, 2), np.uint32), np.full((B, n_stops), -1, np.int32)
-    settings = np.zeros((3, B), np.float32)  # temperature, top_p, max_tokens (0: a padding row)
-    settings[1] = 1.0
+    rule = {"temperature": np.zeros(B, np.float32), "top_p": np.ones(B, np.float32), "top_k": np.zeros(B, np.int32),
+            "min_p": np.zeros(B, np.float32), "max_new": np.zeros(B, np.int32)}  # max_new 0: a padding row
     for b, r in enumerate(rows):
         tokens[b, P - len(r.prompt):] = r.prompt
         positions[b, P - len(r.prompt):] = np.arange(len(r.prompt))
         keys[b] = seed_key(r.seed)
         stops[b, :len(r.stop_ids)] = r.stop_ids
-        settings[:, b] = r.temperature, r.top_p, r.max_tokens
+        for name, value in zip(rule, (r.temperature, r.top_p, r.top_k, r.min_p, r.max_tokens)):
+            rule[name][b] = value
+    # None: no row holds its stop ids back, and the program masks none
+    min_new = np.array([r.min_tokens for r in rows] + [0] * (B - len(rows)), np.int32) if any(
+        r.min_tokens for r in rows) else None
     bias = penalties = None  # None: a batch without biases or penalties, whose program keeps no counts
     if any(r.logit_bias or r.presence_penalty or r.frequency_penalty for r in rows):
         bias, penalties = np.zeros((B, model.cfg.vocab_size), np.float32), np.zeros((2, B), np.float32)
@@ -170,9 +183,8 @@ def sample_batch(model: Model, rows: list[Request], top_logprobs: int | None = N
         _STREAMS[tag] = _RowStreams(rows, top_logprobs)
     try:
         ids, logprobs, top_ids, top_lps = jax.device_get(_decode_rows(
-            model.params, tokens, positions, keys, settings[0], settings[1], settings[2].astype(np.int32), stops,
-            bias, penalties, np.int32(tag), cfg=model.cfg, cache_len=P + W, top_k=top_k_size(top_logprobs),
-            stream=streamed))
+            model.params, tokens, positions, keys, rule, stops, bias, penalties, min_new, np.int32(tag), cfg=model.cfg,
+            cache_len=P + W, alternatives=top_k_size(top_logprobs), stream=streamed))
     finally:
         _STREAMS.pop(tag, None)
     out = []
@@ -229,48 +241,55 @@ def seed_key(seed: int) -> np.ndarray:
     return np.array([seed >> 32, seed & 0xFFFFFFFF], np.uint32)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "cache_len", "top_k", "stream"))
-def _decode_rows(params, tokens, positions, keys, temperature, top_p, max_new, stop_ids, bias, penalties, tag, *,
-                 cfg: ModelConfig, cache_len: int, top_k: int | None, stream: bool = False):
+@functools.partial(jax.jit, static_argnames=("cfg", "cache_len", "alternatives", "stream"))
+def _decode_rows(params, tokens, positions, keys, rule, stop_ids, bias, penalties, min_new, tag, *,
+                 cfg: ModelConfig, cache_len: int, alternatives: int | None, stream: bool = False):
     """Left-padded prompts tokens, positions [B, P] -> new tokens [B, W] (W = cache_len - P), their
-    log-probabilities [B, W] and the top_k most likely alternatives' ids and log-probabilities
-    [B, W, top_k] (top_k None: no log-probabilities, zeros). Row b is done after max_new[b]
+    log-probabilities [B, W] and the `alternatives` most likely tokens' ids and log-probabilities
+    [B, W, alternatives] (None: no log-probabilities, zeros). `rule` holds each row's
+    temperature, top_p, top_k, min_p (`pick`) and max_new [B]: row b is done after max_new[b]
     tokens or one in stop_ids[b]; what a done row draws after that is never read. One prefill,
     then a while loop of one-token steps that ends once every row is done. With `stream`, each
     step's tokens (with their log-probabilities and alternatives) also go to the host as they are
     drawn (`_send_tokens`), in order.
     `bias` [B, V] and `penalties` [2, B] (presence, frequency), unless None, adjust the logits a
     token is drawn from, with each row's counts of its new tokens [B, V] carried through the
-    loop; log-probabilities are the model's own, before them."""
+    loop; `min_new` [B], unless None, keeps row b from drawing its stop ids before min_new[b] new
+    tokens. Log-probabilities are the model's own, before any of these."""
     B, P = tokens.shape
     W = cache_len - P
+    max_new = rule["max_new"]
     logits, cache = prefill(params, cfg, tokens, init_cache(cfg, B, cache_len), positions)
 
     def emit(i, logits, out, done, counts):  # draw token i of every row from logits [B, V]; record it
         drawn_from = logits
         if bias is not None:
             drawn_from = logits + bias - penalties[0][:, None] * (counts > 0) - penalties[1][:, None] * counts
-        token = pick(drawn_from, jax.vmap(jax.random.fold_in, (0, None))(keys, i), temperature, top_p)
+        if min_new is not None:  # a row's stop ids at -inf until it has min_new tokens (-1: no stop id there)
+            held = jnp.where((i < min_new)[:, None] & (stop_ids >= 0), -jnp.inf, jnp.inf)
+            drawn_from = drawn_from.at[jnp.arange(B)[:, None], jnp.maximum(stop_ids, 0)].min(held)
+        token = pick(drawn_from, jax.vmap(jax.random.fold_in, (0, None))(keys, i), rule["temperature"],
+                     rule["top_p"], rule["top_k"], rule["min_p"])
         if bias is not None:
             counts = counts.at[jnp.arange(B), token].add(1)
         ids, lps, top_ids, top_lps = out
         ids = ids.at[:, i].set(token)
         lp = jnp.zeros((B,), jnp.float32)
-        best, alternatives = jnp.zeros((B, top_k or 0), jnp.float32), jnp.zeros((B, top_k or 0), jnp.int32)
-        if top_k is not None:
+        best, best_ids = jnp.zeros((B, alternatives or 0), jnp.float32), jnp.zeros((B, alternatives or 0), jnp.int32)
+        if alternatives is not None:
             logp = jax.nn.log_softmax(logits, axis=-1)
             lp = jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
             lps = lps.at[:, i].set(lp)
-        if top_k:
-            best, alternatives = jax.lax.top_k(logp, top_k)
-            top_ids, top_lps = top_ids.at[:, i].set(alternatives), top_lps.at[:, i].set(best)
+        if alternatives:
+            best, best_ids = jax.lax.top_k(logp, alternatives)
+            top_ids, top_lps = top_ids.at[:, i].set(best_ids), top_lps.at[:, i].set(best)
         done = done | (token[:, None] == stop_ids).any(axis=-1) | (i + 1 >= max_new)
         if stream:
-            io_callback(_send_tokens, None, tag, i, token, lp, alternatives, best, ordered=True)
+            io_callback(_send_tokens, None, tag, i, token, lp, best_ids, best, ordered=True)
         return token, (ids, lps, top_ids, top_lps), done, counts
 
     out = (jnp.zeros((B, W), jnp.int32), jnp.zeros((B, W), jnp.float32),
-           jnp.zeros((B, W, top_k or 0), jnp.int32), jnp.zeros((B, W, top_k or 0), jnp.float32))
+           jnp.zeros((B, W, alternatives or 0), jnp.int32), jnp.zeros((B, W, alternatives or 0), jnp.float32))
     counts = None if bias is None else jnp.zeros(bias.shape, jnp.int32)
     token, out, done, counts = emit(0, logits, out, jnp.zeros((B,), bool), counts)
 
@@ -296,30 +315,37 @@ def prefill(params, cfg: ModelConfig, tokens, cache: dict, positions):
     return output_logits(params, hidden[:, -1], cfg), {"index": index + tokens.shape[1], "pos": pos, "layers": layers}
 
 
-def pick(logits, keys, temperature, top_p):
-    """One token per row of logits [B, V], row b with its own PRNG key keys[b], temperature[b] and
-    top_p[b]: the argmax at temperature 0, else a draw from the temperature-scaled distribution
-    cut to its top-p nucleus. The draw is skipped when every row is greedy, and the nucleus's sort
-    when no sampled row cuts one (top_p 1): work no row needs, and no row's token depends on it."""
+def pick(logits, keys, temperature, top_p, top_k, min_p):
+    """One token per row of logits [B, V], row b with its own PRNG key keys[b], temperature[b],
+    top_p[b], top_k[b] and min_p[b]: the argmax at temperature 0, else a draw from the
+    temperature-scaled distribution cut as `_truncate` cuts it. The draw is skipped when every
+    row is greedy, and the cut's sort when no sampled row cuts (top_p 1, top_k and min_p 0): work
+    no row needs, and no row's token depends on it."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def draw():
         scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
-        scaled = jax.lax.cond(jnp.any((temperature > 0) & (top_p < 1)), lambda: _nucleus(scaled, top_p),
-                              lambda: scaled)
+        cuts = (temperature > 0) & ((top_p < 1) | (top_k > 0) | (min_p > 0))
+        scaled = jax.lax.cond(jnp.any(cuts), lambda: _truncate(scaled, top_p, top_k, min_p), lambda: scaled)
         drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
         return jnp.where(temperature > 0, drawn, greedy)
 
     return jax.lax.cond(jnp.any(temperature > 0), draw, lambda: greedy)
 
 
-def _nucleus(scaled, top_p):
-    """Logits [B, V] with every token outside its row's top-p nucleus at -inf (none when top_p is 1)."""
+def _truncate(scaled, top_p, top_k, min_p):
+    """Logits [B, V] with every token a row may not draw at -inf, in the order Hugging Face's and
+    vLLM's samplers apply the cuts: outside the top_k most likely (top_k 0: none), then outside
+    the top-p nucleus of what is left, renormalised (top_p 1: none), then less than min_p times
+    as likely as the most likely token (min_p 0: none). The most likely token is always kept."""
     probs = jax.nn.softmax(scaled, axis=-1)
     order = jnp.argsort(-probs, axis=-1)
     sorted_probs = jnp.take_along_axis(probs, order, axis=-1)
-    before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs  # mass of the more likely tokens
-    keep_sorted = (before < top_p[:, None]) | (top_p[:, None] >= 1)  # the most likely token is always kept
+    in_top_k = (top_k[:, None] <= 0) | (jnp.arange(scaled.shape[1])[None] < top_k[:, None])
+    mass = jnp.where(top_k > 0, jnp.sum(jnp.where(in_top_k, sorted_probs, 0), axis=-1), 1.0)[:, None]
+    before = (jnp.cumsum(sorted_probs, axis=-1) - sorted_probs) / mass  # mass of the more likely tokens kept
+    keep_sorted = in_top_k & ((before < top_p[:, None]) | (top_p[:, None] >= 1))
+    keep_sorted &= sorted_probs >= min_p[:, None] * sorted_probs[:, :1]
     keep = jnp.zeros_like(keep_sorted).at[jnp.arange(scaled.shape[0])[:, None], order].set(keep_sorted)
     return jnp.where(keep, scaled, -jnp.inf)
 

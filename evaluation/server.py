@@ -6,8 +6,9 @@ default; docs/serving.md is the user's page.
     GET  /v1/models               the one model served here, under its name
     POST /v1/completions          text or token-id prompts; echo; logprobs of the prompt and of the
                                   new tokens; max_tokens, temperature, top_p, stop, seed, n,
-                                  logit_bias, presence and frequency penalties,
-                                  skip_special_tokens (vLLM's, default true); stream
+                                  logit_bias, presence and frequency penalties; vLLM's top_k,
+                                  min_p, min_tokens, stop_token_ids, ignore_eos and
+                                  skip_special_tokens (default true); stream
     POST /v1/chat/completions     messages rendered with the model's chat template (SFT and DPO
                                   outputs have its tokens); 400 for a model without them
     POST /tokenize, /detokenize   vLLM's tokenizer endpoints, and GET /tokenizer_info: with them
@@ -109,6 +110,12 @@ class _Body(BaseModel):
     # vLLM's: special tokens the model generates (<|user|>, ...) are left out of the answer's text and
     # of its logprobs' token strings, as vLLM leaves them out by default; false keeps them
     skip_special_tokens: bool = True
+    # vLLM's sampling extras (evaluation.generate.Request): top_k -1 or 0 for all tokens
+    top_k: StrictInt = Field(0, ge=-1)
+    min_p: float = Field(0.0, ge=0, le=1)
+    min_tokens: StrictInt = Field(0, ge=0)
+    stop_token_ids: list[StrictInt] | None = None  # more tokens that end the answer, as EOS does
+    ignore_eos: bool = False  # the model's own stop tokens do not end the answer (stop_token_ids still do)
 
     @field_validator(*NEUTRAL_ONLY, check_fields=False)
     @classmethod
@@ -130,10 +137,17 @@ class _Body(BaseModel):
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         return [s for s in stops if s]
 
-    def check_stream(self) -> None:
-        """400 for stream_options without stream."""
+    def stop_ids(self, model_stops: tuple[int, ...]) -> tuple[int, ...]:
+        """The tokens that end an answer: the model's (unless ignore_eos) and stop_token_ids."""
+        return (*(() if self.ignore_eos else model_stops), *(self.stop_token_ids or ()))
+
+    def check(self, max_tokens: int) -> None:
+        """400 for stream_options without stream, and for min_tokens above the answer's max_tokens."""
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "stream_options needs stream=true", "stream_options")
+        if self.min_tokens > max_tokens:
+            raise ApiError(400, f"min_tokens={self.min_tokens} is more than max_tokens={max_tokens}: lower it or "
+                           "raise max_tokens", "min_tokens")
 
 
 class CompletionBody(_Body):
@@ -351,6 +365,10 @@ class Service:
                            "shorten the prompt or lower max_tokens", param)
         self.check_vocabulary(ids, param)
 
+    def check_token_fields(self, body: _Body) -> None:
+        self.check_vocabulary(body.logit_bias or {}, "logit_bias")
+        self.check_vocabulary(body.stop_token_ids or [], "stop_token_ids")
+
     def check_vocabulary(self, ids, param: str) -> None:
         bad = [t for t in ids if not 0 <= int(t) < self.model.cfg.vocab_size]
         if bad:
@@ -363,7 +381,8 @@ class Service:
         seed = secrets.randbits(64) if body.seed is None else choice_seed(body.seed, choice)
         bias = tuple((int(t), v) for t, v in (body.logit_bias or {}).items())
         return Request(ids, max_tokens, body.temperature, body.top_p, seed, stop_ids, stream, bias,
-                       body.presence_penalty, body.frequency_penalty)
+                       body.presence_penalty, body.frequency_penalty, max(body.top_k, 0), body.min_p,
+                       min(body.min_tokens, max_tokens))  # max_tokens 0: a prompt to score, no answer
 
     async def run(self, jobs: list[Job]) -> list[Result]:
         return await asyncio.gather(*(asyncio.wrap_future(self.batcher.submit(j)) for j in jobs))
@@ -386,7 +405,7 @@ class Service:
 
     async def completions(self, body: CompletionBody) -> dict | AsyncIterator[str]:
         self.check_model(body.model)
-        self.check_vocabulary(body.logit_bias or {}, "logit_bias")
+        self.check_token_fields(body)
         max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
         several = isinstance(body.prompt, list) and not isinstance(body.prompt[0], int)
         prompts = body.prompt if several else [body.prompt]
@@ -398,8 +417,8 @@ class Service:
                 encoded.append((list(p), None, False))
             self.check_fits(encoded[-1][0], max_tokens, "prompt")
         want_logprobs = body.logprobs is not None
-        body.check_stream()
-        k, skip = body.logprobs, body.skip_special_tokens
+        body.check(max_tokens)
+        k, skip, stop_ids = body.logprobs, body.skip_special_tokens, body.stop_ids(self.model.stop_ids)
         scored = body.echo and want_logprobs  # each prompt scored once, however many choices it has
         # OpenAI's order: prompt p's choices are p*n ... p*n + n-1
         choices_of = [(p, j) for p in range(len(encoded)) for j in range(body.n)]
@@ -431,10 +450,10 @@ class Service:
                     [t for t, _, _ in drawn], [lp for _, lp, _ in drawn], [top for _, _, top in drawn], k, 0, skip,
                     start=offset(choices_of[n][0]) + start)}
 
-            rows = [(encoded[p][0], max_tokens, self.model.stop_ids, j) for p, j in choices_of]
+            rows = [(encoded[p][0], max_tokens, stop_ids, j) for p, j in choices_of]
             return self.stream(body, "text_completion", rows, prompt_tokens, chunk, firsts, k)
         # the first choice of each prompt scores it too: one job, as lm-eval's loglikelihood requests need
-        results = await self.run([Job(self.row(body, encoded[p][0], max_tokens, self.model.stop_ids, j),
+        results = await self.run([Job(self.row(body, encoded[p][0], max_tokens, stop_ids, j),
                                       scored and j == 0, k) for p, j in choices_of])
         scores = results[::body.n] if scored else []
         choices, used = [], 0
@@ -485,7 +504,7 @@ class Service:
 
     async def chat(self, body: ChatBody) -> dict | AsyncIterator[str]:
         self.check_model(body.model)
-        self.check_vocabulary(body.logit_bias or {}, "logit_bias")
+        self.check_token_fields(body)
         if self.template is None:
             raise ApiError(400, f"{self.name} has no chat template ({self.no_template}): chat needs a post-trained "
                            "model, an SFT or DPO output or its export; for this model use /v1/completions", "messages")
@@ -501,8 +520,8 @@ class Service:
             raise ApiError(400, f"the messages take {len(ids)} tokens, all of this model's context of "
                            f"{self.model.cfg.seq_len}: send fewer or shorter messages", "messages")
         self.check_fits(ids, max_tokens, "messages")
-        body.check_stream()
-        stop_ids = (*self.model.stop_ids, self.end_id)
+        body.check(max_tokens)
+        stop_ids = body.stop_ids((*self.model.stop_ids, self.end_id))
         k = (body.top_logprobs or 0) if body.logprobs else None
         if body.stream:
             def chunk(n: int, piece: str, drawn: list | None, start: int) -> dict:

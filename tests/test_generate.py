@@ -153,11 +153,13 @@ def test_a_streamed_row_gets_its_tokens_from_inside_the_decoding_loop():
         assert got[b] == [(i, t, lp, top) for i, (t, lp, top) in enumerate(zip(alone.ids, alone.logprobs, alone.top))]
         assert all(len(top) == 3 and lp <= top[0][1] for _, _, lp, top in got[b])
 
+    rule = {"temperature": np.ones(1, np.float32), "top_p": np.ones(1, np.float32), "top_k": np.zeros(1, np.int32),
+            "min_p": np.zeros(1, np.float32), "max_new": np.full(1, 8, np.int32)}
     args = (model.params, np.ones((1, 4), np.int32), np.arange(4)[None].astype(np.int32), np.zeros((1, 2), np.uint32),
-            np.ones(1, np.float32), np.ones(1, np.float32), np.full(1, 8, np.int32), np.full((1, 4), 5, np.int32),
-            None, None, np.int32(0))
+            rule, np.full((1, 4), 5, np.int32), None, None, None, np.int32(0))
     for stream in (True, False):
-        jaxpr = jax.make_jaxpr(lambda *a: _decode_rows(*a, cfg=cfg, cache_len=16, top_k=None, stream=stream))(*args)
+        jaxpr = jax.make_jaxpr(lambda *a: _decode_rows(*a, cfg=cfg, cache_len=16, alternatives=None,
+                                                       stream=stream))(*args)
         loops = [e for e in jaxpr.jaxpr.eqns[0].params["jaxpr"].jaxpr.eqns if e.primitive.name == "while"]
         body = str(loops[0].params["body_jaxpr"])
         assert ("io_callback" in body) == stream
@@ -237,3 +239,81 @@ def test_logit_bias_and_penalties_change_the_draws_as_openai_defines_them():
     forced = sample_batch(model, [Request(prompt, 4, 0.0, 1.0, 0, (), None, ((7, 100.0),))], top_logprobs=0)[0]
     assert forced.ids == [7] * 4
     assert max(forced.logprobs) < -0.5  # the model's own log-probability of a token it does not favour
+
+
+def test_top_k_and_min_p_cut_as_the_samplers_of_hugging_face_and_vllm_cut():
+    """`_truncate` keeps what a plain float64 reference keeps: the top_k most likely tokens, then
+    the top-p nucleus of those renormalised, then those at least min_p times as likely as the
+    most likely; in sample_batch every drawn token lies inside its row's cut (read off the
+    model's own top alternatives), top_k 1 and min_p 1 are greedy, and a row draws the same
+    alone as in a batch of other settings."""
+    from evaluation.generate import Model, Request, _truncate, sample_batch
+    from training.model import init_params
+
+    rng = np.random.default_rng(0)
+    logits = rng.normal(0, 2, (6, 40)).astype(np.float32)
+    rules = [(1.0, 0, 0.0), (0.7, 0, 0.0), (1.0, 5, 0.0), (0.6, 8, 0.0), (1.0, 0, 0.2), (0.9, 12, 0.05)]
+    top_p, top_k, min_p = (np.array(c, dtype) for c, dtype in zip(zip(*rules), (np.float32, np.int32, np.float32)))
+    kept = np.isfinite(np.asarray(_truncate(jnp.asarray(logits), top_p, top_k, min_p)))
+    for b, (p, k, m) in enumerate(rules):
+        probs = np.exp(logits[b].astype(np.float64) - logits[b].max())
+        probs /= probs.sum()
+        order = np.argsort(-probs)
+        allowed = set(order[:k] if k else order)
+        mass, nucleus = sum(probs[t] for t in allowed), set()
+        for t in order:
+            if t in allowed and (p >= 1 or sum(probs[u] for u in nucleus) / mass < p):
+                nucleus.add(t)
+        want = {t for t in nucleus if probs[t] >= m * probs.max()}
+        assert set(np.flatnonzero(kept[b])) == want, (p, k, m)
+    assert kept.sum(axis=1).tolist()[0] == 40 and all(kept[b].sum() < 40 for b in range(1, 6))
+
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64, seq_len=64,
+                      init_std=0.1)
+    model = Model(cfg, init_params(cfg, jax.random.PRNGKey(2)), None, eos_id=63)
+    greedy = sample_batch(model, [Request([1, 2, 3], 24, 0.0)])[0].ids
+    assert sample_batch(model, [Request([1, 2, 3], 24, 1.0, seed=4, top_k=1)])[0].ids == greedy
+    assert sample_batch(model, [Request([1, 2, 3], 24, 1.0, seed=4, min_p=1.0)])[0].ids == greedy
+    rows = [Request([1, 2, 3], 24, 1.0, 1.0, seed) for seed in range(4)]
+    rows += [Request([1, 2, 3], 24, 1.0, 1.0, seed, top_k=3) for seed in range(4)]
+    rows += [Request([1, 2, 3], 24, 1.0, 1.0, seed, min_p=0.3) for seed in range(4)]
+    got = sample_batch(model, rows, top_logprobs=20)
+    free, by_top_k, by_min_p = got[:4], got[4:8], got[8:]
+
+    def ranks(row) -> list[int]:  # each drawn token's rank among the model's 20 most likely at its step (20: below)
+        return [next((r for r, (t, _) in enumerate(top) if t == token), 20) for token, top in zip(row.ids, row.top)]
+
+    def ratios(row) -> list[float]:  # each drawn token's probability over the most likely one's
+        return [float(np.exp(lp - top[0][1])) for lp, top in zip(row.logprobs, row.top)]
+
+    assert max(r for row in free for r in ranks(row)) >= 3  # the free rows draw where the cuts would not
+    assert min(x for row in free for x in ratios(row)) < 0.3
+    assert all(r < 3 for row in by_top_k for r in ranks(row)) and any(r > 0 for row in by_top_k for r in ranks(row))
+    assert all(x >= 0.3 - 1e-5 for row in by_min_p for x in ratios(row))
+    assert any(x < 1 for row in by_min_p for x in ratios(row))
+    for row, batched in zip(rows[4:], got[4:]):
+        assert sample_batch(model, [row])[0].ids == batched.ids
+
+
+def test_min_tokens_holds_the_stop_ids_back():
+    """A greedy row whose first token is its stop id ends at once; with min_tokens 3 that id is
+    never drawn before the third token, and with min_tokens = max_tokens never at all; other
+    rows of the batch are untouched."""
+    from evaluation.generate import Model, Request, sample_batch
+    from training.model import init_params
+
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64, seq_len=64,
+                      init_std=0.1)
+    model = Model(cfg, init_params(cfg, jax.random.PRNGKey(3)), None, eos_id=63)
+    greedy = sample_batch(model, [Request([1, 2, 3], 12, 0.0)])[0]
+    stop = (greedy.ids[0],)
+    at_once = sample_batch(model, [Request([1, 2, 3], 12, 0.0, stop_ids=stop)])[0]
+    assert at_once.ids == [] and at_once.stopped
+    held, never, other = sample_batch(model, [Request([1, 2, 3], 12, 0.0, stop_ids=stop, min_tokens=3),
+                                              Request([1, 2, 3], 12, 0.0, stop_ids=stop, min_tokens=12),
+                                              Request([1, 2, 3], 12, 0.0)])
+    assert len(held.ids) >= 3 and stop[0] not in held.ids[:3] and held.ids != greedy.ids[:len(held.ids)]
+    assert len(never.ids) == 12 and stop[0] not in never.ids and not never.stopped
+    assert other.ids == greedy.ids
+    with pytest.raises(ValueError, match="min_tokens=13 must be between 0 and max_tokens=12"):
+        sample_batch(model, [Request([1, 2, 3], 12, 0.0, min_tokens=13)])

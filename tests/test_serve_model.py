@@ -257,6 +257,40 @@ def test_logit_bias_and_penalties_reach_the_draws(served, model):
         assert got == model.tokenizer.decode(want) != client.completions.create(**{**ask, "max_tokens": 24}).choices[0].text
 
 
+def test_vllm_sampling_extras_reach_the_draws(served, model):
+    """vLLM's top_k, min_p, min_tokens, stop_token_ids and ignore_eos over HTTP: top_k 1 and min_p 1
+    sample greedily; a stop token id ends the answer before it; with EOS forced by a logit bias
+    the answer is empty, min_tokens 3 holds EOS back for three tokens, and ignore_eos lets it run
+    to max_tokens."""
+    from openai import OpenAI
+
+    url, _ = served
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    ask = dict(model=NAME, prompt=PROMPT, max_tokens=12)
+    greedy = client.completions.create(**ask, temperature=0, logprobs=0).choices[0]
+    for extra in ({"top_k": 1}, {"min_p": 1.0}):
+        assert client.completions.create(**ask, temperature=1.0, seed=9, extra_body=extra).choices[0].text == greedy.text
+    assert client.completions.create(**ask, temperature=1.0, seed=9, extra_body={"top_k": -1}).choices[0].text != \
+        greedy.text  # -1 (vLLM's "all") samples
+
+    tokens = sample(model, [model.start_id, *model.tokenizer.encode(PROMPT).ids], 12, temperature=0.0)
+    j = next(j for j in range(1, len(tokens)) if tokens[j] not in tokens[:j])  # a token new at j: the answer ends before it
+    cut = client.completions.create(**ask, temperature=0, extra_body={"stop_token_ids": [tokens[j]]}).choices[0]
+    assert cut.finish_reason == "stop" and cut.text == model.tokenizer.decode(tokens[:j]) != greedy.text
+
+    eos = {str(model.eos_id): 100}
+    ended = client.completions.create(**ask, temperature=0, logit_bias=eos)
+    assert ended.choices[0].text == "" and ended.choices[0].finish_reason == "stop"
+    assert ended.usage.completion_tokens == 1
+    held = client.completions.create(**ask, temperature=0, logit_bias=eos, extra_body={"min_tokens": 3})
+    assert held.choices[0].finish_reason == "stop" and held.usage.completion_tokens == 4 and held.choices[0].text
+    ignored = client.completions.create(**ask, temperature=0, logit_bias=eos, extra_body={"ignore_eos": True})
+    assert ignored.choices[0].finish_reason == "length" and ignored.usage.completion_tokens == 12
+    chat = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Who?"}], max_tokens=5,
+                                          temperature=0, logit_bias=eos, extra_body={"ignore_eos": True})
+    assert chat.choices[0].finish_reason == "length" and chat.usage.completion_tokens == 5
+
+
 def test_streamed_answers_add_up_to_the_answers_without_streaming(served, model):
     """stream=true: OpenAI's server-sent events, whose pieces add up to the text the same request
     gets without streaming (same seed), stop strings included (a piece never runs past one),
@@ -461,6 +495,11 @@ BAD = [  # (method, path, body (None: send `raw`), raw bytes, status, words the 
     ("POST", "/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, None, 400,
      "stream_options needs stream=true"),
     ("POST", "/v1/completions", {"prompt": "x", "frequency_penalty": 2.5}, None, 400, "frequency_penalty"),
+    ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 4, "min_tokens": 5}, None, 400,
+     "min_tokens=5 is more than max_tokens=4"),
+    ("POST", "/v1/completions", {"prompt": "x", "top_k": -2}, None, 400, "top_k"),
+    ("POST", "/v1/completions", {"prompt": "x", "min_p": 1.5}, None, 400, "min_p"),
+    ("POST", "/v1/completions", {"prompt": "x", "stop_token_ids": [99999]}, None, 400, "outside this model's vocab"),
     ("POST", "/v1/completions", {"prompt": "x", "logit_bias": {"abc": 1}}, None, 400, "strings of digits"),
     ("POST", "/v1/completions", {"prompt": "x", "logit_bias": {"99999": 1}}, None, 400, "outside this model's vocab"),
     ("POST", "/v1/completions", {"prompt": "x", "logit_bias": {"5": 101}}, None, 400, "logit_bias.5"),
