@@ -109,9 +109,9 @@ class Sampled:
 
 def sample(model: Model, prompt: list[int], max_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
            seed: int = 0, stop_ids: tuple[int, ...] = (),
-           stream: Stream | None = None) -> list[int]:
+           stream: Stream | None = None, top_k: int = 0, min_p: float = 0.0) -> list[int]:
     """Up to `max_tokens` new token ids after `prompt`, ending before the model's stop ids (EOS, and
-    a post-trained model's end of turn) or any of `stop_ids`; `stream` as `Request.stream`.
+    a post-trained model's end of turn) or any of `stop_ids`; `stream`, `top_k` and `min_p` as `Request`'s.
 
     The prompt is cut from the left to leave room for `max_tokens` in the model's context."""
     T = model.cfg.seq_len
@@ -119,7 +119,8 @@ def sample(model: Model, prompt: list[int], max_tokens: int, temperature: float 
         raise ValueError(f"max_tokens={max_tokens} must be between 1 and the model's context of {T} tokens "
                          "minus one (the prompt needs at least one)")
     prompt = (list(prompt) or [model.start_id])[-(T - max_tokens):]
-    row = Request(prompt, max_tokens, temperature, top_p, seed, (*model.stop_ids, *stop_ids), stream)
+    row = Request(prompt, max_tokens, temperature, top_p, seed, (*model.stop_ids, *stop_ids), stream, top_k=top_k,
+                  min_p=min_p)
     return sample_batch(model, [row])[0].ids
 
 
@@ -358,7 +359,8 @@ def top_k_size(k: int | None) -> int | None:
 
 
 def generate(model: Model, prompt: str, max_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0,
-             seed: int = 0, chat: bool = False, on_text: Callable[[str], None] | None = None) -> str:
+             seed: int = 0, chat: bool = False, on_text: Callable[[str], None] | None = None, top_k: int = 0,
+             min_p: float = 0.0) -> str:
     """The text sampled after `prompt`. With `chat`, the prompt is one user message in the chat
     template (training/posttrain.py), the answer starts after the assistant token and ends at
     the end-of-turn token. Without, the prompt continues a document (EOS/BOS before it, as
@@ -376,7 +378,7 @@ def generate(model: Model, prompt: str, max_tokens: int = 64, temperature: float
     decode = functools.partial(model.tokenizer.decode, skip_special_tokens=False)
     pieces = None if on_text is None else TextStream(decode, [])
     stream = None if pieces is None else lambda i, token, _lp, _top: on_text(pieces.push(i, token))
-    out = sample(model, [model.start_id, *ids], max_tokens, temperature, top_p, seed, stop_ids, stream)
+    out = sample(model, [model.start_id, *ids], max_tokens, temperature, top_p, seed, stop_ids, stream, top_k, min_p)
     text = decode(out)
     if pieces is not None:
         on_text(pieces.rest(text))

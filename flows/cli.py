@@ -128,6 +128,9 @@ def parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=64, help="new tokens at most (default 64)")
     gen.add_argument("--temperature", type=float, default=0.8, help="0: greedy (default 0.8)")
     gen.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (default 0.95; 1: off)")
+    gen.add_argument("--top-k", type=int, default=0, help="draw from the k most likely tokens only (default 0: off)")
+    gen.add_argument("--min-p", type=float, default=0.0,
+                     help="draw only tokens at least this times as likely as the most likely one (default 0: off)")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     gen.add_argument("--chat", action="store_true", help="apply the chat template (post-trained models); "
                      "the answer ends at the end-of-turn token")
@@ -459,7 +462,8 @@ def cmd_generate(args) -> int:
     try:
         model = load(Path(args.path), None if args.tokenizer is None else Path(args.tokenizer))
         generate(model, args.prompt, args.max_tokens, args.temperature, args.top_p, args.seed, args.chat,
-                 on_text=lambda piece: print(piece, end="", flush=True))  # as the tokens are drawn
+                 on_text=lambda piece: print(piece, end="", flush=True),  # as the tokens are drawn
+                 top_k=args.top_k, min_p=args.min_p)
     except (ValueError, FileNotFoundError) as e:
         raise KilnUserError(str(e)) from None
     print()

@@ -105,6 +105,11 @@ def test_kiln_generate_command_and_export_agree(store, tmp_path):
     out = kiln("generate", str(store / "train" / "m0"), "--prompt", PROMPT, "--max-tokens", "24",
                "--temperature", "0.8", "--top-p", "0.95", "--seed", "11")
     assert out.stdout == expected + "\n"  # another process, the same text
+    greedy = kiln("generate", str(store / "train" / "m0"), "--prompt", PROMPT, "--max-tokens", "24",
+                  "--temperature", "1.0", "--top-k", "1", "--seed", "11")
+    assert greedy.stdout == generate(model, PROMPT, max_tokens=24, temperature=0.0) + "\n"  # one token left to draw
+    with pytest.raises(ValueError, match=r"min_p=2.0 in \[0, 1\]"):
+        generate(model, PROMPT, max_tokens=4, min_p=2.0)
 
     tokenizer = store / "tokenizer" / "t0"
     meta = json.loads((tokenizer / "tokenizer_meta.json").read_text())
