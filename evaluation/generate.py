@@ -89,10 +89,12 @@ class Request:
     frequency_penalty: float = 0.0
     # vLLM's: draw from the top_k most likely tokens only (0: all), and only from those at least
     # min_p times as likely as the most likely one (0: all); no stop id ends the row before
-    # min_tokens new tokens (they are never drawn before)
+    # min_tokens new tokens (they are never drawn before); every token of the prompt or drawn
+    # before has its logit divided by repetition_penalty where positive, multiplied where negative
     top_k: int = 0
     min_p: float = 0.0
     min_tokens: int = 0
+    repetition_penalty: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -146,6 +148,8 @@ def sample_batch(model: Model, rows: list[Request], top_logprobs: int | None = N
         if r.temperature < 0 or not 0 < r.top_p <= 1 or r.top_k < 0 or not 0 <= r.min_p <= 1:
             raise ValueError(f"temperature={r.temperature} must be >= 0, top_p={r.top_p} in (0, 1], top_k={r.top_k} "
                              f">= 0 and min_p={r.min_p} in [0, 1]")
+        if r.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty={r.repetition_penalty} must be > 0 (1: none)")
         if not 0 <= r.min_tokens <= r.max_tokens:
             raise ValueError(f"min_tokens={r.min_tokens} must be between 0 and max_tokens={r.max_tokens}")
         if any(not 0 <= t < model.cfg.vocab_size for t, _ in r.logit_bias):
@@ -172,12 +176,12 @@ def sample_batch(model: Model, rows: list[Request], top_logprobs: int | None = N
     min_new = np.array([r.min_tokens for r in rows] + [0] * (B - len(rows)), np.int32) if any(
         r.min_tokens for r in rows) else None
     bias = penalties = None  # None: a batch without biases or penalties, whose program keeps no counts
-    if any(r.logit_bias or r.presence_penalty or r.frequency_penalty for r in rows):
-        bias, penalties = np.zeros((B, model.cfg.vocab_size), np.float32), np.zeros((2, B), np.float32)
+    if any(r.logit_bias or r.presence_penalty or r.frequency_penalty or r.repetition_penalty != 1 for r in rows):
+        bias, penalties = np.zeros((B, model.cfg.vocab_size), np.float32), np.ones((3, B), np.float32)
         for b, r in enumerate(rows):
             for token, value in r.logit_bias:
                 bias[b, token] = value
-            penalties[:, b] = r.presence_penalty, r.frequency_penalty
+            penalties[:, b] = r.presence_penalty, r.frequency_penalty, r.repetition_penalty
     streamed = any(r.stream is not None for r in rows)
     tag = next(_stream_tags)
     if streamed:
@@ -253,19 +257,25 @@ def _decode_rows(params, tokens, positions, keys, rule, stop_ids, bias, penaltie
     then a while loop of one-token steps that ends once every row is done. With `stream`, each
     step's tokens (with their log-probabilities and alternatives) also go to the host as they are
     drawn (`_send_tokens`), in order.
-    `bias` [B, V] and `penalties` [2, B] (presence, frequency), unless None, adjust the logits a
-    token is drawn from, with each row's counts of its new tokens [B, V] carried through the
-    loop; `min_new` [B], unless None, keeps row b from drawing its stop ids before min_new[b] new
+    `bias` [B, V] and `penalties` [3, B] (presence, frequency, repetition), unless None, adjust
+    the logits a token is drawn from as vLLM does (the bias added, then the repetition penalty on
+    the tokens of the prompt or drawn before, then presence and frequency on those drawn), with
+    each row's counts of its new tokens [B, V] carried through the loop; `min_new` [B], unless None, keeps row b from drawing its stop ids before min_new[b] new
     tokens. Log-probabilities are the model's own, before any of these."""
     B, P = tokens.shape
     W = cache_len - P
     max_new = rule["max_new"]
     logits, cache = prefill(params, cfg, tokens, init_cache(cfg, B, cache_len), positions)
+    if penalties is not None:  # which tokens each prompt holds (padding, at position -1, is none)
+        in_prompt = jnp.zeros(bias.shape, bool).at[jnp.arange(B)[:, None], tokens].max(positions >= 0)
 
     def emit(i, logits, out, done, counts):  # draw token i of every row from logits [B, V]; record it
         drawn_from = logits
         if bias is not None:
-            drawn_from = logits + bias - penalties[0][:, None] * (counts > 0) - penalties[1][:, None] * counts
+            drawn_from = logits + bias
+            repeated = jnp.where(drawn_from > 0, drawn_from / penalties[2][:, None], drawn_from * penalties[2][:, None])
+            drawn_from = jnp.where(in_prompt | (counts > 0), repeated, drawn_from)
+            drawn_from = drawn_from - penalties[0][:, None] * (counts > 0) - penalties[1][:, None] * counts
         if min_new is not None:  # a row's stop ids at -inf until it has min_new tokens (-1: no stop id there)
             held = jnp.where((i < min_new)[:, None] & (stop_ids >= 0), -jnp.inf, jnp.inf)
             drawn_from = drawn_from.at[jnp.arange(B)[:, None], jnp.maximum(stop_ids, 0)].min(held)

@@ -7,8 +7,8 @@ default; docs/serving.md is the user's page.
     POST /v1/completions          text or token-id prompts; echo; logprobs of the prompt and of the
                                   new tokens; max_tokens, temperature, top_p, stop, seed, n,
                                   logit_bias, presence and frequency penalties; vLLM's top_k,
-                                  min_p, min_tokens, stop_token_ids, ignore_eos and
-                                  skip_special_tokens (default true); stream
+                                  min_p, min_tokens, repetition_penalty, stop_token_ids,
+                                  ignore_eos and skip_special_tokens (default true); stream
     POST /v1/chat/completions     messages rendered with the model's chat template (SFT and DPO
                                   outputs have its tokens); 400 for a model without them
     POST /tokenize, /detokenize   vLLM's tokenizer endpoints, and GET /tokenizer_info: with them
@@ -114,6 +114,7 @@ class _Body(BaseModel):
     top_k: StrictInt = Field(0, ge=-1)
     min_p: float = Field(0.0, ge=0, le=1)
     min_tokens: StrictInt = Field(0, ge=0)
+    repetition_penalty: float = Field(1.0, gt=0)
     stop_token_ids: list[StrictInt] | None = None  # more tokens that end the answer, as EOS does
     ignore_eos: bool = False  # the model's own stop tokens do not end the answer (stop_token_ids still do)
 
@@ -382,7 +383,8 @@ class Service:
         bias = tuple((int(t), v) for t, v in (body.logit_bias or {}).items())
         return Request(ids, max_tokens, body.temperature, body.top_p, seed, stop_ids, stream, bias,
                        body.presence_penalty, body.frequency_penalty, max(body.top_k, 0), body.min_p,
-                       min(body.min_tokens, max_tokens))  # max_tokens 0: a prompt to score, no answer
+                       min(body.min_tokens, max_tokens),  # max_tokens 0: a prompt to score, no answer
+                       body.repetition_penalty)
 
     async def run(self, jobs: list[Job]) -> list[Result]:
         return await asyncio.gather(*(asyncio.wrap_future(self.batcher.submit(j)) for j in jobs))

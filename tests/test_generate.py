@@ -201,10 +201,12 @@ def test_streamed_text_never_splits_a_character_or_runs_past_a_stop_string():
 
 
 def test_logit_bias_and_penalties_change_the_draws_as_openai_defines_them():
-    """Greedy rows with a logit bias, a presence or a frequency penalty get the tokens of a plain
-    loop that adjusts the full forward pass's last logits the same way (bias added; presence
-    subtracted once a token was drawn, frequency per time it was); a plain row in the same batch
-    gets its unadjusted tokens, and log-probabilities stay the model's own."""
+    """Greedy rows with a logit bias, a presence, a frequency or a repetition penalty get the
+    tokens of a plain loop that adjusts the full forward pass's last logits the same way, in
+    vLLM's order (bias added; the logit of a token of the prompt or drawn before divided by the
+    repetition penalty where positive, multiplied where negative; presence subtracted once a
+    token was drawn, frequency per time it was); a plain row in the same batch gets its
+    unadjusted tokens, and log-probabilities stay the model's own."""
     from evaluation.generate import Model, Request, sample_batch
     from training.model import init_params
 
@@ -216,7 +218,7 @@ def test_logit_bias_and_penalties_change_the_draws_as_openai_defines_them():
 
     last_logits = jax.jit(lambda tokens, at: forward(params, tokens, cfg)[0, at])  # causal: padding after is unseen
 
-    def reference(new: int, bias: dict, presence: float, frequency: float) -> list[int]:
+    def reference(new: int, bias: dict, presence: float, frequency: float, repetition: float = 1.0) -> list[int]:
         seq, counts = list(prompt), np.zeros(cfg.vocab_size)
         for _ in range(new):
             padded = np.zeros((1, len(prompt) + new), np.int32)
@@ -224,6 +226,8 @@ def test_logit_bias_and_penalties_change_the_draws_as_openai_defines_them():
             logits = np.asarray(last_logits(padded, len(seq) - 1)).astype(np.float64)
             for t, v in bias.items():
                 logits[t] += v
+            for t in set(seq):
+                logits[t] = logits[t] / repetition if logits[t] > 0 else logits[t] * repetition
             token = int(np.argmax(logits - presence * (counts > 0) - frequency * counts))
             counts[token] += 1
             seq.append(token)
@@ -231,15 +235,17 @@ def test_logit_bias_and_penalties_change_the_draws_as_openai_defines_them():
 
     plain = reference(16, {}, 0, 0)
     assert len(set(plain)) < 12  # it repeats itself, so the penalties have something to change
-    cases = [({}, 0.0, 0.0), ({plain[0]: -100.0}, 0.0, 0.0), ({7: 5.0}, 0.0, 0.0), ({}, 2.0, 0.0), ({}, 0.0, 1.5),
-             ({7: 3.0}, 0.5, 0.8)]
-    rows = [Request(prompt, 16, 0.0, 1.0, 0, (), None, tuple(bias.items()), presence, frequency)
-            for bias, presence, frequency in cases]
+    cases = [({}, 0.0, 0.0, 1.0), ({plain[0]: -100.0}, 0.0, 0.0, 1.0), ({7: 5.0}, 0.0, 0.0, 1.0),
+             ({}, 2.0, 0.0, 1.0), ({}, 0.0, 1.5, 1.0), ({7: 3.0}, 0.5, 0.8, 1.0), ({}, 0.0, 0.0, 1.8),
+             ({7: 3.0}, 0.0, 0.5, 1.4)]
+    rows = [Request(prompt, 16, 0.0, 1.0, 0, (), None, tuple(bias.items()), presence, frequency,
+                    repetition_penalty=repetition) for bias, presence, frequency, repetition in cases]
     got = sample_batch(model, rows, top_logprobs=0)
     alone = sample_batch(model, rows[:1], top_logprobs=0)[0]
     assert got[0].ids == alone.ids == plain
-    for (bias, presence, frequency), row in zip(cases, got):
-        assert row.ids == reference(16, bias, presence, frequency), (bias, presence, frequency)
+    assert sample_batch(model, rows[-2:-1])[0].ids == got[-2].ids  # the repetition penalty alone runs the same
+    for case, row in zip(cases, got):
+        assert row.ids == reference(16, *case), case
     assert all(r.ids != plain for r in got[1:])  # each adjustment changed something
     forced = sample_batch(model, [Request(prompt, 4, 0.0, 1.0, 0, (), None, ((7, 100.0),))], top_logprobs=0)[0]
     assert forced.ids == [7] * 4

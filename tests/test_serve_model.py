@@ -233,7 +233,8 @@ def test_n_choices_per_prompt_each_with_a_seed_of_its_own(served, model):
 
 
 def test_logit_bias_and_penalties_reach_the_draws(served, model):
-    """OpenAI's logit_bias, presence_penalty and frequency_penalty over HTTP: a bias of 100 on a
+    """OpenAI's logit_bias, presence_penalty and frequency_penalty (and vLLM's repetition_penalty)
+    over HTTP: a bias of 100 on a
     token makes greedy decoding answer it throughout, in completions and chat; a penalty changes
     the greedy answer as `sample_batch` with the same settings does (tests/test_generate.py checks
     that against a plain loop)."""
@@ -250,10 +251,12 @@ def test_logit_bias_and_penalties_reach_the_draws(served, model):
     assert chat.choices[0].message.content == model.tokenizer.decode([word] * 3)
 
     ids = [model.start_id, *model.tokenizer.encode(PROMPT).ids]
-    for penalties in ({"presence_penalty": 2.0}, {"frequency_penalty": 2.0}):
+    for penalties in ({"presence_penalty": 2.0}, {"frequency_penalty": 2.0}, {"repetition_penalty": 1.5}):
         want = sample_batch(model, [Request(ids, 24, 0.0, presence_penalty=penalties.get("presence_penalty", 0.0),
-                                            frequency_penalty=penalties.get("frequency_penalty", 0.0))])[0].ids
-        got = client.completions.create(**{**ask, "max_tokens": 24}, **penalties).choices[0].text
+                                            frequency_penalty=penalties.get("frequency_penalty", 0.0),
+                                            repetition_penalty=penalties.get("repetition_penalty", 1.0))])[0].ids
+        extra = {"extra_body": penalties} if "repetition_penalty" in penalties else penalties  # vLLM's, not OpenAI's
+        got = client.completions.create(**{**ask, "max_tokens": 24}, **extra).choices[0].text
         assert got == model.tokenizer.decode(want) != client.completions.create(**{**ask, "max_tokens": 24}).choices[0].text
 
 
@@ -499,6 +502,7 @@ BAD = [  # (method, path, body (None: send `raw`), raw bytes, status, words the 
      "min_tokens=5 is more than max_tokens=4"),
     ("POST", "/v1/completions", {"prompt": "x", "top_k": -2}, None, 400, "top_k"),
     ("POST", "/v1/completions", {"prompt": "x", "min_p": 1.5}, None, 400, "min_p"),
+    ("POST", "/v1/completions", {"prompt": "x", "repetition_penalty": 0}, None, 400, "repetition_penalty"),
     ("POST", "/v1/completions", {"prompt": "x", "stop_token_ids": [99999]}, None, 400, "outside this model's vocab"),
     ("POST", "/v1/completions", {"prompt": "x", "logit_bias": {"abc": 1}}, None, 400, "strings of digits"),
     ("POST", "/v1/completions", {"prompt": "x", "logit_bias": {"99999": 1}}, None, 400, "outside this model's vocab"),
