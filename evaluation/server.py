@@ -8,7 +8,8 @@ default; docs/serving.md is the user's page.
                                   new tokens; max_tokens, temperature, top_p, stop, seed, n,
                                   logit_bias, presence and frequency penalties; vLLM's top_k,
                                   min_p, min_tokens, repetition_penalty, stop_token_ids,
-                                  ignore_eos and skip_special_tokens (default true); stream
+                                  ignore_eos, return_tokens_as_token_ids and
+                                  skip_special_tokens (default true); stream
     POST /v1/chat/completions     messages rendered with the model's chat template (SFT and DPO
                                   outputs have its tokens); 400 for a model without them
     POST /tokenize, /detokenize   vLLM's tokenizer endpoints, and GET /tokenizer_info: with them
@@ -117,6 +118,7 @@ class _Body(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0)
     stop_token_ids: list[StrictInt] | None = None  # more tokens that end the answer, as EOS does
     ignore_eos: bool = False  # the model's own stop tokens do not end the answer (stop_token_ids still do)
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>": exact where strings are not
 
     @field_validator(*NEUTRAL_ONLY, check_fields=False)
     @classmethod
@@ -355,6 +357,10 @@ class Service:
             self._pieces[key] = self.model.tokenizer.decode([token], skip_special_tokens=skip_special)
         return self._pieces[key]
 
+    def label(self, token: int, skip_special: bool, as_id: bool) -> str:
+        """How logprobs name a token: its text, or "token_id:<id>" (vLLM's return_tokens_as_token_ids)."""
+        return f"token_id:{token}" if as_id else self.piece(token, skip_special)
+
     def decode(self, ids: list[int], skip_special: bool = False) -> str:
         return self.model.tokenizer.decode(ids, skip_special_tokens=skip_special)
 
@@ -421,6 +427,7 @@ class Service:
         want_logprobs = body.logprobs is not None
         body.check(max_tokens)
         k, skip, stop_ids = body.logprobs, body.skip_special_tokens, body.stop_ids(self.model.stop_ids)
+        as_ids = body.return_tokens_as_token_ids
         scored = body.echo and want_logprobs  # each prompt scored once, however many choices it has
         # OpenAI's order: prompt p's choices are p*n ... p*n + n-1
         choices_of = [(p, j) for p in range(len(encoded)) for j in range(body.n)]
@@ -434,7 +441,7 @@ class Service:
                 return {"text": prompt_text, "logprobs": None}
             score = scores[p]
             return {"text": prompt_text, "logprobs": self.completion_logprobs(
-                ids, score.prompt_logprobs, score.prompt_top, k, hidden=int(added), skip_special=False)}
+                ids, score.prompt_logprobs, score.prompt_top, k, hidden=int(added), skip_special=False, as_ids=as_ids)}
 
         def offset(p: int) -> int:  # where prompt p's new tokens' text_offset begins: after an echoed prompt
             ids, _, added = encoded[p]
@@ -450,7 +457,7 @@ class Service:
                     return {"text": piece, "logprobs": None}
                 return {"text": piece, "logprobs": self.completion_logprobs(
                     [t for t, _, _ in drawn], [lp for _, lp, _ in drawn], [top for _, _, top in drawn], k, 0, skip,
-                    start=offset(choices_of[n][0]) + start)}
+                    offset(choices_of[n][0]) + start, as_ids)}
 
             rows = [(encoded[p][0], max_tokens, stop_ids, j) for p, j in choices_of]
             return self.stream(body, "text_completion", rows, prompt_tokens, chunk, firsts, k)
@@ -467,7 +474,8 @@ class Service:
             logprobs = None
             if want_logprobs:
                 n = len(new)
-                logprobs = self.completion_logprobs(new, sampled.logprobs[:n], sampled.top[:n], k, 0, skip, offset(p))
+                logprobs = self.completion_logprobs(new, sampled.logprobs[:n], sampled.top[:n], k, 0, skip, offset(p),
+                                                    as_ids)
                 if body.echo:
                     logprobs = {key: prompt["logprobs"][key] + logprobs[key] for key in logprobs}
             choices.append({"index": i, "text": prompt["text"] + new_text, "logprobs": logprobs,
@@ -481,12 +489,12 @@ class Service:
         return sum(len(self.piece(t)) for t in ids[hidden:])
 
     def completion_logprobs(self, tokens: list[int], lps: list, tops: list, k: int, hidden: int,
-                            skip_special: bool, start: int = 0) -> dict:
+                            skip_special: bool, start: int = 0, as_ids: bool = False) -> dict:
         """OpenAI's completion logprobs. `top_logprobs[i]`: the k most likely tokens at i and the token
         chosen (as vLLM); null where nothing came before. `text_offset[i]`: where token i's text starts
         in the choice's `text`, counted from `start` (the first token's); the first `hidden` tokens
         (the start token before a text prompt) add none. The token strings follow `skip_special`
-        (false for an echoed prompt, whose text is as sent)."""
+        (false for an echoed prompt, whose text is as sent), or are "token_id:<id>" with `as_ids`."""
         offsets, at = [], start
         top_dicts: list[dict | None] = []
         for i, (token, lp, top) in enumerate(zip(tokens, lps, tops)):
@@ -497,9 +505,9 @@ class Service:
                 continue
             entry = {}
             for alt, alt_lp in [*top[:k], (token, lp)]:
-                entry.setdefault(self.piece(alt, skip_special), alt_lp)
+                entry.setdefault(self.label(alt, skip_special, as_ids), alt_lp)
             top_dicts.append(entry)
-        pieces = [self.piece(t, skip_special) for t in tokens]
+        pieces = [self.label(t, skip_special, as_ids) for t in tokens]
         return {"tokens": pieces, "token_logprobs": list(lps), "top_logprobs": top_dicts, "text_offset": offsets}
 
     # --- /v1/chat/completions ----------------------------------------------------------------------
@@ -528,7 +536,8 @@ class Service:
         if body.stream:
             def chunk(n: int, piece: str, drawn: list | None, start: int) -> dict:
                 return {"delta": {"content": piece}, "logprobs": None if drawn is None else {"content": [
-                    self.chat_logprob(t, lp, top[:k], body.skip_special_tokens) for t, lp, top in drawn]}}
+                    self.chat_logprob(t, lp, top[:k], body.skip_special_tokens, body.return_tokens_as_token_ids)
+                    for t, lp, top in drawn]}}
 
             first = {"delta": {"role": "assistant", "content": ""}, "logprobs": None}
             return self.stream(body, "chat.completion.chunk", [(ids, max_tokens, stop_ids, j) for j in range(body.n)],
@@ -541,8 +550,9 @@ class Service:
             used += spent(new, result.sampled)
             logprobs = None
             if body.logprobs:
-                logprobs = {"content": [self.chat_logprob(t, lp, top[:k], body.skip_special_tokens) for t, lp, top in
-                                        zip(new, result.sampled.logprobs, result.sampled.top)]}
+                logprobs = {"content": [self.chat_logprob(t, lp, top[:k], body.skip_special_tokens,
+                                                          body.return_tokens_as_token_ids)
+                                        for t, lp, top in zip(new, result.sampled.logprobs, result.sampled.top)]}
             choices.append({"index": j, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                             "finish_reason": finish})
         return {"id": f"chatcmpl-{secrets.token_hex(12)}", "object": "chat.completion", "created": int(time.time()),
@@ -624,9 +634,10 @@ class Service:
                 yield f"data: {json.dumps({**head, 'choices': [], 'usage': totals})}\n\n"
         yield "data: [DONE]\n\n"
 
-    def chat_logprob(self, token: int, lp: float, top: list[tuple[int, float]], skip_special: bool) -> dict:
+    def chat_logprob(self, token: int, lp: float, top: list[tuple[int, float]], skip_special: bool,
+                     as_ids: bool = False) -> dict:
         def entry(t: int, value: float) -> dict:
-            piece = self.piece(t, skip_special)
+            piece = self.label(t, skip_special, as_ids)
             return {"token": piece, "logprob": value, "bytes": list(piece.encode("utf-8"))}
 
         return {**entry(token, lp), "top_logprobs": [entry(t, v) for t, v in top]}

@@ -261,10 +261,10 @@ def test_logit_bias_and_penalties_reach_the_draws(served, model):
 
 
 def test_vllm_sampling_extras_reach_the_draws(served, model):
-    """vLLM's top_k, min_p, min_tokens, stop_token_ids and ignore_eos over HTTP: top_k 1 and min_p 1
-    sample greedily; a stop token id ends the answer before it; with EOS forced by a logit bias
-    the answer is empty, min_tokens 3 holds EOS back for three tokens, and ignore_eos lets it run
-    to max_tokens."""
+    """vLLM's top_k, min_p, min_tokens, stop_token_ids, ignore_eos and return_tokens_as_token_ids
+    over HTTP: top_k 1 and min_p 1 sample greedily; a stop token id ends the answer before it;
+    with EOS forced by a logit bias the answer is empty, min_tokens 3 holds EOS back for three
+    tokens, and ignore_eos lets it run to max_tokens; logprobs can name tokens by their ids."""
     from openai import OpenAI
 
     url, _ = served
@@ -292,6 +292,22 @@ def test_vllm_sampling_extras_reach_the_draws(served, model):
     chat = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Who?"}], max_tokens=5,
                                           temperature=0, logit_bias=eos, extra_body={"ignore_eos": True})
     assert chat.choices[0].finish_reason == "length" and chat.usage.completion_tokens == 5
+
+    # return_tokens_as_token_ids: logprobs name each token by its id, the same tokens and values
+    named = client.completions.create(**ask, temperature=0, logprobs=2, echo=True,
+                                      extra_body={"return_tokens_as_token_ids": True}).choices[0].logprobs
+    prompt_ids = [model.start_id, *model.tokenizer.encode(PROMPT).ids]
+    assert named.tokens == [f"token_id:{t}" for t in [*prompt_ids, *tokens]]
+    assert named.token_logprobs[len(prompt_ids):] == pytest.approx(greedy.logprobs.token_logprobs, abs=1e-5)
+    assert all(key.startswith("token_id:") for top in named.top_logprobs[1:] for key in top)
+    chat = dict(model=NAME, messages=[{"role": "user", "content": "Who?"}], max_tokens=5, temperature=0,
+                logprobs=True, top_logprobs=2)
+    by_text = client.chat.completions.create(**chat).choices[0].logprobs.content
+    by_id = client.chat.completions.create(**chat, extra_body={"return_tokens_as_token_ids": True}).choices[0]
+    assert [e.logprob for e in by_id.logprobs.content] == [e.logprob for e in by_text]
+    assert all(e.token.startswith("token_id:") and e.bytes == list(e.token.encode()) for e in by_id.logprobs.content)
+    assert [model.tokenizer.decode([int(e.token.removeprefix("token_id:"))], skip_special_tokens=True)
+            for e in by_id.logprobs.content] == [e.token for e in by_text]
 
 
 def test_streamed_answers_add_up_to_the_answers_without_streaming(served, model):
