@@ -395,15 +395,25 @@ def generate(model: Model, prompt: str, max_tokens: int = 64, temperature: float
     return text
 
 
+def stop_end(text: str, stops: list[str], include: bool = False) -> int | None:
+    """Where `text` ends at its first stop string: before it, or after it with `include` (of stop
+    strings starting at the same place, the first listed); None if it holds none."""
+    found = min(((at, n) for n, stop in enumerate(stops) if (at := text.find(stop)) >= 0), default=None)
+    if found is None:
+        return None
+    at, n = found
+    return at + len(stops[n]) if include else at
+
+
 class TextStream:
     """One streamed answer's text as its tokens arrive, given out in pieces that never run past a
-    stop string (a tail that could begin one waits for the next token) or end inside a character
-    (a token can end between the bytes of one). The last piece is what remains of the answer's
-    text as it is without streaming (`kiln serve-model` cuts it at the first stop string), so the
-    pieces add up to that text."""
+    stop string (a tail that could begin one waits for the next token; with `include`, the first
+    stop string met goes out too) or end inside a character (a token can end between the bytes
+    of one). The last piece is what remains of the answer's text as it is without streaming
+    (`kiln serve-model` cuts it at the first stop string), so the pieces add up to that text."""
 
-    def __init__(self, decode: Callable[[list[int]], str], stops: list[str]):
-        self.decode, self.stops = decode, stops
+    def __init__(self, decode: Callable[[list[int]], str], stops: list[str], include: bool = False):
+        self.decode, self.stops, self.include = decode, stops, include
         self.ids: list[int] = []
         self.sent = ""
 
@@ -413,11 +423,9 @@ class TextStream:
             return ""
         self.ids.append(token)
         text = self.decode(self.ids).rstrip("\ufffd")  # an unfinished character decodes to U+FFFD
-        end = len(text)
+        found = stop_end(text, self.stops, self.include)
+        end = len(text) if found is None else found
         for stop in self.stops:
-            at = text.find(stop)
-            if at >= 0:
-                end = min(end, at)
             tail = next((k for k in range(min(len(stop) - 1, len(text)), 0, -1) if text.endswith(stop[:k])), 0)
             end = min(end, len(text) - tail)
         piece = text[len(self.sent):end]

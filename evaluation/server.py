@@ -8,8 +8,9 @@ default; docs/serving.md is the user's page.
                                   new tokens; max_tokens, temperature, top_p, stop, seed, n,
                                   logit_bias, presence and frequency penalties; vLLM's top_k,
                                   min_p, min_tokens, repetition_penalty, stop_token_ids,
-                                  ignore_eos, return_tokens_as_token_ids and
-                                  skip_special_tokens (default true); stream
+                                  ignore_eos, include_stop_str_in_output,
+                                  return_tokens_as_token_ids and skip_special_tokens
+                                  (default true); stream
     POST /v1/chat/completions     messages rendered with the model's chat template (SFT and DPO
                                   outputs have its tokens); 400 for a model without them
     POST /tokenize, /detokenize   vLLM's tokenizer endpoints, and GET /tokenizer_info: with them
@@ -56,7 +57,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, Validat
 from starlette.exceptions import HTTPException
 from tokenizers import Tokenizer
 
-from evaluation.generate import MAX_LOGPROBS, Model, Request, Sampled, Stream, TextStream, sample_batch, top_k_size
+from evaluation.generate import (MAX_LOGPROBS, Model, Request, Sampled, Stream, TextStream, sample_batch, stop_end,
+                                 top_k_size)
 from evaluation.scoring import bucket_for, buckets, make_prompt_scorer, pad_rows
 from training.posttrain import CHAT_SPECIAL_TOKENS, CHAT_TEMPLATE, END_OF_TURN, ChatTemplate
 
@@ -119,6 +121,7 @@ class _Body(BaseModel):
     stop_token_ids: list[StrictInt] | None = None  # more tokens that end the answer, as EOS does
     ignore_eos: bool = False  # the model's own stop tokens do not end the answer (stop_token_ids still do)
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>": exact where strings are not
+    include_stop_str_in_output: bool = False  # the answer ends after the stop string it met, not before
 
     @field_validator(*NEUTRAL_ONLY, check_fields=False)
     @classmethod
@@ -395,12 +398,14 @@ class Service:
     async def run(self, jobs: list[Job]) -> list[Result]:
         return await asyncio.gather(*(asyncio.wrap_future(self.batcher.submit(j)) for j in jobs))
 
-    def cut(self, sampled: Sampled, stops: list[str], skip_special: bool) -> tuple[list[int], str, str]:
+    def cut(self, sampled: Sampled, body: _Body) -> tuple[list[int], str, str]:
         """(the tokens kept, their text, finish_reason) after cutting at the first stop string,
-        which is looked for in the text as the answer shows it (as vLLM does)."""
+        which is looked for in the text as the answer shows it (as vLLM does): before it, or
+        after it with include_stop_str_in_output."""
+        skip_special = body.skip_special_tokens
         text = self.decode(sampled.ids, skip_special)
-        at = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
-        if at < 0:
+        at = stop_end(text, body.stop_strings(), body.include_stop_str_in_output)
+        if at is None:
             return sampled.ids, text, "stop" if sampled.stopped else "length"
         ends = np.cumsum([len(self.piece(t, skip_special)) for t in sampled.ids])
         keep = int(np.searchsorted(ends, at, side="left")) + 1 if at > 0 else 0  # through the token holding `at`
@@ -468,7 +473,7 @@ class Service:
         choices, used = [], 0
         for i, (p, _) in enumerate(choices_of):
             sampled = results[i].sampled
-            new, new_text, finish = self.cut(sampled, body.stop_strings(), skip)
+            new, new_text, finish = self.cut(sampled, body)
             used += spent(new, sampled)
             prompt = echoed(p, scores) if body.echo else {"text": "", "logprobs": None}
             logprobs = None
@@ -546,7 +551,7 @@ class Service:
                                   for j in range(body.n)])
         choices, used = [], 0
         for j, result in enumerate(results):
-            new, text, finish = self.cut(result.sampled, body.stop_strings(), body.skip_special_tokens)
+            new, text, finish = self.cut(result.sampled, body)
             used += spent(new, result.sampled)
             logprobs = None
             if body.logprobs:
@@ -578,7 +583,7 @@ class Service:
         arrivals: asyncio.Queue = asyncio.Queue()  # (choice, token index, drawn token) or (choice, None, finished job)
         stops, skip = body.stop_strings(), body.skip_special_tokens
         decode = functools.partial(self.decode, skip_special=skip)
-        texts = [TextStream(decode, stops) for _ in rows]
+        texts = [TextStream(decode, stops, body.include_stop_str_in_output) for _ in rows]
         drawn: list[list[tuple[int, float | None, list]]] = [[] for _ in rows]  # each choice's tokens so far
         ends: list[list[int]] = [[] for _ in rows]  # where each one's text ends, as `cut` counts
         given = [0] * len(rows)  # of each choice's tokens, how many went out with their log-probabilities
@@ -619,7 +624,7 @@ class Service:
                         yield event([{"index": n, **body_of(n, piece, upto), "finish_reason": None}])
                     continue
                 sampled = item.result().sampled  # the finished job: the tokens were all sent before it
-                new, text, finish = self.cut(sampled, stops, skip)
+                new, text, finish = self.cut(sampled, body)
                 used += spent(new, sampled)
                 pending.discard(n)
                 drawn[n] = list(zip(new, sampled.logprobs, sampled.top))

@@ -173,8 +173,8 @@ def test_a_streamed_row_gets_its_tokens_from_inside_the_decoding_loop():
 def test_streamed_text_never_splits_a_character_or_runs_past_a_stop_string():
     """TextStream's pieces: a token that ends between the bytes of a character waits for the rest
     of it; a tail that could begin a stop string waits until it cannot; the pieces add up to the
-    whole text (without stops) or to the text before the first stop."""
-    from evaluation.generate import TextStream
+    whole text (without stops) or to the text before the first stop (through it, with `include`)."""
+    from evaluation.generate import TextStream, stop_end
     from tasks.tokenizer import build_gpt2
 
     tok = build_gpt2(("<|endoftext|>",))
@@ -182,11 +182,11 @@ def test_streamed_text_never_splits_a_character_or_runs_past_a_stop_string():
     ids = tok.encode(text).ids
     assert any("\ufffd" in tok.decode([t]) for t in ids)  # the emoji's bytes span several tokens
 
-    def pieces(stops: list[str]) -> list[str]:
-        stream = TextStream(lambda some: tok.decode(some), stops)
+    def pieces(stops: list[str], include: bool = False) -> list[str]:
+        stream = TextStream(lambda some: tok.decode(some), stops, include)
         out = [stream.push(i, t) for i, t in enumerate(ids)]
         whole = tok.decode(ids)
-        cut = min([whole.find(s) for s in stops if s in whole], default=len(whole))
+        cut = stop_end(whole, stops, include)
         return out + [stream.rest(whole[:cut])]
 
     plain = pieces([])
@@ -198,6 +198,9 @@ def test_streamed_text_never_splits_a_character_or_runs_past_a_stop_string():
     for piece in stopped[:-1]:  # before the end, nothing past a place where a stop could still begin
         sent += piece
         assert not sent.endswith("dark") and "the end" not in sent
+    assert "".join(pieces(["the end", "dark!"], include=True)) == "Light 😀 and dark: the end"
+    assert "".join(pieces(["end. L", "the"], include=True)) == "Light 😀 and dark: the"  # the first to begin
+    assert stop_end(text, ["nothing"]) is None and stop_end(text, ["dark", "and"]) == text.find("and")
 
 
 def test_logit_bias_and_penalties_change_the_draws_as_openai_defines_them():

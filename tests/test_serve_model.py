@@ -397,7 +397,13 @@ def test_streamed_logprobs_and_echo_add_up_to_the_answers_without_streaming(serv
     assert joined(chunks, 1) == [{k: v for k, v in c.items() if k != "index"} for c in whole]
 
     stop = whole[0]["text"][len(whole[0]["text"]) // 2:][:2]  # from inside the answer: it ends before it
-    for body in ({**ask, "stop": [stop]}, {**ask, "n": 2, "echo": True, "max_tokens": 12},
+    before = httpx.post(f"{url}/v1/completions", json={**ask, "stop": [stop]}, timeout=120).json()["choices"][0]
+    through = httpx.post(f"{url}/v1/completions", json={**ask, "stop": [stop], "include_stop_str_in_output": True},
+                         timeout=120).json()["choices"][0]
+    assert through["text"] == before["text"] + stop and through["finish_reason"] == before["finish_reason"] == "stop"
+    assert len(through["logprobs"]["tokens"]) > len(before["logprobs"]["tokens"])  # the stop's tokens kept too
+    for body in ({**ask, "stop": [stop]}, {**ask, "stop": [stop], "include_stop_str_in_output": True},
+                 {**ask, "n": 2, "echo": True, "max_tokens": 12},
                  {**ask, "echo": True, "max_tokens": 0}, {**ask, "echo": True, "logprobs": None}):
         jobs = sum(service.batcher.batch_sizes)
         whole = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["choices"]
