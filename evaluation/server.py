@@ -192,6 +192,10 @@ class ChatBody(_Body):
     max_completion_tokens: StrictInt | None = Field(None, ge=0)
     logprobs: bool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # vLLM's: the assistant's turn opened after the messages (false: the model writes the next role
+    # token itself); or the last message, the assistant's, continued where it stops (a prefill)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class TokenizeBody(BaseModel):
@@ -523,11 +527,16 @@ class Service:
         if self.template is None:
             raise ApiError(400, f"{self.name} has no chat template ({self.no_template}): chat needs a post-trained "
                            "model, an SFT or DPO output or its export; for this model use /v1/completions", "messages")
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        if body.continue_final_message and (body.add_generation_prompt or messages[-1]["role"] != "assistant"):
+            raise ApiError(400, "continue_final_message continues the last message, which must be the assistant's, "
+                           "and needs add_generation_prompt=false (the two open different turns)", "messages")
         try:
-            ids, _ = self.template.encode([{"role": m.role, "content": m.text()} for m in body.messages],
-                                          add_generation_prompt=True)
+            ids, _ = self.template.encode(messages, add_generation_prompt=body.add_generation_prompt)
         except ValueError as e:
             raise ApiError(400, str(e), "messages") from None
+        if body.continue_final_message:
+            ids = ids[:-1]  # the last message without its end-of-turn token: the answer goes on from its text
         ids = [self.model.start_id, *ids]
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         max_tokens = self.model.cfg.seq_len - len(ids) if limit is None else limit

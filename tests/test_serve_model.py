@@ -309,6 +309,20 @@ def test_vllm_sampling_extras_reach_the_draws(served, model):
     assert [model.tokenizer.decode([int(e.token.removeprefix("token_id:"))], skip_special_tokens=True)
             for e in by_id.logprobs.content] == [e.token for e in by_text]
 
+    # chat's add_generation_prompt and continue_final_message: the prompt's token ids as the
+    # template gives them, answered as /v1/completions answers those ids
+    from training.posttrain import ChatTemplate
+
+    template, end = ChatTemplate(model.tokenizer), model.tokenizer.token_to_id("<|end|>")
+    talk = [{"role": "user", "content": "Who made the light?"}, {"role": "assistant", "content": "And God"}]
+    for extra, ids in (({"continue_final_message": True, "add_generation_prompt": False}, template.encode(talk)[0][:-1]),
+                       ({"add_generation_prompt": False}, template.encode(talk[:1])[0])):
+        answer = client.chat.completions.create(model=NAME, messages=talk if "continue_final_message" in extra else
+                                                talk[:1], max_tokens=8, temperature=0, extra_body=extra)
+        same = client.completions.create(model=NAME, prompt=[model.start_id, *ids], max_tokens=8, temperature=0,
+                                          extra_body={"stop_token_ids": [end]})
+        assert answer.choices[0].message.content == same.choices[0].text != "", extra
+
 
 def test_streamed_answers_add_up_to_the_answers_without_streaming(served, model):
     """stream=true: OpenAI's server-sent events, whose pieces add up to the text the same request
@@ -535,6 +549,8 @@ BAD = [  # (method, path, body (None: send `raw`), raw bytes, status, words the 
     ("POST", "/v1/completions", {"prompt": "x", "seed": "abc"}, None, 400, "seed"),
     ("POST", "/v1/completions", {"prompt": "x", "stop": 3}, None, 400, "stop"),
     ("POST", "/v1/chat/completions", {"messages": []}, None, 400, "messages"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "continue_final_message": True,
+                                      "add_generation_prompt": False}, None, 400, "must be the assistant's"),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, None, 400, "role"),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x " * 80}]}, None, 400,
      "context of 64"),
