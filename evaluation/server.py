@@ -15,6 +15,7 @@ default; docs/serving.md is the user's page.
                                   outputs have its tokens); 400 for a model without them
     POST /tokenize, /detokenize   vLLM's tokenizer endpoints, and GET /tokenizer_info: with them
                                   lm-eval finds the tokenizer on the server (its "remote" backend)
+    GET  /health, /metrics        liveness, and Prometheus metrics (evaluation/serving_metrics.py)
 
 Requests are gathered for a few milliseconds (or until `max_batch` prompts wait) and run as one
 batch: new tokens by `evaluation.generate.sample_batch` (one prefill and one compiled decoding
@@ -52,7 +53,7 @@ import jax
 import numpy as np
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationInfo, field_validator
 from starlette.exceptions import HTTPException
 from tokenizers import Tokenizer
@@ -60,6 +61,7 @@ from tokenizers import Tokenizer
 from evaluation.generate import (MAX_LOGPROBS, Model, Request, Sampled, Stream, TextStream, sample_batch, stop_end,
                                  top_k_size)
 from evaluation.scoring import bucket_for, buckets, make_prompt_scorer, pad_rows
+from evaluation.serving_metrics import CountRequests, ServingMetrics
 from training.posttrain import CHAT_SPECIAL_TOKENS, CHAT_TEMPLATE, END_OF_TURN, ChatTemplate
 
 WINDOW_S = 0.005  # how long the first request of a batch waits for company
@@ -276,8 +278,10 @@ class Batcher:
     """Gathers jobs from any thread and runs them on the engine in batches of up to `max_batch`,
     in a thread of its own (the one that touches the model). `submit` returns a future."""
 
-    def __init__(self, engine: Engine, max_batch: int, window_s: float = WINDOW_S):
+    def __init__(self, engine: Engine, max_batch: int, window_s: float = WINDOW_S,
+                 on_batch: Callable[[int, float], None] | None = None):
         self.engine, self.max_batch, self.window_s = engine, max_batch, window_s
+        self.on_batch = on_batch  # told each batch's jobs and seconds (the server's metrics)
         self.jobs: queue.Queue = queue.Queue()
         self.batch_sizes: list[int] = []  # of every batch run, for tests and logs
         self.closed = False
@@ -314,7 +318,10 @@ class Batcher:
                     break
                 batch.append(item)
             self.batch_sizes.append(len(batch))
+            started = time.monotonic()
             self._run(batch)
+            if self.on_batch is not None:
+                self.on_batch(len(batch), time.monotonic() - started)
 
     def _run(self, batch: list) -> None:
         try:
@@ -339,7 +346,8 @@ class Service:
     def __init__(self, model: Model, name: str, max_batch: int = 8):
         self.model, self.name = model, name
         self.created = int(time.time())
-        self.batcher = Batcher(Engine(model, max_batch), max_batch)
+        self.metrics = ServingMetrics(name, lambda: self.batcher.jobs.qsize())
+        self.batcher = Batcher(Engine(model, max_batch), max_batch, on_batch=self.metrics.ran_batch)
         self.tok = Tokenizer.from_str(model.tokenizer.to_str())
         self.tok.encode_special_tokens = False  # text prompts: special-token strings become their tokens, as in HF
         self.template, self.no_template = None, ""
@@ -421,6 +429,7 @@ class Service:
     # --- /v1/completions ----------------------------------------------------------------------------
 
     async def completions(self, body: CompletionBody) -> dict | AsyncIterator[str]:
+        arrived = time.monotonic()
         self.check_model(body.model)
         self.check_token_fields(body)
         max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
@@ -469,7 +478,7 @@ class Service:
                     offset(choices_of[n][0]) + start, as_ids)}
 
             rows = [(encoded[p][0], max_tokens, stop_ids, j) for p, j in choices_of]
-            return self.stream(body, "text_completion", rows, prompt_tokens, chunk, firsts, k)
+            return self.stream(body, "text_completion", rows, prompt_tokens, chunk, firsts, k, arrived)
         # the first choice of each prompt scores it too: one job, as lm-eval's loglikelihood requests need
         results = await self.run([Job(self.row(body, encoded[p][0], max_tokens, stop_ids, j),
                                       scored and j == 0, k) for p, j in choices_of])
@@ -489,6 +498,7 @@ class Service:
                     logprobs = {key: prompt["logprobs"][key] + logprobs[key] for key in logprobs}
             choices.append({"index": i, "text": prompt["text"] + new_text, "logprobs": logprobs,
                             "finish_reason": finish})
+        self.metrics.answered("/v1/completions", prompt_tokens, used, time.monotonic() - arrived)
         return {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": int(time.time()),
                 "model": self.name, "choices": choices, "usage": self.usage(prompt_tokens, used)}
 
@@ -522,6 +532,7 @@ class Service:
     # --- /v1/chat/completions ----------------------------------------------------------------------
 
     async def chat(self, body: ChatBody) -> dict | AsyncIterator[str]:
+        arrived = time.monotonic()
         self.check_model(body.model)
         self.check_token_fields(body)
         if self.template is None:
@@ -555,7 +566,7 @@ class Service:
 
             first = {"delta": {"role": "assistant", "content": ""}, "logprobs": None}
             return self.stream(body, "chat.completion.chunk", [(ids, max_tokens, stop_ids, j) for j in range(body.n)],
-                               len(ids), chunk, [first] * body.n, k)
+                               len(ids), chunk, [first] * body.n, k, arrived)
         results = await self.run([Job(self.row(body, ids, max_tokens, stop_ids, j), top_logprobs=k)
                                   for j in range(body.n)])
         choices, used = [], 0
@@ -569,6 +580,7 @@ class Service:
                                         for t, lp, top in zip(new, result.sampled.logprobs, result.sampled.top)]}
             choices.append({"index": j, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                             "finish_reason": finish})
+        self.metrics.answered("/v1/chat/completions", len(ids), used, time.monotonic() - arrived)
         return {"id": f"chatcmpl-{secrets.token_hex(12)}", "object": "chat.completion", "created": int(time.time()),
                 "model": self.name, "choices": choices, "usage": self.usage(len(ids), used)}
 
@@ -576,7 +588,7 @@ class Service:
 
     async def stream(self, body: _Body, kind: str, rows: list[tuple[list[int], int, tuple[int, ...], int]],
                      prompt_tokens: int, chunk: Callable[[int, str, list | None, int], dict],
-                     firsts: list[dict] | None, top_logprobs: int | None) -> AsyncIterator[str]:
+                     firsts: list[dict] | None, top_logprobs: int | None, arrived: float) -> AsyncIterator[str]:
         """Server-sent events, OpenAI's: a chunk per piece of text as the tokens are drawn (each
         choice's own `index`), a last chunk per choice with its `finish_reason`, with
         `stream_options.include_usage` a chunk with the usage, then `data: [DONE]`. `rows`: each
@@ -587,7 +599,8 @@ class Service:
         begins among the new text. A token's log-probabilities come with the chunk that sends the
         end of its text (or with the choice's last), so that the chunks' add up to those the
         request gets without streaming. `firsts[n]`, if given, opens choice n. An error after the
-        first chunk comes as an `error` event: the status line was sent already."""
+        first chunk comes as an `error` event: the status line was sent already. `arrived`: when
+        the request came (monotonic), for the metrics."""
         loop = asyncio.get_running_loop()
         arrivals: asyncio.Queue = asyncio.Queue()  # (choice, token index, drawn token) or (choice, None, finished job)
         stops, skip = body.stop_strings(), body.skip_special_tokens
@@ -619,7 +632,7 @@ class Service:
             self.batcher.submit(job).add_done_callback(lambda done, n=n: deliver((n, None, done)))
         for n, first in enumerate(firsts or []):
             yield event([{"index": n, **first, "finish_reason": None}])
-        used, pending = 0, set(range(len(rows)))
+        used, pending, first_sent = 0, set(range(len(rows))), False
         try:
             while pending:
                 n, i, item = await arrivals.get()
@@ -629,6 +642,9 @@ class Service:
                         ends[n].append((ends[n][-1] if ends[n] else 0) + len(self.piece(item[0], skip)))
                     piece = texts[n].push(i, item[0])
                     if piece:  # with the tokens whose whole text is out now
+                        if not first_sent:
+                            self.metrics.first_token.observe(time.monotonic() - arrived)
+                            first_sent = True
                         upto = bisect.bisect_right(ends[n], len(texts[n].sent))
                         yield event([{"index": n, **body_of(n, piece, upto), "finish_reason": None}])
                     continue
@@ -643,6 +659,8 @@ class Service:
                 500, f"the model failed on this request: {type(e).__name__}: {e}")
             yield f"data: {json.dumps({'error': {'message': message, 'type': 'server_error', 'code': status}})}\n\n"
         else:
+            self.metrics.answered("/v1/completions" if kind == "text_completion" else "/v1/chat/completions",
+                                  prompt_tokens, used, time.monotonic() - arrived)
             if usage:
                 totals = self.usage(prompt_tokens, used)
                 yield f"data: {json.dumps({**head, 'choices': [], 'usage': totals})}\n\n"
@@ -726,6 +744,7 @@ def create_app(service: Service) -> FastAPI:
 
     app = FastAPI(title="kiln serve-model", lifespan=lifespan)
     app.state.service = service
+    app.add_middleware(CountRequests, metrics=service.metrics)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: HttpRequest, e: ApiError):
@@ -769,6 +788,11 @@ def create_app(service: Service) -> FastAPI:
     @app.get("/health")
     async def health():
         return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        text, content_type = service.metrics.exposition()
+        return Response(text, media_type=content_type)
 
     @app.get("/tokenizer_info")
     async def tokenizer_info():

@@ -324,6 +324,46 @@ def test_vllm_sampling_extras_reach_the_draws(served, model):
         assert answer.choices[0].message.content == same.choices[0].text != "", extra
 
 
+def test_metrics_count_what_the_server_answered(served):
+    """GET /metrics (Prometheus' text format): between two scrapes, the requests by endpoint and
+    status, the prompt and generation tokens the answers' usage reported, one latency per answer,
+    a time to first token per streamed answer and the batches the engine ran."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    url, _ = served
+
+    def scrape() -> dict:
+        response = httpx.get(f"{url}/metrics", timeout=30)
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+        return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
+                for family in text_string_to_metric_families(response.text) for s in family.samples}
+
+    before = scrape()
+    ask = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0}
+    plain = httpx.post(f"{url}/v1/completions", json=ask, timeout=60).json()
+    with httpx.stream("POST", f"{url}/v1/completions", timeout=60,
+                      json={**ask, "stream": True, "stream_options": {"include_usage": True}}) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    streamed = events[-1]["usage"]
+    assert httpx.post(f"{url}/v1/completions", json={"prompt": "x", "top_p": 0}, timeout=60).status_code == 400
+    assert httpx.get(f"{url}/nothing/here", timeout=60).status_code == 404
+    after = scrape()
+
+    def delta(name: str, **labels) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert delta("kiln_requests_total", endpoint="/v1/completions", status="200") == 2
+    assert delta("kiln_requests_total", endpoint="/v1/completions", status="400") == 1
+    assert delta("kiln_requests_total", endpoint="other", status="404") == 1
+    assert delta("kiln_prompt_tokens_total") == plain["usage"]["prompt_tokens"] + streamed["prompt_tokens"]
+    assert delta("kiln_generation_tokens_total") == plain["usage"]["completion_tokens"] + streamed["completion_tokens"]
+    assert delta("kiln_e2e_request_latency_seconds_count", endpoint="/v1/completions") == 2
+    assert delta("kiln_time_to_first_token_seconds_count") == 1
+    assert delta("kiln_batch_jobs_count") >= 2 and delta("kiln_batch_seconds_sum") > 0
+    assert after[("kiln_num_requests_waiting", ())] == 0
+
+
 def test_streamed_answers_add_up_to_the_answers_without_streaming(served, model):
     """stream=true: OpenAI's server-sent events, whose pieces add up to the text the same request
     gets without streaming (same seed), stop strings included (a piece never runs past one),
