@@ -736,7 +736,28 @@ def _validation_message(e: RequestValidationError) -> tuple[str, str | None]:
     return "; ".join(lines), param
 
 
-def create_app(service: Service) -> FastAPI:
+class RequireKey:
+    """ASGI middleware: with an API key set, every /v1 request must carry `Authorization: Bearer
+    <key>` (what OpenAI's clients send as their api_key), else a 401 (vLLM's --api-key rule: the
+    health, metrics and tokenizer endpoints stay open)."""
+
+    def __init__(self, app, key: str):
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            sent = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(sent, self.expected):
+                reason = "no Authorization header" if not sent else "the Authorization header's key is not this server's"
+                response = error_body(401, f"{reason}: this server takes requests with `Authorization: Bearer "
+                                      "<key>` (the key `kiln serve-model --api-key` was given; an OpenAI client's "
+                                      "api_key)", code="invalid_api_key")
+                return await response(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+def create_app(service: Service, api_key: str | None = None) -> FastAPI:
+    """The HTTP app over `service`; with `api_key`, /v1 requests need it (RequireKey)."""
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
@@ -744,7 +765,9 @@ def create_app(service: Service) -> FastAPI:
 
     app = FastAPI(title="kiln serve-model", lifespan=lifespan)
     app.state.service = service
-    app.add_middleware(CountRequests, metrics=service.metrics)
+    if api_key:
+        app.add_middleware(RequireKey, key=api_key)
+    app.add_middleware(CountRequests, metrics=service.metrics)  # added last, so outermost: 401s count too
 
     @app.exception_handler(ApiError)
     async def _api_error(request: HttpRequest, e: ApiError):
@@ -817,9 +840,9 @@ def default_name(path: Path) -> str:
 
 
 def serve_model(path: Path, host: str = "127.0.0.1", port: int = 8000, tokenizer_dir: Path | None = None,
-                name: str | None = None, max_batch: int = 8) -> None:
+                name: str | None = None, max_batch: int = 8, api_key: str | None = None) -> None:
     """Load the model at `path` and serve it until SIGTERM or SIGINT: then stop taking connections,
-    answer the requests in flight, and return."""
+    answer the requests in flight, and return. With `api_key`, /v1 requests must carry it."""
     import uvicorn
 
     from evaluation.generate import load
@@ -835,9 +858,10 @@ def serve_model(path: Path, host: str = "127.0.0.1", port: int = 8000, tokenizer
             await super().startup(sockets)
             if self.started:
                 print(f"kiln serve-model: {service.name} at {url} (context {model.cfg.seq_len} tokens, "
-                      f"batches of up to {max_batch}); SIGTERM or Ctrl-C stops it", flush=True)
+                      f"batches of up to {max_batch}; {'an API key' if api_key else 'no API key'} required); "
+                      "SIGTERM or Ctrl-C stops it", flush=True)
 
-    config = uvicorn.Config(create_app(service), host=host, port=port, log_level="warning", access_log=False,
+    config = uvicorn.Config(create_app(service, api_key), host=host, port=port, log_level="warning", access_log=False,
                             timeout_graceful_shutdown=30)
     # uvicorn handles SIGTERM/SIGINT (stop accepting, finish requests in flight), then raises the
     # signal again for the handler it found: a no-op one, so a clean stop exits 0.

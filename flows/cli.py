@@ -142,11 +142,14 @@ def parser() -> argparse.ArgumentParser:
                  "kiln serve-model kiln_store/export/<version> --port 8000 --name my-model")
     sm.add_argument("path", help="a train, sft or dpo output folder, or an export folder")
     sm.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine "
-                    "only; the server has no authentication)")
+                    "only; on a shared network, give --api-key too)")
     sm.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     sm.add_argument("--tokenizer", help="tokenizer step output folder (default: found through lineage)")
     sm.add_argument("--name", help="the model's name in the API (default: <stage>/<version> of the folder)")
     sm.add_argument("--max-batch", type=int, default=8, help="prompts run together at most (default 8)")
+    sm.add_argument("--api-key", default=os.environ.get("KILN_API_KEY"),
+                    help="require `Authorization: Bearer KEY` on /v1 requests, an OpenAI client's api_key "
+                    "(default: $KILN_API_KEY; unset: no key)")
 
     why = command("why", "Show which data stage kept or dropped a document, with its scores.",
                   "kiln why configs/tiny_cpu.yaml chichewa/01-001")
@@ -475,7 +478,7 @@ def cmd_serve_model(args) -> int:
 
     try:
         serve_model(Path(args.path), args.host, args.port, None if args.tokenizer is None else Path(args.tokenizer),
-                    args.name, args.max_batch)
+                    args.name, args.max_batch, args.api_key)
     except (ValueError, FileNotFoundError) as e:
         raise KilnUserError(str(e)) from None
     return 0

@@ -35,10 +35,11 @@ NAME = "kiln-tiny"
 
 
 @contextlib.contextmanager
-def serving(service: Service):
+def serving(service: Service, api_key: str | None = None):
     """uvicorn in a thread on a free port of 127.0.0.1; yields the base URL; stopped after, also on failure."""
     port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(create_app(service), host="127.0.0.1", port=port, log_level="warning"))
+    srv = uvicorn.Server(uvicorn.Config(create_app(service, api_key), host="127.0.0.1", port=port,
+                                        log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     try:
@@ -322,6 +323,25 @@ def test_vllm_sampling_extras_reach_the_draws(served, model):
         same = client.completions.create(model=NAME, prompt=[model.start_id, *ids], max_tokens=8, temperature=0,
                                           extra_body={"stop_token_ids": [end]})
         assert answer.choices[0].message.content == same.choices[0].text != "", extra
+
+
+def test_an_api_key_guards_the_v1_endpoints(model):
+    """With an API key, /v1 requests need `Authorization: Bearer <key>` (the openai client's
+    api_key): without it or with another a 401 in OpenAI's error format, counted in the
+    metrics; with it the answer; /health and /metrics stay open."""
+    import openai
+
+    with serving(Service(model, NAME, max_batch=2), api_key="s3cret") as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret", max_retries=0)
+        assert client.completions.create(model=NAME, prompt=PROMPT, max_tokens=2, temperature=0).choices[0].text
+        with pytest.raises(openai.AuthenticationError, match="not this server's"):
+            openai.OpenAI(base_url=f"{url}/v1", api_key="guess", max_retries=0).models.list()
+        bare = httpx.get(f"{url}/v1/models", timeout=30)
+        assert bare.status_code == 401 and bare.json()["error"]["code"] == "invalid_api_key"
+        assert "no Authorization header" in bare.json()["error"]["message"]
+        assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+        scraped = httpx.get(f"{url}/metrics", timeout=30).text
+        assert 'endpoint="/v1/models",model_name="kiln-tiny",status="401"} 2.0' in scraped
 
 
 def test_metrics_count_what_the_server_answered(served):
