@@ -257,11 +257,13 @@ def _decode_rows(params, tokens, positions, keys, rule, stop_ids, bias, penaltie
     then a while loop of one-token steps that ends once every row is done. With `stream`, each
     step's tokens (with their log-probabilities and alternatives) also go to the host as they are
     drawn (`_send_tokens`), in order.
+
     `bias` [B, V] and `penalties` [3, B] (presence, frequency, repetition), unless None, adjust
     the logits a token is drawn from as vLLM does (the bias added, then the repetition penalty on
     the tokens of the prompt or drawn before, then presence and frequency on those drawn), with
-    each row's counts of its new tokens [B, V] carried through the loop; `min_new` [B], unless None, keeps row b from drawing its stop ids before min_new[b] new
-    tokens. Log-probabilities are the model's own, before any of these."""
+    each row's counts of its new tokens [B, V] carried through the loop; `min_new` [B], unless
+    None, keeps row b from drawing its stop ids before min_new[b] new tokens. Log-probabilities
+    are the model's own, before any of these."""
     B, P = tokens.shape
     W = cache_len - P
     max_new = rule["max_new"]

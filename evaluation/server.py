@@ -748,7 +748,8 @@ class RequireKey:
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
             sent = dict(scope["headers"]).get(b"authorization", b"")
             if not secrets.compare_digest(sent, self.expected):
-                reason = "no Authorization header" if not sent else "the Authorization header's key is not this server's"
+                reason = ("no Authorization header" if not sent else
+                          "the Authorization header's key is not this server's")
                 response = error_body(401, f"{reason}: this server takes requests with `Authorization: Bearer "
                                       "<key>` (the key `kiln serve-model --api-key` was given; an OpenAI client's "
                                       "api_key)", code="invalid_api_key")

@@ -273,12 +273,13 @@ def test_vllm_sampling_extras_reach_the_draws(served, model):
     ask = dict(model=NAME, prompt=PROMPT, max_tokens=12)
     greedy = client.completions.create(**ask, temperature=0, logprobs=0).choices[0]
     for extra in ({"top_k": 1}, {"min_p": 1.0}):
-        assert client.completions.create(**ask, temperature=1.0, seed=9, extra_body=extra).choices[0].text == greedy.text
+        sampled = client.completions.create(**ask, temperature=1.0, seed=9, extra_body=extra)
+        assert sampled.choices[0].text == greedy.text
     assert client.completions.create(**ask, temperature=1.0, seed=9, extra_body={"top_k": -1}).choices[0].text != \
         greedy.text  # -1 (vLLM's "all") samples
 
     tokens = sample(model, [model.start_id, *model.tokenizer.encode(PROMPT).ids], 12, temperature=0.0)
-    j = next(j for j in range(1, len(tokens)) if tokens[j] not in tokens[:j])  # a token new at j: the answer ends before it
+    j = next(j for j in range(1, len(tokens)) if tokens[j] not in tokens[:j])  # new at j: the answer ends before it
     cut = client.completions.create(**ask, temperature=0, extra_body={"stop_token_ids": [tokens[j]]}).choices[0]
     assert cut.finish_reason == "stop" and cut.text == model.tokenizer.decode(tokens[:j]) != greedy.text
 
@@ -316,8 +317,9 @@ def test_vllm_sampling_extras_reach_the_draws(served, model):
 
     template, end = ChatTemplate(model.tokenizer), model.tokenizer.token_to_id("<|end|>")
     talk = [{"role": "user", "content": "Who made the light?"}, {"role": "assistant", "content": "And God"}]
-    for extra, ids in (({"continue_final_message": True, "add_generation_prompt": False}, template.encode(talk)[0][:-1]),
-                       ({"add_generation_prompt": False}, template.encode(talk[:1])[0])):
+    prefill = {"continue_final_message": True, "add_generation_prompt": False}
+    for extra, ids in ((prefill, template.encode(talk)[0][:-1]), ({"add_generation_prompt": False},
+                                                                   template.encode(talk[:1])[0])):
         answer = client.chat.completions.create(model=NAME, messages=talk if "continue_final_message" in extra else
                                                 talk[:1], max_tokens=8, temperature=0, extra_body=extra)
         same = client.completions.create(model=NAME, prompt=[model.start_id, *ids], max_tokens=8, temperature=0,
