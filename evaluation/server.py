@@ -461,21 +461,21 @@ class Service:
             return {"text": prompt_text, "logprobs": self.completion_logprobs(
                 ids, score.prompt_logprobs, score.prompt_top, k, hidden=int(added), skip_special=False, as_ids=as_ids)}
 
-        def offset(p: int) -> int:  # where prompt p's new tokens' text_offset begins: after an echoed prompt
-            ids, _, added = encoded[p]
-            return self.text_end(ids, int(added)) if body.echo else 0
+        # where each prompt's new tokens' text_offset begins: after an echoed prompt
+        starts = [self.text_end(ids, int(added)) if body.echo else 0 for ids, _, added in encoded]
 
         if body.stream:  # the prompts scored before the first chunk: an echoed prompt comes first
             scores = await self.run([Job(self.row(body, ids, 0, ()), score_prompt=True, top_logprobs=k)
                                      for ids, _, _ in encoded]) if scored else []
-            firsts = [echoed(p, scores) for p, _ in choices_of] if body.echo else None
+            echoes = [echoed(p, scores) for p in range(len(encoded))] if body.echo else None
+            firsts = [echoes[p] for p, _ in choices_of] if echoes else None
 
             def chunk(n: int, piece: str, drawn: list | None, start: int) -> dict:
                 if drawn is None:
                     return {"text": piece, "logprobs": None}
                 return {"text": piece, "logprobs": self.completion_logprobs(
                     [t for t, _, _ in drawn], [lp for _, lp, _ in drawn], [top for _, _, top in drawn], k, 0, skip,
-                    offset(choices_of[n][0]) + start, as_ids)}
+                    starts[choices_of[n][0]] + start, as_ids)}
 
             rows = [(encoded[p][0], max_tokens, stop_ids, j) for p, j in choices_of]
             return self.stream(body, "text_completion", rows, prompt_tokens, chunk, firsts, k, arrived)
@@ -483,16 +483,17 @@ class Service:
         results = await self.run([Job(self.row(body, encoded[p][0], max_tokens, stop_ids, j),
                                       scored and j == 0, k) for p, j in choices_of])
         scores = results[::body.n] if scored else []
+        echoes = [echoed(p, scores) for p in range(len(encoded))] if body.echo else None
         choices, used = [], 0
         for i, (p, _) in enumerate(choices_of):
             sampled = results[i].sampled
             new, new_text, finish = self.cut(sampled, body)
             used += spent(new, sampled)
-            prompt = echoed(p, scores) if body.echo else {"text": "", "logprobs": None}
+            prompt = echoes[p] if echoes else {"text": "", "logprobs": None}
             logprobs = None
             if want_logprobs:
                 n = len(new)
-                logprobs = self.completion_logprobs(new, sampled.logprobs[:n], sampled.top[:n], k, 0, skip, offset(p),
+                logprobs = self.completion_logprobs(new, sampled.logprobs[:n], sampled.top[:n], k, 0, skip, starts[p],
                                                     as_ids)
                 if body.echo:
                     logprobs = {key: prompt["logprobs"][key] + logprobs[key] for key in logprobs}

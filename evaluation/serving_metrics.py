@@ -72,8 +72,7 @@ class CountRequests:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope["path"]
-        endpoint = path if path in ENDPOINTS or path.startswith("/v1/models/") else "other"
-        endpoint = "/v1/models/{name}" if endpoint.startswith("/v1/models/") else endpoint
+        endpoint = "/v1/models/{name}" if path.startswith("/v1/models/") else path if path in ENDPOINTS else "other"
 
         async def sending(message):
             if message["type"] == "http.response.start":
