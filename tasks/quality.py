@@ -40,6 +40,7 @@ from tasks.judging import (DEFAULT_MAX_DOC_BYTES, MAX_DOC_BYTES_DESCRIPTION, STR
 from tasks.filter import load_fasttext
 from tasks.engine.config import (ConfigModel, Count, Fraction, HalfOpenFraction, NonNegative, OpenFraction, Positive,
                                  Seed, files, setting)
+from tasks.engine.versioning import files_under
 
 if TYPE_CHECKING:  # tasks.engine.step loads Prefect (seconds), which Ray workers running this module never need
     from tasks.engine.step import Step, StepContext
@@ -84,8 +85,7 @@ def fingerprint_paths(paths: list[str]) -> str:
     """A content hash of the files behind `paths`, so an edited example file retrains."""
     h = hashlib.sha256()
     for p in sorted(paths):
-        files = sorted(f for f in Path(p).rglob("*") if f.is_file()) if Path(p).is_dir() else [Path(p)]
-        for f in files:
+        for f in files_under(Path(p)) if Path(p).is_dir() else [Path(p)]:
             h.update(str(f.relative_to(p) if Path(p).is_dir() else f.name).encode())
             h.update(hashlib.sha256(f.read_bytes()).digest())
     return h.hexdigest()[:16]

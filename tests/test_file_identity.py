@@ -5,7 +5,10 @@ changes the version of what reads it; the same file at another path is a cache h
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import yaml
@@ -82,3 +85,24 @@ def test_quality_classifier_files_by_content(tmp_path):
     assert version(tmp_path / "a") == version(tmp_path / "b")
     (tmp_path / "b" / "bad.jsonl").write_text('{"text": "more spam"}\n')
     assert version(tmp_path / "a") != version(tmp_path / "b")
+
+
+def test_a_folder_by_its_files_not_the_bytecode_python_writes_into_it(tmp_path):
+    """A task folder with a helper module: importing it (lm-eval does, for `!function utils.x`) writes
+    __pycache__/ beside it where bytecode writing is on, as on most laptops; that is not an edit."""
+    def version(folder: Path) -> str:  # any field that names files goes through the same content_identity
+        cfg = QualityClassifierConfig(positive_paths=(str(folder),), negative_paths=(str(tmp_path / "bad.jsonl"),))
+        return train_quality_classifier_step(cfg).version
+
+    (tmp_path / "bad.jsonl").write_text('{"text": "spam spam"}\n')
+    folder = tmp_path / "task"
+    folder.mkdir()
+    (folder / "notes.jsonl").write_text('{"text": "one"}\n')
+    (folder / "utils.py").write_text("def answer(doc):\n    return doc['answer']\n")
+    first = version(folder)
+    subprocess.run([sys.executable, "-c", "import utils"], cwd=folder, check=True, timeout=60,
+                   env={**os.environ, "PYTHONDONTWRITEBYTECODE": ""})  # bytecode writing on, as on a laptop
+    assert list((folder / "__pycache__").glob("utils.*.pyc"))  # it did write it
+    assert version(folder) == first
+    (folder / "utils.py").write_text("def answer(doc):\n    return 1 - doc['answer']\n")
+    assert version(folder) != first  # an edit to the module still counts

@@ -74,10 +74,17 @@ def content_identity(value: Any) -> Any:
     return [_content(Path(m)) for m in matches] if matches else value
 
 
+def files_under(folder: Path) -> list[Path]:
+    """The files that make a folder's content, sorted: all it holds but the bytecode Python writes into
+    __pycache__/ beside a module it imports (a task's helper module, on a machine that writes bytecode),
+    which is not an edit and must not change a version."""
+    return [f for f in sorted(folder.rglob("*")) if f.is_file() and "__pycache__" not in f.relative_to(folder).parts]
+
+
 def _content(path: Path, depth: int = 0) -> Any:
     if path.is_dir():
-        return {"folder": path.name, "files": {f.relative_to(path).as_posix(): file_sha256(f)
-                                               for f in sorted(path.rglob("*")) if f.is_file()}}
+        files = {f.relative_to(path).as_posix(): file_sha256(f) for f in files_under(path)}
+        return {"folder": path.name, "files": files}
     if path.suffix in YAML_SUFFIXES and depth < 4:
         return {"yaml": _yaml_content(path, depth)}
     return {"file": path.name, "sha256": file_sha256(path)}
