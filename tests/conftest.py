@@ -156,9 +156,18 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
-def stop_group(proc: subprocess.Popen, grace_s: float = 30) -> None:
+def stop_group(proc: subprocess.Popen, grace_s: float = 30, leader_first: bool = False) -> None:
     """Stop a process started with start_new_session=True and everything in its group: SIGTERM,
-    then SIGKILL after `grace_s` (a Prefect server or `kiln serve` can hang on SIGTERM)."""
+    then SIGKILL after `grace_s` (a Prefect server or `kiln serve` can hang on SIGTERM).
+
+    `leader_first` (a `ray start --block` node): SIGTERM to the leader alone, which stops the Ray
+    processes it started, each given a second (~3 s in all), and only then to the group: SIGTERM
+    to all of them at once left the node's GCS server ~30 s to exit, the machine idle meanwhile."""
+    if leader_first:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=grace_s)
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 30)):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, sig)
@@ -483,9 +492,9 @@ def start_ray_node(start: Callable[[], subprocess.Popen], log: Path, temp_dir: P
                 return proc
             failure = f"{what} exited {proc.returncode} during start-up (attempt {attempt} of {attempts})"
         except BaseException:
-            stop_group(proc, grace_s=30)
+            stop_group(proc, grace_s=30, leader_first=True)
             raise
-        stop_group(proc, grace_s=10)
+        stop_group(proc, grace_s=10, leader_first=True)
         if attempt == attempts:
             raise RayNodeDidNotStart(f"{failure}\n{ray_said(log, temp_dir)}")
         with open(log, "a") as f:
@@ -529,7 +538,7 @@ def ray_head_node(num_cpus: int = 2, env: dict | None = None, temp_dir: Path | N
         try:
             yield RayHead(f"127.0.0.1:{port}", head, session, log)
         finally:
-            stop_group(head, grace_s=60)  # `ray start --block` stops the processes it started on SIGTERM
+            stop_group(head, grace_s=60, leader_first=True)
 
 
 @contextlib.contextmanager

@@ -224,7 +224,7 @@ def _two_node_cluster(tmp_path: Path):
         def stop_b() -> None:
             """SIGTERM to B's `ray start --block`, which stops its node: it leaves the cluster at
             once (a killed node is noticed only when its health checks have failed)."""
-            stop_group(node_b[0], grace_s=60)
+            stop_group(node_b[0], grace_s=60, leader_first=True)
 
         def said() -> str:
             return "\n".join([ray_said(tmp_path / "ray-head.log", ray_dir),
@@ -246,11 +246,8 @@ def _two_node_cluster(tmp_path: Path):
         yield Cluster(ns_a, ns_b, ip_a, ip_b, f"{ip_a}:{ray_port}", "s3://kiln/store", driver_env,
                       log_dirs=[ray_dir, f"{ray_dir}-b"], restart_b=restart_b, stop_b=stop_b)
     finally:
-        for proc in reversed(procs):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)  # `ray start --block` stops what it started
-        for proc in reversed(procs):
-            stop_group(proc, grace_s=30)
+        for proc in reversed(procs):  # B's node, the head, moto: each its own leader first
+            stop_group(proc, grace_s=30, leader_first=True)
         for ns in made:  # anything still running in the namespaces, then the namespaces
             _kill_everything_in(ns)
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
