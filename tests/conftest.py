@@ -161,14 +161,17 @@ def stop_group(proc: subprocess.Popen, grace_s: float = 30, leader_first: bool =
     then SIGKILL after `grace_s` (a Prefect server or `kiln serve` can hang on SIGTERM).
 
     `leader_first` (a `ray start --block` node): SIGTERM to the leader alone, which stops the Ray
-    processes it started, each given a second (~3 s in all), and only then to the group: SIGTERM
-    to all of them at once left the node's GCS server ~30 s to exit, the machine idle meanwhile."""
+    processes it started, each given a second (~3 s in all), then SIGKILL to whatever is left after
+    `grace_s`: SIGTERM to all of them at once left the node's GCS server ~30 s to exit, the machine
+    idle meanwhile."""
+    signals = [(signal.SIGTERM, grace_s), (signal.SIGKILL, 30)]
     if leader_first:
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(signal.SIGTERM)
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=grace_s)
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 30)):
+        signals = signals[1:]  # the leader had its grace
+    for sig, wait_s in signals:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, sig)
         try:
