@@ -274,10 +274,7 @@ def _decode_rows(params, tokens, positions, keys, rule, stop_ids, bias, penaltie
     def emit(i, logits, out, done, counts):  # draw token i of every row from logits [B, V]; record it
         drawn_from = logits
         if bias is not None:
-            drawn_from = logits + bias
-            repeated = jnp.where(drawn_from > 0, drawn_from / penalties[2][:, None], drawn_from * penalties[2][:, None])
-            drawn_from = jnp.where(in_prompt | (counts > 0), repeated, drawn_from)
-            drawn_from = drawn_from - penalties[0][:, None] * (counts > 0) - penalties[1][:, None] * counts
+            drawn_from = penalised(logits, bias, *penalties, in_prompt, counts)
         if min_new is not None:  # a row's stop ids at -inf until it has min_new tokens (-1: no stop id there)
             held = jnp.where((i < min_new)[:, None] & (stop_ids >= 0), -jnp.inf, jnp.inf)
             drawn_from = drawn_from.at[jnp.arange(B)[:, None], jnp.maximum(stop_ids, 0)].min(held)
@@ -314,6 +311,17 @@ def _decode_rows(params, tokens, positions, keys, rule, stop_ids, bias, penaltie
 
     state = (jnp.int32(1), token, positions[:, -1] + 1, cache, out, counts, done)
     return jax.lax.while_loop(lambda s: (s[0] < W) & ~s[-1].all(), step, state)[4]
+
+
+def penalised(logits, bias, presence, frequency, repetition, in_prompt, counts):
+    """Logits [B, V] as a token is drawn from them under vLLM's adjustments: `bias` [B, V] added,
+    then each row's `repetition` [B] penalty on the tokens of its prompt (`in_prompt` [B, V]) or
+    drawn before (`counts` [B, V] of its new tokens), then its `presence` and `frequency` [B]
+    penalties on those drawn. Neutral values (0, 0, 0, 1) give the logits back unchanged."""
+    drawn_from = logits + bias
+    repeated = jnp.where(drawn_from > 0, drawn_from / repetition[:, None], drawn_from * repetition[:, None])
+    drawn_from = jnp.where(in_prompt | (counts > 0), repeated, drawn_from)
+    return drawn_from - presence[:, None] * (counts > 0) - frequency[:, None] * counts
 
 
 def prefill(params, cfg: ModelConfig, tokens, cache: dict, positions):

@@ -17,16 +17,17 @@ default; docs/serving.md is the user's page.
                                   lm-eval finds the tokenizer on the server (its "remote" backend)
     GET  /health, /metrics        liveness, and Prometheus metrics (evaluation/serving_metrics.py)
 
-Requests are gathered for a few milliseconds (or until `max_batch` prompts wait) and run as one
-batch: new tokens by `evaluation.generate.sample_batch` (one prefill and one compiled decoding
-loop over the KV cache, each row as it would come out alone), an echoed prompt's
-log-probabilities by `evaluation.scoring.make_prompt_scorer` (the lm-eval adapter's
-computation). If a batch fails, its requests run again one by one, so an error fails only the
-request that causes it. With `stream`, each token (with its log-probabilities, when asked
-for) comes from inside the decoding loop (`Request.stream`) and is sent as server-sent events
-while the batch decodes. A bad request
-gets a 4xx with an OpenAI-style body, `{"error": {"message", "type", "param", "code"}}`, whose
-message says what to change; the server goes on answering.
+Requests are continuously batched (`Scheduler`, evaluation/slots.py): up to `max_batch`
+prompts decode together over one key/value cache, a few tokens at a time, and between those
+chunks finished answers go out and waiting prompts take the free slots, so a short request
+never waits for a long answer to end. Each row's tokens are drawn as
+`evaluation.generate.sample_batch` would draw them alone (its seed, settings and stops); an
+echoed prompt's log-probabilities come from `evaluation.scoring.make_prompt_scorer` (the
+lm-eval adapter's computation). If a batch fails, its requests run again one by one, so an
+error fails only the request that causes it. With `stream`, each token (with its
+log-probabilities, when asked for) is sent as server-sent events as its chunk ends. A bad
+request gets a 4xx with an OpenAI-style body, `{"error": {"message", "type", "param", "code"}}`,
+whose message says what to change; the server goes on answering.
 
 No Prefect and no Ray here.
 """
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import collections
 import concurrent.futures
 import contextlib
 import functools
@@ -45,7 +47,7 @@ import secrets
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, AsyncIterator, Callable, Literal
 
@@ -60,11 +62,12 @@ from tokenizers import Tokenizer
 
 from evaluation.generate import (MAX_LOGPROBS, Model, Request, Sampled, Stream, TextStream, sample_batch, stop_end,
                                  top_k_size)
+from evaluation import slots
 from evaluation.scoring import bucket_for, buckets, make_prompt_scorer, pad_rows
 from evaluation.serving_metrics import CountRequests, ServingMetrics
 from training.posttrain import CHAT_SPECIAL_TOKENS, CHAT_TEMPLATE, END_OF_TURN, ChatTemplate
 
-WINDOW_S = 0.005  # how long the first request of a batch waits for company
+WINDOW_S = 0.005  # how long a request that finds the server idle waits for company
 SCORE_FLOATS = 1 << 28  # log-probabilities one scoring call holds at most (1 GiB of float32)
 DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI's and vLLM's
 MAX_CHOICES = 128  # `n` at most: each choice is a row of its own in the batches
@@ -211,7 +214,7 @@ class DetokenizeBody(BaseModel):
     tokens: list[StrictInt]
 
 
-# --- the engine: batches of jobs on the model --------------------------------------------------------
+# --- the engine: jobs on the model, continuously batched --------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -230,62 +233,45 @@ class Result:
     sampled: Sampled
 
 
-class Engine:
-    """Runs a batch of jobs: one scoring pass over the prompts to echo with logprobs, one
-    `sample_batch` over the prompts that want new tokens. A lone prompt runs as one row, several
-    as `max_batch` rows (padded), so that each function compiles for two batch sizes only."""
+@dataclass(eq=False)  # a row is itself only
+class _Row:
+    """A job taken: its future, its prompt's scores (if asked for), and its answer so far."""
 
-    def __init__(self, model: Model, max_batch: int = 8):
-        self.model, self.max_batch = model, max_batch
+    job: Job
+    future: concurrent.futures.Future
+    prompt: tuple = (None, None)  # (log-probabilities, top alternatives) of the prompt, with score_prompt
+    ids: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    top: list = field(default_factory=list)
+
+
+class Scheduler:
+    """Runs jobs on the model in a thread of its own (the one that touches the model),
+    continuously batched (evaluation/slots.py): up to `max_batch` prompts decode together, a
+    chunk of `steps` tokens at a time; after each chunk, finished answers go out and waiting
+    prompts take the free slots, so a short request never waits for a long answer to end. When
+    idle, the first job waits `window_s` for company, so that a burst is prefilled together.
+    A prompt to echo with logprobs is scored when it is taken (with the others taken then, by
+    `evaluation.scoring.make_prompt_scorer`: the lm-eval adapter's computation).
+
+    If scoring a group fails, each of its jobs is scored again alone; if admitting prompts or a
+    chunk fails, every row in the slots runs again alone (`sample_batch`, its stream sending
+    its tokens again): an error fails only the job that causes it. `submit` returns a future."""
+
+    def __init__(self, model: Model, max_batch: int = 8, window_s: float = WINDOW_S, steps: int = slots.STEPS,
+                 on_chunk: Callable[[int, float], None] | None = None):
+        self.model, self.max_batch, self.window_s, self.steps = model, max_batch, window_s, steps
+        self.on_chunk = on_chunk  # told each chunk's rows and seconds (the server's metrics)
         self.scorer = make_prompt_scorer(model.cfg)
         self.buckets = buckets(model.cfg.seq_len)
-
-    def run(self, jobs: list[Job]) -> list[Result]:
-        scored = self._score([j for j in jobs if j.score_prompt])
-        wanting = [j for j in jobs if j.row.max_tokens > 0]
-        k = max((j.top_logprobs for j in wanting if j.top_logprobs is not None), default=None)
-        sampled = iter(sample_batch(self.model, [j.row for j in wanting], k, self.rows(len(wanting)))
-                       if wanting else [])
-        empty = Sampled([], [], [], False)
-        return [Result(*(next(scored) if j.score_prompt else (None, None)),
-                       next(sampled) if j.row.max_tokens > 0 else empty) for j in jobs]
-
-    def rows(self, n: int, cap: int | None = None) -> int:
-        """Rows to run `n` prompts as: 1 alone, else max_batch (or `cap`, if smaller)."""
-        return 1 if n == 1 else max(n, min(self.max_batch, cap or self.max_batch))
-
-    def _score(self, jobs: list[Job]):
-        """(log-probabilities, top alternatives) of each job's prompt tokens, in order. Rows go
-        through the scorer in groups whose log-softmax fits SCORE_FLOATS."""
-        seqs = [np.asarray(j.row.prompt, np.int32) for j in jobs]
-        k = top_k_size(max((j.top_logprobs or 0 for j in jobs), default=0))
-        L = bucket_for(max((len(s) - 1 for s in seqs), default=1) or 1, self.buckets)
-        cap = max(1, SCORE_FLOATS // (L * self.model.cfg.vocab_size))
-        out = []
-        for start in range(0, len(jobs), cap):
-            group = seqs[start:start + cap]
-            B = self.rows(len(group), cap)
-            logprob, top_ids, top_lps = jax.device_get(self.scorer(
-                self.model.params, pad_rows([s[:-1] for s in group], L, B), pad_rows([s[1:] for s in group], L, B), k))
-            for b, (job, s) in enumerate(zip(jobs[start:start + cap], group)):
-                n, wanted = len(s) - 1, job.top_logprobs or 0
-                top = [list(zip(top_ids[b, i, :wanted].tolist(), top_lps[b, i, :wanted].tolist())) for i in range(n)]
-                out.append(([None, *logprob[b, :n].tolist()], [[], *top]))
-        return iter(out)
-
-
-class Batcher:
-    """Gathers jobs from any thread and runs them on the engine in batches of up to `max_batch`,
-    in a thread of its own (the one that touches the model). `submit` returns a future."""
-
-    def __init__(self, engine: Engine, max_batch: int, window_s: float = WINDOW_S,
-                 on_batch: Callable[[int, float], None] | None = None):
-        self.engine, self.max_batch, self.window_s = engine, max_batch, window_s
-        self.on_batch = on_batch  # told each batch's jobs and seconds (the server's metrics)
         self.jobs: queue.Queue = queue.Queue()
-        self.batch_sizes: list[int] = []  # of every batch run, for tests and logs
+        self.waiting: collections.deque[_Row] = collections.deque()
+        self.live: list[_Row | None] = [None] * max_batch  # slot -> the row decoding there
+        self.state: dict | None = None  # the slots on the device (made on first use, and after a failure)
+        self.taken = 0  # jobs taken, and the rows of each call on the model (a scoring group, an
+        self.rows_run: list[int] = []  # admission, a chunk): for tests and logs
         self.closed = False
-        self.thread = threading.Thread(target=self._loop, name="kiln-batcher", daemon=True)
+        self.thread = threading.Thread(target=self._loop, name="kiln-scheduler", daemon=True)
         self.thread.start()
 
     def submit(self, job: Job) -> concurrent.futures.Future:
@@ -302,52 +288,182 @@ class Batcher:
         self.jobs.put(None)
         self.thread.join(timeout_s)
 
-    def _loop(self) -> None:
-        while True:
-            first = self.jobs.get()
-            if first is None:
-                return
-            batch, deadline = [first], time.monotonic() + self.window_s
-            while len(batch) < self.max_batch:
-                try:
-                    item = self.jobs.get(timeout=max(0.0, deadline - time.monotonic()))
-                except queue.Empty:
-                    break
-                if item is None:
-                    self.jobs.put(None)  # seen again once this batch is done
-                    break
-                batch.append(item)
-            self.batch_sizes.append(len(batch))
-            started = time.monotonic()
-            self._run(batch)
-            if self.on_batch is not None:
-                self.on_batch(len(batch), time.monotonic() - started)
+    def waiting_count(self) -> int:
+        return self.jobs.qsize() + len(self.waiting)
 
-    def _run(self, batch: list) -> None:
-        try:
-            results = self.engine.run([job for job, _ in batch])
-        except Exception as e:  # noqa: BLE001 - it goes to the request, and the batch is retried alone
-            if len(batch) == 1:
-                batch[0][1].set_exception(e)
+    def running_count(self) -> int:
+        return sum(row is not None for row in self.live)
+
+    # --- the thread ----------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        open_ = True
+        while True:
+            idle = not self.waiting and not self.running_count()
+            if idle and not open_:
                 return
-            for item in batch:  # one of them caused it: run each alone, so only that one fails
-                self._run([item])
+            open_ &= self._take(wait=idle and open_)
+            free = [slot for slot, row in enumerate(self.live) if row is None]
+            if free and self.waiting:
+                admitted = [self.waiting.popleft() for _ in range(min(len(free), len(self.waiting)))]
+                self._guarded(self._admit, admitted)
+            if self.running_count():
+                self._guarded(self._chunk, [])
+
+    def _take(self, wait: bool) -> bool:
+        """Queued jobs to `waiting` (or answered, for a prompt to score only), their prompts
+        scored where asked; with `wait`, the first blocks, then others are gathered for
+        window_s. False once `close` was called."""
+        items = []
+        try:
+            if wait:
+                items.append(self.jobs.get())
+                deadline = time.monotonic() + self.window_s
+                while items[-1] is not None and len(items) < self.max_batch:
+                    items.append(self.jobs.get(timeout=max(0.0, deadline - time.monotonic())))
+            while True:
+                items.append(self.jobs.get_nowait())
+        except queue.Empty:
+            pass
+        rows = [_Row(*item) for item in items if item is not None]
+        self.taken += len(rows)
+        scoring = [row for row in rows if row.job.score_prompt]
+        for start in range(0, len(scoring), self.max_batch):
+            self._alone_on_error(self._score, scoring[start:start + self.max_batch])
+        for row in rows:
+            if row.future.done():  # its scoring failed
+                continue
+            if row.job.row.max_tokens == 0:
+                row.future.set_result(Result(*row.prompt, Sampled([], [], [], False)))
+            else:
+                self.waiting.append(row)
+        return None not in items
+
+    def _alone_on_error(self, work: Callable[[list[_Row]], None], rows: list[_Row]) -> None:
+        try:
+            work(rows)
+        except Exception as e:  # noqa: BLE001 - it goes to the job, and a group is retried alone
+            if len(rows) == 1:
+                rows[0].future.set_exception(e)
+                return
+            for row in rows:  # one of them caused it: run each alone, so only that one fails
+                self._alone_on_error(work, [row])
+
+    def _guarded(self, work: Callable[[list[_Row]], None], admitted: list[_Row]) -> None:
+        """`work` on the slots; if it fails, the slots' state is lost: every row in them (and
+        `admitted`) runs again alone, and the slots start empty."""
+        try:
+            work(admitted)
+        except Exception:  # noqa: BLE001 - each row is run again alone, and fails alone
+            rows = [row for row in self.live if row is not None]
+            rows += [row for row in admitted if row not in rows and not row.future.done()]
+            self.live, self.state = [None] * self.max_batch, None
+            for row in rows:
+                self._alone_on_error(self._sample_alone, [row])
+
+    def _sample_alone(self, rows: list[_Row]) -> None:
+        (row,) = rows
+        job = row.job
+        (sampled,) = sample_batch(self.model, [job.row], job.top_logprobs, 1)
+        row.future.set_result(Result(*row.prompt, sampled))
+
+    def _admit(self, rows: list[_Row]) -> None:
+        """Prefill `rows` into free slots together (one row alone, several as max_batch rows, so
+        that admission compiles for two row counts per prompt length) and hand out their first
+        tokens."""
+        cfg = self.model.cfg
+        if self.state is None:
+            self.state = slots.empty(cfg, self.max_batch)
+        n = 1 if len(rows) == 1 else self.max_batch
+        P = bucket_for(max(len(row.job.row.prompt) for row in rows), self.buckets)
+        tokens, lengths = np.zeros((n, P), np.int32), np.ones(n, np.int32)
+        for b, row in enumerate(rows):
+            tokens[b, :len(row.job.row.prompt)] = row.job.row.prompt
+            lengths[b] = len(row.job.row.prompt)
+        free = [slot for slot, live in enumerate(self.live) if live is None][:len(rows)]
+        where = np.full(n, self.max_batch, np.int32)  # padding rows go to no slot
+        where[:len(rows)] = free
+        self.state, first = slots.admit(self.model.params, self.state, where, tokens, lengths,
+                                        slots.settings_of([row.job.row for row in rows], cfg.vocab_size, n), cfg=cfg)
+        token, logprob, top_ids, top_lps = jax.device_get(first)
+        self.rows_run.append(len(rows))
+        for b, (slot, row) in enumerate(zip(free, rows)):
+            self.live[slot] = row
+            self._hand_out(slot, int(token[b]), float(logprob[b]), top_ids[b], top_lps[b])
+
+    def _chunk(self, _: list[_Row]) -> None:
+        """One chunk of decoding steps of every slot, its tokens handed out."""
+        wanted = [row.job.top_logprobs for row in self.live if row is not None and row.job.top_logprobs is not None]
+        started, running = time.monotonic(), self.running_count()
+        self.state, out = slots.decode_chunk(self.model.params, self.state, cfg=self.model.cfg, steps=self.steps,
+                                             alternatives=top_k_size(max(wanted)) if wanted else None)
+        ids, logprobs, top_ids, top_lps, valid = jax.device_get(out)
+        self.rows_run.append(running)
+        for slot in range(self.max_batch):
+            for k in np.flatnonzero(valid[slot]):
+                if self.live[slot] is None:
+                    break
+                self._hand_out(slot, int(ids[slot, k]), float(logprobs[slot, k]), top_ids[slot, k],
+                               top_lps[slot, k])
+        if self.on_chunk is not None:
+            self.on_chunk(running, time.monotonic() - started)
+
+    def _hand_out(self, slot: int, token: int, logprob: float, top_ids, top_lps) -> None:
+        """Slot `slot`'s next token to its row (and its stream); the row is answered once it ends
+        (a stop id: not part of the answer; or max_tokens), and its slot freed."""
+        row = self.live[slot]
+        request, wanted = row.job.row, row.job.top_logprobs
+        stopped = token in request.stop_ids
+        try:
+            if not stopped:
+                top = [] if wanted is None else list(zip(top_ids[:wanted].tolist(), top_lps[:wanted].tolist()))
+                row.ids.append(token)
+                if wanted is not None:
+                    row.logprobs.append(logprob)
+                    row.top.append(top)
+                if request.stream is not None:
+                    request.stream(len(row.ids) - 1, token, None if wanted is None else logprob, top)
+        except Exception as e:  # noqa: BLE001 - a failing stream fails its own job only
+            row.future.set_exception(e)
+            self.live[slot] = None
+            self.state["done"] = self.state["done"].at[slot].set(True)  # so that its slot decodes no more
             return
-        for (_, future), result in zip(batch, results):
-            future.set_result(result)
+        if stopped or len(row.ids) == request.max_tokens:
+            row.future.set_result(Result(*row.prompt, Sampled(row.ids, row.logprobs, row.top, stopped)))
+            self.live[slot] = None
+
+    def _score(self, rows: list[_Row]) -> None:
+        """Each row's prompt's log-probabilities and top alternatives (`row.prompt`); rows go
+        through the scorer in groups whose log-softmax fits SCORE_FLOATS, one row alone, several
+        as max_batch rows (or fewer, where SCORE_FLOATS allows fewer)."""
+        seqs = [np.asarray(row.job.row.prompt, np.int32) for row in rows]
+        k = top_k_size(max((row.job.top_logprobs or 0 for row in rows), default=0))
+        L = bucket_for(max((len(s) - 1 for s in seqs), default=1) or 1, self.buckets)
+        cap = max(1, SCORE_FLOATS // (L * self.model.cfg.vocab_size))
+        for start in range(0, len(rows), cap):
+            group = seqs[start:start + cap]
+            B = 1 if len(group) == 1 else max(len(group), min(self.max_batch, cap))
+            logprob, top_ids, top_lps = jax.device_get(self.scorer(
+                self.model.params, pad_rows([s[:-1] for s in group], L, B), pad_rows([s[1:] for s in group], L, B), k))
+            self.rows_run.append(len(group))
+            for b, (row, s) in enumerate(zip(rows[start:start + cap], group)):
+                n, wanted = len(s) - 1, row.job.top_logprobs or 0
+                top = [list(zip(top_ids[b, i, :wanted].tolist(), top_lps[b, i, :wanted].tolist())) for i in range(n)]
+                row.prompt = ([None, *logprob[b, :n].tolist()], [[], *top])
 
 
 # --- turning requests into jobs and results into OpenAI's answers ----------------------------------
 
 
 class Service:
-    """The served model under its name: validation, tokenization and answers around the batcher."""
+    """The served model under its name: validation, tokenization and answers around the scheduler."""
 
     def __init__(self, model: Model, name: str, max_batch: int = 8):
         self.model, self.name = model, name
         self.created = int(time.time())
-        self.metrics = ServingMetrics(name, lambda: self.batcher.jobs.qsize())
-        self.batcher = Batcher(Engine(model, max_batch), max_batch, on_batch=self.metrics.ran_batch)
+        self.metrics = ServingMetrics(name, lambda: self.scheduler.waiting_count(),
+                                      lambda: self.scheduler.running_count())
+        self.scheduler = Scheduler(model, max_batch, on_chunk=self.metrics.ran_chunk)
         self.tok = Tokenizer.from_str(model.tokenizer.to_str())
         self.tok.encode_special_tokens = False  # text prompts: special-token strings become their tokens, as in HF
         self.template, self.no_template = None, ""
@@ -408,7 +524,7 @@ class Service:
                        body.repetition_penalty)
 
     async def run(self, jobs: list[Job]) -> list[Result]:
-        return await asyncio.gather(*(asyncio.wrap_future(self.batcher.submit(j)) for j in jobs))
+        return await asyncio.gather(*(asyncio.wrap_future(self.scheduler.submit(j)) for j in jobs))
 
     def cut(self, sampled: Sampled, body: _Body) -> tuple[list[int], str, str]:
         """(the tokens kept, their text, finish_reason) after cutting at the first stop string,
@@ -623,14 +739,14 @@ class Service:
         def event(choices: list[dict]) -> str:
             return f"data: {json.dumps({**head, 'choices': choices, **({'usage': None} if usage else {})})}\n\n"
 
-        def deliver(item: tuple) -> None:  # from the engine's thread (mid-loop for a token)
+        def deliver(item: tuple) -> None:  # from the scheduler's thread
             if not loop.is_closed():  # closed: the server is gone, and nobody reads the stream
                 loop.call_soon_threadsafe(arrivals.put_nowait, item)
 
         for n, (ids, max_tokens, stop_ids, j) in enumerate(rows):
             row = self.row(body, ids, max_tokens, stop_ids, j, lambda i, *token, n=n: deliver((n, i, token)))
             job = Job(row, top_logprobs=top_logprobs)
-            self.batcher.submit(job).add_done_callback(lambda done, n=n: deliver((n, None, done)))
+            self.scheduler.submit(job).add_done_callback(lambda done, n=n: deliver((n, None, done)))
         for n, first in enumerate(firsts or []):
             yield event([{"index": n, **first, "finish_reason": None}])
         used, pending, first_sent = 0, set(range(len(rows))), False
@@ -763,7 +879,7 @@ def create_app(service: Service, api_key: str | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
-        await asyncio.to_thread(service.batcher.close)
+        await asyncio.to_thread(service.scheduler.close)
 
     app = FastAPI(title="kiln serve-model", lifespan=lifespan)
     app.state.service = service

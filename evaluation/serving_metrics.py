@@ -6,8 +6,9 @@ so a dashboard built for vLLM needs its prefix changed only:
     kiln_prompt_tokens_total, kiln_generation_tokens_total   tokens of the answered requests
     kiln_e2e_request_latency_seconds{endpoint}       arrival to the whole answer (a stream's [DONE])
     kiln_time_to_first_token_seconds                 streamed requests: arrival to the first text
-    kiln_batch_jobs, kiln_batch_seconds              what each batch the engine ran held, and took
-    kiln_num_requests_waiting                        jobs queued for the engine now
+    kiln_batch_jobs, kiln_batch_seconds              rows decoding in each chunk of steps the engine ran,
+                                                     and what the chunk took
+    kiln_num_requests_waiting, kiln_num_requests_running   jobs queued for a slot, and decoding, now
 
 Each server has a registry of its own (two in one process do not mix). No Prefect here.
 """
@@ -25,7 +26,7 @@ ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
 
 
 class ServingMetrics:
-    def __init__(self, model_name: str, waiting: Callable[[], int]):
+    def __init__(self, model_name: str, waiting: Callable[[], int], running: Callable[[], int]):
         self.registry = r = CollectorRegistry()
         self.requests = Counter("kiln_requests", "HTTP requests answered, by endpoint and status",
                                 ["model_name", "endpoint", "status"], registry=r)
@@ -37,12 +38,14 @@ class ServingMetrics:
                                  ["model_name", "endpoint"], buckets=SECONDS, registry=r)
         self.first_token = Histogram("kiln_time_to_first_token_seconds", "streamed requests: arrival to the "
                                      "first text sent", ["model_name"], buckets=SECONDS, registry=r).labels(model_name)
-        self.batch_jobs = Histogram("kiln_batch_jobs", "jobs in each batch the engine ran", ["model_name"],
+        self.batch_jobs = Histogram("kiln_batch_jobs", "rows decoding in each chunk the engine ran", ["model_name"],
                                     buckets=JOBS, registry=r).labels(model_name)
-        self.batch_seconds = Histogram("kiln_batch_seconds", "what each batch took the engine", ["model_name"],
+        self.batch_seconds = Histogram("kiln_batch_seconds", "what each chunk took the engine", ["model_name"],
                                        buckets=SECONDS, registry=r).labels(model_name)
-        Gauge("kiln_num_requests_waiting", "jobs queued for the engine", ["model_name"],
+        Gauge("kiln_num_requests_waiting", "jobs queued for a slot", ["model_name"],
               registry=r).labels(model_name).set_function(waiting)
+        Gauge("kiln_num_requests_running", "jobs decoding in a slot", ["model_name"],
+              registry=r).labels(model_name).set_function(running)
         self.model_name = model_name
 
     def answered(self, endpoint: str, prompt_tokens: int, generation_tokens: int, seconds: float) -> None:
@@ -51,8 +54,8 @@ class ServingMetrics:
         self.generation_tokens.inc(generation_tokens)
         self.latency.labels(self.model_name, endpoint).observe(seconds)
 
-    def ran_batch(self, jobs: int, seconds: float) -> None:
-        self.batch_jobs.observe(jobs)
+    def ran_chunk(self, rows: int, seconds: float) -> None:
+        self.batch_jobs.observe(rows)
         self.batch_seconds.observe(seconds)
 
     def exposition(self) -> tuple[bytes, str]:

@@ -1,8 +1,9 @@
 """`kiln serve-model` on the tiny model tests/test_generate.py trains (its tokenizer has the chat
 tokens), served on 127.0.0.1: lm-eval's own `local-completions` model scores a local task through
 it with the in-process adapter's log-likelihoods; the openai client gets completions and chat
-completions; greedy text is `evaluation.generate`'s; a prompt's tokens are the same alone and in
-a batch; bad requests get 4xx answers that say what is wrong; SIGTERM stops it cleanly."""
+completions; greedy text is `evaluation.generate`'s; a prompt's tokens are the same alone and
+decoding beside others; a short request is answered while a long answer decodes (continuous
+batching); bad requests get 4xx answers that say what is wrong; SIGTERM stops it cleanly."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import yaml
 
 from evaluation.adapter import KilnLM
 from evaluation.generate import Request, generate, load, sample, sample_batch
-from evaluation.server import Batcher, Job, Service, create_app
+from evaluation.server import Job, Scheduler, Service, create_app
 from tests.conftest import free_port, kiln, server, log_tail, wait_until
 from tests.test_generate import PROMPT, store  # noqa: F401  (a fixture)
 from tests.test_training_kjv_data import kjv_text
@@ -123,7 +124,7 @@ def test_lm_eval_local_completions_scores_as_the_adapter_does(served, kiln_lm, e
     for req, (logprob, greedy), (want, want_greedy) in zip(requests, got, expected, strict=True):
         assert logprob == pytest.approx(want, abs=1e-4), req.args
         assert greedy == want_greedy, req.args
-    assert max(service.batcher.batch_sizes) > 1  # concurrent requests ran as one batch
+    assert max(service.scheduler.rows_run) > 1  # concurrent requests ran together
 
     # Without a tokenizer named, lm-eval finds the server's own (/tokenizer_info, /tokenize).
     remote = LocalCompletionsAPI(base_url=f"{url}/v1/completions", model=NAME, max_length=T, batch_size=8,
@@ -383,7 +384,7 @@ def test_metrics_count_what_the_server_answered(served):
     assert delta("kiln_e2e_request_latency_seconds_count", endpoint="/v1/completions") == 2
     assert delta("kiln_time_to_first_token_seconds_count") == 1
     assert delta("kiln_batch_jobs_count") >= 2 and delta("kiln_batch_seconds_sum") > 0
-    assert after[("kiln_num_requests_waiting", ())] == 0
+    assert after[("kiln_num_requests_waiting", ())] == after[("kiln_num_requests_running", ())] == 0
 
 
 def test_streamed_answers_add_up_to_the_answers_without_streaming(served, model):
@@ -481,11 +482,11 @@ def test_streamed_logprobs_and_echo_add_up_to_the_answers_without_streaming(serv
     for body in ({**ask, "stop": [stop]}, {**ask, "stop": [stop], "include_stop_str_in_output": True},
                  {**ask, "n": 2, "echo": True, "max_tokens": 12},
                  {**ask, "echo": True, "max_tokens": 0}, {**ask, "echo": True, "logprobs": None}):
-        jobs = sum(service.batcher.batch_sizes)
+        jobs = service.scheduler.taken
         whole = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["choices"]
-        assert sum(service.batcher.batch_sizes) - jobs == len(whole)
+        assert service.scheduler.taken - jobs == len(whole)
         got = joined(streamed("/v1/completions", body), len(whole))
-        assert sum(service.batcher.batch_sizes) - jobs == 2 * len(whole) + ("echo" in body and bool(body["logprobs"]))
+        assert service.scheduler.taken - jobs == 2 * len(whole) + ("echo" in body and bool(body["logprobs"]))
         for choice in whole:
             choice.pop("index")
             if body["logprobs"] is None:
@@ -524,54 +525,89 @@ def test_greedy_echo_and_batches_agree_with_kiln(served, model, kiln_lm):
     for lp, top in zip(logprobs["token_logprobs"][1:], logprobs["top_logprobs"][1:]):
         assert 3 <= len(top) <= 4 and lp in top.values() and max(top.values()) >= lp
 
-    # A prompt's tokens and log-probabilities are the same alone and in any batch (prompts and
-    # lengths within one bucket, 16, so that this compiles little).
+    # A prompt's tokens and log-probabilities are the same alone and decoding beside others
+    # (prompts and lengths within one bucket, 16, so that this compiles little).
     rows = [Job(Request(prompt, 12, 0.0), top_logprobs=0),
             Job(Request(prompt[:3], 16, 1.0, 0.8, seed=5), top_logprobs=0),
             Job(Request(ids[:14], 9, 0.7, 1.0, seed=2, stop_ids=(model.eos_id,)), top_logprobs=0),
             Job(Request(ids, 0), score_prompt=True, top_logprobs=0),
             Job(Request(prompt * 2, 5, 1.0, seed=11), score_prompt=True, top_logprobs=0)]
-    engine = service.batcher.engine  # the served one: what it compiled, this reuses
-    together = engine.run(rows)
+    scheduler = service.scheduler  # the served one: what it compiled, this reuses
+    before = len(scheduler.rows_run)
+    together = results(scheduler, rows)
+    assert max(scheduler.rows_run[before:]) > 1
     assert together[1].sampled.ids != sample(model, prompt[:3], 16, 1.0, 0.8, seed=6)  # the seed matters
     for job, batched in zip(rows, together):
-        (alone,) = engine.run([job])
+        (alone,) = results(scheduler, [job])
         assert batched.sampled.ids == alone.sampled.ids
         assert len(alone.sampled.logprobs) == len(alone.sampled.ids)
         assert np.allclose(batched.sampled.logprobs, alone.sampled.logprobs, atol=1e-5)
         if job.score_prompt:
             assert np.allclose(batched.prompt_logprobs[1:], alone.prompt_logprobs[1:], atol=1e-5)
+        if job.row.max_tokens:  # and as sample_batch draws them, in one batch of its own
+            (drawn,) = sample_batch(model, [job.row], top_logprobs=0)
+            assert drawn.ids == alone.sampled.ids and np.allclose(drawn.logprobs, alone.sampled.logprobs, atol=1e-5)
     assert together[0].sampled.ids == sample(model, prompt, 12, 0.0)
 
     # The same through HTTP: concurrent requests are batched and answered as they are one by one.
     bodies = [{"prompt": PROMPT, "max_tokens": 10 + i, "temperature": 0.9, "seed": i} for i in range(6)]
     one_by_one = [httpx.post(f"{url}/v1/completions", json=b, timeout=60).json()["choices"][0]["text"] for b in bodies]
-    before, window = len(service.batcher.batch_sizes), service.batcher.window_s
-    service.batcher.window_s = 1.0  # so that all six land in one batch, however loaded the machine
+    before, window = len(scheduler.rows_run), scheduler.window_s
+    scheduler.window_s = 1.0  # so that all six start together, however loaded the machine
     try:
         with httpx.Client(timeout=60) as client, concurrent.futures.ThreadPoolExecutor(6) as pool:
             at_once = list(pool.map(lambda b: client.post(f"{url}/v1/completions", json=b), bodies))
     finally:
-        service.batcher.window_s = window
+        scheduler.window_s = window
     assert [r.json()["choices"][0]["text"] for r in at_once] == one_by_one
-    assert max(service.batcher.batch_sizes[before:]) > 1, service.batcher.batch_sizes[before:]
+    assert max(scheduler.rows_run[before:]) > 1, scheduler.rows_run[before:]
 
 
-def test_an_error_in_a_batch_fails_only_its_request():
-    class Poisoned:  # an engine that fails any batch holding the prompt [666]
-        def run(self, jobs):
-            if any(j.row.prompt == [666] for j in jobs):
-                raise RuntimeError("poisoned")
-            return [j.row.prompt for j in jobs]
+def results(scheduler: Scheduler, jobs: list[Job]) -> list:
+    """The jobs' results, submitted at once (so that they start together, when the scheduler is idle)."""
+    return [f.result(120) for f in [scheduler.submit(j) for j in jobs]]
 
-    batcher = Batcher(Poisoned(), max_batch=8, window_s=0.5)
+
+def test_a_short_request_is_answered_while_a_long_one_decodes(model):
+    """Continuous batching: a request that comes while a long answer decodes takes a free slot at
+    the next chunk and is answered long before the long one ends, with the tokens it gets alone;
+    more prompts than slots wait for one; a stream whose consumer fails, and a row that fails
+    the engine (a logit bias outside the vocabulary, which the server's validation would have
+    refused), fail their own jobs only."""
+    scheduler = Scheduler(model, max_batch=2, steps=4)
     try:
-        futures = [batcher.submit(Job(Request(p, 1))) for p in ([1], [666], [2], [3])]
-        assert [f.exception(30) is not None for f in futures] == [False, True, False, False]
-        assert [futures[i].result() for i in (0, 2, 3)] == [[1], [2], [3]]
-        assert batcher.batch_sizes[0] == 4  # one batch, then each alone
+        long = Request([model.start_id, 11], 40, 0.0, stop_ids=())
+        short = [Job(Request([model.start_id, 12 + i, 13], 3, 1.0, seed=i, stop_ids=(model.eos_id,)), top_logprobs=1)
+                 for i in range(3)]
+        alone = [results(scheduler, [job])[0].sampled.ids for job in (Job(long), *short)]
+        ended: list[str] = []
+        quick: list = []
+
+        def arrive(i, token, lp, top):  # the long answer's stream: three short requests come at its 4th token
+            if i == 3:
+                for n, job in enumerate(short):
+                    quick.append(scheduler.submit(job))
+                    quick[-1].add_done_callback(lambda _, n=n: ended.append(f"short {n}"))
+
+        waiting = scheduler.submit(Job(Request(long.prompt, long.max_tokens, 0.0, stop_ids=(), stream=arrive)))
+        waiting.add_done_callback(lambda _: ended.append("long"))
+        assert waiting.result(60).sampled.ids == alone[0]
+        assert ended == ["short 0", "short 1", "short 2", "long"]  # three for one free slot: in turn, all first
+        assert [f.result().sampled.ids for f in quick] == alone[1:]
+        assert max(scheduler.rows_run) == 2
+
+        def broken(i, t, lp, top):
+            raise RuntimeError("the client went away")
+
+        fails = [Job(Request([model.start_id, 11], 6, 0.0, stop_ids=(), stream=broken)),
+                 Job(Request([model.start_id, 11], 6, 0.0, logit_bias=((model.cfg.vocab_size + 3, 1.0),)))]
+        futures = [scheduler.submit(j) for j in [short[1], fails[0], fails[1], short[2]]]
+        assert "went away" in str(futures[1].exception(60))
+        assert "outside the model's vocabulary" in str(futures[2].exception(60))
+        assert [futures[i].result(60).sampled.ids for i in (0, 3)] == [
+            results(scheduler, [j])[0].sampled.ids for j in (short[1], short[2])]
     finally:
-        batcher.close()
+        scheduler.close()
 
 
 BAD = [  # (method, path, body (None: send `raw`), raw bytes, status, words the message must contain)

@@ -247,10 +247,9 @@ class Attention(nn.Module):
             out = fused_attention(q, k, v, segments, self.attention.removeprefix("fused_"))
         elif layer_cache is None:  # training / full forward: one causal run, position i sees 0..i
             out = causal_attention(q, k, v, segments)
-        else:  # decoding: write this chunk at slot `index`, attend over the whole cache
-            k = jax.lax.dynamic_update_slice(layer_cache["k"], k.astype(layer_cache["k"].dtype), (0, index, 0, 0))
-            v = jax.lax.dynamic_update_slice(layer_cache["v"], v.astype(layer_cache["v"].dtype), (0, index, 0, 0))
-            layer_cache = {"k": k, "v": v}
+        else:  # decoding: write this chunk at slot `index` (row b's at index[b]), attend over the whole cache
+            layer_cache = {"k": write_slots(layer_cache["k"], k, index), "v": write_slots(layer_cache["v"], v, index)}
+            k, v = layer_cache["k"], layer_cache["v"]
             out = cached_attention(q, k, v, positions, cache_pos)
         return project(out, Kernel((H * Q, D), out_std, name="o_proj")().astype(dt)), layer_cache
 
@@ -403,6 +402,18 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> dict:
     }
 
 
+def write_slots(cache, new, index):
+    """`new` [B, t, ...] written into `cache` [B, S, ...] at slot `index`: one slot for every row
+    (a scalar), or row b's at index[b] (an int32 [B], with t = 1: rows that decode at positions
+    of their own, `evaluation.slots`)."""
+    new = new.astype(cache.dtype)
+    if jnp.ndim(index) == 0:
+        return jax.lax.dynamic_update_slice(cache, new, (0, index) + (0,) * (cache.ndim - 2))
+    if new.shape[1] != 1:
+        raise ValueError(f"a cache index per row writes one token per row, not {new.shape[1]}")
+    return cache.at[jnp.arange(cache.shape[0]), index].set(new[:, 0])
+
+
 def decode_step(params, cfg: ModelConfig, tokens, cache: dict, positions):
     """Run tokens [B, t] through the model, appending them to the cache; returns float32 logits
     [B, t, V] and the new cache. Prefill with t > 1, then call with t = 1.
@@ -410,10 +421,11 @@ def decode_step(params, cfg: ModelConfig, tokens, cache: dict, positions):
     `positions` [B, t] are the tokens' positions within their own sequence (for RoPE and the
     causal mask). Left-padded prompts pass position -1 for padding: padded slots are never
     attended to, so a batch of prompts of different lengths decodes as each would alone.
+    `cache["index"]` is the slot every row writes at, or an int32 [B] of each row's (t = 1).
     """
     t = tokens.shape[1]
     index = cache["index"]
-    pos = jax.lax.dynamic_update_slice(cache["pos"], positions.astype(jnp.int32), (0, index))
+    pos = write_slots(cache["pos"], positions.astype(jnp.int32), index)
     run_cache = {"index": index, "pos": pos, "layers": cache["layers"]}
     logits, layers = Llama(cfg).apply({"params": params}, tokens, positions.astype(jnp.int32), run_cache)
     return logits, {"index": index + t, "pos": pos, "layers": layers}

@@ -1,0 +1,164 @@
+"""Short requests' latency while long answers decode: `kiln serve-model` here and at a baseline commit.
+
+The load a shared server meets: `--long-clients` clients each asking for long answers back to
+back (`--long-tokens` new tokens, `ignore_eos`), while short requests (`--short-tokens`) arrive
+every `--every-ms` milliseconds, each on a connection of its own. A server that runs requests
+in whole batches makes a short request that comes while a long answer decodes wait for that
+batch to end; one that batches continuously (evaluation/slots.py) starts it at the next chunk.
+
+For the working tree and a git worktree at `--baseline`, in turn, `--rounds` times: start
+`python -m flows.cli serve-model` (that tree's code) on a random-weights export (the tiny_cpu
+shape, benchmarks/generate_bench.py's `random_model`, context 256), run the load untimed for
+`--warmup` seconds (the compiles), then timed for `--seconds`, and stop the server. Prints per
+run the short requests' median and 90th-percentile latency, the long answers' median, and new
+tokens per second of all answers; then the medians' ratios against the baseline. Greedy, so
+both trees give the same texts (checked for the short prompts).
+
+    uv run python benchmarks/serve_load_bench.py --baseline <commit> [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from benchmarks.generate_bench import kjv_prompts, random_model  # noqa: E402
+from benchmarks.ray_stop_bench import free_port  # noqa: E402
+
+
+def serve(tree: Path, model: Path, port: int, max_batch: int) -> subprocess.Popen:
+    """`kiln serve-model` from `tree`'s code, once it answers /health."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve-model", str(model), "--port", str(port),
+                             "--max-batch", str(max_batch)], cwd=tree, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"serve-model in {tree} exited {proc.returncode}:\n{proc.stderr.read()[-3000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise SystemExit(f"serve-model in {tree} did not answer /health in 120 s")
+
+
+def load(url: str, prompts: list[list[int]], args, seconds: float) -> dict:
+    """The load for `seconds` (requests in flight at the end are waited for, and counted)."""
+    end = time.monotonic() + seconds
+    longs: list[float] = []
+    shorts: list[tuple[float, str]] = []
+    tokens = [0]
+    lock = threading.Lock()
+
+    def ask(prompt: list[int], max_tokens: int) -> tuple[float, str]:
+        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+        start = time.monotonic()
+        with httpx.Client(timeout=600) as client:
+            answer = client.post(f"{url}/v1/completions", json=body)
+        answer.raise_for_status()
+        answer = answer.json()
+        with lock:
+            tokens[0] += answer["usage"]["completion_tokens"]
+        return time.monotonic() - start, answer["choices"][0]["text"]
+
+    def long_client(k: int) -> None:
+        while time.monotonic() < end:
+            longs.append(ask(prompts[k % len(prompts)], args.long_tokens)[0])
+
+    started = time.monotonic()
+    clients = [threading.Thread(target=long_client, args=(k,)) for k in range(args.long_clients)]
+    for c in clients:
+        c.start()
+    with concurrent.futures.ThreadPoolExecutor(64) as pool:
+        futures, n = [], 0
+        while time.monotonic() < end:
+            prompt = prompts[(n + args.long_clients) % len(prompts)]
+            futures.append(pool.submit(ask, prompt, args.short_tokens))
+            n += 1
+            time.sleep(args.every_ms / 1000)
+        shorts = [f.result() for f in futures]
+    for c in clients:
+        c.join()
+    elapsed = time.monotonic() - started
+    latencies = sorted(s for s, _ in shorts)
+    return {"short_median_s": statistics.median(latencies), "short_p90_s": latencies[int(0.9 * (len(latencies) - 1))],
+            "long_median_s": statistics.median(longs) if longs else float("nan"), "shorts": len(shorts),
+            "longs": len(longs), "tokens_per_s": tokens[0] / elapsed,
+            "texts": {tuple(prompts[(i + args.long_clients) % len(prompts)]): t for i, (_, t) in enumerate(shorts)}}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--baseline", required=True, help="the commit to compare with (a git worktree of it is made)")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--long-clients", type=int, default=2)
+    p.add_argument("--long-tokens", type=int, default=200)
+    p.add_argument("--short-tokens", type=int, default=8)
+    p.add_argument("--every-ms", type=float, default=150)
+    p.add_argument("--max-batch", type=int, default=8)
+    p.add_argument("--seconds", type=float, default=30)
+    p.add_argument("--warmup", type=float, default=20)
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        model = Path(tmp) / "model"
+        random_model(model)
+        from tokenizers import Tokenizer
+
+        prompts = kjv_prompts(Tokenizer.from_file(str(model / "tokenizer.json")), 16, 16)
+        baseline = Path(tmp) / "baseline"
+        subprocess.run(["git", "worktree", "add", "--detach", str(baseline), args.baseline], cwd=REPO, check=True,
+                       capture_output=True)
+        try:
+            runs: dict[str, list[dict]] = {"baseline": [], "this tree": []}
+            for _ in range(args.rounds):
+                for name, tree in (("baseline", baseline), ("this tree", REPO)):
+                    port = free_port()
+                    proc = serve(tree, model, port, args.max_batch)
+                    try:
+                        url = f"http://127.0.0.1:{port}"
+                        load(url, prompts, args, args.warmup)
+                        got = load(url, prompts, args, args.seconds)
+                    finally:
+                        proc.send_signal(signal.SIGTERM)
+                        proc.wait(60)
+                    runs[name].append(got)
+                    print(f"{name:>9}: short requests median {got['short_median_s'] * 1000:7.0f} ms, p90 "
+                          f"{got['short_p90_s'] * 1000:7.0f} ms ({got['shorts']}); long answers median "
+                          f"{got['long_median_s']:5.2f} s ({got['longs']}); {got['tokens_per_s']:6.0f} tokens/s",
+                          flush=True)
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(baseline)], cwd=REPO, check=False)
+    texts = {}
+    for got in runs["baseline"] + runs["this tree"]:
+        for prompt, text in got["texts"].items():
+            if texts.setdefault(prompt, text) != text:
+                raise SystemExit(f"the two trees answered the prompt {list(prompt)} differently: "
+                                 f"{texts[prompt]!r} and {text!r}")
+    print(f"the short prompts' greedy answers are the same on both trees ({len(texts)} prompts)")
+    for key, label in (("short_median_s", "short requests' median latency"), ("short_p90_s", "short p90 latency"),
+                       ("long_median_s", "long answers' median latency"), ("tokens_per_s", "tokens per second")):
+        base = statistics.median(r[key] for r in runs["baseline"])
+        this = statistics.median(r[key] for r in runs["this tree"])
+        print(f"{label}: this tree / baseline = {this / base:.3f} ({this:.3g} against {base:.3g})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""Continuous batching for `kiln serve-model`: the device side. A fixed number of slots, each one
+request's row of a key/value cache as long as the model's context; the rows decode together a
+few steps at a time (`decode_chunk`), and between those chunks a finished row's slot takes the
+next waiting prompt (`admit`). So a short request that comes while a long answer is decoding
+joins it at the next chunk, instead of waiting for the whole batch to end (Orca's
+iteration-level scheduling, which vLLM calls continuous batching). The host side, the thread
+that picks what runs, is `evaluation.server.Scheduler`.
+
+A row's tokens are drawn as `evaluation.generate.sample_batch` draws them: the same PRNG key
+per row and token index, the same `pick`, the same logit adjustments (`penalised`, min_tokens'
+held stop ids), the same log-probabilities; what differs is where its keys and values sit in
+the cache. Row b's prompt is written from column 0 (right padding), so its column is its
+position and each row writes its new token at a column of its own (training.model.write_slots).
+
+The state is a dict of arrays, slot first; per-token settings that can name any token (stop
+ids, logit bias, which tokens the prompt holds, the counts of those drawn) are [slots, vocab],
+so a row may have any number of them. No Prefect, no threads here.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from evaluation.generate import MAX_LOGPROBS, Request, penalised, pick, seed_key
+from evaluation.scoring import output_logits, trunk
+from training.config import ModelConfig
+from training.model import decode_step, init_cache
+
+STEPS = 8  # decoding steps per chunk: how long a waiting prompt waits for a slot to open, at most
+
+_SETTINGS = {"keys": np.uint32, "temperature": np.float32, "top_p": np.float32, "top_k": np.int32,
+             "min_p": np.float32, "max_new": np.int32, "min_new": np.int32, "presence": np.float32,
+             "frequency": np.float32, "repetition": np.float32, "adjusts": bool, "stop": bool, "bias": np.float32}
+
+
+def empty(cfg: ModelConfig, slots: int) -> dict:
+    """The state of `slots` free slots (done, so no chunk decodes them)."""
+    cache = init_cache(cfg, slots, cfg.seq_len)
+    state = {"pos": cache["pos"], "layers": cache["layers"], "at": jnp.zeros(slots, jnp.int32),
+             "token": jnp.zeros(slots, jnp.int32), "drawn": jnp.zeros(slots, jnp.int32),
+             "done": jnp.ones(slots, bool), "counts": jnp.zeros((slots, cfg.vocab_size), jnp.int32),
+             "in_prompt": jnp.zeros((slots, cfg.vocab_size), bool)}
+    settings = settings_of([], cfg.vocab_size, slots)
+    return {**state, **{name: jnp.asarray(value) for name, value in settings.items()}}
+
+
+def settings_of(rows: list[Request], vocab: int, n: int) -> dict[str, np.ndarray]:
+    """The per-row settings of `rows`, as `n` rows (the rest neutral and done at once, max_new 0)."""
+    out = {name: np.zeros((n, 2) if name == "keys" else (n, vocab) if name in ("stop", "bias") else n, dtype)
+           for name, dtype in _SETTINGS.items()}
+    out["top_p"][:], out["repetition"][:] = 1, 1
+    for b, r in enumerate(rows):
+        out["keys"][b] = seed_key(r.seed)
+        out["stop"][b, list(r.stop_ids)] = True
+        for token, value in r.logit_bias:
+            out["bias"][b, token] = value
+        for name, value in (("temperature", r.temperature), ("top_p", r.top_p), ("top_k", r.top_k),
+                            ("min_p", r.min_p), ("max_new", r.max_tokens), ("min_new", r.min_tokens),
+                            ("presence", r.presence_penalty), ("frequency", r.frequency_penalty),
+                            ("repetition", r.repetition_penalty)):
+            out[name][b] = value
+        out["adjusts"][b] = bool(r.logit_bias or r.presence_penalty or r.frequency_penalty
+                                 or r.repetition_penalty != 1)
+    return out
+
+
+def emit(logits, s: dict, alternatives: int | None):
+    """Draw each row's next token from logits [B, V] under its settings in `s`, as
+    sample_batch's loop does; -> the rows' state after it, and (token, its log-probability, the
+    `alternatives` most likely ids and log-probabilities); the log-probabilities are zeros for
+    `alternatives` None."""
+    B = logits.shape[0]
+    i, rows = s["drawn"], jnp.arange(B)
+    live = ~s["done"]
+    drawn_from = jax.lax.cond(
+        jnp.any(s["adjusts"] & live),
+        lambda: penalised(logits, s["bias"], s["presence"], s["frequency"], s["repetition"], s["in_prompt"],
+                          s["counts"]),
+        lambda: logits)
+    held = (i < s["min_new"])[:, None] & s["stop"]  # stop ids not drawn before min_new tokens
+    drawn_from = jax.lax.cond(jnp.any(held), lambda: jnp.where(held, -jnp.inf, drawn_from), lambda: drawn_from)
+    token = pick(drawn_from, jax.vmap(jax.random.fold_in)(s["keys"], i), s["temperature"], s["top_p"],
+                 s["top_k"], s["min_p"])
+    lp = jnp.zeros((B,), jnp.float32)
+    best, best_ids = jnp.zeros((B, alternatives or 0), jnp.float32), jnp.zeros((B, alternatives or 0), jnp.int32)
+    if alternatives is not None:
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        lp = jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
+        if alternatives:
+            best, best_ids = jax.lax.top_k(logp, alternatives)
+    done = s["done"] | s["stop"][rows, token] | (i + 1 >= s["max_new"])
+    s = {**s, "token": token, "drawn": i + 1, "done": done, "counts": s["counts"].at[rows, token].add(1)}
+    return s, (token, lp, best_ids, best)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnums=(1,))
+def admit(params, state: dict, slots, tokens, lengths, settings: dict, *, cfg: ModelConfig):
+    """Prefill prompts tokens [n, P] (row b's first lengths[b] tokens, the rest padding) into
+    slots [n] of `state` (a slot number past the last: a padding row, written nowhere), and draw
+    each one's first token. -> the new state, and the first tokens [n] with their
+    log-probabilities [n] and MAX_LOGPROBS alternatives [n, MAX_LOGPROBS] (once per prompt, so
+    always computed: one admission program per prompt length)."""
+    n, P = tokens.shape
+    columns = jnp.arange(P, dtype=jnp.int32)[None]
+    positions = jnp.where(columns < lengths[:, None], columns, -1)
+    cache = init_cache(cfg, n, P)  # the prompts attend over their own P columns, then move into the context's
+    hidden, layers = trunk(params, tokens, positions, cfg, {"index": 0, "pos": positions, "layers": cache["layers"]})
+    last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    rest = cfg.seq_len - P
+    pos = jnp.pad(positions, ((0, 0), (0, rest)), constant_values=-1)
+    layers = [{name: jnp.pad(a, ((0, 0), (0, rest), (0, 0), (0, 0))) for name, a in layer.items()} for layer in layers]
+    fresh = {"pos": pos, "layers": layers, "at": lengths, "token": jnp.zeros(n, jnp.int32),
+             "drawn": jnp.zeros(n, jnp.int32), "done": jnp.zeros(n, bool),
+             "counts": jnp.zeros((n, cfg.vocab_size), jnp.int32),
+             "in_prompt": jnp.zeros((n, cfg.vocab_size), bool).at[jnp.arange(n)[:, None], tokens].max(positions >= 0),
+             **settings}
+    fresh, first = emit(output_logits(params, last, cfg), fresh, MAX_LOGPROBS)
+    state = jax.tree_util.tree_map(lambda whole, part: whole.at[slots].set(part, mode="drop"), state, fresh)
+    return state, first
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "steps", "alternatives"), donate_argnums=(1,))
+def decode_chunk(params, state: dict, *, cfg: ModelConfig, steps: int, alternatives: int | None):
+    """Up to `steps` decoding steps of every slot, ending early once all are done. -> the new
+    state, and per slot and step: the token drawn, its log-probability and alternatives (as
+    `emit`), and whether the slot was live (not done) at that step; a slot's tokens after it
+    was done are never read."""
+    S, C = state["at"].shape[0], cfg.seq_len
+    A = alternatives or 0
+    out = (jnp.zeros((S, steps), jnp.int32), jnp.zeros((S, steps), jnp.float32),
+           jnp.zeros((S, steps, A), jnp.int32), jnp.zeros((S, steps, A), jnp.float32), jnp.zeros((S, steps), bool))
+
+    def step(carry):
+        k, s, out = carry
+        live = ~s["done"]
+        # a done slot's column may run past the cache: it writes its own last column, never read
+        cache = {"index": jnp.minimum(s["at"], C - 1), "pos": s["pos"], "layers": s["layers"]}
+        logits, cache = decode_step(params, cfg, s["token"][:, None], cache, s["at"][:, None])
+        s = {**s, "pos": cache["pos"], "layers": cache["layers"], "at": s["at"] + 1}
+        s, (token, lp, best_ids, best) = emit(logits[:, 0], s, alternatives)
+        ids, lps, top_ids, top_lps, valid = out
+        out = (ids.at[:, k].set(token), lps.at[:, k].set(lp), top_ids.at[:, k].set(best_ids),
+               top_lps.at[:, k].set(best), valid.at[:, k].set(live))
+        return k + 1, s, out
+
+    _, state, out = jax.lax.while_loop(lambda c: (c[0] < steps) & ~c[1]["done"].all(), step,
+                                       (jnp.int32(0), state, out))
+    return state, out
