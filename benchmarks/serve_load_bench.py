@@ -93,7 +93,7 @@ def load(url: str, prompts: list[list[int]], args, seconds: float) -> dict:
             prompt = prompts[(n + args.long_clients) % len(prompts)]
             futures.append(pool.submit(ask, prompt, args.short_tokens))
             n += 1
-            time.sleep(args.every_ms / 1000)
+            time.sleep(min(args.every_ms / 1000, max(0.0, end - time.monotonic())))
         shorts = [f.result() for f in futures]
     for c in clients:
         c.join()

@@ -395,11 +395,13 @@ class Scheduler:
         """One chunk of decoding steps of every slot, its tokens handed out."""
         wanted = [row.job.top_logprobs for row in self.live if row is not None and row.job.top_logprobs is not None]
         started, running = time.monotonic(), self.running_count()
+        busy = max(slot for slot, row in enumerate(self.live) if row is not None) + 1
+        width = min(1 << (busy - 1).bit_length(), self.max_batch)  # few compiled widths: powers of two
         self.state, out = slots.decode_chunk(self.model.params, self.state, cfg=self.model.cfg, steps=self.steps,
-                                             alternatives=top_k_size(max(wanted)) if wanted else None)
+                                             alternatives=top_k_size(max(wanted)) if wanted else None, width=width)
         ids, logprobs, top_ids, top_lps, valid = jax.device_get(out)
         self.rows_run.append(running)
-        for slot in range(self.max_batch):
+        for slot in range(width):
             for k in np.flatnonzero(valid[slot]):
                 if self.live[slot] is None:
                     break

@@ -11,6 +11,8 @@ per row and token index, the same `pick`, the same logit adjustments (`penalised
 held stop ids), the same log-probabilities; what differs is where its keys and values sit in
 the cache. Row b's prompt is written from column 0 (right padding), so its column is its
 position and each row writes its new token at a column of its own (training.model.write_slots).
+New prompts take the lowest free slots, and a chunk decodes the slots up to the highest busy
+one (rounded up to a power of two), so a lone request costs one row, not `slots`.
 
 The state is a dict of arrays, slot first; per-token settings that can name any token (stop
 ids, logit bias, which tokens the prompt holds, the counts of those drawn) are [slots, vocab],
@@ -123,16 +125,18 @@ def admit(params, state: dict, slots, tokens, lengths, settings: dict, *, cfg: M
     return state, first
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "steps", "alternatives"), donate_argnums=(1,))
-def decode_chunk(params, state: dict, *, cfg: ModelConfig, steps: int, alternatives: int | None):
-    """Up to `steps` decoding steps of every slot, ending early once all are done. -> the new
-    state, and per slot and step: the token drawn, its log-probability and alternatives (as
-    `emit`), and whether the slot was live (not done) at that step; a slot's tokens after it
-    was done are never read."""
-    S, C = state["at"].shape[0], cfg.seq_len
+@functools.partial(jax.jit, static_argnames=("cfg", "steps", "alternatives", "width"), donate_argnums=(1,))
+def decode_chunk(params, state: dict, *, cfg: ModelConfig, steps: int, alternatives: int | None, width: int):
+    """Up to `steps` decoding steps of the first `width` slots (those past it are free: a lone
+    request decodes as one row, not as many as there are slots), ending early once all are done.
+    -> the new state, and per slot (of the first `width`) and step: the token drawn, its
+    log-probability and alternatives (as `emit`), and whether the slot was live (not done) at
+    that step; a slot's tokens after it was done are never read."""
+    C = cfg.seq_len
     A = alternatives or 0
-    out = (jnp.zeros((S, steps), jnp.int32), jnp.zeros((S, steps), jnp.float32),
-           jnp.zeros((S, steps, A), jnp.int32), jnp.zeros((S, steps, A), jnp.float32), jnp.zeros((S, steps), bool))
+    out = (jnp.zeros((width, steps), jnp.int32), jnp.zeros((width, steps), jnp.float32),
+           jnp.zeros((width, steps, A), jnp.int32), jnp.zeros((width, steps, A), jnp.float32),
+           jnp.zeros((width, steps), bool))
 
     def step(carry):
         k, s, out = carry
@@ -147,6 +151,9 @@ def decode_chunk(params, state: dict, *, cfg: ModelConfig, steps: int, alternati
                top_lps.at[:, k].set(best), valid.at[:, k].set(live))
         return k + 1, s, out
 
-    _, state, out = jax.lax.while_loop(lambda c: (c[0] < steps) & ~c[1]["done"].all(), step,
-                                       (jnp.int32(0), state, out))
+    part = jax.tree_util.tree_map(lambda a: a[:width], state)
+    _, part, out = jax.lax.while_loop(lambda c: (c[0] < steps) & ~c[1]["done"].all(), step,
+                                      (jnp.int32(0), part, out))
+    state = jax.tree_util.tree_map(lambda whole, new: jax.lax.dynamic_update_slice_in_dim(whole, new, 0, 0),
+                                   state, part)
     return state, out
