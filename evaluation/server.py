@@ -245,6 +245,19 @@ class _Row:
     top: list = field(default_factory=list)
 
 
+def settle(future: concurrent.futures.Future, result=None, error: BaseException | None = None) -> None:
+    """A job's answer (or error) to its future, unless its caller cancelled it meanwhile (a
+    client that went away: nobody waits for it)."""
+    try:
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+    except concurrent.futures.InvalidStateError:
+        if not future.cancelled():  # answered twice: a kiln bug
+            raise
+
+
 class Scheduler:
     """Runs jobs on the model in a thread of its own (the one that touches the model),
     continuously batched (evaluation/slots.py): up to `max_batch` prompts decode together, a
@@ -256,7 +269,9 @@ class Scheduler:
 
     If scoring a group fails, each of its jobs is scored again alone; if admitting prompts or a
     chunk fails, every row in the slots runs again alone (`sample_batch`, its stream sending
-    its tokens again): an error fails only the job that causes it. `submit` returns a future."""
+    its tokens again): an error fails only the job that causes it. `submit` returns a future;
+    cancelling it (the server does, for a client that went away) frees the job's slot at the
+    next token it would have been handed."""
 
     def __init__(self, model: Model, max_batch: int = 8, window_s: float = WINDOW_S, steps: int = slots.STEPS,
                  on_chunk: Callable[[int, float], None] | None = None):
@@ -303,6 +318,11 @@ class Scheduler:
             if idle and not open_:
                 return
             open_ &= self._take(wait=idle and open_)
+            for slot, row in enumerate(self.live):
+                if row is not None and row.future.cancelled():  # its client went away
+                    self._free(slot)
+            while self.waiting and self.waiting[0].future.cancelled():
+                self.waiting.popleft()
             free = [slot for slot, row in enumerate(self.live) if row is None]
             if free and self.waiting:
                 admitted = [self.waiting.popleft() for _ in range(min(len(free), len(self.waiting)))]
@@ -325,16 +345,16 @@ class Scheduler:
                 items.append(self.jobs.get_nowait())
         except queue.Empty:
             pass
-        rows = [_Row(*item) for item in items if item is not None]
+        rows = [_Row(*item) for item in items if item is not None and not item[1].cancelled()]
         self.taken += len(rows)
         scoring = [row for row in rows if row.job.score_prompt]
         for start in range(0, len(scoring), self.max_batch):
             self._alone_on_error(self._score, scoring[start:start + self.max_batch])
         for row in rows:
-            if row.future.done():  # its scoring failed
+            if row.future.done():  # its scoring failed, or its caller cancelled it
                 continue
             if row.job.row.max_tokens == 0:
-                row.future.set_result(Result(*row.prompt, Sampled([], [], [], False)))
+                settle(row.future, Result(*row.prompt, Sampled([], [], [], False)))
             else:
                 self.waiting.append(row)
         return None not in items
@@ -344,7 +364,7 @@ class Scheduler:
             work(rows)
         except Exception as e:  # noqa: BLE001 - it goes to the job, and a group is retried alone
             if len(rows) == 1:
-                rows[0].future.set_exception(e)
+                settle(rows[0].future, error=e)
                 return
             for row in rows:  # one of them caused it: run each alone, so only that one fails
                 self._alone_on_error(work, [row])
@@ -365,7 +385,7 @@ class Scheduler:
         (row,) = rows
         job = row.job
         (sampled,) = sample_batch(self.model, [job.row], job.top_logprobs, 1)
-        row.future.set_result(Result(*row.prompt, sampled))
+        settle(row.future, Result(*row.prompt, sampled))
 
     def _admit(self, rows: list[_Row]) -> None:
         """Prefill `rows` into free slots together (one row alone, several as max_batch rows, so
@@ -414,6 +434,9 @@ class Scheduler:
         """Slot `slot`'s next token to its row (and its stream); the row is answered once it ends
         (a stop id: not part of the answer; or max_tokens), and its slot freed."""
         row = self.live[slot]
+        if row.future.cancelled():  # its client went away
+            self._free(slot)
+            return
         request, wanted = row.job.row, row.job.top_logprobs
         stopped = token in request.stop_ids
         try:
@@ -426,13 +449,18 @@ class Scheduler:
                 if request.stream is not None:
                     request.stream(len(row.ids) - 1, token, None if wanted is None else logprob, top)
         except Exception as e:  # noqa: BLE001 - a failing stream fails its own job only
-            row.future.set_exception(e)
-            self.live[slot] = None
-            self.state["done"] = self.state["done"].at[slot].set(True)  # so that its slot decodes no more
+            settle(row.future, error=e)
+            self._free(slot)
             return
         if stopped or len(row.ids) == request.max_tokens:
-            row.future.set_result(Result(*row.prompt, Sampled(row.ids, row.logprobs, row.top, stopped)))
+            settle(row.future, Result(*row.prompt, Sampled(row.ids, row.logprobs, row.top, stopped)))
             self.live[slot] = None
+
+    def _free(self, slot: int) -> None:
+        """Slot `slot`'s row ended before its answer (a failed stream, a cancelled job): the slot
+        is free, and decodes no more."""
+        self.live[slot] = None
+        self.state["done"] = self.state["done"].at[slot].set(True)
 
     def _score(self, rows: list[_Row]) -> None:
         """Each row's prompt's log-probabilities and top alternatives (`row.prompt`); rows go
@@ -745,14 +773,15 @@ class Service:
             if not loop.is_closed():  # closed: the server is gone, and nobody reads the stream
                 loop.call_soon_threadsafe(arrivals.put_nowait, item)
 
+        futures = []
         for n, (ids, max_tokens, stop_ids, j) in enumerate(rows):
             row = self.row(body, ids, max_tokens, stop_ids, j, lambda i, *token, n=n: deliver((n, i, token)))
-            job = Job(row, top_logprobs=top_logprobs)
-            self.scheduler.submit(job).add_done_callback(lambda done, n=n: deliver((n, None, done)))
-        for n, first in enumerate(firsts or []):
-            yield event([{"index": n, **first, "finish_reason": None}])
+            futures.append(self.scheduler.submit(Job(row, top_logprobs=top_logprobs)))
+            futures[-1].add_done_callback(lambda done, n=n: deliver((n, None, done)))
         used, pending, first_sent = 0, set(range(len(rows))), False
         try:
+            for n, first in enumerate(firsts or []):
+                yield event([{"index": n, **first, "finish_reason": None}])
             while pending:
                 n, i, item = await arrivals.get()
                 if i is not None:
@@ -783,6 +812,9 @@ class Service:
             if usage:
                 totals = self.usage(prompt_tokens, used)
                 yield f"data: {json.dumps({**head, 'choices': [], 'usage': totals})}\n\n"
+        finally:  # a client that went away (the stream closed early) frees its choices' slots
+            for future in futures:
+                future.cancel()
         yield "data: [DONE]\n\n"
 
     def chat_logprob(self, token: int, lp: float, top: list[tuple[int, float]], skip_special: bool,

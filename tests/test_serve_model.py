@@ -573,7 +573,7 @@ def test_a_short_request_is_answered_while_a_long_one_decodes(model):
     the next chunk and is answered long before the long one ends, with the tokens it gets alone;
     more prompts than slots wait for one; a stream whose consumer fails, and a row that fails
     the engine (a logit bias outside the vocabulary, which the server's validation would have
-    refused), fail their own jobs only."""
+    refused), fail their own jobs only; a cancelled job stops decoding."""
     scheduler = Scheduler(model, max_batch=2, steps=4)
     try:
         long = Request([model.start_id, 11], 40, 0.0, stop_ids=())
@@ -606,9 +606,43 @@ def test_a_short_request_is_answered_while_a_long_one_decodes(model):
         assert "outside the model's vocabulary" in str(futures[2].exception(60))
         assert [futures[i].result(60).sampled.ids for i in (0, 3)] == [
             results(scheduler, [j])[0].sampled.ids for j in (short[1], short[2])]
+
+        # A job cancelled while it decodes (a client that went away) gets no more tokens, and its
+        # slot goes to the next prompt: nothing is answered to it, and the others are unchanged.
+        sent: list[int] = []
+        gone: list = []
+
+        def leaves(i, token, lp, top):
+            sent.append(token)
+            if i == 2:
+                gone[0].cancel()
+
+        gone.append(scheduler.submit(Job(Request(long.prompt, long.max_tokens, 0.0, stop_ids=(), stream=leaves))))
+        after = scheduler.submit(short[0])
+        assert after.result(60).sampled.ids == alone[1]
+        assert gone[0].cancelled() and sent == alone[0][:3]
+        wait_until(lambda: scheduler.running_count() == 0, 60, "the slots to empty")
     finally:
         scheduler.close()
 
+
+
+def test_a_streaming_client_that_goes_away_frees_its_slot(served, model):
+    """A client that closes its stream: the server notices at its next event, cancels the job, and
+    the job's slot decodes no more (a job beside it slows each chunk, so the closed one would
+    otherwise still be decoding)."""
+    url, service = served
+    scheduler = service.scheduler
+    slow = scheduler.submit(Job(Request([model.start_id, 11], 60, 0.0, stop_ids=(),
+                                        stream=lambda *_: time.sleep(0.05))))
+    body = {"prompt": PROMPT, "max_tokens": 40, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as answer:
+        assert next(answer.iter_lines()).startswith("data: ")
+        (row,) = [r for r in list(scheduler.live) if r is not None and r.job.row.max_tokens == 40]
+    wait_until(lambda: row.future.cancelled(), 30, "the server to cancel the job of a client that went away")
+    wait_until(lambda: row not in scheduler.live, 30, "its slot to be freed")
+    assert len(row.ids) < 40 and not slow.done()
+    assert len(slow.result(60).sampled.ids) == 60
 
 BAD = [  # (method, path, body (None: send `raw`), raw bytes, status, words the message must contain)
     ("POST", "/v1/completions", None, b'{"prompt": "x", ', 400, "not valid JSON"),
