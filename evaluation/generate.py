@@ -140,22 +140,10 @@ def sample_batch(model: Model, rows: list[Request], top_logprobs: int | None = N
     bias or a penalty runs a program that keeps each row's token counts; other batches do not."""
     from evaluation.scoring import bucket_for, buckets
 
-    T = model.cfg.seq_len
-    for r in rows:
-        if not r.prompt or r.max_tokens < 1 or len(r.prompt) + r.max_tokens > T:
-            raise ValueError(f"a prompt of {len(r.prompt)} tokens and max_tokens={r.max_tokens} do not fit the "
-                             f"model's context of {T} tokens (the prompt needs at least one, max_tokens too)")
-        if r.temperature < 0 or not 0 < r.top_p <= 1 or r.top_k < 0 or not 0 <= r.min_p <= 1:
-            raise ValueError(f"temperature={r.temperature} must be >= 0, top_p={r.top_p} in (0, 1], top_k={r.top_k} "
-                             f">= 0 and min_p={r.min_p} in [0, 1]")
-        if r.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty={r.repetition_penalty} must be > 0 (1: none)")
-        if not 0 <= r.min_tokens <= r.max_tokens:
-            raise ValueError(f"min_tokens={r.min_tokens} must be between 0 and max_tokens={r.max_tokens}")
-        if any(not 0 <= t < model.cfg.vocab_size for t, _ in r.logit_bias):
-            raise ValueError(f"logit_bias names token ids outside the model's vocabulary of {model.cfg.vocab_size}")
+    check_rows(model, rows)
     if top_logprobs is not None and not 0 <= top_logprobs <= MAX_LOGPROBS:
         raise ValueError(f"top_logprobs={top_logprobs} must be between 0 and {MAX_LOGPROBS}")
+    T = model.cfg.seq_len
     B = max(len(rows), pad_rows_to or 1 << (len(rows) - 1).bit_length())
     sizes = buckets(T)
     P = bucket_for(max(len(r.prompt) for r in rows), sizes)
@@ -203,6 +191,29 @@ def sample_batch(model: Model, rows: list[Request], top_logprobs: int | None = N
                for i in range(n)]
         out.append(Sampled(row[:n], logprobs[b, :n].tolist(), top, n < len(row)))
     return out
+
+
+def check_rows(model: Model, rows: list[Request]) -> None:
+    """Raises ValueError, saying what to change, for a row the model cannot run: a prompt and
+    max_tokens that do not fit its context, sampling settings out of range, a logit bias
+    outside its vocabulary, or stop ids outside it."""
+    T = model.cfg.seq_len
+    for r in rows:
+        if not r.prompt or r.max_tokens < 1 or len(r.prompt) + r.max_tokens > T:
+            raise ValueError(f"a prompt of {len(r.prompt)} tokens and max_tokens={r.max_tokens} do not fit the "
+                             f"model's context of {T} tokens (the prompt needs at least one, max_tokens too)")
+        if r.temperature < 0 or not 0 < r.top_p <= 1 or r.top_k < 0 or not 0 <= r.min_p <= 1:
+            raise ValueError(f"temperature={r.temperature} must be >= 0, top_p={r.top_p} in (0, 1], top_k={r.top_k} "
+                             f">= 0 and min_p={r.min_p} in [0, 1]")
+        if r.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty={r.repetition_penalty} must be > 0 (1: none)")
+        if not 0 <= r.min_tokens <= r.max_tokens:
+            raise ValueError(f"min_tokens={r.min_tokens} must be between 0 and max_tokens={r.max_tokens}")
+        if any(not 0 <= t < model.cfg.vocab_size for t, _ in r.logit_bias):
+            raise ValueError(f"logit_bias names token ids outside the model's vocabulary of {model.cfg.vocab_size}")
+        if any(not 0 <= t < model.cfg.vocab_size for t in r.stop_ids):
+            raise ValueError(f"stop ids {list(r.stop_ids)} name token ids outside the model's vocabulary of "
+                             f"{model.cfg.vocab_size}")
 
 
 class _RowStreams:

@@ -20,7 +20,7 @@ default; docs/serving.md is the user's page.
 Requests are continuously batched (`Scheduler`, evaluation/slots.py): up to `max_batch`
 prompts decode together over one key/value cache, a few tokens at a time, and between those
 chunks finished answers go out and waiting prompts take the free slots, so a short request
-never waits for a long answer to end. Each row's tokens are drawn as
+waits for a free slot, not for a whole batch to end. Each row's tokens are drawn as
 `evaluation.generate.sample_batch` would draw them alone (its seed, settings and stops); an
 echoed prompt's log-probabilities come from `evaluation.scoring.make_prompt_scorer` (the
 lm-eval adapter's computation). If a batch fails, its requests run again one by one, so an
@@ -60,9 +60,9 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, Validat
 from starlette.exceptions import HTTPException
 from tokenizers import Tokenizer
 
-from evaluation.generate import (MAX_LOGPROBS, Model, Request, Sampled, Stream, TextStream, sample_batch, stop_end,
-                                 top_k_size)
 from evaluation import slots
+from evaluation.generate import (MAX_LOGPROBS, Model, Request, Sampled, Stream, TextStream, check_rows, sample_batch,
+                                 stop_end, top_k_size)
 from evaluation.scoring import bucket_for, buckets, make_prompt_scorer, pad_rows
 from evaluation.serving_metrics import CountRequests, ServingMetrics
 from training.posttrain import CHAT_SPECIAL_TOKENS, CHAT_TEMPLATE, END_OF_TURN, ChatTemplate
@@ -214,7 +214,7 @@ class DetokenizeBody(BaseModel):
     tokens: list[StrictInt]
 
 
-# --- the engine: jobs on the model, continuously batched --------------------------------------------------------
+# --- the engine: jobs on the model, continuously batched ------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -262,7 +262,7 @@ class Scheduler:
     """Runs jobs on the model in a thread of its own (the one that touches the model),
     continuously batched (evaluation/slots.py): up to `max_batch` prompts decode together, a
     chunk of `steps` tokens at a time; after each chunk, finished answers go out and waiting
-    prompts take the free slots, so a short request never waits for a long answer to end. When
+    prompts take the free slots, so a request waits for a free slot, not for a batch to end. When
     idle, the first job waits `window_s` for company, so that a burst is prefilled together.
     A prompt to echo with logprobs is scored when it is taken (with the others taken then, by
     `evaluation.scoring.make_prompt_scorer`: the lm-eval adapter's computation).
@@ -321,14 +321,14 @@ class Scheduler:
             for slot, row in enumerate(self.live):
                 if row is not None and row.future.cancelled():  # its client went away
                     self._free(slot)
-            while self.waiting and self.waiting[0].future.cancelled():
-                self.waiting.popleft()
+            if any(row.future.cancelled() for row in self.waiting):
+                self.waiting = collections.deque(row for row in self.waiting if not row.future.cancelled())
             free = [slot for slot, row in enumerate(self.live) if row is None]
             if free and self.waiting:
                 admitted = [self.waiting.popleft() for _ in range(min(len(free), len(self.waiting)))]
-                self._guarded(self._admit, admitted)
+                self._guarded(lambda: self._admit(admitted), admitted)
             if self.running_count():
-                self._guarded(self._chunk, [])
+                self._guarded(self._chunk)
 
     def _take(self, wait: bool) -> bool:
         """Queued jobs to `waiting` (or answered, for a prompt to score only), their prompts
@@ -347,6 +347,9 @@ class Scheduler:
             pass
         rows = [_Row(*item) for item in items if item is not None and not item[1].cancelled()]
         self.taken += len(rows)
+        for row in rows:  # a row the model cannot run fails now, alone (the server checked it before)
+            if row.job.row.max_tokens > 0:
+                self._alone_on_error(lambda rows: check_rows(self.model, [r.job.row for r in rows]), [row])
         scoring = [row for row in rows if row.job.score_prompt]
         for start in range(0, len(scoring), self.max_batch):
             self._alone_on_error(self._score, scoring[start:start + self.max_batch])
@@ -369,11 +372,11 @@ class Scheduler:
             for row in rows:  # one of them caused it: run each alone, so only that one fails
                 self._alone_on_error(work, [row])
 
-    def _guarded(self, work: Callable[[list[_Row]], None], admitted: list[_Row]) -> None:
+    def _guarded(self, work: Callable[[], None], admitted: list[_Row] = ()) -> None:
         """`work` on the slots; if it fails, the slots' state is lost: every row in them (and
         `admitted`) runs again alone, and the slots start empty."""
         try:
-            work(admitted)
+            work()
         except Exception:  # noqa: BLE001 - each row is run again alone, and fails alone
             rows = [row for row in self.live if row is not None]
             rows += [row for row in admitted if row not in rows and not row.future.done()]
@@ -411,7 +414,7 @@ class Scheduler:
             self.live[slot] = row
             self._hand_out(slot, int(token[b]), float(logprob[b]), top_ids[b], top_lps[b])
 
-    def _chunk(self, _: list[_Row]) -> None:
+    def _chunk(self) -> None:
         """One chunk of decoding steps of every slot, its tokens handed out."""
         wanted = [row.job.top_logprobs for row in self.live if row is not None and row.job.top_logprobs is not None]
         started, running = time.monotonic(), self.running_count()

@@ -571,9 +571,11 @@ def results(scheduler: Scheduler, jobs: list[Job]) -> list:
 def test_a_short_request_is_answered_while_a_long_one_decodes(model):
     """Continuous batching: a request that comes while a long answer decodes takes a free slot at
     the next chunk and is answered long before the long one ends, with the tokens it gets alone;
-    more prompts than slots wait for one; a stream whose consumer fails, and a row that fails
-    the engine (a logit bias outside the vocabulary, which the server's validation would have
-    refused), fail their own jobs only; a cancelled job stops decoding."""
+    more prompts than slots wait for one. A stream whose consumer fails, a row the model cannot
+    run (a logit bias outside the vocabulary: refused when taken) and one whose admission fails
+    (a seed that is no integer: every row in the slots runs again alone) fail their own jobs
+    only, as the server's validation would have refused the last two; a cancelled job stops
+    decoding."""
     scheduler = Scheduler(model, max_batch=2, steps=4)
     try:
         long = Request([model.start_id, 11], 40, 0.0, stop_ids=())
@@ -600,11 +602,13 @@ def test_a_short_request_is_answered_while_a_long_one_decodes(model):
             raise RuntimeError("the client went away")
 
         fails = [Job(Request([model.start_id, 11], 6, 0.0, stop_ids=(), stream=broken)),
-                 Job(Request([model.start_id, 11], 6, 0.0, logit_bias=((model.cfg.vocab_size + 3, 1.0),)))]
-        futures = [scheduler.submit(j) for j in [short[1], fails[0], fails[1], short[2]]]
+                 Job(Request([model.start_id, 11], 6, 0.0, logit_bias=((model.cfg.vocab_size + 3, 1.0),))),
+                 Job(Request([model.start_id, 11], 6, 0.5, seed=1.5))]  # no integer: its admission fails
+        futures = [scheduler.submit(j) for j in [short[1], fails[0], fails[1], fails[2], short[2]]]
         assert "went away" in str(futures[1].exception(60))
-        assert "outside the model's vocabulary" in str(futures[2].exception(60))
-        assert [futures[i].result(60).sampled.ids for i in (0, 3)] == [
+        assert "outside the model's vocabulary" in str(futures[2].exception(60))  # refused when taken
+        assert isinstance(futures[3].exception(60), TypeError)  # the slots ran again alone: only it failed
+        assert [futures[i].result(60).sampled.ids for i in (0, 4)] == [
             results(scheduler, [j])[0].sampled.ids for j in (short[1], short[2])]
 
         # A job cancelled while it decodes (a client that went away) gets no more tokens, and its
