@@ -49,7 +49,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, AsyncIterator, Callable, Literal
+from typing import Annotated, AsyncIterator, Awaitable, Callable, Literal
 
 import jax
 import numpy as np
@@ -68,6 +68,7 @@ from evaluation.serving_metrics import CountRequests, ServingMetrics
 from training.posttrain import CHAT_SPECIAL_TOKENS, CHAT_TEMPLATE, END_OF_TURN, ChatTemplate
 
 WINDOW_S = 0.005  # how long a request that finds the server idle waits for company
+DISCONNECT_POLL_S = 0.25  # how often a request waiting for its answer checks that its client is still there
 SCORE_FLOATS = 1 << 28  # log-probabilities one scoring call holds at most (1 GiB of float32)
 DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI's and vLLM's
 MAX_CHOICES = 128  # `n` at most: each choice is a row of its own in the batches
@@ -952,16 +953,26 @@ def create_app(service: Service, api_key: str | None = None) -> FastAPI:
         service.check_model(name)
         return service.model_card()
 
-    def answer(result: dict | AsyncIterator[str]):
+    async def answer(request: HttpRequest, work: Awaitable[dict | AsyncIterator[str]]) -> Response | dict:
+        """`work`'s answer (a stream's events as they come); if the client disconnects before it,
+        `work` is cancelled, which takes its jobs out of the scheduler's slots (a client that gave
+        up, as one that times out and retries, leaves nothing decoding for nobody), and the
+        answer is a 499 that nobody reads (nginx's "client closed request", for the metrics)."""
+        task = asyncio.ensure_future(work)
+        while not (await asyncio.wait({task}, timeout=DISCONNECT_POLL_S))[0]:
+            if await request.is_disconnected():
+                task.cancel()
+                return Response(status_code=499)
+        result = task.result()
         return result if isinstance(result, dict) else StreamingResponse(result, media_type="text/event-stream")
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionBody):
-        return answer(await service.completions(body))
+    async def completions(body: CompletionBody, request: HttpRequest):
+        return await answer(request, service.completions(body))
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatBody):
-        return answer(await service.chat(body))
+    async def chat(body: ChatBody, request: HttpRequest):
+        return await answer(request, service.chat(body))
 
     @app.get("/health")
     async def health():

@@ -648,6 +648,46 @@ def test_a_streaming_client_that_goes_away_frees_its_slot(served, model):
     assert len(row.ids) < 40 and not slow.done()
     assert len(slow.result(60).sampled.ids) == 60
 
+
+def test_a_client_that_gives_up_waiting_frees_its_slot(served, model):
+    """A client that times out before its (non-streamed) answer: the server notices the closed
+    connection while it waits, cancels the request's job, the job decodes no more (as above, a
+    slowed job beside it keeps the chunks long), and the request counts as a 499."""
+    url, service = served
+    scheduler = service.scheduler
+    body = {"prompt": PROMPT, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    long = Request([model.start_id, 11], 60, 0.0, stop_ids=())
+    warm = scheduler.submit(Job(long))  # the same shapes once, so that nothing below waits for a compile
+    assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
+    warm.result(60)
+
+    def gave_up() -> float:
+        return service.metrics.registry.get_sample_value(
+            "kiln_requests_total", {"model_name": NAME, "endpoint": "/v1/completions", "status": "499"}) or 0.0
+
+    before = gave_up()
+    slow = scheduler.submit(Job(Request(long.prompt, 60, 0.0, stop_ids=(), stream=lambda *_: time.sleep(0.1))))
+    timed_out: list = []
+
+    def give_up() -> None:
+        try:
+            httpx.post(f"{url}/v1/completions", json=body, timeout=1.5)
+        except httpx.ReadTimeout as e:
+            timed_out.append(e)
+
+    client = threading.Thread(target=give_up)
+    client.start()
+    row = wait_until(lambda: next((r for r in list(scheduler.live) if r is not None and r.job.row.max_tokens == 40),
+                                  None), 30, "the request to decode")
+    client.join(30)
+    assert timed_out
+    wait_until(lambda: row.future.cancelled(), 30, "the server to cancel the job of a client that gave up")
+    wait_until(lambda: row not in scheduler.live, 30, "its slot to be freed")
+    assert len(row.ids) < 40 and not slow.done()
+    assert len(slow.result(60).sampled.ids) == 60
+    wait_until(lambda: gave_up() == before + 1, 30, "the request to count as a 499")
+
+
 BAD = [  # (method, path, body (None: send `raw`), raw bytes, status, words the message must contain)
     ("POST", "/v1/completions", None, b'{"prompt": "x", ', 400, "not valid JSON"),
     ("POST", "/v1/completions", None, b'["a list"]', 400, "must be a JSON object (got ['a list'])"),
