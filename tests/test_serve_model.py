@@ -579,7 +579,7 @@ def test_a_short_request_is_answered_while_a_long_one_decodes(model):
     scheduler = Scheduler(model, max_batch=2, steps=4)
     try:
         long = Request([model.start_id, 11], 40, 0.0, stop_ids=())
-        short = [Job(Request([model.start_id, 12 + i, 13], 3, 1.0, seed=i, stop_ids=(model.eos_id,)), top_logprobs=1)
+        short = [Job(Request([model.start_id, 12 + i, 13], 3, 1.0, seed=i, stop_ids=(model.eos_id,)))
                  for i in range(3)]
         alone = [results(scheduler, [job])[0].sampled.ids for job in (Job(long), *short)]
         ended: list[str] = []
