@@ -1025,8 +1025,7 @@ def serve_model(path: Path, host: str = "127.0.0.1", port: int = 8000, tokenizer
             if self.started:
                 print(f"kiln serve-model: {service.name} at {url} (context {model.cfg.seq_len} tokens, "
                       f"up to {max_batch} prompts decoding at once; {'an API key' if api_key else 'no API key'} "
-                      "required); "
-                      "SIGTERM or Ctrl-C stops it", flush=True)
+                      "required); SIGTERM or Ctrl-C stops it", flush=True)
 
     config = uvicorn.Config(create_app(service, api_key), host=host, port=port, log_level="warning", access_log=False,
                             timeout_graceful_shutdown=30)
