@@ -10,7 +10,7 @@ A row's tokens are drawn as `evaluation.generate.sample_batch` draws them: the s
 per row and token index, the same `pick`, the same logit adjustments (`penalised`, min_tokens'
 held stop ids), the same log-probabilities; what differs is where its keys and values sit in
 the cache. Row b's prompt is written from column 0 (right padding), so its column is its
-position and each row writes its new token at a column of its own (training.model.write_slots).
+position and each row writes its new token at a column of its own (training.model.write_cache).
 New prompts take the lowest free slots, and a chunk decodes the slots up to the highest busy
 one (rounded up to a power of two), so a lone request costs one row, not `slots`.
 

@@ -138,8 +138,8 @@ def parser() -> argparse.ArgumentParser:
 
     sm = command("serve-model", "Serve a trained, post-trained or exported model over an OpenAI-compatible "
                  "HTTP API (/v1/models, /v1/completions, /v1/chat/completions; docs/serving.md) until SIGTERM "
-                 "or Ctrl-C; concurrent requests decode together (continuously batched), and answers can stream as they are "
-                 "generated.",
+                 "or Ctrl-C; concurrent requests decode together (continuously batched), and answers can stream "
+                 "as they are generated.",
                  "kiln serve-model kiln_store/export/<version> --port 8000 --name my-model")
     sm.add_argument("path", help="a train, sft or dpo output folder, or an export folder")
     sm.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine "
@@ -147,7 +147,8 @@ def parser() -> argparse.ArgumentParser:
     sm.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     sm.add_argument("--tokenizer", help="tokenizer step output folder (default: found through lineage)")
     sm.add_argument("--name", help="the model's name in the API (default: <stage>/<version> of the folder)")
-    sm.add_argument("--max-batch", type=int, default=8, help="prompts decoding together at most; more wait for a slot (default 8)")
+    sm.add_argument("--max-batch", type=int, default=8,
+                    help="prompts decoding together at most; more wait for a slot (default 8)")
     sm.add_argument("--api-key", default=os.environ.get("KILN_API_KEY"),
                     help="require `Authorization: Bearer KEY` on /v1 requests, an OpenAI client's api_key "
                     "(default: $KILN_API_KEY; unset: no key)")

@@ -248,7 +248,7 @@ class Attention(nn.Module):
         elif layer_cache is None:  # training / full forward: one causal run, position i sees 0..i
             out = causal_attention(q, k, v, segments)
         else:  # decoding: write this chunk at slot `index` (row b's at index[b]), attend over the whole cache
-            layer_cache = {"k": write_slots(layer_cache["k"], k, index), "v": write_slots(layer_cache["v"], v, index)}
+            layer_cache = {"k": write_cache(layer_cache["k"], k, index), "v": write_cache(layer_cache["v"], v, index)}
             k, v = layer_cache["k"], layer_cache["v"]
             out = cached_attention(q, k, v, positions, cache_pos)
         return project(out, Kernel((H * Q, D), out_std, name="o_proj")().astype(dt)), layer_cache
@@ -402,10 +402,10 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> dict:
     }
 
 
-def write_slots(cache, new, index):
-    """`new` [B, t, ...] written into `cache` [B, S, ...] at slot `index`: one slot for every row
-    (a scalar), or row b's at index[b] (an int32 [B], with t = 1: rows that decode at positions
-    of their own, `evaluation.slots`)."""
+def write_cache(cache, new, index):
+    """`new` [B, t, ...] written into `cache` [B, S, ...] from slot `index` on: the same slot for
+    every row (a scalar), or row b's at index[b] (an int32 [B], with t = 1: rows that decode at
+    positions of their own, evaluation/slots.py's continuous batching)."""
     new = new.astype(cache.dtype)
     if jnp.ndim(index) == 0:
         return jax.lax.dynamic_update_slice(cache, new, (0, index) + (0,) * (cache.ndim - 2))
@@ -425,7 +425,7 @@ def decode_step(params, cfg: ModelConfig, tokens, cache: dict, positions):
     """
     t = tokens.shape[1]
     index = cache["index"]
-    pos = write_slots(cache["pos"], positions.astype(jnp.int32), index)
+    pos = write_cache(cache["pos"], positions.astype(jnp.int32), index)
     run_cache = {"index": index, "pos": pos, "layers": cache["layers"]}
     logits, layers = Llama(cfg).apply({"params": params}, tokens, positions.astype(jnp.int32), run_cache)
     return logits, {"index": index + t, "pos": pos, "layers": layers}
