@@ -40,24 +40,29 @@ from benchmarks.generate_bench import kjv_prompts, random_model  # noqa: E402
 from benchmarks.ray_stop_bench import free_port  # noqa: E402
 
 
-def serve(tree: Path, model: Path, port: int, max_batch: int) -> subprocess.Popen:
-    """`kiln serve-model` from `tree`'s code, once it answers /health."""
+def serve(tree: Path, model: Path, port: int, max_batch: int, log: Path) -> subprocess.Popen:
+    """`kiln serve-model` from `tree`'s code (its output to `log`), once it answers /health."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve-model", str(model), "--port", str(port),
-                             "--max-batch", str(max_batch)], cwd=tree, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve-model", str(model), "--port", str(port),
+                                 "--max-batch", str(max_batch)], cwd=tree, env=env, stdout=out,
+                                stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
+    while not answers(f"http://127.0.0.1:{port}/health"):
         if proc.poll() is not None:
-            raise SystemExit(f"serve-model in {tree} exited {proc.returncode}:\n{proc.stderr.read()[-3000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            pass
+            raise SystemExit(f"serve-model in {tree} exited {proc.returncode}:\n{log.read_text()[-3000:]}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise SystemExit(f"serve-model in {tree} did not answer /health in 120 s:\n{log.read_text()[-3000:]}")
         time.sleep(0.2)
-    proc.kill()
-    raise SystemExit(f"serve-model in {tree} did not answer /health in 120 s")
+    return proc
+
+
+def answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.TransportError:  # not listening yet
+        return False
 
 
 def load(url: str, prompts: list[list[int]], args, seconds: float) -> dict:
@@ -131,7 +136,7 @@ def main() -> None:
             for _ in range(args.rounds):
                 for name, tree in (("baseline", baseline), ("this tree", REPO)):
                     port = free_port()
-                    proc = serve(tree, model, port, args.max_batch)
+                    proc = serve(tree, model, port, args.max_batch, Path(tmp) / f"{name.replace(' ', '_')}.log")
                     try:
                         url = f"http://127.0.0.1:{port}"
                         load(url, prompts, args, args.warmup)

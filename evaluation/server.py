@@ -42,6 +42,7 @@ import contextlib
 import functools
 import hashlib
 import json
+import logging
 import queue
 import secrets
 import signal
@@ -68,6 +69,7 @@ from evaluation.serving_metrics import CountRequests, ServingMetrics
 from training.posttrain import CHAT_SPECIAL_TOKENS, CHAT_TEMPLATE, END_OF_TURN, ChatTemplate
 
 WINDOW_S = 0.005  # how long a request that finds the server idle waits for company
+log = logging.getLogger("kiln.serve")
 DISCONNECT_POLL_S = 0.25  # how often a request waiting for its answer checks that its client is still there
 SCORE_FLOATS = 1 << 28  # log-probabilities one scoring call holds at most (1 GiB of float32)
 DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI's and vLLM's
@@ -284,8 +286,8 @@ class Scheduler:
         self.waiting: collections.deque[_Row] = collections.deque()
         self.live: list[_Row | None] = [None] * max_batch  # slot -> the row decoding there
         self.state: dict | None = None  # the slots on the device (made on first use, and after a failure)
-        self.taken = 0  # jobs taken, and the rows of each call on the model (a scoring group, an
-        self.rows_run: list[int] = []  # admission, a chunk): for tests and logs
+        self.taken = 0  # jobs taken, and the rows of the last calls on the model (a scoring group, an
+        self.rows_run: collections.deque[int] = collections.deque(maxlen=4096)  # admission, a chunk): for tests
         self.closed = False
         self.thread = threading.Thread(target=self._loop, name="kiln-scheduler", daemon=True)
         self.thread.start()
@@ -336,21 +338,24 @@ class Scheduler:
         scored where asked; with `wait`, the first blocks, then others are gathered for
         window_s. False once `close` was called."""
         items = []
-        try:
-            if wait:
-                items.append(self.jobs.get())
-                deadline = time.monotonic() + self.window_s
-                while items[-1] is not None and len(items) < self.max_batch:
+        if wait:
+            items.append(self.jobs.get())
+            deadline = time.monotonic() + self.window_s
+            while items[-1] is not None and len(items) < self.max_batch:
+                try:
                     items.append(self.jobs.get(timeout=max(0.0, deadline - time.monotonic())))
-            while True:
-                items.append(self.jobs.get_nowait())
-        except queue.Empty:
-            pass
+                except queue.Empty:  # the window has passed
+                    break
+        while not self.jobs.empty():  # this thread is the queue's only reader: what is there can be taken
+            items.append(self.jobs.get_nowait())
         rows = [_Row(*item) for item in items if item is not None and not item[1].cancelled()]
         self.taken += len(rows)
         for row in rows:  # a row the model cannot run fails now, alone (the server checked it before)
-            if row.job.row.max_tokens > 0:
-                self._alone_on_error(lambda rows: check_rows(self.model, [r.job.row for r in rows]), [row])
+            try:
+                if row.job.row.max_tokens > 0:
+                    check_rows(self.model, [row.job.row])
+            except ValueError as e:
+                settle(row.future, error=e)
         scoring = [row for row in rows if row.job.score_prompt]
         for start in range(0, len(scoring), self.max_batch):
             self._alone_on_error(self._score, scoring[start:start + self.max_batch])
@@ -379,6 +384,7 @@ class Scheduler:
         try:
             work()
         except Exception:  # noqa: BLE001 - each row is run again alone, and fails alone
+            log.exception("kiln serve-model: decoding the slots failed; each of their requests runs again alone")
             rows = [row for row in self.live if row is not None]
             rows += [row for row in admitted if row not in rows and not row.future.done()]
             self.live, self.state = [None] * self.max_batch, None

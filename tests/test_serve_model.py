@@ -535,7 +535,7 @@ def test_greedy_echo_and_batches_agree_with_kiln(served, model, kiln_lm):
     scheduler = service.scheduler  # the served one: what it compiled, this reuses
     before = len(scheduler.rows_run)
     together = results(scheduler, rows)
-    assert max(scheduler.rows_run[before:]) > 1
+    assert max(list(scheduler.rows_run)[before:]) > 1
     assert together[1].sampled.ids != sample(model, prompt[:3], 16, 1.0, 0.8, seed=6)  # the seed matters
     for job, batched in zip(rows, together):
         (alone,) = results(scheduler, [job])
@@ -560,7 +560,7 @@ def test_greedy_echo_and_batches_agree_with_kiln(served, model, kiln_lm):
     finally:
         scheduler.window_s = window
     assert [r.json()["choices"][0]["text"] for r in at_once] == one_by_one
-    assert max(scheduler.rows_run[before:]) > 1, scheduler.rows_run[before:]
+    assert max(list(scheduler.rows_run)[before:]) > 1, list(scheduler.rows_run)[before:]
 
 
 def results(scheduler: Scheduler, jobs: list[Job]) -> list:
