@@ -356,7 +356,7 @@ class Scheduler:
                     check_rows(self.model, [row.job.row])
             except ValueError as e:
                 settle(row.future, error=e)
-        scoring = [row for row in rows if row.job.score_prompt]
+        scoring = [row for row in rows if row.job.score_prompt and not row.future.done()]
         for start in range(0, len(scoring), self.max_batch):
             self._alone_on_error(self._score, scoring[start:start + self.max_batch])
         for row in rows:

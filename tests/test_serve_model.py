@@ -608,6 +608,8 @@ def test_a_short_request_is_answered_while_a_long_one_decodes(model):
         assert "went away" in str(futures[1].exception(60))
         assert "outside the model's vocabulary" in str(futures[2].exception(60))  # refused when taken
         assert isinstance(futures[3].exception(60), TypeError)  # the slots ran again alone: only it failed
+        too_long = scheduler.submit(Job(Request(list(range(1, model.cfg.seq_len + 2)), 4), score_prompt=True))
+        assert "do not fit" in str(too_long.exception(60))  # refused when taken, not scored as well
         assert [futures[i].result(60).sampled.ids for i in (0, 4)] == [
             results(scheduler, [j])[0].sampled.ids for j in (short[1], short[2])]
 
