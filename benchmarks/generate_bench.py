@@ -44,8 +44,12 @@ INSTALL_TORCH = ("uv pip install torch --index-url https://download.pytorch.org/
                  "(README, \"The PyTorch checks\")")
 
 
-def random_model(folder: Path) -> None:
-    """The tiny_cpu shape with random wide weights and the GPT-2 tokenizer, exported to `folder`."""
+TINY_CPU_SHAPE = {"d_model": 128, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "d_ff": 352}
+
+
+def random_model(folder: Path, shape: dict = TINY_CPU_SHAPE) -> None:
+    """A model of `shape` (default: tiny_cpu's) with random wide weights, context 256 and the GPT-2
+    tokenizer, exported to `folder`."""
     import jax
 
     from tasks.tokenizer import build_gpt2
@@ -53,8 +57,7 @@ def random_model(folder: Path) -> None:
     from training.export import export_hf
     from training.model import init_params
 
-    cfg = ModelConfig(d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=352, seq_len=256, tie_embeddings=True,
-                      init_std=0.1)
+    cfg = ModelConfig(**shape, seq_len=256, tie_embeddings=True, init_std=0.1)
     params = jax.jit(init_params, static_argnums=0)(cfg, jax.random.PRNGKey(0))
     meta = {"eos_id": 50256, "eos_token": "<|endoftext|>", "vocab_size": cfg.vocab_size}
     folder.mkdir(parents=True)

@@ -8,19 +8,23 @@ batch to end; one that batches continuously (evaluation/slots.py) starts it at t
 
 For the working tree and a git worktree at `--baseline`, in turn, `--rounds` times: start
 `python -m flows.cli serve-model` (that tree's code) on a random-weights export (the tiny_cpu
-shape, benchmarks/generate_bench.py's `random_model`, context 256), run the load untimed for
-`--warmup` seconds (the compiles), then timed for `--seconds`, and stop the server. Prints per
-run the short requests' median and 90th-percentile latency, the long answers' median, and new
-tokens per second of all answers; then the medians' ratios against the baseline. Greedy, so
-both trees give the same texts (checked for the short prompts).
+shape, or `--shape large`; benchmarks/generate_bench.py's `random_model`, context 256), run the
+load untimed for `--warmup` seconds (the compiles), then timed for `--seconds`, and stop the
+server. Prints per run the short requests' median and 90th-percentile latency, the long
+answers' median, and new tokens per second of all answers; then the medians' ratios against
+the baseline. Greedy, so
+both trees give the same texts (checked for the short prompts). With `--stream` the long
+answers stream (server-sent events, as a chat front-end asks), and it also prints the median
+and 90th percentile of the gaps between a stream's text events (a token each).
 
-    uv run python benchmarks/serve_load_bench.py --baseline <commit> [--rounds 2]
+    uv run python benchmarks/serve_load_bench.py --baseline <commit> [--rounds 2] [--stream]
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import json
 import os
 import signal
 import statistics
@@ -32,12 +36,19 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.generate_bench import kjv_prompts, random_model  # noqa: E402
+from benchmarks.generate_bench import TINY_CPU_SHAPE, kjv_prompts, random_model  # noqa: E402
 from benchmarks.ray_stop_bench import free_port  # noqa: E402
+
+
+# `large`: a decoding step of eight rows takes ~25 ms here (tiny_cpu's: ~4 ms), as steps on an accelerator
+# of a model worth serving do: what a stream's pace is about
+SHAPES = {"tiny_cpu": TINY_CPU_SHAPE, "large": {"d_model": 512, "n_layers": 8, "n_heads": 8, "n_kv_heads": 4,
+                                                "d_ff": 1408}}
 
 
 def serve(tree: Path, model: Path, port: int, max_batch: int, log: Path) -> subprocess.Popen:
@@ -71,6 +82,7 @@ def load(url: str, prompts: list[list[int]], args, seconds: float) -> dict:
     longs: list[float] = []
     shorts: list[tuple[float, str]] = []
     tokens = [0]
+    gaps: list[float] = []  # seconds between a streamed answer's consecutive text events
     lock = threading.Lock()
 
     def ask(prompt: list[int], max_tokens: int) -> tuple[float, str]:
@@ -84,9 +96,29 @@ def load(url: str, prompts: list[list[int]], args, seconds: float) -> dict:
             tokens[0] += answer["usage"]["completion_tokens"]
         return time.monotonic() - start, answer["choices"][0]["text"]
 
+    def ask_streamed(prompt: list[int], max_tokens: int) -> float:
+        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        start, seen, used = time.monotonic(), [], 0
+        with httpx.Client(timeout=600) as client, client.stream("POST", f"{url}/v1/completions", json=body) as answer:
+            answer.raise_for_status()
+            for line in answer.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                event = json.loads(line[len("data: "):])
+                if event.get("usage"):
+                    used = event["usage"]["completion_tokens"]
+                if any(choice["text"] for choice in event.get("choices", [])):
+                    seen.append(time.monotonic())
+        with lock:
+            tokens[0] += used
+            gaps.extend(np.diff(seen).tolist())
+        return time.monotonic() - start
+
     def long_client(k: int) -> None:
         while time.monotonic() < end:
-            longs.append(ask(prompts[k % len(prompts)], args.long_tokens)[0])
+            prompt = prompts[k % len(prompts)]
+            longs.append(ask_streamed(prompt, args.long_tokens) if args.stream else ask(prompt, args.long_tokens)[0])
 
     started = time.monotonic()
     clients = [threading.Thread(target=long_client, args=(k,)) for k in range(args.long_clients)]
@@ -107,6 +139,8 @@ def load(url: str, prompts: list[list[int]], args, seconds: float) -> dict:
     return {"short_median_s": statistics.median(latencies), "short_p90_s": latencies[int(0.9 * (len(latencies) - 1))],
             "long_median_s": statistics.median(longs) if longs else float("nan"), "shorts": len(shorts),
             "longs": len(longs), "tokens_per_s": tokens[0] / elapsed,
+            "gap_median_s": statistics.median(gaps) if gaps else float("nan"),
+            "gap_p90_s": float(np.percentile(gaps, 90)) if gaps else float("nan"),
             "texts": {tuple(prompts[(i + args.long_clients) % len(prompts)]): t for i, (_, t) in enumerate(shorts)}}
 
 
@@ -121,10 +155,12 @@ def main() -> None:
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--seconds", type=float, default=30)
     p.add_argument("--warmup", type=float, default=20)
+    p.add_argument("--stream", action="store_true", help="the long answers stream (server-sent events)")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="tiny_cpu", help="the random model's shape")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(tmp) / "model"
-        random_model(model)
+        random_model(model, SHAPES[args.shape])
         from tokenizers import Tokenizer
 
         prompts = kjv_prompts(Tokenizer.from_file(str(model / "tokenizer.json")), 16, 16)
@@ -147,8 +183,10 @@ def main() -> None:
                     runs[name].append(got)
                     print(f"{name:>9}: short requests median {got['short_median_s'] * 1000:7.0f} ms, p90 "
                           f"{got['short_p90_s'] * 1000:7.0f} ms ({got['shorts']}); long answers median "
-                          f"{got['long_median_s']:5.2f} s ({got['longs']}); {got['tokens_per_s']:6.0f} tokens/s",
-                          flush=True)
+                          f"{got['long_median_s']:5.2f} s ({got['longs']}); {got['tokens_per_s']:6.0f} tokens/s"
+                          + (f"; gaps between a stream's events: median {got['gap_median_s'] * 1000:.1f} ms, "
+                             f"p90 {got['gap_p90_s'] * 1000:.1f} ms"
+                             if args.stream else ""), flush=True)
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(baseline)], cwd=REPO, check=False)
     texts = {}
@@ -159,7 +197,9 @@ def main() -> None:
                                  f"{texts[prompt]!r} and {text!r}")
     print(f"the short prompts' greedy answers are the same on both trees ({len(texts)} prompts)")
     for key, label in (("short_median_s", "short requests' median latency"), ("short_p90_s", "short p90 latency"),
-                       ("long_median_s", "long answers' median latency"), ("tokens_per_s", "tokens per second")):
+                       ("long_median_s", "long answers' median latency"), ("tokens_per_s", "tokens per second"),
+                       *((("gap_median_s", "median gap between a stream's events"),
+                          ("gap_p90_s", "p90 gap between a stream's events")) if args.stream else ())):
         base = statistics.median(r[key] for r in runs["baseline"])
         this = statistics.median(r[key] for r in runs["this tree"])
         print(f"{label}: this tree / baseline = {this / base:.3f} ({this:.3g} against {base:.3g})")

@@ -264,7 +264,9 @@ def settle(future: concurrent.futures.Future, result=None, error: BaseException 
 class Scheduler:
     """Runs jobs on the model in a thread of its own (the one that touches the model),
     continuously batched (evaluation/slots.py): up to `max_batch` prompts decode together, a
-    chunk of `steps` tokens at a time; after each chunk, finished answers go out and waiting
+    chunk of `steps` tokens at a time (fewer while an answer streams: as many as take
+    `stream_interval_s` at the last chunk's pace, so that its text goes out that often, and at
+    least one); after each chunk, finished answers go out and waiting
     prompts take the free slots, so a request waits for a free slot, not for a batch to end. When
     idle, the first job waits `window_s` for company, so that a burst is prefilled together.
     A prompt to echo with logprobs is scored when it is taken (with the others taken then, by
@@ -277,8 +279,11 @@ class Scheduler:
     next token it would have been handed."""
 
     def __init__(self, model: Model, max_batch: int = 8, window_s: float = WINDOW_S, steps: int = slots.STEPS,
-                 on_chunk: Callable[[int, float], None] | None = None):
+                 on_chunk: Callable[[int, float], None] | None = None,
+                 stream_interval_s: float = slots.STREAM_INTERVAL_S):
         self.model, self.max_batch, self.window_s, self.steps = model, max_batch, window_s, steps
+        self.stream_interval_s = stream_interval_s
+        self.step_s = 0.0  # seconds per decoding step in the last chunk (0: none run yet)
         self.on_chunk = on_chunk  # told each chunk's rows and seconds (the server's metrics)
         self.scorer = make_prompt_scorer(model.cfg)
         self.buckets = buckets(model.cfg.seq_len)
@@ -427,9 +432,11 @@ class Scheduler:
         started, running = time.monotonic(), self.running_count()
         busy = max(slot for slot, row in enumerate(self.live) if row is not None) + 1
         width = min(1 << (busy - 1).bit_length(), self.max_batch)  # few compiled widths: powers of two
-        self.state, out = slots.decode_chunk(self.model.params, self.state, cfg=self.model.cfg, steps=self.steps,
-                                             alternatives=top_k_size(max(wanted)) if wanted else None, width=width)
+        self.state, out = slots.decode_chunk(self.model.params, self.state, np.int32(self._chunk_steps()),
+                                             cfg=self.model.cfg, steps=self.steps, width=width,
+                                             alternatives=top_k_size(max(wanted)) if wanted else None)
         ids, logprobs, top_ids, top_lps, valid = jax.device_get(out)
+        self.step_s = (time.monotonic() - started) / max(1, int(valid.any(axis=0).sum()))
         self.rows_run.append(running)
         for slot in range(width):
             for k in np.flatnonzero(valid[slot]):
@@ -439,6 +446,15 @@ class Scheduler:
                                top_lps[slot, k])
         if self.on_chunk is not None:
             self.on_chunk(running, time.monotonic() - started)
+
+    def _chunk_steps(self) -> int:
+        """`steps`; while an answer streams, as many as take `stream_interval_s` at the last
+        chunk's pace (one when none ran yet), at least one."""
+        if not any(row is not None and row.job.row.stream is not None for row in self.live):
+            return self.steps
+        if not self.step_s:
+            return 1
+        return max(1, min(self.steps, int(self.stream_interval_s / self.step_s)))
 
     def _hand_out(self, slot: int, token: int, logprob: float, top_ids, top_lps) -> None:
         """Slot `slot`'s next token to its row (and its stream); the row is answered once it ends

@@ -1,7 +1,8 @@
 """Continuous batching for `kiln serve-model`: the device side. A fixed number of slots, each one
 request's row of a key/value cache as long as the model's context; the rows decode together a
-few steps at a time (`decode_chunk`), and between those chunks a finished row's slot takes the
-next waiting prompt (`admit`). So a short request that comes while a long answer is decoding
+few steps at a time (`decode_chunk`; fewer while an answer streams, so that its text goes out
+every STREAM_INTERVAL_S), and between those chunks a finished row's slot takes the next waiting
+prompt (`admit`). So a short request that comes while a long answer is decoding
 joins it at the next chunk, instead of waiting for the whole batch to end (Orca's
 iteration-level scheduling, which vLLM calls continuous batching). The host side, the thread
 that picks what runs, is `evaluation.server.Scheduler`.
@@ -33,6 +34,10 @@ from training.config import ModelConfig
 from training.model import decode_step, init_cache
 
 STEPS = 8  # decoding steps per chunk: how long a waiting prompt waits for a slot to open, at most
+# While an answer streams, a chunk is as many steps as take this long at the last chunk's pace (one
+# at least), so its text goes out that often: smooth to a reader, where a chunk of STEPS on a large
+# model would come in bursts of a quarter second; a small model's fast steps keep whole chunks.
+STREAM_INTERVAL_S = 0.05
 
 _SETTINGS = {"keys": np.uint32, "temperature": np.float32, "top_p": np.float32, "top_k": np.int32,
              "min_p": np.float32, "max_new": np.int32, "min_new": np.int32, "presence": np.float32,
@@ -126,12 +131,14 @@ def admit(params, state: dict, slots, tokens, lengths, settings: dict, *, cfg: M
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "steps", "alternatives", "width"), donate_argnums=(1,))
-def decode_chunk(params, state: dict, *, cfg: ModelConfig, steps: int, alternatives: int | None, width: int):
-    """Up to `steps` decoding steps of the first `width` slots (those past it are free: a lone
-    request decodes as one row, not as many as there are slots), ending early once all are done.
-    -> the new state, and per slot (of the first `width`) and step: the token drawn, its
-    log-probability and alternatives (as `emit`), and whether the slot was live (not done) at
-    that step; a slot's tokens after it was done are never read."""
+def decode_chunk(params, state: dict, limit, *, cfg: ModelConfig, steps: int, alternatives: int | None, width: int):
+    """Up to `limit` (at most `steps`) decoding steps of the first `width` slots (those past it
+    are free: a lone request decodes as one row, not as many as there are slots), ending early
+    once all are done. `limit` is traced, so a shorter chunk (while a row streams) runs the same
+    compiled program. -> the new state, and per slot (of the first `width`) and step:
+    the token drawn, its log-probability and alternatives (as `emit`), and whether the slot was
+    live (not done) at that step; a slot's tokens after it was done, and steps past `limit`, are
+    never read."""
     C = cfg.seq_len
     A = alternatives or 0
     out = (jnp.zeros((width, steps), jnp.int32), jnp.zeros((width, steps), jnp.float32),
@@ -152,7 +159,7 @@ def decode_chunk(params, state: dict, *, cfg: ModelConfig, steps: int, alternati
         return k + 1, s, out
 
     part = jax.tree_util.tree_map(lambda a: a[:width], state)
-    _, part, out = jax.lax.while_loop(lambda c: (c[0] < steps) & ~c[1]["done"].all(), step,
+    _, part, out = jax.lax.while_loop(lambda c: (c[0] < jnp.minimum(limit, steps)) & ~c[1]["done"].all(), step,
                                       (jnp.int32(0), part, out))
     state = jax.tree_util.tree_map(lambda whole, new: jax.lax.dynamic_update_slice_in_dim(whole, new, 0, 0),
                                    state, part)

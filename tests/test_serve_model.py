@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -576,7 +577,8 @@ def test_a_short_request_is_answered_while_a_long_one_decodes(model):
     (a seed that is no integer: every row in the slots runs again alone) fail their own jobs
     only, as the server's validation would have refused the last two; a cancelled job stops
     decoding."""
-    scheduler = Scheduler(model, max_batch=2, steps=4)
+    after_chunk: list = []  # what to do after the next chunk of decoding steps
+    scheduler = Scheduler(model, max_batch=2, steps=4, on_chunk=lambda *_: after_chunk and after_chunk.pop()())
     try:
         long = Request([model.start_id, 11], 40, 0.0, stop_ids=())
         short = [Job(Request([model.start_id, 12 + i, 13], 3, 1.0, seed=i, stop_ids=(model.eos_id,)))
@@ -585,13 +587,13 @@ def test_a_short_request_is_answered_while_a_long_one_decodes(model):
         ended: list[str] = []
         quick: list = []
 
-        def arrive(i, token, lp, top):  # the long answer's stream: three short requests come at its 4th token
-            if i == 3:
-                for n, job in enumerate(short):
-                    quick.append(scheduler.submit(job))
-                    quick[-1].add_done_callback(lambda _, n=n: ended.append(f"short {n}"))
+        def arrive():  # three short requests come after the long answer's first chunk (its 5th token)
+            for n, job in enumerate(short):
+                quick.append(scheduler.submit(job))
+                quick[-1].add_done_callback(lambda _, n=n: ended.append(f"short {n}"))
 
-        waiting = scheduler.submit(Job(Request(long.prompt, long.max_tokens, 0.0, stop_ids=(), stream=arrive)))
+        after_chunk.append(arrive)
+        waiting = scheduler.submit(Job(long))
         waiting.add_done_callback(lambda _: ended.append("long"))
         assert waiting.result(60).sampled.ids == alone[0]
         assert ended == ["short 0", "short 1", "short 2", "long"]  # three for one free slot: in turn, all first
@@ -631,6 +633,30 @@ def test_a_short_request_is_answered_while_a_long_one_decodes(model):
     finally:
         scheduler.close()
 
+
+def test_a_streamed_answer_gets_its_text_every_stream_interval(model):
+    """While an answer streams, a chunk has as many decoding steps as take `stream_interval_s` at
+    the last chunk's pace (one at least), so that its text goes out that often: with 0, token by
+    token (as vLLM streams); with an hour, in whole chunks, as unstreamed. Either way its tokens
+    are those the same request gets unstreamed."""
+
+    def calls_of_each_token(interval_s: float) -> list[int]:  # the calls on the model before each token came
+        scheduler = Scheduler(model, max_batch=2, steps=4, stream_interval_s=interval_s)
+        try:
+            request = Request([model.start_id, 11], 10, 0.0, stop_ids=())
+            before = len(scheduler.rows_run)
+            (plain,) = results(scheduler, [Job(request)])
+            assert len(scheduler.rows_run) - before == 4  # admission (the first token), then chunks of 4, 4 and 1
+            calls: list[int] = []
+            streamed = scheduler.submit(Job(dataclasses.replace(
+                request, stream=lambda *_: calls.append(len(scheduler.rows_run)))))
+            assert streamed.result(60).sampled.ids == plain.sampled.ids
+            return [c - calls[0] for c in calls]
+        finally:
+            scheduler.close()
+
+    assert calls_of_each_token(0.0) == list(range(10))  # each token after a call of its own
+    assert calls_of_each_token(3600.0) == [0, 1, 1, 1, 1, 2, 2, 2, 2, 3]  # chunks of 4
 
 
 def test_a_streaming_client_that_goes_away_frees_its_slot(served, model):

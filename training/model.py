@@ -223,6 +223,12 @@ def cached_attention(q, k, v, positions, kv_pos):
 
 
 class Attention(nn.Module):
+    """Training and full forwards project q, k and v with one matmul of their kernels side by
+    side; decoding (a layer cache given) with a matmul each. The side-by-side kernel is a copy
+    made at every call of the compiled function, hoisted out of a decoding loop but not out of
+    the call: it cost `kiln serve-model` 2/3 of the layers' weights copied per chunk of decoding
+    steps (benchmarks/RESULTS.md). The MLP does the same with gate and up."""
+
     cfg: ModelConfig
     attention: str = "query_blocks"  # training's form: query_blocks, or fused_xla / fused_cudnn (`fused_attention`)
 
@@ -234,12 +240,16 @@ class Attention(nn.Module):
         out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)  # residual projections scaled by depth
         qkv = [Kernel((D, width), cfg.init_std, cfg.attention_bias, name=name)()
                for name, width in (("q_proj", H * Q), ("k_proj", K * Q), ("v_proj", K * Q))]
-        if cfg.attention_bias:  # Qwen2's q, k and v biases, added before the rotation as HF does
-            qkv_kernel, qkv_bias = (jnp.concatenate(parts, axis=-1) for parts in zip(*qkv))
-            qkv = project(x, qkv_kernel.astype(dt)) + qkv_bias.astype(dt)
-        else:
-            qkv = project(x, jnp.concatenate(qkv, axis=1).astype(dt))
-        q, k, v = jnp.split(qkv, [H * Q, (H + K) * Q], axis=-1)  # one matmul
+        if layer_cache is not None:  # decoding: a matmul each (the docstring says why)
+            q, k, v = (project(x, p[0].astype(dt)) + p[1].astype(dt) if cfg.attention_bias else project(x, p.astype(dt))
+                       for p in qkv)
+        else:  # training, a full forward: one matmul
+            if cfg.attention_bias:  # Qwen2's q, k and v biases, added before the rotation as HF does
+                qkv_kernel, qkv_bias = (jnp.concatenate(parts, axis=-1) for parts in zip(*qkv))
+                qkv = project(x, qkv_kernel.astype(dt)) + qkv_bias.astype(dt)
+            else:
+                qkv = project(x, jnp.concatenate(qkv, axis=1).astype(dt))
+            q, k, v = jnp.split(qkv, [H * Q, (H + K) * Q], axis=-1)
         q, k, v = q.reshape(B, T, H, Q), k.reshape(B, T, K, Q), v.reshape(B, T, K, Q)
         q, k = rotary(q, rope), rotary(k, rope)
 
@@ -284,13 +294,15 @@ class MLP(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, decoding: bool = False):
         cfg, dt = self.cfg, _dtype(self.cfg)
         D, F = x.shape[-1], cfg.d_ff
         out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
-        kernel = jnp.concatenate([Kernel((D, F), cfg.init_std, name="gate_proj")(),
-                                  Kernel((D, F), cfg.init_std, name="up_proj")()], axis=1)
-        gate_up = project(x, kernel.astype(dt))  # one matmul
+        gate, up = Kernel((D, F), cfg.init_std, name="gate_proj")(), Kernel((D, F), cfg.init_std, name="up_proj")()
+        if decoding:  # a matmul each, as Attention decodes
+            gate_up = jnp.concatenate([project(x, gate.astype(dt)), project(x, up.astype(dt))], axis=-1)
+        else:  # one matmul
+            gate_up = project(x, jnp.concatenate([gate, up], axis=1).astype(dt))
         return project(swiglu(gate_up), Kernel((F, D), out_std, name="down_proj")().astype(dt))
 
 
@@ -305,7 +317,8 @@ class Block(nn.Module):
             RMSNorm(cfg.norm_eps, dt, name="input_layernorm")(x), positions, rope, layer_cache, cache_pos, index,
             segments)
         x = x + h
-        x = x + MLP(cfg, name="mlp")(RMSNorm(cfg.norm_eps, dt, name="post_attention_layernorm")(x))
+        x = x + MLP(cfg, name="mlp")(RMSNorm(cfg.norm_eps, dt, name="post_attention_layernorm")(x),
+                                     decoding=layer_cache is not None)
         return x, layer_cache
 
 
