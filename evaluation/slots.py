@@ -2,10 +2,10 @@
 request's row of a key/value cache as long as the model's context; the rows decode together a
 few steps at a time (`decode_chunk`; fewer while an answer streams, so that its text goes out
 every STREAM_INTERVAL_S), and between those chunks a finished row's slot takes the next waiting
-prompt (`admit`). So a short request that comes while a long answer is decoding
-joins it at the next chunk, instead of waiting for the whole batch to end (Orca's
-iteration-level scheduling, which vLLM calls continuous batching). The host side, the thread
-that picks what runs, is `evaluation.server.Scheduler`.
+prompt (`admit`). So a short request that comes while a long answer is decoding joins it at the
+next chunk, instead of waiting for the whole batch to end (Orca's iteration-level scheduling,
+which vLLM calls continuous batching). The host side, the thread that picks what runs, is
+`evaluation.server.Scheduler`.
 
 A row's tokens are drawn as `evaluation.generate.sample_batch` draws them: the same PRNG key
 per row and token index, the same `pick`, the same logit adjustments (`penalised`, min_tokens'
@@ -135,10 +135,10 @@ def decode_chunk(params, state: dict, limit, *, cfg: ModelConfig, steps: int, al
     """Up to `limit` (at most `steps`) decoding steps of the first `width` slots (those past it
     are free: a lone request decodes as one row, not as many as there are slots), ending early
     once all are done. `limit` is traced, so a shorter chunk (while a row streams) runs the same
-    compiled program. -> the new state, and per slot (of the first `width`) and step:
-    the token drawn, its log-probability and alternatives (as `emit`), and whether the slot was
-    live (not done) at that step; a slot's tokens after it was done, and steps past `limit`, are
-    never read."""
+    compiled program. -> the new state, and per slot (of the first `width`) and step: the token
+    drawn, its log-probability and alternatives (as `emit`), and whether the slot was live (not
+    done) at that step; a slot's tokens after it was done, and steps past `limit`, are never
+    read."""
     C = cfg.seq_len
     A = alternatives or 0
     out = (jnp.zeros((width, steps), jnp.int32), jnp.zeros((width, steps), jnp.float32),
