@@ -4,6 +4,7 @@ weight-decay mask, gradient accumulation, bf16 compute."""
 from __future__ import annotations
 
 import json
+import zlib
 from pathlib import Path
 
 import jax
@@ -163,16 +164,23 @@ def test_flops_per_token_formula_and_preset_sizes():
     assert {m.compute_dtype for m in gpu.values()} == {"bfloat16"}
 
 
-def test_kv_cache_decoding_matches_forward_with_left_padding():
-    params = init_params(CFG, jax.random.PRNGKey(0))
-    tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 12), 0, CFG.vocab_size)
-    full = forward(params, tokens, CFG)
+@pytest.mark.parametrize("attention_bias", [False, True])
+def test_kv_cache_decoding_matches_forward_with_left_padding(attention_bias):
+    """Decoding (a matmul per projection) gives the logits of the forward (one matmul of the kernels
+    side by side), with Qwen2's q, k and v biases too: drawn at random, so each must reach its own
+    projection."""
+    cfg = CFG.model_copy(update={"attention_bias": attention_bias})
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, a: jax.random.normal(jax.random.PRNGKey(zlib.crc32(str(path).encode())), a.shape)
+        if path[-1].key == "bias" else a, init_params(cfg, jax.random.PRNGKey(0)))
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 12), 0, cfg.vocab_size)
+    full = forward(params, tokens, cfg)
     step = jax.jit(decode_step, static_argnums=1)
     positions = jnp.broadcast_to(jnp.arange(12, dtype=jnp.int32), (2, 12))
-    logits, cache = step(params, CFG, tokens[:, :7], init_cache(CFG, 2, 16), positions[:, :7])  # prefill
+    logits, cache = step(params, cfg, tokens[:, :7], init_cache(cfg, 2, 16), positions[:, :7])  # prefill
     outs = [logits]
     for i in range(7, 12):  # then one token at a time
-        logits, cache = step(params, CFG, tokens[:, i:i + 1], cache, positions[:, i:i + 1])
+        logits, cache = step(params, cfg, tokens[:, i:i + 1], cache, positions[:, i:i + 1])
         outs.append(logits)
     np.testing.assert_allclose(jnp.concatenate(outs, 1), full, atol=1e-5)
     assert int(cache["index"]) == 12
@@ -180,8 +188,8 @@ def test_kv_cache_decoding_matches_forward_with_left_padding():
     # Row 1 is a shorter prompt left-padded by 3 (position -1): it decodes as it would alone.
     padded = tokens.at[1, :3].set(0)
     pad_pos = positions.at[1].set(jnp.concatenate([jnp.full(3, -1), jnp.arange(9)]).astype(jnp.int32))
-    logits, _ = step(params, CFG, padded, init_cache(CFG, 2, 16), pad_pos)
-    np.testing.assert_allclose(logits[1, 3:], forward(params, tokens[1:, 3:], CFG)[0], atol=1e-5)
+    logits, _ = step(params, cfg, padded, init_cache(cfg, 2, 16), pad_pos)
+    np.testing.assert_allclose(logits[1, 3:], forward(params, tokens[1:, 3:], cfg)[0], atol=1e-5)
     np.testing.assert_allclose(logits[0], full[0], atol=1e-5)
 
 
