@@ -28,8 +28,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
-def probe(calls: int, repeats: int) -> dict:
-    """In the tree this process imports from (its working folder): the numbers above, as a dict."""
+def probe(shape: dict, calls: int, repeats: int) -> dict:
+    """In the tree this process imports from (its working folder): the numbers above, at `shape`
+    for the timings, as a dict."""
     import inspect
     import time
 
@@ -50,8 +51,7 @@ def probe(calls: int, repeats: int) -> dict:
             return slots.decode_chunk(params, state, np.int32(steps), cfg=cfg, steps=8, alternatives=None, width=8)
         return slots.decode_chunk(params, state, cfg=cfg, steps=steps, alternatives=None, width=8)
 
-    cfg = ModelConfig(d_model=512, n_layers=8, n_heads=8, n_kv_heads=4, d_ff=1408, seq_len=256, tie_embeddings=True,
-                      init_std=0.1)
+    cfg = ModelConfig(**shape, seq_len=256, tie_embeddings=True, init_std=0.1)
     params = jax.jit(init_params, static_argnums=0)(cfg, jax.random.PRNGKey(0))
     rows = [Request([50256, *range(100 + b, 130 + b)], 100_000, 0.0) for b in range(8)]
     tokens = np.array([r.prompt for r in rows], np.int32)
@@ -80,10 +80,11 @@ def probe(calls: int, repeats: int) -> dict:
     return out
 
 
-def measure(tree: Path, calls: int, repeats: int) -> dict:
+def measure(tree: Path, shape: dict, calls: int, repeats: int) -> dict:
     """`probe` in a process that imports `tree`'s code (this file from here: the baseline may not have it)."""
     code = (f"import json, runpy, sys; sys.path.insert(0, {str(tree)!r}); "
-            f"probe = runpy.run_path({__file__!r})['probe']; print(json.dumps(probe({calls}, {repeats})))")
+            f"probe = runpy.run_path({__file__!r})['probe']; "
+            f"print(json.dumps(probe({shape!r}, {calls}, {repeats})))")
     done = subprocess.run([sys.executable, "-c", code], cwd=tree, capture_output=True, text=True, check=False)
     if done.returncode:
         raise SystemExit(f"the probe in {tree} failed:\n{done.stderr[-3000:]}")
@@ -96,13 +97,16 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=10)
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
+    sys.path.insert(0, str(REPO))  # here only: the probe's process imports the tree it measures
+    from benchmarks.serve_load_bench import SHAPES
+
     with tempfile.TemporaryDirectory() as tmp:
         baseline = Path(tmp) / "baseline"
         subprocess.run(["git", "worktree", "add", "--detach", str(baseline), args.baseline], cwd=REPO, check=True,
                        capture_output=True)
         try:
-            got = {"baseline": measure(baseline, args.calls, args.repeats),
-                   "this tree": measure(REPO, args.calls, args.repeats)}
+            got = {"baseline": measure(baseline, SHAPES["large"], args.calls, args.repeats),
+                   "this tree": measure(REPO, SHAPES["large"], args.calls, args.repeats)}
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(baseline)], cwd=REPO, check=False)
     for name, m in got.items():

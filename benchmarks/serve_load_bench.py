@@ -45,8 +45,8 @@ from benchmarks.generate_bench import TINY_CPU_SHAPE, kjv_prompts, random_model 
 from benchmarks.ray_stop_bench import free_port  # noqa: E402
 
 
-# `large`: a decoding step of eight rows takes ~25 ms here (tiny_cpu's: ~4 ms), as steps on an accelerator
-# of a model worth serving do: what a stream's pace is about
+# `large`: a decoding step of eight rows takes ~20-25 ms here (tiny_cpu's: ~3.5 ms), as steps on an
+# accelerator of a model worth serving do: what a stream's pace is about
 SHAPES = {"tiny_cpu": TINY_CPU_SHAPE, "large": {"d_model": 512, "n_layers": 8, "n_heads": 8, "n_kv_heads": 4,
                                                 "d_ff": 1408}}
 

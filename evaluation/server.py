@@ -267,8 +267,8 @@ class Scheduler:
     chunk of `steps` tokens at a time (fewer while an answer streams: as many as take
     `stream_interval_s` at the last chunk's pace, one at least, so that its text goes out that
     often); after each chunk, finished answers go out and waiting prompts take the free slots,
-    so a request waits for a free slot, not for a batch to end. When
-    idle, the first job waits `window_s` for company, so that a burst is prefilled together.
+    so a request waits for a free slot, not for a batch to end. When idle, the first job waits
+    `window_s` for company, so that a burst is prefilled together.
     A prompt to echo with logprobs is scored when it is taken (with the others taken then, by
     `evaluation.scoring.make_prompt_scorer`: the lm-eval adapter's computation).
 

@@ -240,16 +240,13 @@ class Attention(nn.Module):
         out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)  # residual projections scaled by depth
         qkv = [Kernel((D, width), cfg.init_std, cfg.attention_bias, name=name)()
                for name, width in (("q_proj", H * Q), ("k_proj", K * Q), ("v_proj", K * Q))]
+        kernels, biases = zip(*qkv) if cfg.attention_bias else (qkv, ())
         if layer_cache is not None:  # decoding: a matmul each (the docstring says why)
-            q, k, v = (project(x, p[0].astype(dt)) + p[1].astype(dt) if cfg.attention_bias else project(x, p.astype(dt))
-                       for p in qkv)
+            q, k, v = (project(x, kernel.astype(dt)) for kernel in kernels)
         else:  # training, a full forward: one matmul
-            if cfg.attention_bias:  # Qwen2's q, k and v biases, added before the rotation as HF does
-                qkv_kernel, qkv_bias = (jnp.concatenate(parts, axis=-1) for parts in zip(*qkv))
-                qkv = project(x, qkv_kernel.astype(dt)) + qkv_bias.astype(dt)
-            else:
-                qkv = project(x, jnp.concatenate(qkv, axis=1).astype(dt))
-            q, k, v = jnp.split(qkv, [H * Q, (H + K) * Q], axis=-1)
+            q, k, v = jnp.split(project(x, jnp.concatenate(kernels, axis=1).astype(dt)), [H * Q, (H + K) * Q], axis=-1)
+        if biases:  # Qwen2's q, k and v biases, added before the rotation as HF does
+            q, k, v = (part + bias.astype(dt) for part, bias in zip((q, k, v), biases))
         q, k, v = q.reshape(B, T, H, Q), k.reshape(B, T, K, Q), v.reshape(B, T, K, Q)
         q, k = rotary(q, rope), rotary(k, rope)
 
