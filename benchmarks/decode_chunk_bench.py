@@ -1,19 +1,24 @@
 """What one call of `kiln serve-model`'s decoding costs beside its steps: this tree and a baseline commit.
 
-For the working tree and a git worktree at `--baseline`, each in a process of its own with that
-tree's code (`evaluation/slots.py`'s `decode_chunk` on eight busy slots):
+A model folder at the `large` shape of benchmarks/serve_load_bench.py (d_model 512, 8 layers,
+GPT-2 vocabulary, context 256; random weights) computing in `--dtype` is written once; then, for
+the working tree and a git worktree at `--baseline`, each in a process of its own with that
+tree's code, loaded as `kiln serve-model` loads it (`evaluation.generate.load`), and
+`evaluation/slots.py`'s `decode_chunk` run on eight busy slots:
 
-- seconds per call of a chunk of 1 step and of 8 steps, at the `large` shape of
-  benchmarks/serve_load_bench.py (d_model 512, 8 layers, GPT-2 vocabulary, context 256; random
-  weights), best of `--repeats` rounds of `--calls` calls: the steady cost of a step is the
-  difference of the two over 7, and what a call costs beside its steps is the rest;
-- the compiled chunk's temporary bytes (XLA's `memory_analysis`, no parameters allocated) at the
-  shape of configs/llama3_8b_gpu.yaml with float32 compute (this CPU computes bfloat16 matmuls in
-  float32, which would hide the rest).
+- the bytes the loaded weights hold on the device, and their dtype;
+- seconds per call of a chunk of 1 step and of 8 steps, best of `--repeats` rounds of `--calls`
+  calls: the steady cost of a step is the difference of the two over 7, and what a call costs
+  beside its steps is the rest;
+- at the shape of configs/llama3_8b_gpu.yaml, computing in `--dtype`, with the weights in the
+  dtype the tree's `load` held them in, the compiled chunk's argument bytes (weights and slots)
+  and temporary bytes (XLA's `memory_analysis`, nothing allocated). This CPU computes bfloat16
+  matmuls in float32, converting the weights at each call whatever they are held in, so with
+  `--dtype bfloat16` the temporaries here say nothing of an accelerator's; float32 shows the rest.
 
 Then this tree's numbers against the baseline's.
 
-    uv run python benchmarks/decode_chunk_bench.py --baseline <commit>
+    uv run python benchmarks/decode_chunk_bench.py --baseline <commit> [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -28,9 +33,32 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
-def probe(shape: dict, calls: int, repeats: int) -> dict:
-    """In the tree this process imports from (its working folder): the numbers above, at `shape`
-    for the timings, as a dict."""
+def write_model(folder: Path, shape: dict, dtype: str) -> tuple[Path, Path]:
+    """A training output at `shape` (random weights) computing in `dtype`, and a GPT-2 tokenizer
+    folder beside it: (model folder, tokenizer folder)."""
+    import hashlib
+
+    import jax
+
+    from tasks.tokenizer import META_FILE, TOKENIZER_FILE, build_gpt2
+    from training.config import ModelConfig
+    from training.loop import flatten_params, save_model
+    from training.model import init_params
+
+    cfg = ModelConfig(**shape, seq_len=256, tie_embeddings=True, init_std=0.1, compute_dtype=dtype)
+    params = jax.jit(init_params, static_argnums=0)(cfg, jax.random.PRNGKey(0))
+    save_model(folder / "model", cfg, flatten_params(params))
+    text = build_gpt2(("<|endoftext|>",)).to_str()
+    (folder / "tokenizer").mkdir()
+    (folder / "tokenizer" / TOKENIZER_FILE).write_text(text, encoding="utf-8")
+    meta = {"eos_id": 50256, "sha256": hashlib.sha256(text.encode("utf-8")).hexdigest()}
+    (folder / "tokenizer" / META_FILE).write_text(json.dumps(meta))
+    return folder / "model", folder / "tokenizer"
+
+
+def probe(model_dir: str, tokenizer_dir: str, calls: int, repeats: int) -> dict:
+    """In the tree this process imports from (its working folder): the numbers above, for the
+    model folder that `write_model` wrote, as a dict."""
     import inspect
     import time
 
@@ -40,7 +68,7 @@ def probe(shape: dict, calls: int, repeats: int) -> dict:
     import yaml
 
     from evaluation import slots
-    from evaluation.generate import Request
+    from evaluation.generate import Request, load
     from training.config import ModelConfig
     from training.model import init_params
 
@@ -51,13 +79,15 @@ def probe(shape: dict, calls: int, repeats: int) -> dict:
             return slots.decode_chunk(params, state, np.int32(steps), cfg=cfg, steps=8, alternatives=None, width=8)
         return slots.decode_chunk(params, state, cfg=cfg, steps=steps, alternatives=None, width=8)
 
-    cfg = ModelConfig(**shape, seq_len=256, tie_embeddings=True, init_std=0.1)
-    params = jax.jit(init_params, static_argnums=0)(cfg, jax.random.PRNGKey(0))
+    model = load(Path(model_dir), Path(tokenizer_dir))
+    cfg, params = model.cfg, model.params
+    held = {leaf.dtype for leaf in jax.tree_util.tree_leaves(params)}
+    out = {"held_bytes": sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(params)),
+           "held": " ".join(sorted(map(str, held)))}
     rows = [Request([50256, *range(100 + b, 130 + b)], 100_000, 0.0) for b in range(8)]
     tokens = np.array([r.prompt for r in rows], np.int32)
     state, _ = slots.admit(params, slots.empty(cfg, 8), np.arange(8, dtype=np.int32), tokens,
                            np.full(8, tokens.shape[1], np.int32), slots.settings_of(rows, cfg.vocab_size, 8), cfg=cfg)
-    out = {}
     for steps in (1, 8):
         state, got = chunk(params, state, cfg, steps)  # compiles
         jax.device_get(got)
@@ -71,20 +101,23 @@ def probe(shape: dict, calls: int, repeats: int) -> dict:
         out[f"call_{steps}_s"] = best
 
     big = yaml.safe_load((Path("configs") / "llama3_8b_gpu.yaml").read_text())["model"]
-    big_cfg = ModelConfig(**{**big, "compute_dtype": "float32"})
-    shapes = jax.eval_shape(lambda: init_params(big_cfg, jax.random.PRNGKey(0)))
+    big_cfg = ModelConfig(**{**big, "compute_dtype": cfg.compute_dtype})
+    (held,) = held  # the dtype this tree's `load` held the weights in
+    shapes = jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s.shape, held),
+                                    jax.eval_shape(lambda: init_params(big_cfg, jax.random.PRNGKey(0))))
     big_state = jax.eval_shape(lambda: slots.empty(big_cfg, 8))
     args = (shapes, big_state, jax.ShapeDtypeStruct((), jnp.int32)) if traced_limit else (shapes, big_state)
     lowered = slots.decode_chunk.lower(*args, cfg=big_cfg, steps=8, alternatives=None, width=8)
-    out["temp_8b_bytes"] = lowered.compile().memory_analysis().temp_size_in_bytes
+    memory = lowered.compile().memory_analysis()
+    out["temp_8b_bytes"], out["argument_8b_bytes"] = memory.temp_size_in_bytes, memory.argument_size_in_bytes
     return out
 
 
-def measure(tree: Path, shape: dict, calls: int, repeats: int) -> dict:
+def measure(tree: Path, model: Path, tokenizer: Path, calls: int, repeats: int) -> dict:
     """`probe` in a process that imports `tree`'s code (this file from here: the baseline may not have it)."""
     code = (f"import json, runpy, sys; sys.path.insert(0, {str(tree)!r}); "
             f"probe = runpy.run_path({__file__!r})['probe']; "
-            f"print(json.dumps(probe({shape!r}, {calls}, {repeats})))")
+            f"print(json.dumps(probe({str(model)!r}, {str(tokenizer)!r}, {calls}, {repeats})))")
     done = subprocess.run([sys.executable, "-c", code], cwd=tree, capture_output=True, text=True, check=False)
     if done.returncode:
         raise SystemExit(f"the probe in {tree} failed:\n{done.stderr[-3000:]}")
@@ -96,27 +129,32 @@ def main() -> None:
     p.add_argument("--baseline", required=True, help="the commit to compare with (a git worktree of it is made)")
     p.add_argument("--calls", type=int, default=10)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="the model's compute dtype (default float32)")
     args = p.parse_args()
     sys.path.insert(0, str(REPO))  # here only: the probe's process imports the tree it measures
     from benchmarks.serve_load_bench import SHAPES
 
     with tempfile.TemporaryDirectory() as tmp:
         baseline = Path(tmp) / "baseline"
+        model = write_model(Path(tmp), SHAPES["large"], args.dtype)
         subprocess.run(["git", "worktree", "add", "--detach", str(baseline), args.baseline], cwd=REPO, check=True,
                        capture_output=True)
         try:
-            got = {"baseline": measure(baseline, SHAPES["large"], args.calls, args.repeats),
-                   "this tree": measure(REPO, SHAPES["large"], args.calls, args.repeats)}
+            got = {"baseline": measure(baseline, *model, args.calls, args.repeats),
+                   "this tree": measure(REPO, *model, args.calls, args.repeats)}
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(baseline)], cwd=REPO, check=False)
     for name, m in got.items():
         step = (m["call_8_s"] - m["call_1_s"]) / 7
         m["step_s"], m["beside_s"] = step, m["call_1_s"] - step
-        print(f"{name:>9}: a chunk of 1 step {m['call_1_s'] * 1000:6.1f} ms, of 8 steps {m['call_8_s'] * 1000:6.1f} ms;"
-              f" a step {step * 1000:5.1f} ms, a call beside its steps {m['beside_s'] * 1000:5.1f} ms; at the 8B shape"
-              f" (float32) the chunk's temporaries {m['temp_8b_bytes'] / 1e9:.2f} GB")
+        print(f"{name:>9}: weights held in {m['held']}, {m['held_bytes'] / 1e6:.1f} MB; a chunk of 1 step "
+              f"{m['call_1_s'] * 1000:6.1f} ms, of 8 steps {m['call_8_s'] * 1000:6.1f} ms; a step {step * 1000:5.1f} ms,"
+              f" a call beside its steps {m['beside_s'] * 1000:5.1f} ms; at the 8B shape ({args.dtype}) the chunk's"
+              f" arguments {m['argument_8b_bytes'] / 1e9:.2f} GB, temporaries {m['temp_8b_bytes'] / 1e9:.2f} GB")
     base, this = got["baseline"], got["this tree"]
-    for key, label in (("call_1_s", "a chunk of 1 step"), ("call_8_s", "a chunk of 8 steps"),
+    for key, label in (("held_bytes", "weights held"), ("call_1_s", "a chunk of 1 step"),
+                       ("call_8_s", "a chunk of 8 steps"), ("argument_8b_bytes", "arguments at the 8B shape"),
                        ("temp_8b_bytes", "temporaries at the 8B shape")):
         print(f"{label}: this tree / baseline = {this[key] / base[key]:.3f}")
 

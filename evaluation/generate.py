@@ -15,8 +15,8 @@ compiled loop (`jax.experimental.io_callback`), so a server sends text while the
 decoding; the batch's tokens are the same either way.
 
 Models: a train, SFT or DPO output folder (`model.json`, `params.safetensors`; the tokenizer is
-found through its lineage, or given), or an export folder (Hugging Face layout: `config.json`,
-`model.safetensors`, `tokenizer.json`). No Prefect here.
+found through its lineage, or given), or a Hugging Face folder (`config.json`, safetensors weights,
+`tokenizer.json`): kiln's export, or a Llama or Qwen2 checkpoint. No Prefect here.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -464,23 +464,46 @@ class TextStream:
 # --- loading a model folder ------------------------------------------------------------------
 
 
-def load(path: Path, tokenizer_dir: Path | None = None) -> Model:
-    """A train/SFT/DPO output folder or an export folder, with its tokenizer."""
+def load(path: Path, tokenizer_dir: Path | None = None, dtype: str | None = None,
+         max_model_len: int | None = None) -> Model:
+    """A train/SFT/DPO output folder with its tokenizer, or a Hugging Face folder (kiln's export,
+    or a Llama or Qwen2 checkpoint) with its tokenizer.json, ready to generate.
+
+    `dtype` is what the model computes in: float32 or bfloat16 (None: its config's
+    `compute_dtype`; a Hugging Face folder's is float32). Its weights are held in that dtype, cast
+    in host memory before they reach the device: the model casts each weight to its compute dtype
+    wherever it uses it, so the results are the same bits, while a bfloat16 model holds half the
+    bytes and its decoding calls make no cast copies of the weights (XLA hoists such casts out of
+    a decoding loop but not out of the call). `max_model_len` caps the context (prompt and answer):
+    a server's slots each hold a key/value cache that long, and a checkpoint's context may be tens
+    of thousands of tokens."""
+    from training.hf_import import INDEX_FILE, WEIGHTS_FILE
+
     path = Path(path)
     if (path / "model.json").is_file():
-        from training.loop import load_model
-
-        cfg, params = load_model(path)
-        folder = Path(tokenizer_dir) if tokenizer_dir is not None else tokenizer_of(path)
         from tasks.tokenizer import load_tokenizer, read_tokenizer_meta
+        from training.loop import read_model
 
+        cfg, params = read_model(path)
+        folder = Path(tokenizer_dir) if tokenizer_dir is not None else tokenizer_of(path)
         meta = read_tokenizer_meta(folder)
         tokenizer = load_tokenizer(folder)
-        return Model(cfg, params, tokenizer, meta["eos_id"], meta.get("bos_id"), turn_end_ids(path, tokenizer))
-    if (path / "config.json").is_file() and (path / "model.safetensors").is_file():
-        return load_export(path)
-    raise FileNotFoundError(f"{path} is neither a training output (model.json, params.safetensors) nor an "
-                            "export (config.json, model.safetensors): point at <store>/train|sft|dpo|export/<version>")
+        model = Model(cfg, params, tokenizer, meta["eos_id"], meta.get("bos_id"), turn_end_ids(path, tokenizer))
+    elif (path / "config.json").is_file() and ((path / WEIGHTS_FILE).is_file() or (path / INDEX_FILE).is_file()):
+        model = load_export(path)
+    else:
+        raise FileNotFoundError(f"{path} is neither a training output (model.json, params.safetensors) nor a "
+                                f"Hugging Face folder (config.json, {WEIGHTS_FILE} or {INDEX_FILE}): point at "
+                                "<store>/train|sft|dpo|export/<version>, or a Llama or Qwen2 checkpoint's folder")
+    cfg = model.cfg
+    if max_model_len is not None and not 2 <= max_model_len <= cfg.seq_len:
+        raise ValueError(f"max_model_len={max_model_len}: give 2 to the model's context of {cfg.seq_len} tokens "
+                         "(more than it was made for is not offered)")
+    cfg = ModelConfig.model_validate({**cfg.model_dump(), "seq_len": max_model_len or cfg.seq_len,
+                                      "compute_dtype": dtype or cfg.compute_dtype})
+    held = jnp.dtype(cfg.compute_dtype)
+    cast = lambda a: jnp.asarray(np.asarray(a).astype(held, copy=False))  # noqa: E731
+    return replace(model, cfg=cfg, params=jax.tree_util.tree_map(cast, model.params))
 
 
 def turn_end_ids(model_dir: Path, tokenizer: Tokenizer) -> tuple[int, ...]:
@@ -518,32 +541,27 @@ def tokenizer_of(model_dir: Path) -> Path:
 
 
 def load_export(folder: Path) -> Model:
-    """An export folder (training/export.py's Hugging Face layout) back as kiln's model."""
-    from safetensors.numpy import load_file
+    """A Hugging Face folder as kiln's model, its parameters in host memory (`load` places them):
+    kiln's export (training/export.py), or a Llama or Qwen2 checkpoint, read by the export's inverse
+    (training/hf_import.py: q/k/v biases, shards, bfloat16 weights, and what kiln's model cannot
+    compute refused with the reason), with the folder's tokenizer.json. Generation stops at
+    config.json's EOS and at every other id it or generation_config.json lists (a post-trained
+    export's end of turn, Llama 3 Instruct's <|eot_id|>)."""
+    from training.hf_import import load_hf, read_config
 
-    hf = json.loads((folder / "config.json").read_text())
-    cfg = ModelConfig(vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
-                      n_heads=hf["num_attention_heads"], n_kv_heads=hf["num_key_value_heads"],
-                      d_ff=hf["intermediate_size"], seq_len=hf["max_position_embeddings"],
-                      rope_theta=hf["rope_theta"], tie_embeddings=hf["tie_word_embeddings"],
-                      norm_eps=hf["rms_norm_eps"], init_std=hf.get("initializer_range", 0.02))
-    w = load_file(str(folder / "model.safetensors"))
-    params: dict = {"embed_tokens": {"embedding": w["model.embed_tokens.weight"]},
-                    "norm": {"weight": w["model.norm.weight"]}}
-    for i in range(cfg.n_layers):
-        p = f"model.layers.{i}"
-        params[f"layers_{i}"] = {
-            "input_layernorm": {"weight": w[f"{p}.input_layernorm.weight"]},
-            "post_attention_layernorm": {"weight": w[f"{p}.post_attention_layernorm.weight"]},
-            "self_attn": {n: {"kernel": w[f"{p}.self_attn.{n}.weight"].T} for n in ("q_proj", "k_proj", "v_proj", "o_proj")},
-            "mlp": {n: {"kernel": w[f"{p}.mlp.{n}.weight"].T} for n in ("gate_proj", "up_proj", "down_proj")},
-        }
-    if not cfg.tie_embeddings:
-        params["lm_head"] = {"kernel": w["lm_head.weight"].T}
-    params = jax.tree_util.tree_map(lambda a: jnp.asarray(np.ascontiguousarray(a)), params)
-    eos = hf["eos_token_id"]
+    tokenizer_file = folder / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        raise FileNotFoundError(f"{tokenizer_file} not found: kiln reads a Hugging Face folder's tokenizer from its "
+                                "tokenizer.json (save the tokenizer with transformers' `save_pretrained` into it)")
+    cfg, params = load_hf(folder)
+    hf = read_config(folder)
     generation = folder / "generation_config.json"  # what transformers and vLLM stop at: one id or a list
-    listed = json.loads(generation.read_text()).get("eos_token_id", eos) if generation.is_file() else eos
-    end_ids = tuple(i for i in (listed if isinstance(listed, list) else [listed]) if i != eos)
-    return Model(cfg, params, Tokenizer.from_file(str(folder / "tokenizer.json")), eos, hf.get("bos_token_id"),
-                 end_ids)
+    listed = json.loads(generation.read_text()).get("eos_token_id") if generation.is_file() else None
+    stops = [i for value in (hf.get("eos_token_id"), listed) if value is not None
+             for i in (value if isinstance(value, list) else [value])]
+    if not stops:
+        raise ValueError(f"{folder}: neither config.json nor generation_config.json names an eos_token_id, so kiln "
+                         "would not know where an answer ends: add it to config.json")
+    eos = stops[0]
+    return Model(cfg, params, Tokenizer.from_file(str(tokenizer_file)), eos, hf.get("bos_token_id"),
+                 tuple(i for i in dict.fromkeys(stops) if i != eos))

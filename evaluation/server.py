@@ -1028,26 +1028,32 @@ def default_name(path: Path) -> str:
 
 
 def serve_model(path: Path, host: str = "127.0.0.1", port: int = 8000, tokenizer_dir: Path | None = None,
-                name: str | None = None, max_batch: int = 8, api_key: str | None = None) -> None:
-    """Load the model at `path` and serve it until SIGTERM or SIGINT: then stop taking connections,
+                name: str | None = None, max_batch: int = 8, api_key: str | None = None, dtype: str | None = None,
+                max_model_len: int | None = None) -> None:
+    """Load the model at `path` (computing in `dtype`, its context capped at `max_model_len`:
+    `evaluation.generate.load`) and serve it until SIGTERM or SIGINT: then stop taking connections,
     answer the requests in flight, and return. With `api_key`, /v1 requests must carry it."""
     import uvicorn
 
     from evaluation.generate import load
+    from evaluation.slots import state_bytes
+    from training.capacity import gib
 
     if max_batch < 1:
         raise ValueError(f"--max-batch {max_batch}: give at least 1")
-    model = load(Path(path), tokenizer_dir)
+    model = load(Path(path), tokenizer_dir, dtype, max_model_len)
     service = Service(model, name or default_name(path), max_batch)
     url = f"http://{host}:{port}/v1"
+    weights = sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(model.params))
 
     class Server(uvicorn.Server):
         async def startup(self, sockets=None) -> None:
             await super().startup(sockets)
             if self.started:
                 print(f"kiln serve-model: {service.name} at {url} (context {model.cfg.seq_len} tokens, "
-                      f"up to {max_batch} prompts decoding at once; {'an API key' if api_key else 'no API key'} "
-                      "required); SIGTERM or Ctrl-C stops it", flush=True)
+                      f"up to {max_batch} prompts decoding at once; {model.cfg.compute_dtype}, weights "
+                      f"{gib(weights)}, slots {gib(state_bytes(model.cfg, max_batch))}; "
+                      f"{'an API key' if api_key else 'no API key'} required); SIGTERM or Ctrl-C stops it", flush=True)
 
     config = uvicorn.Config(create_app(service, api_key), host=host, port=port, log_level="warning", access_log=False,
                             timeout_graceful_shutdown=30)

@@ -55,6 +55,12 @@ def empty(cfg: ModelConfig, slots: int) -> dict:
     return {**state, **{name: jnp.asarray(value) for name, value in settings.items()}}
 
 
+def state_bytes(cfg: ModelConfig, slots: int) -> int:
+    """The bytes `empty(cfg, slots)` holds on the device (the key/value cache, most of it), allocating nothing."""
+    shapes = jax.eval_shape(lambda: empty(cfg, slots))
+    return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree_util.tree_leaves(shapes))
+
+
 def settings_of(rows: list[Request], vocab: int, n: int) -> dict[str, np.ndarray]:
     """The per-row settings of `rows`, as `n` rows (the rest neutral and done at once, max_new 0)."""
     out = {name: np.zeros((n, 2) if name == "keys" else (n, vocab) if name in ("stop", "bias") else n, dtype)

@@ -48,6 +48,10 @@ def _prefect_defaults() -> None:
     setup_logging()
 
 
+DTYPE_HELP = ("what the model computes in, its weights held in it (default: its compute_dtype; float32 for a "
+              "Hugging Face folder); bfloat16 halves the weights' memory")
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kiln", description="Reproducible LM training: every stage a "
                                 "cached, versioned Prefect step with lineage.", epilog=EPILOG,
@@ -123,7 +127,8 @@ def parser() -> argparse.ArgumentParser:
     gen = command("generate", "Sample text from a trained, post-trained or exported model (KV-cached "
                   "decoding; the same seed gives the same text; temperature 0 is greedy).",
                   'kiln generate kiln_store/train/<version> --prompt "In the beginning" --max-tokens 40 --seed 1')
-    gen.add_argument("path", help="a train, sft or dpo output folder, or an export folder")
+    gen.add_argument("path", help="a train, sft or dpo output folder, or a Hugging Face folder (an export, or "
+                     "a Llama or Qwen2 checkpoint)")
     gen.add_argument("--prompt", required=True, help="the text to continue (with --chat: the user's message)")
     gen.add_argument("--max-tokens", type=int, default=64, help="new tokens at most (default 64)")
     gen.add_argument("--temperature", type=float, default=0.8, help="0: greedy (default 0.8)")
@@ -135,13 +140,15 @@ def parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="apply the chat template (post-trained models); "
                      "the answer ends at the end-of-turn token")
     gen.add_argument("--tokenizer", help="tokenizer step output folder (default: found through lineage)")
+    gen.add_argument("--dtype", choices=["float32", "bfloat16"], help=DTYPE_HELP)
 
     sm = command("serve-model", "Serve a trained, post-trained or exported model over an OpenAI-compatible "
                  "HTTP API (/v1/models, /v1/completions, /v1/chat/completions; docs/serving.md) until SIGTERM "
                  "or Ctrl-C; concurrent requests decode together (continuously batched), and answers can stream "
                  "as they are generated.",
                  "kiln serve-model kiln_store/export/<version> --port 8000 --name my-model")
-    sm.add_argument("path", help="a train, sft or dpo output folder, or an export folder")
+    sm.add_argument("path", help="a train, sft or dpo output folder, or a Hugging Face folder (an export, or "
+                    "a Llama or Qwen2 checkpoint)")
     sm.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine "
                     "only; on a shared network, give --api-key too)")
     sm.add_argument("--port", type=int, default=8000, help="port (default 8000)")
@@ -149,6 +156,9 @@ def parser() -> argparse.ArgumentParser:
     sm.add_argument("--name", help="the model's name in the API (default: <stage>/<version> of the folder)")
     sm.add_argument("--max-batch", type=int, default=8,
                     help="prompts decoding together at most; more wait for a slot (default 8)")
+    sm.add_argument("--dtype", choices=["float32", "bfloat16"], help=DTYPE_HELP)
+    sm.add_argument("--max-model-len", type=int, help="the context at most, prompt and answer (default: the "
+                    "model's): each slot holds a key/value cache this long")
     sm.add_argument("--api-key", default=os.environ.get("KILN_API_KEY"),
                     help="require `Authorization: Bearer KEY` on /v1 requests, an OpenAI client's api_key "
                     "(default: $KILN_API_KEY; unset: no key)")
@@ -465,7 +475,7 @@ def cmd_generate(args) -> int:
     from evaluation.generate import generate, load
 
     try:
-        model = load(Path(args.path), None if args.tokenizer is None else Path(args.tokenizer))
+        model = load(Path(args.path), None if args.tokenizer is None else Path(args.tokenizer), args.dtype)
         generate(model, args.prompt, args.max_tokens, args.temperature, args.top_p, args.seed, args.chat,
                  on_text=lambda piece: print(piece, end="", flush=True),  # as the tokens are drawn
                  top_k=args.top_k, min_p=args.min_p)
@@ -480,7 +490,7 @@ def cmd_serve_model(args) -> int:
 
     try:
         serve_model(Path(args.path), args.host, args.port, None if args.tokenizer is None else Path(args.tokenizer),
-                    args.name, args.max_batch, args.api_key)
+                    args.name, args.max_batch, args.api_key, args.dtype, args.max_model_len)
     except (ValueError, FileNotFoundError) as e:
         raise KilnUserError(str(e)) from None
     return 0

@@ -5,7 +5,9 @@ what its training output samples."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import shutil
 from pathlib import Path
 
 import jax
@@ -128,6 +130,36 @@ def test_kiln_generate_command_and_export_agree(store, tmp_path):
 
     bad = kiln("generate", str(tmp_path / "nothing"), "--prompt", "x", check=False)
     assert bad.returncode == 2 and "neither a training output" in bad.stderr
+
+
+def test_a_bfloat16_model_holds_its_weights_in_bfloat16_and_gives_the_same_bits(store, tmp_path):
+    """`load` casts the weights once to the dtype the model computes in: the same logits and text,
+    bit for bit, as float32 weights that the model casts at each use, in half the bytes."""
+    folder = tmp_path / "m0-bf16"
+    shutil.copytree(store / "train" / "m0", folder)
+    config = json.loads((folder / "model.json").read_text())
+    (folder / "model.json").write_text(json.dumps({**config, "compute_dtype": "bfloat16"}))
+    model = load(folder, store / "tokenizer" / "t0")
+    as_stored = load(store / "train" / "m0")  # float32, the model's own casts at each use
+    assert model.cfg.compute_dtype == "bfloat16" and as_stored.cfg.compute_dtype == "float32"
+    assert {leaf.dtype for leaf in jax.tree_util.tree_leaves(model.params)} == {jnp.dtype(jnp.bfloat16)}
+    nbytes = lambda m: sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(m.params))  # noqa: E731
+    assert 2 * nbytes(model) == nbytes(as_stored)
+
+    unheld = dataclasses.replace(as_stored, cfg=model.cfg)  # float32 weights, bfloat16 compute
+    tokens = jnp.asarray([[model.eos_id, *model.tokenizer.encode(PROMPT).ids]], jnp.int32)
+    fwd = jax.jit(forward, static_argnums=2)
+    logits = fwd(model.params, tokens, model.cfg)
+    assert np.array_equal(logits, fwd(unheld.params, tokens, model.cfg))
+    assert not np.array_equal(logits, fwd(as_stored.params, tokens, as_stored.cfg))  # bfloat16 is not float32
+    text = generate(model, PROMPT, max_tokens=24, temperature=0.8, top_p=0.95, seed=11)
+    assert text and text == generate(unheld, PROMPT, max_tokens=24, temperature=0.8, top_p=0.95, seed=11)
+
+    chosen = load(store / "train" / "m0", dtype="bfloat16", max_model_len=32)  # `--dtype`, `--max-model-len`
+    assert (chosen.cfg.compute_dtype, chosen.cfg.seq_len) == ("bfloat16", 32)
+    assert all(jax.tree_util.tree_leaves(jax.tree_util.tree_map(np.array_equal, chosen.params, model.params)))
+    with pytest.raises(ValueError, match="the model's context of 64 tokens"):
+        load(store / "train" / "m0", max_model_len=65)
 
 
 def test_a_streamed_row_gets_its_tokens_from_inside_the_decoding_loop():

@@ -26,6 +26,7 @@ from tasks.tokenizer import TokenizerConfig, load_tokenizer, read_tokenizer_meta
 from tests.conftest import needs
 from tests.test_loader import run_body
 from training.config import ModelConfig
+from evaluation.generate import load
 from training.export import export_hf, hf_state_dict
 from training.hf_import import load_hf
 from training.model import decode_step, forward, init_cache, init_params
@@ -204,6 +205,28 @@ def test_import_is_the_inverse_of_export(attention_bias, tokenizer_dir, tmp_path
     assert got_cfg == cfg
     assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(params)
     assert all(jax.tree_util.tree_leaves(jax.tree_util.tree_map(np.array_equal, got, params)))
+
+    # and the export is what `kiln generate` and `kiln serve-model` load (evaluation.generate.load):
+    # the same model, q/k/v biases included (they were once left out there, silently)
+    model = load(tmp_path / "hf")
+    assert model.cfg == cfg
+    assert all(jax.tree_util.tree_leaves(jax.tree_util.tree_map(np.array_equal, model.params, params)))
+    eos = read_tokenizer_meta(tokenizer_dir)["eos_id"]
+    assert model.stop_ids == (eos,)
+
+
+def test_a_checkpoint_folder_stops_at_every_eos_it_lists(tokenizer_dir, tmp_path):
+    """Llama 3 Instruct's config.json lists several EOS ids and its generation_config.json others:
+    generation stops at each."""
+    folder = tmp_path / "hf"
+    kiln_export(folder, SMALL, tokenizer_dir)
+    for name, ids in (("config.json", [2, 7]), ("generation_config.json", [7, 9])):
+        config = json.loads((folder / name).read_text())
+        (folder / name).write_text(json.dumps({**config, "eos_token_id": ids}))
+    assert load(folder).stop_ids == (2, 7, 9)
+    (folder / "tokenizer.json").unlink()
+    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+        load(folder)
 
 
 def edited(tokenizer_dir: Path, tmp_path: Path, config: dict | None = None, weights=None, cfg=SMALL) -> Path:

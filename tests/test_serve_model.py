@@ -795,11 +795,14 @@ def test_kiln_serve_model_prints_its_url_and_exits_0_on_sigterm(store, tmp_path)
     port = free_port()
     log = tmp_path / "serve.log"
     ready = f"kiln serve-model: tiny at http://127.0.0.1:{port}/v1"
-    with server("kiln serve-model", [sys.executable, "-m", "flows.cli", "serve-model", str(store / "train" / "m0"),
-                                     "--port", str(port), "--name", "tiny", "--max-batch", "4"],
+    command = [sys.executable, "-m", "flows.cli", "serve-model", str(store / "train" / "m0"), "--port", str(port),
+               "--name", "tiny", "--max-batch", "4", "--max-model-len", "48"]
+    with server("kiln serve-model", command,
                 log, lambda: ready in log_tail(log), env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout_s=120) as proc:
         url = f"http://127.0.0.1:{port}/v1"
-        assert httpx.get(f"{url}/models", timeout=10).json()["data"][0]["id"] == "tiny"
+        assert f"{ready} (context 48 tokens, up to 4 prompts decoding at once; float32, weights " in log_tail(log)
+        listed = httpx.get(f"{url}/models", timeout=10).json()["data"][0]
+        assert (listed["id"], listed["max_model_len"]) == ("tiny", 48)  # the model's 64, capped
         with concurrent.futures.ThreadPoolExecutor(1) as pool:  # in flight (compiling) when SIGTERM comes
             answer = pool.submit(httpx.post, f"{url}/completions", json={"prompt": PROMPT, "max_tokens": 30},
                                  timeout=60)

@@ -136,9 +136,13 @@ def report(p: dict, devices: list[str], mfu: float, memory_fraction: float = DEF
     return {**p, "total_bytes": total_bytes(p), "mfu": mfu, "memory_fraction": memory_fraction, "fit": rows}
 
 
+def gib(n_bytes: float) -> str:
+    """Bytes as people read them: GiB from a quarter of one, else MiB."""
+    return f"{n_bytes / 2**30:.2f} GiB" if n_bytes >= 2**28 else f"{n_bytes / 2**20:.1f} MiB"
+
+
 def table(r: dict) -> str:
     """The report as the lines `kiln capacity` prints."""
-    gib = lambda b: f"{b / 2**30:.2f} GiB" if b >= 2**28 else f"{b / 2**20:.1f} MiB"  # noqa: E731
     mesh = " x ".join(f"{k} {v}" for k, v in r["mesh"].items())
     lines = [
         f"{r['param_count'] / 1e9:.3f}B parameters, {r['compute_dtype']}, batch {r['batch_size']} x {r['seq_len']} "

@@ -399,21 +399,27 @@ def _split_step(model_cfg: ModelConfig, train_cfg: TrainConfig, optimizer, objec
 
 
 def load_model(out_dir: Path) -> tuple[ModelConfig, dict]:
-    """The ModelConfig and float32 parameter tree of a published training output."""
+    """The ModelConfig and float32 parameter tree (device arrays) of a published training output."""
+    cfg, params = read_model(out_dir)
+    return cfg, jax.tree_util.tree_map(jax.numpy.asarray, params)
+
+
+def read_model(out_dir: Path) -> tuple[ModelConfig, dict]:
+    """The ModelConfig and float32 parameter tree, in host memory (numpy), of a published training output."""
     out_dir = Path(out_dir)
     cfg = ModelConfig.model_validate_json((out_dir / "model.json").read_text())
     return cfg, unflatten(load_file(str(out_dir / "params.safetensors")))
 
 
 def unflatten(flat: dict[str, np.ndarray]) -> dict:
-    """A tree of device arrays from flat "layers_0/mlp/up_proj/kernel" names (`flatten_params`'s inverse)."""
+    """A tree of the arrays of flat "layers_0/mlp/up_proj/kernel" names (`flatten_params`'s inverse)."""
     tree: dict = {}
     for name, array in flat.items():
         *parents, leaf = name.split("/")
         node = tree
         for p in parents:
             node = node.setdefault(p, {})
-        node[leaf] = jax.numpy.asarray(array)
+        node[leaf] = array
     return tree
 
 
