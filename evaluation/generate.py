@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -51,6 +51,10 @@ class Model:
     eos_id: int
     bos_id: int | None = None
     end_ids: tuple[int, ...] = ()
+    # a Hugging Face checkpoint's own Jinja chat template and the special tokens' text it reads
+    # (evaluation/chat_prompt.py); None: post-training's, for a model with its chat tokens
+    chat_template: str | None = None
+    template_tokens: dict[str, str] = field(default_factory=dict)
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
@@ -392,24 +396,24 @@ def top_k_size(k: int | None) -> int | None:
 def generate(model: Model, prompt: str, max_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0,
              seed: int = 0, chat: bool = False, on_text: Callable[[str], None] | None = None, top_k: int = 0,
              min_p: float = 0.0) -> str:
-    """The text sampled after `prompt`. With `chat`, the prompt is one user message in the chat
-    template (training/posttrain.py), the answer starts after the assistant token and ends at
-    the end-of-turn token. Without, the prompt continues a document (EOS/BOS before it, as
-    between training documents). `on_text` gets the text in pieces as the tokens are drawn."""
+    """The text sampled after `prompt`. With `chat`, the prompt is one user message in the model's
+    chat template (evaluation/chat_prompt.py: post-training's, or a checkpoint's own), and the
+    answer ends where the assistant's turn does. Without, the prompt continues a document (EOS/BOS
+    before it, as between training documents). `on_text` gets the text in pieces as the tokens are drawn."""
     stop_ids: tuple[int, ...] = ()
     if chat:
-        from training.posttrain import END_OF_TURN, ChatTemplate
+        from evaluation.chat_prompt import chat_for
 
-        ids, _ = ChatTemplate(model.tokenizer).encode([{"role": "user", "content": prompt}], add_generation_prompt=True)
-        stop_ids = (model.tokenizer.token_to_id(END_OF_TURN),)
+        template = chat_for(model)
+        ids, stop_ids = template.prompt([{"role": "user", "content": prompt}]), template.stop_ids
     else:
         tok = Tokenizer.from_str(model.tokenizer.to_str())
         tok.encode_special_tokens = True  # special-token strings in the prompt stay text, as in training
-        ids = tok.encode(prompt, add_special_tokens=False).ids
+        ids = [model.start_id, *tok.encode(prompt, add_special_tokens=False).ids]
     decode = functools.partial(model.tokenizer.decode, skip_special_tokens=False)
     pieces = None if on_text is None else TextStream(decode, [])
     stream = None if pieces is None else lambda i, token, _lp, _top: on_text(pieces.push(i, token))
-    out = sample(model, [model.start_id, *ids], max_tokens, temperature, top_p, seed, stop_ids, stream, top_k, min_p)
+    out = sample(model, ids, max_tokens, temperature, top_p, seed, stop_ids, stream, top_k, min_p)
     text = decode(out)
     if pieces is not None:
         on_text(pieces.rest(text))
@@ -547,6 +551,7 @@ def load_export(folder: Path) -> Model:
     compute refused with the reason), with the folder's tokenizer.json. Generation stops at
     config.json's EOS and at every other id it or generation_config.json lists (a post-trained
     export's end of turn, Llama 3 Instruct's <|eot_id|>)."""
+    from evaluation.chat_prompt import checkpoint_template
     from training.hf_import import load_hf, read_config
 
     tokenizer_file = folder / "tokenizer.json"
@@ -563,5 +568,6 @@ def load_export(folder: Path) -> Model:
         raise ValueError(f"{folder}: neither config.json nor generation_config.json names an eos_token_id, so kiln "
                          "would not know where an answer ends: add it to config.json")
     eos = stops[0]
+    template, template_tokens = checkpoint_template(folder)
     return Model(cfg, params, Tokenizer.from_file(str(tokenizer_file)), eos, hf.get("bos_token_id"),
-                 tuple(i for i in dict.fromkeys(stops) if i != eos))
+                 tuple(i for i in dict.fromkeys(stops) if i != eos), template, template_tokens)

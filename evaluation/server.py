@@ -1,7 +1,7 @@
 """`kiln serve-model`: an OpenAI-compatible HTTP server over one kiln model (a train, SFT, DPO or
-export folder), so that lm-eval's API models (`local-completions`), chat clients, LLM judges and
-RL rollouts reach it the way they reach vLLM. FastAPI routes, uvicorn serving, on 127.0.0.1 by
-default; docs/serving.md is the user's page.
+Hugging Face folder: an export, or a Llama or Qwen2 checkpoint), so that lm-eval's API models
+(`local-completions`), chat clients, LLM judges and RL rollouts reach it the way they reach vLLM.
+FastAPI routes, uvicorn serving, on 127.0.0.1 by default; docs/serving.md is the user's page.
 
     GET  /v1/models               the one model served here, under its name
     POST /v1/completions          text or token-id prompts; echo; logprobs of the prompt and of the
@@ -11,8 +11,9 @@ default; docs/serving.md is the user's page.
                                   ignore_eos, include_stop_str_in_output,
                                   return_tokens_as_token_ids and skip_special_tokens
                                   (default true); stream
-    POST /v1/chat/completions     messages rendered with the model's chat template (SFT and DPO
-                                  outputs have its tokens); 400 for a model without them
+    POST /v1/chat/completions     messages rendered with the model's chat template (post-training's
+                                  for SFT and DPO outputs, a checkpoint's own Jinja one:
+                                  evaluation/chat_prompt.py); 400 for a model with neither
     POST /tokenize, /detokenize   vLLM's tokenizer endpoints, and GET /tokenizer_info: with them
                                   lm-eval finds the tokenizer on the server (its "remote" backend)
     GET  /health, /metrics        liveness, and Prometheus metrics (evaluation/serving_metrics.py)
@@ -62,11 +63,11 @@ from starlette.exceptions import HTTPException
 from tokenizers import Tokenizer
 
 from evaluation import slots
+from evaluation.chat_prompt import chat_for
 from evaluation.generate import (MAX_LOGPROBS, Model, Request, Sampled, Stream, TextStream, check_rows, sample_batch,
                                  stop_end, top_k_size)
 from evaluation.scoring import bucket_for, buckets, make_prompt_scorer, pad_rows
 from evaluation.serving_metrics import CountRequests, ServingMetrics
-from training.posttrain import CHAT_SPECIAL_TOKENS, CHAT_TEMPLATE, END_OF_TURN, ChatTemplate
 
 WINDOW_S = 0.005  # how long a request that finds the server idle waits for company
 log = logging.getLogger("kiln.serve")
@@ -522,12 +523,10 @@ class Service:
         self.scheduler = Scheduler(model, max_batch, on_chunk=self.metrics.ran_chunk)
         self.tok = Tokenizer.from_str(model.tokenizer.to_str())
         self.tok.encode_special_tokens = False  # text prompts: special-token strings become their tokens, as in HF
-        self.template, self.no_template = None, ""
-        missing = [t for t in CHAT_SPECIAL_TOKENS if model.tokenizer.token_to_id(t) is None]
-        if missing:
-            self.no_template = f"its tokenizer lacks the chat tokens {missing}"
-        else:
-            self.template, self.end_id = ChatTemplate(model.tokenizer), model.tokenizer.token_to_id(END_OF_TURN)
+        try:
+            self.template, self.no_template = chat_for(model), ""
+        except ValueError as e:
+            self.template, self.no_template = None, str(e)
         self._pieces: dict[tuple[int, bool], str] = {}
 
     # --- helpers --------------------------------------------------------------------------------
@@ -709,19 +708,16 @@ class Service:
         self.check_model(body.model)
         self.check_token_fields(body)
         if self.template is None:
-            raise ApiError(400, f"{self.name} has no chat template ({self.no_template}): chat needs a post-trained "
-                           "model, an SFT or DPO output or its export; for this model use /v1/completions", "messages")
+            raise ApiError(400, f"{self.name} has no chat template ({self.no_template}); for this model use "
+                           "/v1/completions", "messages")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         if body.continue_final_message and (body.add_generation_prompt or messages[-1]["role"] != "assistant"):
             raise ApiError(400, "continue_final_message continues the last message, which must be the assistant's, "
                            "and needs add_generation_prompt=false (the two open different turns)", "messages")
         try:
-            ids, _ = self.template.encode(messages, add_generation_prompt=body.add_generation_prompt)
+            ids = self.template.prompt(messages, body.add_generation_prompt, body.continue_final_message)
         except ValueError as e:
             raise ApiError(400, str(e), "messages") from None
-        if body.continue_final_message:
-            ids = ids[:-1]  # the last message without its end-of-turn token: the answer goes on from its text
-        ids = [self.model.start_id, *ids]
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         max_tokens = self.model.cfg.seq_len - len(ids) if limit is None else limit
         if max_tokens < 1 and limit is None:
@@ -729,7 +725,7 @@ class Service:
                            f"{self.model.cfg.seq_len}: send fewer or shorter messages", "messages")
         self.check_fits(ids, max_tokens, "messages")
         body.check(max_tokens)
-        stop_ids = body.stop_ids((*self.model.stop_ids, self.end_id))
+        stop_ids = body.stop_ids((*self.model.stop_ids, *self.template.stop_ids))
         k = (body.top_logprobs or 0) if body.logprobs else None
         if body.stream:
             def chunk(n: int, piece: str, drawn: list | None, start: int) -> dict:
@@ -865,7 +861,7 @@ class Service:
         bos = None if self.model.bos_id is None else tok.id_to_token(self.model.bos_id)
         return {"tokenizer_class": "kiln", "eos_token": tok.id_to_token(self.model.eos_id), "bos_token": bos,
                 "pad_token": None, "model_max_length": self.model.cfg.seq_len,
-                "chat_template": CHAT_TEMPLATE if self.template is not None else None}
+                "chat_template": None if self.template is None else self.template.source}
 
 
 def choice_seed(seed: int, choice: int) -> int:

@@ -137,8 +137,8 @@ def parser() -> argparse.ArgumentParser:
     gen.add_argument("--min-p", type=float, default=0.0,
                      help="draw only tokens at least this times as likely as the most likely one (default 0: off)")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    gen.add_argument("--chat", action="store_true", help="apply the chat template (post-trained models); "
-                     "the answer ends at the end-of-turn token")
+    gen.add_argument("--chat", action="store_true", help="apply the chat template (post-trained models, or a "
+                     "checkpoint's own); the answer ends at the end-of-turn token")
     gen.add_argument("--tokenizer", help="tokenizer step output folder (default: found through lineage)")
     gen.add_argument("--dtype", choices=["float32", "bfloat16"], help=DTYPE_HELP)
 

@@ -229,6 +229,70 @@ def test_a_checkpoint_folder_stops_at_every_eos_it_lists(tokenizer_dir, tmp_path
         load(folder)
 
 
+# A ChatML template of the kind Qwen2 Instruct ships, with what transformers' rendering must get
+# right: the BOS variable, an exception for a role it does not know, a content trimmed of spaces.
+CHATML = ("{{ bos_token }}{% for m in messages %}"
+          "{% if m['role'] not in ['system', 'user', 'assistant'] %}{{ raise_exception('no role ' + m['role']) }}"
+          "{% endif %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_checkpoints_own_chat_template_prompts_as_transformers_renders_it(hf, tokenizer_dir, tmp_path):
+    """A Hugging Face checkpoint with a chat template: `kiln serve-model` and `kiln generate --chat`
+    prompt it with that template, to the same ids as transformers' `apply_chat_template` (also
+    continuing a final assistant message whose spaces the template trims), and stop at its
+    end-of-turn token, which generation_config.json lists."""
+    from fastapi.testclient import TestClient
+
+    from evaluation.chat_prompt import chat_for
+    from evaluation.generate import generate, sample
+    from evaluation.server import Service, create_app
+
+    _, transformers = hf
+    folder = tmp_path / "hf"
+    kiln_export(folder, SMALL.model_copy(update={"seq_len": 64}), tokenizer_dir)
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tokenizer.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    tokenizer.save(str(folder / "tokenizer.json"))
+    end = tokenizer.token_to_id("<|im_end|>")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHATML}))
+    generation = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": [end]}))
+
+    model = load(folder)
+    assert model.chat_template == CHATML and end in model.stop_ids
+    chat, theirs = chat_for(model), transformers.AutoTokenizer.from_pretrained(folder)
+    conversations = [
+        ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "And God said <|im_end|> light"}],
+         {"add_generation_prompt": True}),
+        ([{"role": "user", "content": "Who divided the waters?"}, {"role": "assistant", "content": "It was  "}],
+         {"add_generation_prompt": False, "continue_final_message": True}),
+    ]
+    for messages, options in conversations:
+        expected = theirs.apply_chat_template(messages, tokenize=False, **options)
+        assert chat.render(messages, **options) == expected
+        ids = theirs.apply_chat_template(messages, tokenize=True, **options)
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        assert chat.prompt(messages, **options) == list(ids)
+    assert expected.endswith("It was") and expected.startswith("<s>")  # trimmed, cut after it; BOS from its variable
+    with pytest.raises(ValueError, match="no role narrator"):
+        chat.prompt([{"role": "narrator", "content": "x"}])
+
+    question = [{"role": "user", "content": "Who divided the waters?"}]
+    answer = sample(model, chat.prompt(question), 6, temperature=0.0)
+    with TestClient(create_app(Service(model, "chatml", max_batch=2))) as client:
+        r = client.post("/v1/chat/completions", json={"messages": question, "max_tokens": 6, "temperature": 0,
+                                                      "skip_special_tokens": False})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == len(chat.prompt(question))
+        assert r.json()["choices"][0]["message"]["content"] == model.tokenizer.decode(answer, skip_special_tokens=False)
+        assert client.get("/tokenizer_info").json()["chat_template"] == CHATML
+    # `kiln generate --chat`: the same prompt
+    text = generate(model, question[0]["content"], max_tokens=6, temperature=0.0, chat=True)
+    assert text == model.tokenizer.decode(answer, skip_special_tokens=False)
+
+
 def edited(tokenizer_dir: Path, tmp_path: Path, config: dict | None = None, weights=None, cfg=SMALL) -> Path:
     """A kiln export with config.json's keys updated by `config` and its tensors by `weights`."""
     kiln_export(tmp_path / "hf", cfg, tokenizer_dir)
