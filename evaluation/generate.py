@@ -474,8 +474,8 @@ def load(path: Path, tokenizer_dir: Path | None = None, dtype: str | None = None
     or a Llama or Qwen2 checkpoint) with its tokenizer.json, ready to generate.
 
     `dtype` is what the model computes in: float32 or bfloat16 (None: its config's
-    `compute_dtype`; a Hugging Face folder's is float32). Its weights are held in that dtype, cast
-    in host memory before they reach the device: the model casts each weight to its compute dtype
+    `compute_dtype`; a Hugging Face folder's is float32). Its weights are held in that dtype, each
+    converted in host memory as it is read: the model casts each weight to its compute dtype
     wherever it uses it, so the results are the same bits, while a bfloat16 model holds half the
     bytes and its decoding calls make no cast copies of the weights (XLA hoists such casts out of
     a decoding loop but not out of the call). `max_model_len` caps the context (prompt and answer):
@@ -488,13 +488,14 @@ def load(path: Path, tokenizer_dir: Path | None = None, dtype: str | None = None
         from tasks.tokenizer import load_tokenizer, read_tokenizer_meta
         from training.loop import read_model
 
-        cfg, params = read_model(path)
+        stored = ModelConfig.model_validate_json((path / "model.json").read_text())
+        cfg, params = read_model(path, jnp.dtype(dtype or stored.compute_dtype))
         folder = Path(tokenizer_dir) if tokenizer_dir is not None else tokenizer_of(path)
         meta = read_tokenizer_meta(folder)
         tokenizer = load_tokenizer(folder)
         model = Model(cfg, params, tokenizer, meta["eos_id"], meta.get("bos_id"), turn_end_ids(path, tokenizer))
     elif (path / "config.json").is_file() and ((path / WEIGHTS_FILE).is_file() or (path / INDEX_FILE).is_file()):
-        model = load_export(path)
+        model = load_export(path, jnp.dtype(dtype or "float32"))
     else:
         raise FileNotFoundError(f"{path} is neither a training output (model.json, params.safetensors) nor a "
                                 f"Hugging Face folder (config.json, {WEIGHTS_FILE} or {INDEX_FILE}): point at "
@@ -505,9 +506,16 @@ def load(path: Path, tokenizer_dir: Path | None = None, dtype: str | None = None
                          "(more than it was made for is not offered)")
     cfg = ModelConfig.model_validate({**cfg.model_dump(), "seq_len": max_model_len or cfg.seq_len,
                                       "compute_dtype": dtype or cfg.compute_dtype})
-    held = jnp.dtype(cfg.compute_dtype)
-    cast = lambda a: jnp.asarray(np.asarray(a).astype(held, copy=False))  # noqa: E731
-    return replace(model, cfg=cfg, params=jax.tree_util.tree_map(cast, model.params))
+    return replace(model, cfg=cfg, params=placed(model.params))
+
+
+def placed(tree: dict) -> dict:
+    """A tree of host (numpy) arrays on the device, one leaf at a time, each host copy let go as its
+    device copy is made: the tree is changed in place, so the peak is the weights once and a leaf,
+    not twice (measured: benchmarks/RESULTS.md)."""
+    for key, value in tree.items():
+        tree[key] = placed(value) if isinstance(value, dict) else jnp.asarray(value)
+    return tree
 
 
 def turn_end_ids(model_dir: Path, tokenizer: Tokenizer) -> tuple[int, ...]:
@@ -544,8 +552,9 @@ def tokenizer_of(model_dir: Path) -> Path:
                             f"{store_root}): pass the tokenizer folder with --tokenizer")
 
 
-def load_export(folder: Path) -> Model:
-    """A Hugging Face folder as kiln's model, its parameters in host memory (`load` places them):
+def load_export(folder: Path, dtype=np.float32) -> Model:
+    """A Hugging Face folder as kiln's model, its parameters in host memory in `dtype` (`load`
+    places them):
     kiln's export (training/export.py), or a Llama or Qwen2 checkpoint, read by the export's inverse
     (training/hf_import.py: q/k/v biases, shards, bfloat16 weights, and what kiln's model cannot
     compute refused with the reason), with the folder's tokenizer.json. Generation stops at
@@ -558,7 +567,7 @@ def load_export(folder: Path) -> Model:
     if not tokenizer_file.is_file():
         raise FileNotFoundError(f"{tokenizer_file} not found: kiln reads a Hugging Face folder's tokenizer from its "
                                 "tokenizer.json (save the tokenizer with transformers' `save_pretrained` into it)")
-    cfg, params = load_hf(folder)
+    cfg, params = load_hf(folder, dtype=dtype)
     hf = read_config(folder)
     generation = folder / "generation_config.json"  # what transformers and vLLM stop at: one id or a list
     listed = json.loads(generation.read_text()).get("eos_token_id") if generation.is_file() else None

@@ -185,6 +185,11 @@ def test_bfloat16_and_sharded_checkpoints_import_exactly(hf, tmp_path):
     assert sorted(ours) == sorted(theirs)
     for name, tensor in theirs.items():
         assert ours[name].dtype == np.float32 and np.array_equal(ours[name], tensor), name
+    # held as they are, for a server computing in bfloat16 (`kiln serve-model --dtype bfloat16`)
+    _, held = load_hf(tmp_path / "hf", seq_len=16, dtype=jnp.bfloat16)
+    assert {leaf.dtype for leaf in jax.tree_util.tree_leaves(held)} == {jnp.dtype(jnp.bfloat16)}
+    for name, tensor in hf_state_dict(held, cfg).items():  # back in float32: exactly the checkpoint's values
+        assert np.array_equal(tensor, theirs[name]), name
 
 
 # --- kiln's own exports, and what is refused (no torch) -------------------------------------------

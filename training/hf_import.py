@@ -5,7 +5,8 @@
 or a `Qwen2ForCausalLM` (Llama with biases on q, k and v: kiln's `attention_bias`). Tensors are
 renamed by the export's own table (`training.export.hf_names`) and Linear weights [out, in]
 transposed back to Dense kernels [in, out]; nothing is permuted, since kiln's RoPE is HF's
-`rotate_half` layout. Every tensor becomes float32 (bfloat16 exactly), as kiln's parameters are.
+`rotate_half` layout. Every tensor becomes float32 (bfloat16 exactly), as kiln's parameters are,
+unless the caller asks for another dtype (`kiln serve-model` holds weights in its compute dtype).
 
 What kiln's model cannot compute is refused with the reason, before any weight is read: RoPE
 scaling (Llama 3.1's, YaRN, ...), a sliding window in use, biases other than Qwen2's q/k/v, an
@@ -35,16 +36,17 @@ WEIGHTS_FILE = "model.safetensors"
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
-def load_hf(folder: Path, seq_len: int | None = None) -> tuple[ModelConfig, dict]:
+def load_hf(folder: Path, seq_len: int | None = None, dtype=np.float32) -> tuple[ModelConfig, dict]:
     """The model in a Hugging Face folder: its ModelConfig and a parameter tree shaped as
-    `training.model.init_params` makes it, of float32 numpy arrays (in host memory: the caller
-    places them on devices, sharded as it likes).
+    `training.model.init_params` makes it, of numpy arrays in `dtype` (float32, as kiln's
+    parameters are; a server may hold them in its compute dtype), in host memory: the caller
+    places them on devices, sharded as it likes.
 
     `seq_len` caps the config's `max_position_embeddings`, which kiln's seq_len would otherwise
     take: it sizes training's buffers and the default generation length."""
     folder = Path(folder)
     cfg = model_config(read_config(folder), seq_len, folder)
-    return cfg, kiln_params(read_tensors(folder), cfg, folder)
+    return cfg, kiln_params(read_tensors(folder, dtype), cfg, folder)
 
 
 def read_config(folder: Path) -> dict:
@@ -133,8 +135,10 @@ def model_config(hf: dict, seq_len: int | None, folder: Path) -> ModelConfig:
 # --- safetensors -> kiln's parameter tree ---------------------------------------------------------
 
 
-def read_tensors(folder: Path) -> dict[str, np.ndarray]:
-    """Every tensor of the checkpoint, by HF name, as float32."""
+def read_tensors(folder: Path, dtype=np.float32) -> dict[str, np.ndarray]:
+    """Every tensor of the checkpoint, by HF name, in `dtype` (float32: exact for float16 and
+    bfloat16 weights), each converted as it is read, so that no more than one tensor at a time is
+    held in another dtype (a bfloat16 8B checkpoint read as bfloat16: 16 GB, not 32 and more)."""
     index = folder / INDEX_FILE
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -146,30 +150,16 @@ def read_tensors(folder: Path) -> dict[str, np.ndarray]:
                                 "`save_pretrained` it again to convert it)")
     tensors = {}
     for name in files:
-        path = folder / name
-        with safe_open(str(path), framework="numpy") as f:
+        with safe_open(str(folder / name), framework="numpy") as f:  # bfloat16 as ml_dtypes' numpy bfloat16
             for key in f.keys():
-                if f.get_slice(key).get_dtype() == "BF16":  # numpy has no bfloat16: read its bits
-                    tensors[key] = _bfloat16(path, key)
-                else:
-                    tensors[key] = f.get_tensor(key).astype(np.float32, copy=False)
+                tensors[key] = f.get_tensor(key).astype(dtype, copy=False)
     return tensors
 
 
-def _bfloat16(path: Path, key: str) -> np.ndarray:
-    """A bfloat16 tensor of a safetensors file as float32 (exact: bfloat16 is float32's top half).
-    The file is an 8-byte header length, a JSON header with each tensor's byte offsets, the data."""
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        info = json.loads(f.read(n))[key]
-    begin, end = info["data_offsets"]
-    bits = np.fromfile(path, dtype="<u2", count=(end - begin) // 2, offset=8 + n + begin)
-    return (bits.astype(np.uint32) << 16).view(np.float32).reshape(info["shape"])
-
-
 def kiln_params(tensors: dict[str, np.ndarray], cfg: ModelConfig, folder: Path) -> dict:
-    """The HF tensors as kiln's parameter tree, each checked against the shape kiln's model gives it."""
-    tensors = dict(tensors)
+    """The HF tensors as kiln's parameter tree, each checked against the shape kiln's model gives it.
+    Consumes `tensors`: each is taken out as it is placed, so a transposed kernel's original goes as
+    its copy is made (the weights held once, not twice)."""
     shapes = jax.eval_shape(lambda key: init_params(cfg, key), jax.random.PRNGKey(0))
     missing, params = [], {}
     for path, name in hf_names(cfg).items():

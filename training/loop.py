@@ -46,7 +46,8 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
-from safetensors.numpy import load_file, save_file
+from safetensors import safe_open
+from safetensors.numpy import save_file
 
 from training import compile_cache
 from training.checkpoint import Checkpoints
@@ -404,11 +405,13 @@ def load_model(out_dir: Path) -> tuple[ModelConfig, dict]:
     return cfg, jax.tree_util.tree_map(jax.numpy.asarray, params)
 
 
-def read_model(out_dir: Path) -> tuple[ModelConfig, dict]:
-    """The ModelConfig and float32 parameter tree, in host memory (numpy), of a published training output."""
+def read_model(out_dir: Path, dtype=np.float32) -> tuple[ModelConfig, dict]:
+    """The ModelConfig and parameter tree, in host memory (numpy), of a published training output:
+    float32 as stored, or each parameter converted to `dtype` as it is read."""
     out_dir = Path(out_dir)
     cfg = ModelConfig.model_validate_json((out_dir / "model.json").read_text())
-    return cfg, unflatten(load_file(str(out_dir / "params.safetensors")))
+    with safe_open(str(out_dir / "params.safetensors"), framework="numpy") as f:
+        return cfg, unflatten({name: f.get_tensor(name).astype(dtype, copy=False) for name in f.keys()})
 
 
 def unflatten(flat: dict[str, np.ndarray]) -> dict:
