@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -113,17 +112,6 @@ def probe(model_dir: str, tokenizer_dir: str, calls: int, repeats: int) -> dict:
     return out
 
 
-def measure(tree: Path, model: Path, tokenizer: Path, calls: int, repeats: int) -> dict:
-    """`probe` in a process that imports `tree`'s code (this file from here: the baseline may not have it)."""
-    code = (f"import json, runpy, sys; sys.path.insert(0, {str(tree)!r}); "
-            f"probe = runpy.run_path({__file__!r})['probe']; "
-            f"print(json.dumps(probe({str(model)!r}, {str(tokenizer)!r}, {calls}, {repeats})))")
-    done = subprocess.run([sys.executable, "-c", code], cwd=tree, capture_output=True, text=True, check=False)
-    if done.returncode:
-        raise SystemExit(f"the probe in {tree} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--baseline", required=True, help="the commit to compare with (a git worktree of it is made)")
@@ -134,24 +122,21 @@ def main() -> None:
     args = p.parse_args()
     sys.path.insert(0, str(REPO))  # here only: the probe's process imports the tree it measures
     from benchmarks.serve_load_bench import SHAPES
+    from benchmarks.trees import probe_in, worktree
 
     with tempfile.TemporaryDirectory() as tmp:
-        baseline = Path(tmp) / "baseline"
-        model = write_model(Path(tmp), SHAPES["large"], args.dtype)
-        subprocess.run(["git", "worktree", "add", "--detach", str(baseline), args.baseline], cwd=REPO, check=True,
-                       capture_output=True)
-        try:
-            got = {"baseline": measure(baseline, *model, args.calls, args.repeats),
-                   "this tree": measure(REPO, *model, args.calls, args.repeats)}
-        finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(baseline)], cwd=REPO, check=False)
+        model, tokenizer = map(str, write_model(Path(tmp), SHAPES["large"], args.dtype))
+        with worktree(args.baseline, Path(tmp) / "baseline") as baseline:
+            got = {name: probe_in(tree, __file__, "probe", model, tokenizer, args.calls, args.repeats)
+                   for name, tree in (("baseline", baseline), ("this tree", REPO))}
     for name, m in got.items():
         step = (m["call_8_s"] - m["call_1_s"]) / 7
         m["step_s"], m["beside_s"] = step, m["call_1_s"] - step
         print(f"{name:>9}: weights held in {m['held']}, {m['held_bytes'] / 1e6:.1f} MB; a chunk of 1 step "
-              f"{m['call_1_s'] * 1000:6.1f} ms, of 8 steps {m['call_8_s'] * 1000:6.1f} ms; a step {step * 1000:5.1f} ms,"
-              f" a call beside its steps {m['beside_s'] * 1000:5.1f} ms; at the 8B shape ({args.dtype}) the chunk's"
-              f" arguments {m['argument_8b_bytes'] / 1e9:.2f} GB, temporaries {m['temp_8b_bytes'] / 1e9:.2f} GB")
+              f"{m['call_1_s'] * 1000:6.1f} ms, of 8 steps {m['call_8_s'] * 1000:6.1f} ms; a step "
+              f"{step * 1000:5.1f} ms, a call beside its steps {m['beside_s'] * 1000:5.1f} ms; at the 8B shape "
+              f"({args.dtype}) the chunk's arguments {m['argument_8b_bytes'] / 1e9:.2f} GB, temporaries "
+              f"{m['temp_8b_bytes'] / 1e9:.2f} GB")
     base, this = got["baseline"], got["this tree"]
     for key, label in (("held_bytes", "weights held"), ("call_1_s", "a chunk of 1 step"),
                        ("call_8_s", "a chunk of 8 steps"), ("argument_8b_bytes", "arguments at the 8B shape"),

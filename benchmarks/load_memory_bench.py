@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -104,22 +103,13 @@ def probe(model_dir: str, tokenizer_dir: str | None, dtype: str | None) -> dict:
             "held_bytes": sum(leaf.nbytes for leaf in leaves), "compute": model.cfg.compute_dtype}
 
 
-def offers_dtype(tree: Path) -> bool:
-    code = (f"import sys; sys.path.insert(0, {str(tree)!r}); import inspect; "
-            "from evaluation.generate import load; print('dtype' in inspect.signature(load).parameters)")
-    return subprocess.run([sys.executable, "-c", code], cwd=tree, capture_output=True, text=True,
-                          check=True).stdout.strip() == "True"
+def offers_dtype() -> dict:
+    """In the tree this process imports from: whether its `load` takes a dtype."""
+    import inspect
 
+    from evaluation.generate import load
 
-def measure(tree: Path, model: Path, tokenizer: Path | None, dtype: str | None) -> dict:
-    """`probe` in a fresh process that imports `tree`'s code."""
-    code = (f"import json, runpy, sys; sys.path.insert(0, {str(tree)!r}); "
-            f"probe = runpy.run_path({__file__!r})['probe']; "
-            f"print(json.dumps(probe({str(model)!r}, {None if tokenizer is None else str(tokenizer)!r}, {dtype!r})))")
-    done = subprocess.run([sys.executable, "-c", code], cwd=tree, capture_output=True, text=True, check=False)
-    if done.returncode:
-        raise SystemExit(f"the probe in {tree} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return {"offers": "dtype" in inspect.signature(load).parameters}
 
 
 def main() -> None:
@@ -127,27 +117,25 @@ def main() -> None:
     p.add_argument("--baseline", required=True, help="the commit to compare with (a git worktree of it is made)")
     args = p.parse_args()
     sys.path.insert(0, str(REPO))  # here only: each probe's process imports the tree it measures
+    from benchmarks.trees import probe_in, worktree
 
     with tempfile.TemporaryDirectory() as tmp:
         folders = write_folders(Path(tmp))
-        baseline = Path(tmp) / "baseline"
-        subprocess.run(["git", "worktree", "add", "--detach", str(baseline), args.baseline], cwd=REPO, check=True,
-                       capture_output=True)
-        try:
+        with worktree(args.baseline, Path(tmp) / "baseline") as baseline:
             for label, (model, tokenizer) in folders.items():
                 for dtype in ([None, "bfloat16"] if label == "checkpoint" else [None]):
                     got = {}
                     for name, tree in (("baseline", baseline), ("this tree", REPO)):
-                        asked = dtype if dtype is not None and offers_dtype(tree) else None
-                        got[name] = m = measure(tree, model, tokenizer, asked)
+                        offered = dtype is not None and probe_in(tree, __file__, "offers_dtype")["offers"]
+                        asked = dtype if offered else None
+                        got[name] = m = probe_in(tree, __file__, "probe", str(model),
+                                                 None if tokenizer is None else str(tokenizer), asked)
                         print(f"{label}, {'--dtype ' + dtype if dtype else 'its own dtype'}, {name}: computes in "
                               f"{m['compute']}, weights {m['held_bytes'] / 1e9:.2f} GB, anonymous memory "
                               f"{m['before_bytes'] / 1e9:.2f} GB before, {m['peak_rss_bytes'] / 1e9:.2f} GB at the "
                               f"peak, {m['after_bytes'] / 1e9:.2f} GB after", flush=True)
                     ratio = got["this tree"]["peak_rss_bytes"] / got["baseline"]["peak_rss_bytes"]
                     print(f"  peak anonymous memory: this tree / baseline = {ratio:.3f}", flush=True)
-        finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(baseline)], cwd=REPO, check=False)
 
 
 if __name__ == "__main__":
