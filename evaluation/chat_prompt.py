@@ -65,7 +65,10 @@ class CheckpointChat:
             x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        self.source, self.template = source, env.from_string(source)
+        try:
+            self.source, self.template = source, env.from_string(source)
+        except jinja2.exceptions.TemplateSyntaxError as e:
+            raise ValueError(f"its chat template does not parse as Jinja (line {e.lineno}: {e.message})") from None
         self.tok = Tokenizer.from_str(tokenizer.to_str())
         self.tok.encode_special_tokens = False  # the template's special-token strings become their tokens
         self.special_tokens = special_tokens

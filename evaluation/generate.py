@@ -554,12 +554,11 @@ def tokenizer_of(model_dir: Path) -> Path:
 
 def load_export(folder: Path, dtype=np.float32) -> Model:
     """A Hugging Face folder as kiln's model, its parameters in host memory in `dtype` (`load`
-    places them):
-    kiln's export (training/export.py), or a Llama or Qwen2 checkpoint, read by the export's inverse
-    (training/hf_import.py: q/k/v biases, shards, bfloat16 weights, and what kiln's model cannot
-    compute refused with the reason), with the folder's tokenizer.json. Generation stops at
-    config.json's EOS and at every other id it or generation_config.json lists (a post-trained
-    export's end of turn, Llama 3 Instruct's <|eot_id|>)."""
+    places them): kiln's export (training/export.py), or a Llama or Qwen2 checkpoint, read by the
+    export's inverse (training/hf_import.py: q/k/v biases, shards, bfloat16 weights, and what
+    kiln's model cannot compute refused with the reason), with the folder's tokenizer.json and
+    chat template. Generation stops at config.json's EOS and at every other id it or
+    generation_config.json lists (a post-trained export's end of turn, Llama 3 Instruct's <|eot_id|>)."""
     from evaluation.chat_prompt import checkpoint_template
     from training.hf_import import load_hf, read_config
 

@@ -10,6 +10,7 @@ the tokenizer kind do not.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -293,6 +294,10 @@ def test_a_checkpoints_own_chat_template_prompts_as_transformers_renders_it(hf, 
         assert r.json()["usage"]["prompt_tokens"] == len(chat.prompt(question))
         assert r.json()["choices"][0]["message"]["content"] == model.tokenizer.decode(answer, skip_special_tokens=False)
         assert client.get("/tokenizer_info").json()["chat_template"] == CHATML
+    broken = dataclasses.replace(model, chat_template="{% for m in messages %}")  # no endfor: the server still starts
+    with TestClient(create_app(Service(broken, "broken", max_batch=2))) as client:
+        r = client.post("/v1/chat/completions", json={"messages": question})
+        assert r.status_code == 400 and "does not parse as Jinja" in r.json()["error"]["message"], r.text
     # `kiln generate --chat`: the same prompt
     text = generate(model, question[0]["content"], max_tokens=6, temperature=0.0, chat=True)
     assert text == model.tokenizer.decode(answer, skip_special_tokens=False)
