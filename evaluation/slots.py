@@ -61,6 +61,19 @@ def state_bytes(cfg: ModelConfig, slots: int) -> int:
     return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree_util.tree_leaves(shapes))
 
 
+def free_bytes() -> int | None:
+    """The memory left for the slots on the first device: an accelerator's limit less what is in use
+    (the weights already placed), or on a CPU the machine's available memory; None if unknown."""
+    stats = jax.devices()[0].memory_stats()
+    if stats and "bytes_limit" in stats:
+        return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    if jax.devices()[0].platform == "cpu":
+        import psutil
+
+        return psutil.virtual_memory().available
+    return None
+
+
 def settings_of(rows: list[Request], vocab: int, n: int) -> dict[str, np.ndarray]:
     """The per-row settings of `rows`, as `n` rows (the rest neutral and done at once, max_new 0)."""
     out = {name: np.zeros((n, 2) if name == "keys" else (n, vocab) if name in ("stop", "bias") else n, dtype)

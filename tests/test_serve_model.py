@@ -821,6 +821,20 @@ def test_kiln_serve_model_prints_its_url_and_exits_0_on_sigterm(store, tmp_path)
             httpx.get(f"{url}/models", timeout=5)
 
 
+def test_slots_that_do_not_fit_in_memory_are_refused_before_serving(store):  # noqa: F811
+    """The key/value cache of the slots is counted (nothing allocated) against the free memory at the
+    start: too many slots of the whole context are refused saying how much they need and what to lower."""
+    from evaluation.server import serve_model
+    from evaluation.slots import free_bytes
+
+    free = free_bytes()
+    assert free is not None and free > 0  # on this CPU: the machine's available memory
+    slots = int(free // (2 * 2 * 4 * 64 * 2 * 8)) + 1  # 2 layers x (k, v) x 4 bytes x 64 tokens x 2 kv heads x 8
+    with pytest.raises(ValueError, match=rf"{slots} slots of 64 tokens need .* of key/value cache, and .* is free "
+                                         r"beside the weights .*: give a smaller --max-model-len or --max-batch"):
+        serve_model(store / "train" / "m0", port=free_port(), max_batch=slots)
+
+
 def test_kiln_serve_model_says_what_is_wrong_with_a_path(tmp_path):
     bad = kiln("serve-model", str(tmp_path / "nothing"), check=False)
     assert bad.returncode == 2 and "neither a training output" in bad.stderr
