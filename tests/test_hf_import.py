@@ -130,6 +130,11 @@ CASES = {
     "llama-untied": ("llama", {"tie_word_embeddings": False, "rope_theta": 500.0}),
     "llama-tied": ("llama", {"tie_word_embeddings": True}),
     "qwen2-tied": ("qwen2", {"tie_word_embeddings": True, "rope_theta": 1e6}),
+    # Llama 3.1's RoPE scaling, its original context short enough that positions 0..23 feel it:
+    # with head_dim 8 and theta 500 one frequency is blended, two are slowed, one is kept
+    "llama-rope-llama3": ("llama", {"tie_word_embeddings": False, "rope_theta": 500.0, "rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16}}),
 }
 
 
@@ -142,6 +147,7 @@ def test_imported_checkpoint_gives_transformers_logits_and_round_trips(case, hf,
 
     assert (cfg.attention_bias, cfg.tie_embeddings, cfg.seq_len) == (arch == "qwen2", config["tie_word_embeddings"], 64)
     assert cfg.rope_theta == config.get("rope_theta", 10000.0) and cfg.norm_eps == 1e-6
+    assert (cfg.rope_scaling is not None) == ("rope_scaling" in config)
     fresh = init_state(cfg, optax.sgd(0.1), jax.random.PRNGKey(0))["params"]  # what training starts from
     assert jax.tree_util.tree_structure(params) == jax.tree_util.tree_structure(fresh)
     assert jax.tree_util.tree_map(lambda a: (a.shape, a.dtype), params) == \
@@ -315,7 +321,7 @@ def edited(tokenizer_dir: Path, tmp_path: Path, config: dict | None = None, weig
 
 
 REFUSED = {
-    "llama3-rope": ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling .*unscaled"),
+    "linear-rope": ({"rope_scaling": {"rope_type": "linear", "factor": 8.0}}, "rope_scaling .*plain or Llama 3.1"),
     "yarn-rope-v5": ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "rope_parameters"),
     "head-dim": ({"head_dim": 16}, "head_dim 16 with hidden_size 32 and 4 heads"),
     "mistral": ({"architectures": ["MistralForCausalLM"], "model_type": "mistral"}, "architectures .*Mistral"),

@@ -31,6 +31,18 @@ DETERMINISTIC_GPU_FLAG = "--xla_gpu_deterministic_ops=true"
 # can differ between layouts, exactly as they differ between two kinds of hardware; kiln treats
 # both as "where", not "what", and records the device layout in lineage instead.
 
+class RopeScaling(ConfigModel):
+    """Llama 3.1's RoPE scaling (`rope_type: llama3` in a Hugging Face config): the frequencies
+    whose wavelength exceeds `original_max_position_embeddings / low_freq_factor` are divided by
+    `factor`, those under `.../ high_freq_factor` kept, and those between blended smoothly."""
+
+    factor: Positive = Field(8.0, description="How much the lowest frequencies are slowed.")
+    low_freq_factor: Positive = Field(1.0, description="Wavelengths above original context / this are scaled.")
+    high_freq_factor: Positive = Field(4.0, description="Wavelengths below original context / this are kept.")
+    original_max_position_embeddings: Count = Field(8192, description="The context the model was first trained "
+                                                    "for.")
+
+
 class ModelConfig(ConfigModel):
     """A Llama-style decoder. `vocab_size` is filled from the tokenizer by the pipeline."""
 
@@ -55,6 +67,9 @@ class ModelConfig(ConfigModel):
         "float32. Identity: bfloat16 changes the bytes of the result.")
     attention_bias: bool = identity_when_set(False, description="Biases on the q, k and v projections, as in "
                                              "Qwen2 (training/hf_import.py sets it for a Qwen2 checkpoint).")
+    rope_scaling: RopeScaling | None = identity_when_set(None, description="Llama 3.1's scaled RoPE frequencies "
+                                                         "(training/hf_import.py sets it from a checkpoint's "
+                                                         "`rope_type: llama3`); none: plain RoPE.")
 
     @property
     def head_dim(self) -> int:
@@ -66,6 +81,10 @@ class ModelConfig(ConfigModel):
             raise ValueError(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
+        scaling = self.rope_scaling
+        if scaling is not None and scaling.high_freq_factor <= scaling.low_freq_factor:
+            raise ValueError(f"rope_scaling: high_freq_factor={scaling.high_freq_factor} must exceed "
+                             f"low_freq_factor={scaling.low_freq_factor}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary positions; change d_model or n_heads")
         return self

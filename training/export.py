@@ -122,7 +122,7 @@ def hf_config(cfg: ModelConfig, bos_id: int, eos_id: int) -> dict:
         "max_position_embeddings": cfg.seq_len,
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,
-        "rope_scaling": None,
+        "rope_scaling": None if cfg.rope_scaling is None else {"rope_type": "llama3", **cfg.rope_scaling.model_dump()},
         "attention_bias": False,
         "attention_dropout": 0.0,
         "mlp_bias": False,
@@ -236,7 +236,8 @@ def model_card(cfg: ModelConfig, n_params: int, name: str, license_id: str | Non
     rows = [("parameters", f"{n_params:,}"), ("layers", cfg.n_layers), ("d_model", cfg.d_model),
             ("attention heads", cfg.n_heads), ("key/value heads (GQA)", cfg.n_kv_heads),
             ("head dim", cfg.head_dim), ("MLP (SwiGLU) width", cfg.d_ff), ("vocabulary", cfg.vocab_size),
-            ("context", cfg.seq_len), ("positions", f"RoPE, theta {cfg.rope_theta:g}"),
+            ("context", cfg.seq_len), ("positions", f"RoPE, theta {cfg.rope_theta:g}"
+                                                          + (", Llama 3.1 scaling" if cfg.rope_scaling else "")),
             ("norm", f"RMSNorm, eps {cfg.norm_eps:g}"), ("tied embeddings", cfg.tie_embeddings),
             ("training compute dtype", cfg.compute_dtype)] + [("q/k/v biases", True)] * cfg.attention_bias
     lines += [f"| {k} | {v} |" for k, v in rows]

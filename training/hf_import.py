@@ -8,10 +8,11 @@ transposed back to Dense kernels [in, out]; nothing is permuted, since kiln's Ro
 `rotate_half` layout. Every tensor becomes float32 (bfloat16 exactly), as kiln's parameters are,
 unless the caller asks for another dtype (`kiln serve-model` holds weights in its compute dtype).
 
-What kiln's model cannot compute is refused with the reason, before any weight is read: RoPE
-scaling (Llama 3.1's, YaRN, ...), a sliding window in use, biases other than Qwen2's q/k/v, an
-activation other than SiLU, a head_dim other than hidden_size / num_attention_heads, quantized
-weights, and other architectures. A tensor the config does not account for is refused too.
+Llama 3.1's RoPE scaling (`rope_type: llama3`) becomes `model.rope_scaling`. What kiln's model
+cannot compute is refused with the reason, before any weight is read: other RoPE scaling (YaRN,
+linear, dynamic, ...), a sliding window in use, biases other than Qwen2's q/k/v, an activation
+other than SiLU, a head_dim other than hidden_size / num_attention_heads, quantized weights, and
+other architectures. A tensor the config does not account for is refused too.
 
 Plain numpy and `safetensors`: no JAX device work, no torch, no Prefect.
 """
@@ -25,7 +26,7 @@ import jax
 import numpy as np
 from safetensors import safe_open
 
-from training.config import ModelConfig
+from training.config import ModelConfig, RopeScaling
 from training.export import hf_names, leaf_at
 from training.model import init_params
 
@@ -72,6 +73,15 @@ def architecture(hf: dict, folder: Path) -> str:
     return model_type
 
 
+def rope_scaling(hf: dict) -> RopeScaling | None:
+    """Llama 3.1's RoPE scaling from `rope_scaling` (transformers 4) or `rope_parameters` (5), or None."""
+    for key in ("rope_scaling", "rope_parameters"):
+        rope = hf.get(key) or {}
+        if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) == "llama3":
+            return RopeScaling(**{name: rope[name] for name in RopeScaling.model_fields if name in rope})
+    return None
+
+
 def rope_theta(hf: dict) -> float:
     parameters = hf.get("rope_parameters") or {}  # transformers 5 nests it; 4 writes it flat
     return float(hf.get("rope_theta", parameters.get("rope_theta", 10000.0)))
@@ -86,8 +96,8 @@ def unsupported(hf: dict, model_type: str) -> list[str]:
     for key in ("rope_scaling", "rope_parameters"):
         rope = hf.get(key) or {}
         kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else rope
-        if kind != "default":
-            reasons.append(f"{key} {rope} (kiln's RoPE is unscaled: rope_type default)")
+        if kind not in ("default", "llama3"):
+            reasons.append(f"{key} {rope} (kiln's RoPE is plain or Llama 3.1's: rope_type default or llama3)")
     partial = hf.get("partial_rotary_factor", (hf.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0))
     if partial != 1.0:
         reasons.append(f"partial_rotary_factor {partial} (kiln rotates every head dimension)")
@@ -125,9 +135,9 @@ def model_config(hf: dict, seq_len: int | None, folder: Path) -> ModelConfig:
                            n_heads=hf["num_attention_heads"],
                            n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
                            d_ff=hf["intermediate_size"], seq_len=min(max_positions, seq_len or max_positions),
-                           rope_theta=rope_theta(hf), tie_embeddings=hf.get("tie_word_embeddings", False),
-                           norm_eps=hf.get("rms_norm_eps", 1e-6), init_std=hf.get("initializer_range", 0.02),
-                           attention_bias=model_type == "qwen2")
+                           rope_theta=rope_theta(hf), rope_scaling=rope_scaling(hf),
+                           tie_embeddings=hf.get("tie_word_embeddings", False), norm_eps=hf.get("rms_norm_eps", 1e-6),
+                           init_std=hf.get("initializer_range", 0.02), attention_bias=model_type == "qwen2")
     except KeyError as e:
         raise ValueError(f"{folder}: config.json has no {e.args[0]}") from None
 

@@ -75,9 +75,25 @@ class RMSNorm(nn.Module):
         return weight.astype(self.dtype) * x32.astype(self.dtype)
 
 
-def rope_tables(positions, head_dim: int, theta: float, dtype):
-    """HF's RoPE angles position * theta^(-2i/Q) as (cos [B, T, 1, 1, Q/2], signed_sin [B, T, 1, 2,
-    Q/2]: [-sin, sin]) for positions [B, T] (B may be 1, for rows that share their positions).
+def rope_frequencies(head_dim: int, theta: float, scaling=None):
+    """theta^(-2i/Q) for i < Q/2, float32; with `scaling` (a RopeScaling), Llama 3.1's: low
+    frequencies divided by `factor`, high ones kept, the band between blended by where its
+    wavelength lies, as transformers' `llama3` rope type computes them."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim // 2, dtype=jnp.float32) * 2 / head_dim))
+    if scaling is None:
+        return inv_freq
+    wavelength = 2 * math.pi / inv_freq
+    context = scaling.original_max_position_embeddings
+    slowed = jnp.where(wavelength > context / scaling.low_freq_factor, inv_freq / scaling.factor, inv_freq)
+    blend = (context / wavelength - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    between = (wavelength >= context / scaling.high_freq_factor) & (wavelength <= context / scaling.low_freq_factor)
+    return jnp.where(between, (1 - blend) * slowed / scaling.factor + blend * slowed, slowed)
+
+
+def rope_tables(positions, head_dim: int, theta: float, dtype, scaling=None):
+    """HF's RoPE angles position * theta^(-2i/Q) (`rope_frequencies`, Llama 3.1's with `scaling`)
+    as (cos [B, T, 1, 1, Q/2], signed_sin [B, T, 1, 2, Q/2]: [-sin, sin]) for positions [B, T] (B
+    may be 1, for rows that share their positions).
 
     Computed once per forward, for every layer. Positions known while tracing (training's 0..T-1,
     a numpy array: `forward`) give constant tables, computed eagerly by the same XLA cos and sin
@@ -85,9 +101,7 @@ def rope_tables(positions, head_dim: int, theta: float, dtype):
     them, in each layer's rotary forward and backward (3-6% of nanoGPT's CPU step,
     benchmarks/RESULTS.md). Traced positions (documents, decoding) are computed in the program."""
     with jax.ensure_compile_time_eval():
-        half = head_dim // 2
-        inv_freq = 1.0 / (theta ** (jnp.arange(0, half, dtype=jnp.float32) * 2 / head_dim))
-        angles = jnp.asarray(positions).astype(jnp.float32)[..., None] * inv_freq  # [B, T, Q/2]
+        angles = jnp.asarray(positions).astype(jnp.float32)[..., None] * rope_frequencies(head_dim, theta, scaling)
         cos = jnp.cos(angles)[:, :, None, None, :].astype(dtype)
         sin = jnp.sin(angles)[:, :, None, None, :].astype(dtype)
         return cos, jnp.concatenate([-sin, sin], axis=3)
@@ -350,7 +364,7 @@ class Llama(nn.Module):
         embed = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=dt, param_dtype=jnp.float32,
                          embedding_init=nn.initializers.normal(cfg.init_std), name="embed_tokens")
         x = embed(tokens)
-        rope = rope_tables(positions, cfg.head_dim, cfg.rope_theta, dt)
+        rope = rope_tables(positions, cfg.head_dim, cfg.rope_theta, dt, cfg.rope_scaling)
         # Remat wraps the block, so the parameter tree keeps its names (layers_{i}/...).
         block = Block if self.remat == "none" else nn.remat(Block, policy=remat_policy(self.remat))
         new_layers = []
