@@ -24,7 +24,6 @@ Then this tree's numbers against the baseline's.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 from pathlib import Path
@@ -35,11 +34,9 @@ REPO = Path(__file__).resolve().parent.parent
 def write_model(folder: Path, shape: dict, dtype: str) -> tuple[Path, Path]:
     """A training output at `shape` (random weights) computing in `dtype`, and a GPT-2 tokenizer
     folder beside it: (model folder, tokenizer folder)."""
-    import hashlib
-
     import jax
 
-    from tasks.tokenizer import META_FILE, TOKENIZER_FILE, build_gpt2
+    from benchmarks.generate_bench import gpt2_tokenizer_folder
     from training.config import ModelConfig
     from training.loop import flatten_params, save_model
     from training.model import init_params
@@ -47,12 +44,7 @@ def write_model(folder: Path, shape: dict, dtype: str) -> tuple[Path, Path]:
     cfg = ModelConfig(**shape, seq_len=256, tie_embeddings=True, init_std=0.1, compute_dtype=dtype)
     params = jax.jit(init_params, static_argnums=0)(cfg, jax.random.PRNGKey(0))
     save_model(folder / "model", cfg, flatten_params(params))
-    text = build_gpt2(("<|endoftext|>",)).to_str()
-    (folder / "tokenizer").mkdir()
-    (folder / "tokenizer" / TOKENIZER_FILE).write_text(text, encoding="utf-8")
-    meta = {"eos_id": 50256, "sha256": hashlib.sha256(text.encode("utf-8")).hexdigest()}
-    (folder / "tokenizer" / META_FILE).write_text(json.dumps(meta))
-    return folder / "model", folder / "tokenizer"
+    return folder / "model", gpt2_tokenizer_folder(folder / "tokenizer")
 
 
 def probe(model_dir: str, tokenizer_dir: str, calls: int, repeats: int) -> dict:

@@ -64,6 +64,20 @@ def random_model(folder: Path, shape: dict = TINY_CPU_SHAPE) -> None:
     export_hf(cfg, jax.device_get(params), build_gpt2(("<|endoftext|>",)).to_str(), meta, folder)
 
 
+def gpt2_tokenizer_folder(folder: Path) -> Path:
+    """GPT-2's tokenizer as a tokenizer step output (tokenizer.json and the meta `load` reads) in `folder`."""
+    import hashlib
+
+    from tasks.tokenizer import META_FILE, TOKENIZER_FILE, build_gpt2
+
+    text = build_gpt2(("<|endoftext|>",)).to_str()
+    folder.mkdir(parents=True)
+    (folder / TOKENIZER_FILE).write_text(text, encoding="utf-8")
+    meta = {"eos_id": 50256, "sha256": hashlib.sha256(text.encode("utf-8")).hexdigest()}
+    (folder / META_FILE).write_text(json.dumps(meta))
+    return folder
+
+
 def export_of(path: Path, folder: Path) -> None:
     """A train/SFT/DPO folder's model exported to `folder`."""
     import jax

@@ -31,14 +31,13 @@ SHAPE = dict(vocab_size=32000, d_model=2048, n_layers=16, n_heads=16, n_kv_heads
 
 def write_folders(root: Path) -> dict[str, tuple[Path, Path | None]]:
     """The checkpoint and the training output (each with the tokenizer `load` needs for it)."""
-    import hashlib
-
     import jax
     import jax.numpy as jnp
     import numpy as np
     from safetensors.numpy import save_file
 
-    from tasks.tokenizer import META_FILE, TOKENIZER_FILE, build_gpt2
+    from benchmarks.generate_bench import gpt2_tokenizer_folder
+    from tasks.tokenizer import build_gpt2
     from training.config import ModelConfig
     from training.export import hf_config, hf_state_dict, tokenizer_files
     from training.loop import flatten_params, save_model
@@ -59,11 +58,7 @@ def write_folders(root: Path) -> dict[str, tuple[Path, Path | None]]:
         (hf / name).write_text(content)
 
     save_model(root / "train", cfg, flatten_params(params))
-    tokenizer = root / "tokenizer"
-    tokenizer.mkdir()
-    (tokenizer / TOKENIZER_FILE).write_text(text, encoding="utf-8")
-    (tokenizer / META_FILE).write_text(json.dumps({"eos_id": 0, "sha256": hashlib.sha256(text.encode()).hexdigest()}))
-    return {"checkpoint": (hf, None), "training output": (root / "train", tokenizer)}
+    return {"checkpoint": (hf, None), "training output": (root / "train", gpt2_tokenizer_folder(root / "tokenizer"))}
 
 
 def probe(model_dir: str, tokenizer_dir: str | None, dtype: str | None) -> dict:

@@ -506,16 +506,9 @@ def load(path: Path, tokenizer_dir: Path | None = None, dtype: str | None = None
                          "(more than it was made for is not offered)")
     cfg = ModelConfig.model_validate({**cfg.model_dump(), "seq_len": max_model_len or cfg.seq_len,
                                       "compute_dtype": dtype or cfg.compute_dtype})
+    from training.loop import placed
+
     return replace(model, cfg=cfg, params=placed(model.params))
-
-
-def placed(tree: dict) -> dict:
-    """A tree of host (numpy) arrays on the device, one leaf at a time, each host copy let go as its
-    device copy is made: the tree is changed in place, so the peak is the weights once and a leaf,
-    not twice (measured: benchmarks/RESULTS.md)."""
-    for key, value in tree.items():
-        tree[key] = placed(value) if isinstance(value, dict) else jnp.asarray(value)
-    return tree
 
 
 def turn_end_ids(model_dir: Path, tokenizer: Tokenizer) -> tuple[int, ...]:

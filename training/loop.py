@@ -402,7 +402,7 @@ def _split_step(model_cfg: ModelConfig, train_cfg: TrainConfig, optimizer, objec
 def load_model(out_dir: Path) -> tuple[ModelConfig, dict]:
     """The ModelConfig and float32 parameter tree (device arrays) of a published training output."""
     cfg, params = read_model(out_dir)
-    return cfg, jax.tree_util.tree_map(jax.numpy.asarray, params)
+    return cfg, placed(params)
 
 
 def read_model(out_dir: Path, dtype=np.float32) -> tuple[ModelConfig, dict]:
@@ -412,6 +412,15 @@ def read_model(out_dir: Path, dtype=np.float32) -> tuple[ModelConfig, dict]:
     cfg = ModelConfig.model_validate_json((out_dir / "model.json").read_text())
     with safe_open(str(out_dir / "params.safetensors"), framework="numpy") as f:
         return cfg, unflatten({name: f.get_tensor(name).astype(dtype, copy=False) for name in f.keys()})
+
+
+def placed(tree: dict) -> dict:
+    """A tree of host (numpy) arrays on the device, one leaf at a time, each host copy let go as its
+    device copy is made: the tree is changed in place, so the peak is the weights once and a leaf,
+    not twice (measured: benchmarks/RESULTS.md)."""
+    for key, value in tree.items():
+        tree[key] = placed(value) if isinstance(value, dict) else jax.numpy.asarray(value)
+    return tree
 
 
 def unflatten(flat: dict[str, np.ndarray]) -> dict:
