@@ -267,9 +267,14 @@ def save_adapters(folder: Path, cfg, flat: dict[str, np.ndarray]) -> None:
 
 def save_model(folder: Path, model_cfg: ModelConfig, flat: dict[str, np.ndarray]) -> None:
     """A model folder as `load_model` reads it. The parameters are written under a temporary name
-    and renamed, so a process killed mid-write leaves no half file behind that name."""
+    and renamed, so a process killed mid-write leaves no half file behind that name. model.json
+    leaves out the fields added after versions were in use while they hold their defaults
+    (`identity_when_set`: attention_bias, rope_scaling), as versions do, so that a kiln from
+    before such a field still reads the models that do not use it."""
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "model.json").write_text(model_cfg.model_dump_json(indent=2) + "\n")
+    unset = {name for name in type(model_cfg).model_fields
+             if left_out_at_default(type(model_cfg), name, getattr(model_cfg, name))}
+    (folder / "model.json").write_text(model_cfg.model_dump_json(indent=2, exclude=unset) + "\n")
     save_file(flat, str(folder / "params.safetensors.tmp"))
     os.replace(folder / "params.safetensors.tmp", folder / "params.safetensors")
 
