@@ -58,7 +58,7 @@ class KilnLM(TemplateLM):
         self.tok.encode_special_tokens = not parse_special_tokens
         self.skip_special_tokens = not parse_special_tokens
         self.eos_id, self.bos_id = eos_id, bos_id
-        # generation also ends at these (a post-trained model's <|end|>: evaluation.generate.turn_end_ids),
+        # generation also ends at these (a post-trained model's end of turn: evaluation.generate.output_chat),
         # as transformers ends it at the export's generation_config.json eos_token_id list
         self.stop_ids = np.array([eos_id, *end_ids])
         self.batch_size, self.max_gen_toks, self.gen_chunk = batch_size, max_gen_toks, gen_chunk

@@ -51,8 +51,9 @@ class Model:
     eos_id: int
     bos_id: int | None = None
     end_ids: tuple[int, ...] = ()
-    # a Hugging Face checkpoint's own Jinja chat template and the special tokens' text it reads
-    # (evaluation/chat_prompt.py); None: post-training's, for a model with its chat tokens
+    # the model's Jinja chat template (a Hugging Face checkpoint's, or post-training's CHAT_TEMPLATE) and
+    # the special tokens' text it reads (evaluation/chat_prompt.py); None: post-training's, where the
+    # tokenizer has its chat tokens
     chat_template: str | None = None
     template_tokens: dict[str, str] = field(default_factory=dict)
 
@@ -493,7 +494,7 @@ def load(path: Path, tokenizer_dir: Path | None = None, dtype: str | None = None
         folder = Path(tokenizer_dir) if tokenizer_dir is not None else tokenizer_of(path)
         meta = read_tokenizer_meta(folder)
         tokenizer = load_tokenizer(folder)
-        model = Model(cfg, params, tokenizer, meta["eos_id"], meta.get("bos_id"), turn_end_ids(path, tokenizer))
+        model = Model(cfg, params, tokenizer, meta["eos_id"], meta.get("bos_id"), *output_chat(path, folder))
     elif (path / "config.json").is_file() and ((path / WEIGHTS_FILE).is_file() or (path / INDEX_FILE).is_file()):
         model = load_export(path, jnp.dtype(dtype or "float32"))
     else:
@@ -511,18 +512,23 @@ def load(path: Path, tokenizer_dir: Path | None = None, dtype: str | None = None
     return replace(model, cfg=cfg, params=placed(model.params))
 
 
-def turn_end_ids(model_dir: Path, tokenizer: Tokenizer) -> tuple[int, ...]:
-    """A post-trained output (SFT, DPO: it has a chat template) ends a reply at `<|end|>`: its id;
-    any other output, none."""
-    from training.posttrain import END_OF_TURN, TEMPLATE_FILE
+def output_chat(model_dir: Path, tokenizer_dir: Path) -> tuple[tuple[int, ...], str | None, dict[str, str]]:
+    """A training output's (turn end ids, chat template, the template's special tokens' text). A
+    post-trained output (SFT, DPO) keeps the template it learned beside its weights, and a reply ends
+    at its end of turn; any other output chats in its tokenizer's template (a Hugging Face
+    checkpoint's, which a tokenizer step of kind hf carries), if any, and stops at EOS."""
+    from tasks.tokenizer import chat_template, checkpoint_chat_template
+    from training.posttrain import TEMPLATE_FILE
 
-    if not (Path(model_dir) / TEMPLATE_FILE).is_file():
-        return ()
-    end = tokenizer.token_to_id(END_OF_TURN)
-    if end is None:
-        raise ValueError(f"{model_dir} has a chat template but its tokenizer lacks {END_OF_TURN}: pass the "
-                         "tokenizer it was post-trained with (--tokenizer)")
-    return (end,)
+    template_file = Path(model_dir) / TEMPLATE_FILE
+    if not template_file.is_file():
+        carried = checkpoint_chat_template(tokenizer_dir)
+        return (), *((None, {}) if carried is None else (carried.source, carried.special_tokens))
+    template = chat_template(tokenizer_dir)
+    if template.source != template_file.read_text(encoding="utf-8"):
+        raise ValueError(f"{model_dir} was post-trained with another chat template than the tokenizer {tokenizer_dir} "
+                         "carries: pass the tokenizer it was post-trained with (--tokenizer)")
+    return (template.end_id,), template.source, getattr(template, "special_tokens", {})
 
 
 def tokenizer_of(model_dir: Path) -> Path:
@@ -552,7 +558,7 @@ def load_export(folder: Path, dtype=np.float32) -> Model:
     kiln's model cannot compute refused with the reason), with the folder's tokenizer.json and
     chat template. Generation stops at config.json's EOS and at every other id it or
     generation_config.json lists (a post-trained export's end of turn, Llama 3 Instruct's <|eot_id|>)."""
-    from evaluation.chat_prompt import checkpoint_template
+    from training.chat_jinja import checkpoint_template
     from training.hf_import import load_hf, read_config
 
     tokenizer_file = folder / "tokenizer.json"

@@ -33,7 +33,7 @@ from pydantic import Field
 from evaluation.chat import ChatEvalConfig
 from tasks.chat_data import read_records
 from tasks.sft import EVAL_DIR, comparison, evaluate_model, read_model_config, relay_to
-from tasks.tokenizer import load_tokenizer, read_tokenizer_meta
+from tasks.tokenizer import chat_template, load_tokenizer, read_tokenizer_meta
 from tasks.engine.config import ConfigModel, setting
 from training.config import ResourcesConfig, TrainConfig
 from training.metrics import read_metrics
@@ -41,6 +41,7 @@ from training.tracking import TrackingConfig, tracked
 
 if TYPE_CHECKING:  # JAX, orbax and Ray load when the step runs, not for `kiln plan`
     from tasks.engine.step import Step, StepContext
+    from training.chat_jinja import CheckpointTemplate
     from training.posttrain import ChatTemplate
 
 # 2: rejected answers may be generated; 3: the shared training step's attention in query blocks changes the
@@ -70,7 +71,7 @@ class DPOConfig(ConfigModel):
     tracking: TrackingConfig = setting(TrackingConfig(), description="Set from the experiment's `tracking`.")
 
 
-def encode_pairs(pairs: list[dict], template: ChatTemplate) -> list:
+def encode_pairs(pairs: list[dict], template: ChatTemplate | CheckpointTemplate) -> list:
     def side(p, answer):
         return template.encode(p["prompt"] + [{"role": "assistant", "content": answer}])
     return [(side(p, p["chosen"]), side(p, p["rejected"])) for p in pairs]
@@ -81,11 +82,10 @@ def generated_pairs(model_dir: Path, tokenizer_dir: Path, chat_dir: Path, out: P
     """A copy of the chat data's pairs whose rejected answers are the model's greedy answers."""
     from evaluation.adapter import KilnLM
     from training.loop import load_model
-    from training.posttrain import END_OF_TURN, ChatTemplate
 
     model_cfg, params = load_model(Path(model_dir))
     tokenizer = load_tokenizer(tokenizer_dir)
-    template = ChatTemplate(tokenizer)
+    template = chat_template(tokenizer_dir)
     lm = KilnLM(model_cfg, params, tokenizer, read_tokenizer_meta(tokenizer_dir)["eos_id"], batch_size=batch_size,
                 max_gen_toks=max_gen_toks, parse_special_tokens=True)
     out.mkdir(parents=True, exist_ok=True)
@@ -96,7 +96,7 @@ def generated_pairs(model_dir: Path, tokenizer_dir: Path, chat_dir: Path, out: P
         prompts = [lm.tok_encode(template.render(p["prompt"], add_generation_prompt=True)) for p in pairs]
         answers = []
         for start in range(0, len(prompts), batch_size):
-            answers += lm.generate(prompts[start:start + batch_size], max_gen_toks, [END_OF_TURN])
+            answers += lm.generate(prompts[start:start + batch_size], max_gen_toks, [template.end_text])
             log.info("generating rejected answers (%s): %d/%d", split, len(answers), len(prompts))
         kept = [{**p, "rejected": a.strip()} for p, a in zip(pairs, answers) if a.strip() != p["chosen"].strip()]
         with open(out / f"pairs_{split}.jsonl", "w", encoding="utf-8") as f:
@@ -107,13 +107,12 @@ def generated_pairs(model_dir: Path, tokenizer_dir: Path, chat_dir: Path, out: P
 
 def run_dpo(ctx: StepContext) -> dict:
     from training.launch import launch_training
-    from training.posttrain import (CHAT_TEMPLATE, TEMPLATE_FILE, ChatTemplate, DPOObjective, open_rows, pad_pairs,
-                                    save_rows)
+    from training.posttrain import TEMPLATE_FILE, DPOObjective, open_rows, pad_pairs, save_rows
 
     cfg: DPOConfig = ctx.config
     model_dir, tokenizer_dir, pairs_dir = ctx.inputs["model"], ctx.inputs["tokenizer"], ctx.inputs["pairs"]
     model_cfg = read_model_config(model_dir)
-    template = ChatTemplate(load_tokenizer(tokenizer_dir))
+    template = chat_template(tokenizer_dir)
     eos_id = read_tokenizer_meta(tokenizer_dir)["eos_id"]
     generated = None
     if cfg.rejected == "generated":
@@ -133,7 +132,7 @@ def run_dpo(ctx: StepContext) -> dict:
         stats = launch_training(model_cfg, cfg.train, cfg.resources, data, ctx.workspace, ctx.out,
                                 on_metrics=on_metrics, objective=DPOObjective(cfg.beta, cfg.sft_weight),
                                 init_model=ctx.located("model"))
-    (ctx.out / TEMPLATE_FILE).write_text(CHAT_TEMPLATE, encoding="utf-8")
+    (ctx.out / TEMPLATE_FILE).write_text(template.source, encoding="utf-8")
     last = read_metrics(ctx.out / "metrics.jsonl")[-1]
 
     evaluations = {}

@@ -94,16 +94,16 @@ class EvalConfig(ConfigModel):
 
 def load_kiln_lm(model_dir: Path, tokenizer_dir: Path, step: int | None = None, **kwargs) -> KilnLM:
     """The lm-eval adapter over a training output folder (at one of its kept steps, if `step`) and a
-    tokenizer step output folder. A post-trained output's generation ends at `<|end|>` too."""
+    tokenizer step output folder. A post-trained output's generation ends at its turn's end too."""
     from evaluation.adapter import KilnLM
-    from evaluation.generate import turn_end_ids
+    from evaluation.generate import output_chat
     from training.loop import load_model
 
     cfg, params = load_model(model_at(model_dir, step))
     meta = read_tokenizer_meta(tokenizer_dir)
     tokenizer = load_tokenizer(tokenizer_dir)
     return KilnLM(cfg, params, tokenizer, meta["eos_id"], meta.get("bos_id"),
-                  end_ids=turn_end_ids(model_dir, tokenizer), **kwargs)
+                  end_ids=output_chat(model_dir, tokenizer_dir)[0], **kwargs)
 
 
 def model_at(model_dir: Path, step: int | None) -> Path:

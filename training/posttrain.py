@@ -60,13 +60,20 @@ CHAT_TEMPLATE = (
 
 
 class ChatTemplate:
-    """Conversations to token ids and loss masks, with a tokenizer that has the chat tokens."""
+    """Conversations to token ids and loss masks, with a tokenizer that has the chat tokens. (A
+    Hugging Face checkpoint's own template, training.chat_jinja.CheckpointTemplate, does the same
+    for a model that keeps its checkpoint's format: tasks.tokenizer.chat_template picks.)"""
+
+    source = CHAT_TEMPLATE  # written beside a post-trained model's weights
+    end_text = END_OF_TURN
 
     def __init__(self, tokenizer: Tokenizer):
         missing = [t for t in CHAT_SPECIAL_TOKENS if tokenizer.token_to_id(t) is None]
         if missing:
             raise ValueError(f"the tokenizer has no {missing}: add {list(CHAT_SPECIAL_TOKENS)} to the tokenizer "
-                             "config's special_tokens (and retrain from a model with that vocabulary)")
+                             "config's special_tokens (and retrain from a model with that vocabulary), or start "
+                             "from a Hugging Face checkpoint whose tokenizer folder has a chat template "
+                             "(tokenizer kind hf)")
         self.tok = Tokenizer.from_str(tokenizer.to_str())  # a copy: special strings in text stay text
         self.tok.encode_special_tokens = True
         self.role_ids = {role: tokenizer.token_to_id(t) for role, t in ROLE_TOKENS.items()}
@@ -90,6 +97,10 @@ class ChatTemplate:
         """The template as text (what CHAT_TEMPLATE renders), for prompts given to lm-eval."""
         text = "".join(f"{ROLE_TOKENS[m['role']]}{m['content']}{END_OF_TURN}" for m in check_messages(messages))
         return text + (ROLE_TOKENS["assistant"] if add_generation_prompt else "")
+
+    def answer_text(self, prompt: list[dict], answer: str) -> str:
+        """`answer` as it follows `prompt`'s generation prompt, to its end of turn."""
+        return answer + END_OF_TURN
 
 
 def check_messages(messages: list[dict]) -> list[dict]:
