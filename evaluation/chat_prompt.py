@@ -2,13 +2,11 @@
 
 A post-trained kiln model (SFT, DPO, or its export) is prompted with post-training's own template
 (training/posttrain.py: the same ids it learned from, special-token strings in a message kept as
-text). A Hugging Face checkpoint is prompted with its own Jinja `chat_template`
+text). A Hugging Face checkpoint, and a kiln model trained from one whose tokenizer carries its
+template (post-trained in it, or trained on), is prompted with that Jinja `chat_template`
 (tokenizer_config.json, or chat_template.jinja beside it) rendered as transformers'
-`apply_chat_template` renders it: a sandboxed Jinja environment with the same options and helpers,
-the tokenizer's special tokens as variables, and the rendered text tokenized without added tokens
-(special-token strings become their tokens, as there), so a Qwen2 or Llama 3 Instruct checkpoint
-gets the prompt it was tuned on.
-"""
+`apply_chat_template` renders it (training/chat_jinja.py), so a Qwen2 or Llama 3 Instruct
+checkpoint gets the prompt it was tuned on."""
 
 from __future__ import annotations
 

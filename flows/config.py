@@ -145,8 +145,9 @@ class DataConfig(ConfigModel):
 class PosttrainConfig(ConfigModel):
     """SFT on conversations built from held-out text, then DPO against the SFT model.
 
-    The tokenizer's `special_tokens` must include the chat tokens
-    (`<|user|>`, `<|assistant|>`, `<|system|>`, `<|end|>`: training.posttrain.CHAT_SPECIAL_TOKENS)."""
+    Conversations are in kiln's chat template, whose tokens the tokenizer's `special_tokens` must
+    include (`<|user|>`, `<|assistant|>`, `<|system|>`, `<|end|>`: training.posttrain.CHAT_SPECIAL_TOKENS),
+    or, with `tokenizer.kind: hf`, in the chat template of the tokenizer's folder (docs/posttraining.md)."""
 
     chat: ChatDataConfig = Field(ChatDataConfig(), description="The conversations and preference pairs that "
                                  "SFT and DPO train and are evaluated on (the `chat_data` step).")
