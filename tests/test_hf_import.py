@@ -320,17 +320,27 @@ CONVERSATION = [
 ]
 
 
-def chatml_folder(folder: Path, config: dict = CHATML_TOKENS) -> Path:
-    """A Hugging Face tokenizer folder with ChatML's tokens and, in `config`, its chat template:
-    its EOS (</s>) is not the token that ends a turn (<|im_end|>), as in Qwen2.5's base models."""
+# Llama 3's layout: a header around each role, no newline after a turn's end
+LLAMA3 = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+          "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
+          "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+TEMPLATES = {"chatml": (CHATML, ["<|im_start|>", "<|im_end|>"], "<|im_end|>"),
+             "llama3": (LLAMA3, ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"], "<|eot_id|>")}
+
+
+def chatml_folder(folder: Path, config: dict = CHATML_TOKENS, tokens=TEMPLATES["chatml"][1]) -> Path:
+    """A Hugging Face tokenizer folder with a chat template's tokens (ChatML's by default) and, in
+    `config`, the template: its EOS (</s>) is not the token that ends a turn (<|im_end|>), as in
+    Qwen2.5's base models."""
     tokenizer_folder(folder, config)
     tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    tokenizer.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    tokenizer.add_special_tokens(list(tokens))
     tokenizer.save(str(folder / "tokenizer.json"))
     return folder
 
 
-def test_post_training_encodes_a_checkpoints_chat_template_with_a_mask_on_the_answers(hf, tmp_path):
+@pytest.mark.parametrize("name", sorted(TEMPLATES))
+def test_post_training_encodes_a_checkpoints_chat_template_with_a_mask_on_the_answers(name, hf, tmp_path):
     """The tokenizer step carries an hf folder's chat template (its version follows it; a folder
     without one keeps its version); post-training encodes conversations in it: the ids are
     transformers' `apply_chat_template` ids, the ids before an answer are the prompt a server sends
@@ -338,18 +348,19 @@ def test_post_training_encodes_a_checkpoints_chat_template_with_a_mask_on_the_an
     from tasks.tokenizer import CHAT_TEMPLATE_FILE, chat_template
 
     _, transformers = hf
-    folder = chatml_folder(tmp_path / "hf")
+    source, tokens, end_text = TEMPLATES[name]
+    folder = chatml_folder(tmp_path / "hf", {**CHATML_TOKENS, "chat_template": source}, tokens)
     out = tmp_path / "out"
     run_body(tokenizer_step(TokenizerConfig(kind="hf", path=str(folder))), out, {})
-    assert (out / CHAT_TEMPLATE_FILE).read_text() == CHATML
+    assert (out / CHAT_TEMPLATE_FILE).read_text() == source
     assert read_tokenizer_meta(out)["chat_template"]["tokens"] == {"eos_token": "</s>", "bos_token": "<s>"}
-    without = chatml_folder(tmp_path / "plain", {k: v for k, v in CHATML_TOKENS.items() if k != "chat_template"})
-    assert hf_version(without) != hf_version(folder)
+    plain = chatml_folder(tmp_path / "plain", {k: v for k, v in CHATML_TOKENS.items() if k != "chat_template"}, tokens)
+    assert hf_version(plain) != hf_version(folder)
 
     template = chat_template(out)
     theirs = transformers.AutoTokenizer.from_pretrained(folder)
-    end = theirs.convert_tokens_to_ids("<|im_end|>")
-    assert (template.end_text, template.end_id) == ("<|im_end|>", end) and end != theirs.eos_token_id
+    end = theirs.convert_tokens_to_ids(end_text)
+    assert (template.end_text, template.end_id) == (end_text, end) and end != theirs.eos_token_id
     ids, mask = template.encode(CONVERSATION)
     expected = theirs.apply_chat_template(CONVERSATION, tokenize=True)
     assert ids == list(expected["input_ids"] if hasattr(expected, "keys") else expected)
@@ -360,15 +371,16 @@ def test_post_training_encodes_a_checkpoints_chat_template_with_a_mask_on_the_an
         elif run:
             spans.append(theirs.decode(run))
             run = []
-    # the template trims each message, and the newline after <|im_end|> is not the answer's
-    assert spans == ["the heaven and the earth.<|im_end|>", "And the earth was without form, and void.<|im_end|>"]
+    # the template trims each message, and a newline after the turn's end (ChatML's) is not the answer's
+    assert spans == [f"the heaven and the earth.{end_text}", f"And the earth was without form, and void.{end_text}"]
     first = mask.index(1)
     prompt = theirs.apply_chat_template(CONVERSATION[:2], tokenize=True, add_generation_prompt=True)
     assert ids[:first] == list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
     assert template.answer_text(CONVERSATION[:2], " the heaven and the earth.") == spans[0]
     # a template that rewrites earlier turns once an answer follows them is refused, saying why
-    rewriting = CHATML.replace("{{ m['content'] | trim }}", "{{ m['content'] | trim }}{{ loop.length }}")
-    bad = chatml_folder(tmp_path / "rewrites", {**CHATML_TOKENS, "chat_template": rewriting})
+    rewriting = source.replace("{{ m['content'] | trim }}", "{{ m['content'] | trim }}{{ loop.length }}")
+    assert rewriting != source
+    bad = chatml_folder(tmp_path / "rewrites", {**CHATML_TOKENS, "chat_template": rewriting}, tokens)
     run_body(tokenizer_step(TokenizerConfig(kind="hf", path=str(bad))), tmp_path / "bad-out", {})
     with pytest.raises(ValueError, match="cannot tell which tokens are the answer"):
         chat_template(tmp_path / "bad-out").encode(CONVERSATION)
