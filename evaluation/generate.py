@@ -517,18 +517,19 @@ def output_chat(model_dir: Path, tokenizer_dir: Path) -> tuple[tuple[int, ...], 
     post-trained output (SFT, DPO) keeps the template it learned beside its weights, and a reply ends
     at its end of turn; any other output chats in its tokenizer's template (a Hugging Face
     checkpoint's, which a tokenizer step of kind hf carries), if any, and stops at EOS."""
-    from tasks.tokenizer import chat_template, checkpoint_chat_template
+    from tasks.tokenizer import carried_chat_template, chat_template
     from training.posttrain import TEMPLATE_FILE
 
+    carried = carried_chat_template(tokenizer_dir)
+    template_tokens = {} if carried is None else carried[1]
     template_file = Path(model_dir) / TEMPLATE_FILE
     if not template_file.is_file():
-        carried = checkpoint_chat_template(tokenizer_dir)
-        return (), *((None, {}) if carried is None else (carried.source, carried.special_tokens))
+        return (), None if carried is None else carried[0], template_tokens
     template = chat_template(tokenizer_dir)
     if template.source != template_file.read_text(encoding="utf-8"):
         raise ValueError(f"{model_dir} was post-trained with another chat template than the tokenizer {tokenizer_dir} "
                          "carries: pass the tokenizer it was post-trained with (--tokenizer)")
-    return (template.end_id,), template.source, getattr(template, "special_tokens", {})
+    return (template.end_id,), template.source, template_tokens
 
 
 def tokenizer_of(model_dir: Path) -> Path:

@@ -19,7 +19,7 @@ from tasks.evaluate import RESULTS_FILE
 from tasks.engine.lineage import lineage_tree, read_lineage
 from tasks.engine.step import Step, StepContext
 from tasks.engine.store import LINEAGE
-from tasks.tokenizer import TOKENIZER_FILE, chat_template, checkpoint_chat_template, load_tokenizer, read_tokenizer_meta
+from tasks.tokenizer import TOKENIZER_FILE, carried_chat_template, chat_template, load_tokenizer, read_tokenizer_meta
 from tasks.engine.config import ConfigModel, identity_when_set
 from training.config import LoraConfig
 
@@ -58,8 +58,8 @@ def exported_template(model_dir: Path, tokenizer_dir: Path) -> tuple[str | None,
 
     template_file = model_dir / TEMPLATE_FILE
     if not template_file.is_file():
-        carried = checkpoint_chat_template(tokenizer_dir)
-        return (None if carried is None else carried.source), None
+        carried = carried_chat_template(tokenizer_dir)
+        return (None if carried is None else carried[0]), None
     source = template_file.read_text(encoding="utf-8")
     template = chat_template(tokenizer_dir)
     if template.source != source:

@@ -313,11 +313,10 @@ def load_tokenizer(folder: Path) -> Tokenizer:
     return Tokenizer.from_str(text)
 
 
-def checkpoint_chat_template(folder: Path):
-    """The Hugging Face checkpoint's chat template a tokenizer step output carries
-    (training.chat_jinja.CheckpointTemplate), checked against its recorded sha256; None without one."""
-    from training.chat_jinja import CheckpointTemplate
-
+def carried_chat_template(folder: Path) -> tuple[str, dict[str, str]] | None:
+    """The Hugging Face checkpoint's chat template a tokenizer step output carries (kind hf): its
+    source, checked against the recorded sha256, and the special tokens' text it reads; None
+    without one. Not parsed here: a template that does not parse fails where it is used."""
     folder = Path(folder)
     record = read_tokenizer_meta(folder).get("chat_template")
     if record is None:
@@ -325,13 +324,17 @@ def checkpoint_chat_template(folder: Path):
     source = (folder / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
     if hashlib.sha256(source.encode("utf-8")).hexdigest() != record["sha256"]:
         raise ValueError(f"{folder / CHAT_TEMPLATE_FILE} was changed after the tokenizer step wrote it")
-    return CheckpointTemplate(source, load_tokenizer(folder), record["tokens"])
+    return source, record["tokens"]
 
 
 def chat_template(folder: Path):
     """The chat template post-training encodes conversations with: the checkpoint's own where the
     tokenizer carries one (kind hf), else kiln's (training.posttrain.ChatTemplate), which needs the
     chat tokens among the tokenizer's special tokens."""
+    from training.chat_jinja import CheckpointTemplate
     from training.posttrain import ChatTemplate
 
-    return checkpoint_chat_template(folder) or ChatTemplate(load_tokenizer(folder))
+    carried = carried_chat_template(folder)
+    if carried is None:
+        return ChatTemplate(load_tokenizer(folder))
+    return CheckpointTemplate(carried[0], load_tokenizer(folder), carried[1])

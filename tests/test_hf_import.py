@@ -386,6 +386,43 @@ def test_post_training_encodes_a_checkpoints_chat_template_with_a_mask_on_the_an
         chat_template(tmp_path / "bad-out").encode(CONVERSATION)
 
 
+def test_a_model_trained_on_from_a_checkpoint_keeps_its_chat_template_unless_it_does_not_parse(hf, tmp_path):
+    """A train output (not post-trained) whose tokenizer carries a checkpoint's chat template chats
+    in it when served and exports it, as the checkpoint did, stopping at EOS only; a carried
+    template that does not parse leaves loading, completions and the export unharmed, and chat
+    says why it cannot answer."""
+    from safetensors.numpy import save_file as save_numpy
+
+    from evaluation.chat_prompt import chat_for
+    from tasks.export import ExportConfig, export_step
+    from training.loop import flatten_params
+
+    _, transformers = hf
+    for name, source in (("chatml", CHATML), ("broken", "{% for m in messages %}")):
+        folder = chatml_folder(tmp_path / name / "hf", {**CHATML_TOKENS, "chat_template": source})
+        tokenizer = tokenizer_step(TokenizerConfig(kind="hf", path=str(folder)))
+        run_body(tokenizer, tmp_path / name / "tokenizer", {})
+        model_dir = tmp_path / name / "train"  # a train step's output layout
+        model_dir.mkdir()
+        (model_dir / "model.json").write_text(SMALL.model_dump_json())
+        save_numpy(flatten_params(init_params(SMALL, jax.random.PRNGKey(0))), str(model_dir / "params.safetensors"))
+        model = load(model_dir, tmp_path / name / "tokenizer")
+        assert model.chat_template == source and model.stop_ids == (model.eos_id,)
+        export = tmp_path / name / "export"
+        run_body(export_step(ExportConfig(), model=tokenizer, tokenizer=tokenizer), export,
+                 {"model": model_dir, "tokenizer": tmp_path / name / "tokenizer"})
+        assert json.loads((export / "tokenizer_config.json").read_text())["chat_template"] == source
+        assert json.loads((export / "generation_config.json").read_text())["eos_token_id"] == model.eos_id
+        question = [{"role": "user", "content": "Who divided the waters?"}]
+        if name == "broken":
+            with pytest.raises(ValueError, match="does not parse as Jinja"):
+                chat_for(model)
+            continue
+        theirs = transformers.AutoTokenizer.from_pretrained(export)
+        ids = theirs.apply_chat_template(question, tokenize=True, add_generation_prompt=True)
+        assert chat_for(model).prompt(question) == list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
 def edited(tokenizer_dir: Path, tmp_path: Path, config: dict | None = None, weights=None, cfg=SMALL) -> Path:
     """A kiln export with config.json's keys updated by `config` and its tensors by `weights`."""
     kiln_export(tmp_path / "hf", cfg, tokenizer_dir)
