@@ -14,7 +14,8 @@ FastAPI routes, uvicorn serving, on 127.0.0.1 by default; docs/serving.md is the
     POST /v1/chat/completions     messages rendered with the model's chat template (post-training's
                                   for SFT and DPO outputs, a checkpoint's own Jinja one:
                                   evaluation/chat_prompt.py); 400 for a model with neither
-    POST /tokenize, /detokenize   vLLM's tokenizer endpoints, and GET /tokenizer_info: with them
+    POST /tokenize, /detokenize   vLLM's tokenizer endpoints (a text prompt, or chat messages as chat
+                                  completions prompt them), and GET /tokenizer_info: with them
                                   lm-eval finds the tokenizer on the server (its "remote" backend)
     GET  /health, /metrics        liveness, and Prometheus metrics (evaluation/serving_metrics.py)
 
@@ -58,7 +59,8 @@ import numpy as np
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationInfo, field_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationInfo, field_validator,
+                      model_validator)
 from starlette.exceptions import HTTPException
 from tokenizers import Tokenizer
 
@@ -208,9 +210,21 @@ class ChatBody(_Body):
 
 
 class TokenizeBody(BaseModel):
+    """vLLM's two forms: a text `prompt`, or chat `messages` tokenized as /v1/chat/completions
+    prompts them (a client counts a conversation's tokens before sending it)."""
+
     model_config = ConfigDict(extra="ignore")
-    prompt: StrictStr
+    prompt: StrictStr | None = None
+    messages: Annotated[list[Message], Field(min_length=1)] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     add_special_tokens: bool = False  # kiln's tokenizers add none either way
+
+    @model_validator(mode="after")
+    def _one_form(self) -> "TokenizeBody":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send either prompt (a text) or messages (a chat), one of the two")
+        return self
 
 
 class DetokenizeBody(BaseModel):
@@ -703,21 +717,26 @@ class Service:
 
     # --- /v1/chat/completions ----------------------------------------------------------------------
 
+    def chat_prompt(self, messages: list[Message], add_generation_prompt: bool,
+                    continue_final_message: bool) -> list[int]:
+        """The prompt ids of chat messages in the model's template (chat completions, /tokenize)."""
+        if self.template is None:
+            raise ApiError(400, f"{self.name} has no chat template ({self.no_template}); for this model use "
+                           "/v1/completions", "messages")
+        messages = [{"role": m.role, "content": m.text()} for m in messages]
+        if continue_final_message and (add_generation_prompt or messages[-1]["role"] != "assistant"):
+            raise ApiError(400, "continue_final_message continues the last message, which must be the assistant's, "
+                           "and needs add_generation_prompt=false (the two open different turns)", "messages")
+        try:
+            return self.template.prompt(messages, add_generation_prompt, continue_final_message)
+        except ValueError as e:
+            raise ApiError(400, str(e), "messages") from None
+
     async def chat(self, body: ChatBody) -> dict | AsyncIterator[str]:
         arrived = time.monotonic()
         self.check_model(body.model)
         self.check_token_fields(body)
-        if self.template is None:
-            raise ApiError(400, f"{self.name} has no chat template ({self.no_template}); for this model use "
-                           "/v1/completions", "messages")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        if body.continue_final_message and (body.add_generation_prompt or messages[-1]["role"] != "assistant"):
-            raise ApiError(400, "continue_final_message continues the last message, which must be the assistant's, "
-                           "and needs add_generation_prompt=false (the two open different turns)", "messages")
-        try:
-            ids = self.template.prompt(messages, body.add_generation_prompt, body.continue_final_message)
-        except ValueError as e:
-            raise ApiError(400, str(e), "messages") from None
+        ids = self.chat_prompt(body.messages, body.add_generation_prompt, body.continue_final_message)
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         max_tokens = self.model.cfg.seq_len - len(ids) if limit is None else limit
         if max_tokens < 1 and limit is None:
@@ -1007,7 +1026,10 @@ def create_app(service: Service, api_key: str | None = None) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeBody):
-        ids = service.tok.encode(body.prompt, add_special_tokens=False).ids
+        if body.messages is not None:
+            ids = service.chat_prompt(body.messages, body.add_generation_prompt, body.continue_final_message)
+        else:
+            ids = service.tok.encode(body.prompt, add_special_tokens=False).ids
         return {"tokens": ids, "count": len(ids), "max_model_len": service.model.cfg.seq_len}
 
     @app.post("/detokenize")

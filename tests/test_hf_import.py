@@ -300,10 +300,16 @@ def test_a_checkpoints_own_chat_template_prompts_as_transformers_renders_it(hf, 
         assert r.json()["usage"]["prompt_tokens"] == len(chat.prompt(question))
         assert r.json()["choices"][0]["message"]["content"] == model.tokenizer.decode(answer, skip_special_tokens=False)
         assert client.get("/tokenizer_info").json()["chat_template"] == CHATML
+        # vLLM's /tokenize of chat messages: the prompt chat completions send
+        r = client.post("/tokenize", json={"messages": question})
+        assert r.status_code == 200 and r.json()["tokens"] == chat.prompt(question), r.text
+        r = client.post("/tokenize", json={"messages": question, "prompt": "x"})
+        assert r.status_code == 400 and "one of the two" in r.text
     broken = dataclasses.replace(model, chat_template="{% for m in messages %}")  # no endfor: the server still starts
     with TestClient(create_app(Service(broken, "broken", max_batch=2))) as client:
-        r = client.post("/v1/chat/completions", json={"messages": question})
-        assert r.status_code == 400 and "does not parse as Jinja" in r.json()["error"]["message"], r.text
+        for endpoint in ("/v1/chat/completions", "/tokenize"):
+            r = client.post(endpoint, json={"messages": question})
+            assert r.status_code == 400 and "does not parse as Jinja" in r.json()["error"]["message"], r.text
     # `kiln generate --chat`: the same prompt
     text = generate(model, question[0]["content"], max_tokens=6, temperature=0.0, chat=True)
     assert text == model.tokenizer.decode(answer, skip_special_tokens=False)
