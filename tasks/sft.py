@@ -96,8 +96,8 @@ def run_sft(ctx: StepContext) -> dict:
     model_cfg = read_model_config(model_dir)
     template = chat_template(tokenizer_dir)
     # ends a reply in evaluation, serving and the export: found (or refused) before any training
-    ctx.log.info("conversations in the %s, each turn ending at %r (token %d)", type(template).__name__,
-                 template.end_text, template.end_id)
+    ctx.log.info("conversations in %s, each turn ending at %r (token %d)", template.name, template.end_text,
+                 template.end_id)
     eos_id = read_tokenizer_meta(tokenizer_dir)["eos_id"]
     packed, dropped = {}, {}
     for split in ("train", "eval"):

@@ -35,6 +35,7 @@ class CheckpointTemplate:
     """A checkpoint's Jinja chat template with its tokenizer. For serving, its turn ends at a token
     the checkpoint lists as EOS (evaluation.generate.Model.stop_ids), so it adds no stop of its own."""
 
+    name = "the checkpoint's chat template"
     stop_ids: tuple[int, ...] = ()
 
     def __init__(self, source: str, tokenizer: Tokenizer, special_tokens: dict[str, str]):

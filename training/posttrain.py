@@ -64,6 +64,7 @@ class ChatTemplate:
     Hugging Face checkpoint's own template, training.chat_jinja.CheckpointTemplate, does the same
     for a model that keeps its checkpoint's format: tasks.tokenizer.chat_template picks.)"""
 
+    name = "kiln's chat template"
     source = CHAT_TEMPLATE  # written beside a post-trained model's weights
     end_text = END_OF_TURN
 
