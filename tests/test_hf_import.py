@@ -330,7 +330,13 @@ CONVERSATION = [
 LLAMA3 = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
           "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
           "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+# ChatML with transformers' `{% generation %}` marks around each answer and its end of turn
+CHATML_MARKED = CHATML.replace("<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}<|im_end|>\n",
+                               "<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}{% generation %}"
+                               "{{ m['content'] | trim }}<|im_end|>{% endgeneration %}{% else %}"
+                               "{{ m['content'] | trim }}<|im_end|>{% endif %}\n")
 TEMPLATES = {"chatml": (CHATML, ["<|im_start|>", "<|im_end|>"], "<|im_end|>"),
+             "chatml-generation-marks": (CHATML_MARKED, ["<|im_start|>", "<|im_end|>"], "<|im_end|>"),
              "llama3": (LLAMA3, ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"], "<|eot_id|>")}
 
 
@@ -370,6 +376,11 @@ def test_post_training_encodes_a_checkpoints_chat_template_with_a_mask_on_the_an
     ids, mask = template.encode(CONVERSATION)
     expected = theirs.apply_chat_template(CONVERSATION, tokenize=True)
     assert ids == list(expected["input_ids"] if hasattr(expected, "keys") else expected)
+    if name == "chatml-generation-marks":  # transformers' own assistant-token mask, from the marks, is kiln's
+        assert CHATML_MARKED != CHATML
+        marked = theirs.apply_chat_template(CONVERSATION, tokenize=True, return_dict=True,
+                                            return_assistant_tokens_mask=True)
+        assert list(marked["assistant_masks"]) == mask
     spans, run = [], []  # the learned runs of tokens, as text
     for i, m in zip([*ids, None], [*mask, 0]):
         if m:

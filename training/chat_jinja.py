@@ -47,7 +47,7 @@ class CheckpointTemplate:
             raise jinja2.exceptions.TemplateError(message)
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=[jinja2.ext.loopcontrols])
+                                            extensions=[jinja2.ext.loopcontrols, _generation_block()])
         # transformers' helpers: tojson without HTML escaping, the date for templates that print it
         env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
             x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
@@ -163,6 +163,27 @@ class CheckpointTemplate:
             raise ValueError(f"the checkpoint's chat template ends a turn with {self.end_text!r}, {len(ids)} tokens: "
                              "kiln stops a reply at one token (a special token of the tokenizer)")
         return ids[0]
+
+
+def _generation_block():
+    """`{% generation %}...{% endgeneration %}`, which transformers' templates may use to mark the
+    assistant's text for its assistant-token mask: rendered as its body (kiln finds the answers by
+    rendering, `answer_spans`), so such templates parse and render as there."""
+    import jinja2.ext
+    import jinja2.nodes
+
+    class Generation(jinja2.ext.Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    return Generation
 
 
 def checkpoint_template(folder: Path) -> tuple[str | None, dict[str, str]]:
