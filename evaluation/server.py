@@ -308,6 +308,7 @@ class Scheduler:
         self.state: dict | None = None  # the slots on the device (made on first use, and after a failure)
         self.taken = 0  # jobs taken, and the rows of the last calls on the model (a scoring group, an
         self.rows_run: collections.deque[int] = collections.deque(maxlen=4096)  # admission, a chunk): for tests
+        self.admitted: collections.deque[tuple[int, int]] = collections.deque(maxlen=4096)  # (prompts, rows)
         self.closed = False
         self.thread = threading.Thread(target=self._loop, name="kiln-scheduler", daemon=True)
         self.thread.start()
@@ -418,25 +419,32 @@ class Scheduler:
         settle(row.future, Result(*row.prompt, sampled))
 
     def _admit(self, rows: list[_Row]) -> None:
-        """Prefill `rows` into free slots together (one row alone, several as max_batch rows, so
-        that admission compiles for two row counts per prompt length) and hand out their first
-        tokens."""
+        """Prefill `rows` into free slots together (one row alone, several as max_batch rows) and
+        hand out their first tokens. Rows that all share one prompt (a request's `n` choices)
+        prefill it once: admission compiles for three shapes per prompt length."""
         cfg = self.model.cfg
         if self.state is None:
             self.state = slots.empty(cfg, self.max_batch)
         n = 1 if len(rows) == 1 else self.max_batch
-        P = bucket_for(max(len(row.job.row.prompt) for row in rows), self.buckets)
-        tokens, lengths = np.zeros((n, P), np.int32), np.ones(n, np.int32)
-        for b, row in enumerate(rows):
-            tokens[b, :len(row.job.row.prompt)] = row.job.row.prompt
-            lengths[b] = len(row.job.row.prompt)
+        prompts = [row.job.row.prompt for row in rows]
+        shared = all(p == prompts[0] for p in prompts)
+        distinct = prompts[:1] if shared else prompts
+        P = bucket_for(max(len(p) for p in distinct), self.buckets)
+        m = 1 if shared else n
+        tokens, lengths = np.zeros((m, P), np.int32), np.ones(m, np.int32)
+        for i, prompt in enumerate(distinct):
+            tokens[i, :len(prompt)] = prompt
+            lengths[i] = len(prompt)
+        source = np.zeros(n, np.int32) if shared else np.arange(n, dtype=np.int32)
         free = [slot for slot, live in enumerate(self.live) if live is None][:len(rows)]
         where = np.full(n, self.max_batch, np.int32)  # padding rows go to no slot
         where[:len(rows)] = free
         self.state, first = slots.admit(self.model.params, self.state, where, tokens, lengths,
-                                        slots.settings_of([row.job.row for row in rows], cfg.vocab_size, n), cfg=cfg)
+                                        slots.settings_of([row.job.row for row in rows], cfg.vocab_size, n), source,
+                                        cfg=cfg)
         token, logprob, top_ids, top_lps = jax.device_get(first)
         self.rows_run.append(len(rows))
+        self.admitted.append((len(distinct), len(rows)))
         for b, (slot, row) in enumerate(zip(free, rows)):
             self.live[slot] = row
             self._hand_out(slot, int(token[b]), float(logprob[b]), top_ids[b], top_lps[b])

@@ -124,21 +124,28 @@ def emit(logits, s: dict, alternatives: int | None):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnums=(1,))
-def admit(params, state: dict, slots, tokens, lengths, settings: dict, *, cfg: ModelConfig):
-    """Prefill prompts tokens [n, P] (row b's first lengths[b] tokens, the rest padding) into
-    slots [n] of `state` (a slot number past the last: a padding row, written nowhere), and draw
-    each one's first token. -> the new state, and the first tokens [n] with their
-    log-probabilities [n] and MAX_LOGPROBS alternatives [n, MAX_LOGPROBS] (once per prompt, so
-    always computed: one admission program per prompt length)."""
-    n, P = tokens.shape
+def admit(params, state: dict, slots, tokens, lengths, settings: dict, source=None, *, cfg: ModelConfig):
+    """Prefill prompts tokens [m, P] (prompt i's first lengths[i] tokens, the rest padding) into
+    `state` and draw each row's first token: row b (of n, as many as `slots` and `settings` have)
+    takes prompt source[b] (None: prompt b) into slot slots[b] (a slot number past the last: a
+    padding row, written nowhere). A prompt that several rows share (the `n` choices of one
+    request) is prefilled once and its keys and values copied to each. -> the new state, and
+    the first tokens [n] with their log-probabilities [n] and MAX_LOGPROBS alternatives
+    [n, MAX_LOGPROBS] (once per prompt, so always computed: one admission program per prompt
+    length and row counts)."""
+    m, P = tokens.shape
+    source = jnp.arange(m, dtype=jnp.int32) if source is None else source
+    n = source.shape[0]
     columns = jnp.arange(P, dtype=jnp.int32)[None]
     positions = jnp.where(columns < lengths[:, None], columns, -1)
-    cache = init_cache(cfg, n, P)  # the prompts attend over their own P columns, then move into the context's
+    cache = init_cache(cfg, m, P)  # the prompts attend over their own P columns, then move into the context's
     hidden, layers = trunk(params, tokens, positions, cfg, {"index": 0, "pos": positions, "layers": cache["layers"]})
-    last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0][source]
+    tokens, lengths, positions = tokens[source], lengths[source], positions[source]
     rest = cfg.seq_len - P
     pos = jnp.pad(positions, ((0, 0), (0, rest)), constant_values=-1)
-    layers = [{name: jnp.pad(a, ((0, 0), (0, rest), (0, 0), (0, 0))) for name, a in layer.items()} for layer in layers]
+    layers = [{name: jnp.pad(a[source], ((0, 0), (0, rest), (0, 0), (0, 0))) for name, a in layer.items()}
+              for layer in layers]
     fresh = {"pos": pos, "layers": layers, "at": lengths, "token": jnp.zeros(n, jnp.int32),
              "drawn": jnp.zeros(n, jnp.int32), "done": jnp.zeros(n, bool),
              "counts": jnp.zeros((n, cfg.vocab_size), jnp.int32),

@@ -203,11 +203,14 @@ def test_n_choices_per_prompt_each_with_a_seed_of_its_own(served, model):
     prompt tokens count once per prompt; chat and streaming take n too."""
     from openai import OpenAI
 
-    url, _ = served
+    url, service = served
     client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
     ask = dict(model=NAME, max_tokens=12, temperature=1.0, seed=11)
     one = client.completions.create(**ask, prompt=PROMPT)
+    before = len(service.scheduler.admitted)
     four = client.completions.create(**ask, prompt=PROMPT, n=4)
+    # the four rows share their prompt's prefill (admitted together: one prompt for four rows)
+    assert list(service.scheduler.admitted)[before:] == [(1, 4)], list(service.scheduler.admitted)[before:]
     assert [c.index for c in four.choices] == [0, 1, 2, 3]
     texts = [c.text for c in four.choices]
     assert texts[0] == one.choices[0].text and len(set(texts)) > 2
@@ -218,7 +221,9 @@ def test_n_choices_per_prompt_each_with_a_seed_of_its_own(served, model):
     assert four.usage.completion_tokens == sum(len(c.logprobs.tokens) + (c.finish_reason == "stop")
                                                for c in counted.choices)
 
+    before = len(service.scheduler.admitted)
     both = client.completions.create(**ask, prompt=[PROMPT, "And God"], n=2).choices
+    assert sum(p for p, _ in list(service.scheduler.admitted)[before:]) >= 2  # two prompts: each prefilled
     assert [c.index for c in both] == [0, 1, 2, 3] and [c.text for c in both[:2]] == texts[:2]
     assert both[2].text == client.completions.create(**ask, prompt="And God").choices[0].text
 
