@@ -26,6 +26,7 @@ from tasks.engine.versioning import identity_fields
 from tasks.tokenizer import TokenizerConfig, load_tokenizer, read_tokenizer_meta, tokenizer_step
 from tests.conftest import needs
 from tests.test_loader import run_body
+from tests.test_posttrain import CONVERSATION
 from training.config import ModelConfig
 from evaluation.generate import load
 from training.export import export_hf, hf_state_dict
@@ -317,13 +318,6 @@ def test_a_checkpoints_own_chat_template_prompts_as_transformers_renders_it(hf, 
 
 CHATML_TOKENS = {"eos_token": "</s>", "bos_token": "<s>", "chat_template": CHATML,
                  "tokenizer_class": "PreTrainedTokenizerFast"}
-CONVERSATION = [
-    {"role": "system", "content": "You continue passages of scripture."},
-    {"role": "user", "content": "Continue: In the beginning God created"},
-    {"role": "assistant", "content": " the heaven and the earth."},
-    {"role": "user", "content": "And then?"},
-    {"role": "assistant", "content": "And the earth was without form, and void. "},
-]
 
 
 # Llama 3's layout: a header around each role, no newline after a turn's end
