@@ -22,6 +22,7 @@ no BOS, which is what precedes every document in training.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections import deque
 
@@ -47,7 +48,7 @@ class KilnLM(TemplateLM):
     def __init__(self, cfg: ModelConfig, params, tokenizer: Tokenizer, eos_id: int, bos_id: int | None = None,
                  batch_size: int = 16, max_gen_toks: int = 128, gen_chunk: int = 16,
                  parse_special_tokens: bool = False, score_window: int | None = WINDOW,
-                 end_ids: tuple[int, ...] = ()):
+                 end_ids: tuple[int, ...] = (), chat=None):
         super().__init__()
         if tokenizer.get_vocab_size(with_added_tokens=True) > cfg.vocab_size:
             raise ValueError(f"the tokenizer has {tokenizer.get_vocab_size(with_added_tokens=True)} tokens but the "
@@ -55,7 +56,11 @@ class KilnLM(TemplateLM):
                              "trained with")
         self.cfg, self.params = cfg, params
         self.tok = Tokenizer.from_str(tokenizer.to_str())  # a copy: we change how it reads specials
-        self.tok.encode_special_tokens = not parse_special_tokens
+        # lm-eval's --apply_chat_template renders prompts with `chat` (training.posttrain.ChatTemplate or
+        # training.chat_jinja.CheckpointTemplate); their special-token strings become their tokens, as
+        # lm-eval's hf model reads them
+        self.chat = chat
+        self.tok.encode_special_tokens = not (parse_special_tokens or chat is not None)
         self.skip_special_tokens = not parse_special_tokens
         self.eos_id, self.bos_id = eos_id, bos_id
         # generation also ends at these (a post-trained model's end of turn: evaluation.generate.output_chat),
@@ -87,6 +92,24 @@ class KilnLM(TemplateLM):
 
     def tok_decode(self, tokens: list[int]) -> str:
         return self.tok.decode(list(tokens), skip_special_tokens=self.skip_special_tokens)
+
+    # --- lm-eval's apply_chat_template -------------------------------------------------------------
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The prompt's text in the model's chat template: lm-eval continues the last message (an
+        assistant prefill) when it asks for no generation prompt, as its hf model does."""
+        if self.chat is None:
+            raise ValueError("this evaluation asks for the chat template (apply_chat_template), but the model was "
+                             "given none: evaluate a model whose tokenizer carries one or has kiln's chat tokens")
+        return self.chat.render(chat_history, add_generation_prompt=add_generation_prompt,
+                                continue_final_message=not add_generation_prompt)
+
+    @property
+    def tokenizer_name(self) -> str:
+        return "kiln-" + hashlib.sha256(self.tok.to_str().encode("utf-8")).hexdigest()[:12]
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        return self.chat.source if self.chat is not None and chat_template else ""
 
     def get_model_info(self) -> dict:
         return {"model": "kiln", "params": param_count(self.params), "seq_len": self.cfg.seq_len,

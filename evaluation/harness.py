@@ -90,11 +90,12 @@ def load_task(manager: TaskManager, spec: str | dict) -> list:
 
 
 def evaluate(lm: LM, suite_configs: list[dict], lm_eval_tasks: list[str], limit: int | None,
-             num_fewshot: int = 0) -> dict:
+             num_fewshot: int = 0, apply_chat_template: bool = False) -> dict:
     """lm-eval's results dict (without per-sample logs) for the given tasks.
 
     `suite_configs` are task config dicts (see `evaluation.suite.task_configs`); `lm_eval_tasks`
-    are names from lm-eval's registry. `limit` caps the examples per task.
+    are names from lm-eval's registry. `limit` caps the examples per task. `apply_chat_template`
+    is lm-eval's: each prompt in the model's chat template (few-shot examples as turns).
     """
     if not suite_configs and not lm_eval_tasks:
         raise ValueError("no tasks to evaluate: name kiln suite tasks and/or lm-eval tasks in the config")
@@ -106,7 +107,7 @@ def evaluate(lm: LM, suite_configs: list[dict], lm_eval_tasks: list[str], limit:
         objects += load_task(manager, spec)
     results = lm_eval.simple_evaluate(
         model=lm, tasks=objects, task_manager=manager, num_fewshot=num_fewshot, limit=limit,
-        bootstrap_iters=0, log_samples=False)
+        bootstrap_iters=0, log_samples=False, apply_chat_template=apply_chat_template)
     return {k: results[k] for k in ("results", "groups", "configs", "versions", "n-shot", "higher_is_better",
                                     "n-samples", "config") if k in results}
 

@@ -6,6 +6,7 @@ tokenize output whose validation split is scored) and `documents` (the documents
 tokenized; the suite is cut from the ones in the validation split). Output folder:
 
     results.json      every metric, the held-out numbers, the suite's size, lm-eval's task versions
+                      (and the chat template of the prompts, with eval.apply_chat_template)
     tasks/            the suite as lm-eval YAML + JSON lines (run `lm_eval --include_path tasks`
                       from inside this folder to score another model on the same examples)
 
@@ -29,7 +30,7 @@ from evaluation.suite import SUITE_TASKS, SuiteConfig, build_suite, short_name, 
 from tasks.documents import read_documents
 from tasks.engine.step import Step, StepContext
 from tasks.tokenize import is_validation
-from tasks.tokenizer import load_tokenizer, read_tokenizer_meta
+from tasks.tokenizer import chat_template, load_tokenizer, read_tokenizer_meta
 from tasks.engine.config import ConfigModel, files, identity_when_set, setting
 from training.config import KEPT_DIR
 from training.data import TokenDataset, read_meta
@@ -56,6 +57,13 @@ class EvalConfig(ConfigModel):
     limit: int | None = Field(500, ge=1, description="Examples per task, lm-eval's `limit`: the first ones, which "
                               "for the suite's tasks (shuffled by `suite.seed`) are a seeded random sample. None: all.")
     num_fewshot: int = Field(0, ge=0, description="Few-shot examples lm-eval puts before each question.")
+    apply_chat_template: bool = identity_when_set(False, description="lm-eval's --apply_chat_template: each "
+                                                  "task's prompt (few-shot examples as earlier turns) in the chat "
+                                                  "template the tokenizer carries (a Hugging Face checkpoint's, "
+                                                  "tokenizer kind hf; else kiln's, which needs its chat tokens), "
+                                                  "special-token strings read as their tokens, as lm-eval's hf "
+                                                  "model reads them. For a model that chats (trained on from an "
+                                                  "Instruct checkpoint).")
     bits_per_byte: bool = Field(True, description="Also loss, perplexity and bits per byte on the held-out token "
                                 "shards (the tokenize output's validation split).")
     heldout_tokens: int | None = Field(None, ge=2, description="Score only the first this many held-out tokens; "
@@ -149,7 +157,8 @@ def run_evaluate(ctx: StepContext) -> dict:
     config: EvalConfig = ctx.config
     tokenizer_dir, tokens_dir, documents_dir = ctx.inputs["tokenizer"], ctx.inputs["tokens"], ctx.inputs["documents"]
     _check_inputs(config, tokens_dir, tokenizer_dir)
-    lm = load_kiln_lm(ctx.inputs["model"], tokenizer_dir, config.step, batch_size=config.batch_size)
+    chat = chat_template(tokenizer_dir) if config.apply_chat_template else None
+    lm = load_kiln_lm(ctx.inputs["model"], tokenizer_dir, config.step, batch_size=config.batch_size, chat=chat)
 
     suite_dir = ctx.out / SUITE_DIR
     held_out = (d for d in read_documents(documents_dir, strict=True)
@@ -159,7 +168,7 @@ def run_evaluate(ctx: StepContext) -> dict:
     if config.tasks or config.lm_eval_tasks:  # a scaling sweep may ask for bits per byte only
         ctx.log.info("suite: %s examples from held-out documents", counts)
         results = evaluate(lm, task_configs(suite_dir, config.tasks), config.lm_eval_tasks, config.limit,
-                           config.num_fewshot)
+                           config.num_fewshot, config.apply_chat_template)
 
     table = [{**row, "task": short_name(row["task"])} for row in metric_table(results)] if results else []
     if "next_passage" in config.tasks:  # the chance row right after the task's own rows
@@ -178,7 +187,8 @@ def run_evaluate(ctx: StepContext) -> dict:
         ctx.log.info("%s %s = %.4f", row["task"], row["metric"], row["value"])
 
     record = {"table": table, "suite_examples": counts, "heldout": heldout,
-              **{k: results[k] for k in ("results", "groups", "versions", "n-shot", "n-samples") if k in results}}
+              **{k: results[k] for k in ("results", "groups", "versions", "n-shot", "n-samples") if k in results},
+              **({"chat_template": chat.source} if chat is not None else {})}  # the prompts' template, if any
     (ctx.out / RESULTS_FILE).write_text(json.dumps(record, indent=2, sort_keys=True, default=float) + "\n")
     ctx.show("table", "results", table, f"kiln evaluation {ctx.step.version}: accuracy per task, held-out bits per byte")
 

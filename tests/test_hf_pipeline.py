@@ -74,8 +74,8 @@ def test_continued_pretraining_from_llama_and_qwen2_exports_what_transformers_lo
 @pytest.mark.ray
 def test_a_checkpoint_post_trained_in_its_own_chat_template_exports_and_serves_in_it(hf, tmp_path):  # noqa: F811
     """`kiln run` from a Qwen2 checkpoint whose tokenizer folder has a ChatML template (its EOS is not
-    its turn's end, as in Qwen2.5's base models): SFT with LoRA and DPO on generated answers learn
-    that template, the export carries it (transformers renders the prompt kiln's server sends) and
+    its turn's end, as in Qwen2.5's base models): the evaluate step prompts in that template, SFT
+    with LoRA and DPO on generated answers learn it, the export carries it (transformers renders the prompt kiln's server sends) and
     lists the turn's end as EOS, and kiln serves the DPO model's chat in it, stopping there."""
     from fastapi.testclient import TestClient
 
@@ -97,7 +97,8 @@ def test_a_checkpoint_post_trained_in_its_own_chat_template_exports_and_serves_i
         "tokenize": {"validation_fraction": 0.5},
         "model": {"seq_len": 64},
         "train": {**small, "steps": 2, "init": {"hf": str(folder), "mode": "weights"}},
-        "eval": {"tasks": [], "bits_per_byte": True, "heldout_tokens": 256},
+        "eval": {"tasks": ["next_passage"], "limit": 6, "apply_chat_template": True, "heldout_tokens": 256,
+                 "suite": {"context_words": 4, "choice_words": 2}},
         "resources": {"cpus_per_host": 1},
         "posttrain": {"chat": {"prompt_words": 4, "answer_words": 2, "instruction": "Go on:", "label_field": None},
                       "sft": {"train": {**small, "steps": 4, "lora": {"rank": 4}},
@@ -115,6 +116,10 @@ def test_a_checkpoint_post_trained_in_its_own_chat_template_exports_and_serves_i
     assert (sft / "chat_template.jinja").read_text() == CHATML == (dpo / "chat_template.jinja").read_text()
     stats = json.loads((sft / "lineage.json").read_text())["stats"]
     assert {r["model"] for r in stats["table"]} == {"base", "sft"}
+    # the evaluate step put the suite's prompts in the template (lm-eval's apply_chat_template)
+    evaluation = json.loads((store / "evaluate" / steps["evaluate"].version / "results.json").read_text())
+    assert evaluation["chat_template"] == CHATML and any(
+        r["task"] == "next_passage" and r["metric"] == "acc" for r in evaluation["table"])
 
     theirs = transformers.AutoTokenizer.from_pretrained(export)
     end = theirs.convert_tokens_to_ids("<|im_end|>")

@@ -26,22 +26,22 @@ needs("torch")
 needs("accelerate")  # lm-eval's hf model imports it
 
 
-def scores(model, model_args: str | None, tasks, limit: int) -> tuple[float, list[list[float]]]:
+def scores(model, model_args: str | None, tasks, limit: int, **options) -> tuple[float, list[list[float]]]:
     """(accuracy, per example the log-likelihood of each choice)."""
     results = lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=tasks, limit=limit,
-                                      bootstrap_iters=0, log_samples=True, batch_size=8)
+                                      bootstrap_iters=0, log_samples=True, batch_size=8, **options)
     (name,) = results["results"]
     samples = sorted(results["samples"][name], key=lambda s: s["doc_id"])
     return results["results"][name]["acc,none"], [[r[0] for r in s["filtered_resps"]] for s in samples]
 
 
-def exported(kjv_data, tmp_path) -> tuple[dict, dict, object]:  # noqa: F811
+def exported(kjv_data, tmp_path, chat_template: str | None = None) -> tuple[dict, dict, object]:  # noqa: F811
     """(tokenizer meta, the random-init parameters, their export folder)."""
     meta = read_tokenizer_meta(kjv_data.tokenizer)
     params = jax.jit(init_params, static_argnums=0)(CFG, jax.random.PRNGKey(1))
     export = tmp_path / "export"
     export.mkdir()
-    export_hf(CFG, params, (kjv_data.tokenizer / "tokenizer.json").read_text(), meta, export)
+    export_hf(CFG, params, (kjv_data.tokenizer / "tokenizer.json").read_text(), meta, export, chat_template)
     return meta, params, export
 
 
@@ -89,3 +89,37 @@ def test_a_generating_task_gets_the_same_greedy_answers_from_export_and_adapter(
     theirs = answers("hf", f"pretrained={export},device=cpu,dtype=float32")
     assert len(ours) == 24 and len(set(ours)) > 12  # real, differing answers
     assert theirs == ours
+
+
+# a template whose turns end in the EOS token's string: it must be read as that token on both sides
+TURNS = ("{% for m in messages %}### {{ m['role'] }}:\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+         "{% if add_generation_prompt %}### assistant:\n{% endif %}")
+
+
+def test_lm_eval_with_the_chat_template_on_the_export_matches_kiln_adapter(kjv_data, tmp_path):  # noqa: F811
+    """lm-eval's apply_chat_template: its hf model renders each prompt with the export's template
+    (transformers), kiln's adapter with the same template (training/chat_jinja.py): the same
+    accuracy and log-likelihoods, which differ from the plain prompts'."""
+    from training.chat_jinja import CheckpointTemplate, checkpoint_template
+
+    meta, params, export = exported(kjv_data, tmp_path, TURNS)
+    build_suite(kjv_data.held_out(), tmp_path / "suite", ["next_passage"], SuiteConfig(context_words=24, choice_words=8))
+
+    def tasks():
+        manager = TaskManager(include_defaults=False)
+        return list(manager.load(task_configs(tmp_path / "suite", ["next_passage"]))["tasks"].values())
+
+    tokenizer = load_tokenizer(kjv_data.tokenizer)
+    source, special = checkpoint_template(export)
+    chat = CheckpointTemplate(source, tokenizer, special)
+    kiln_lm = KilnLM(CFG, params, tokenizer, meta["eos_id"], meta.get("bos_id"), batch_size=8, chat=chat)
+    kiln_acc, kiln_ll = scores(kiln_lm, None, tasks(), limit=24, apply_chat_template=True)
+    hf_acc, hf_ll = scores("hf", f"pretrained={export},device=cpu,dtype=float32", tasks(), limit=24,
+                           apply_chat_template=True)
+    plain = KilnLM(CFG, params, tokenizer, meta["eos_id"], meta.get("bos_id"), batch_size=8)
+    _, plain_ll = scores(plain, None, tasks(), limit=24)
+
+    assert len(kiln_ll) == len(hf_ll) == 24 and hf_acc == kiln_acc
+    for ours, theirs in zip(kiln_ll, hf_ll):
+        assert theirs == pytest.approx(ours, rel=1e-4, abs=1e-3)
+    assert all(abs(a - b) > 1e-3 for ours, flat in zip(kiln_ll, plain_ll) for a, b in zip(ours, flat))

@@ -94,9 +94,13 @@ class ChatTemplate:
             mask.append(0)
         return ids, mask
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-        """The template as text (what CHAT_TEMPLATE renders), for prompts given to lm-eval."""
+    def render(self, messages: list[dict], add_generation_prompt: bool = False,
+               continue_final_message: bool = False) -> str:
+        """The template as text (what CHAT_TEMPLATE renders), for prompts given to lm-eval;
+        continuing the final message leaves its end-of-turn token out."""
         text = "".join(f"{ROLE_TOKENS[m['role']]}{m['content']}{END_OF_TURN}" for m in check_messages(messages))
+        if continue_final_message:
+            return text.removesuffix(END_OF_TURN)
         return text + (ROLE_TOKENS["assistant"] if add_generation_prompt else "")
 
     def answer_text(self, prompt: list[dict], answer: str) -> str:
