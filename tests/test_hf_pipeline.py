@@ -75,8 +75,9 @@ def test_continued_pretraining_from_llama_and_qwen2_exports_what_transformers_lo
 def test_a_checkpoint_post_trained_in_its_own_chat_template_exports_and_serves_in_it(hf, tmp_path):  # noqa: F811
     """`kiln run` from a Qwen2 checkpoint whose tokenizer folder has a ChatML template (its EOS is not
     its turn's end, as in Qwen2.5's base models): the evaluate step prompts in that template, SFT
-    with LoRA and DPO on generated answers learn it, the export carries it (transformers renders the prompt kiln's server sends) and
-    lists the turn's end as EOS, and kiln serves the DPO model's chat in it, stopping there."""
+    with LoRA and DPO on generated answers learn it, the export carries it (transformers renders
+    the prompt kiln's server sends) and lists the turn's end as EOS, and kiln serves the DPO
+    model's chat in it, stopping there."""
     from fastapi.testclient import TestClient
 
     from evaluation.chat_prompt import chat_for
