@@ -7,7 +7,7 @@ whose compute dtype is bfloat16. Then, for the working tree and a git worktree a
 each load runs in a fresh process with that tree's code (`evaluation.generate.load`, as the
 commands call it), which prints its peak anonymous memory (the process's high-water mark: on a
 CPU the device arrays live in host memory too, so the weights' host copies and device copies
-both count) and the bytes its weights hold:
+both count), what it holds once the load is done, and the bytes its weights hold:
 
 - the checkpoint as it computes by default (float32), and, where the tree offers `--dtype`, in
   bfloat16;
@@ -131,6 +131,8 @@ def main() -> None:
                               f"peak, {m['after_bytes'] / 1e9:.2f} GB after", flush=True)
                     ratio = got["this tree"]["peak_rss_bytes"] / got["baseline"]["peak_rss_bytes"]
                     print(f"  peak anonymous memory: this tree / baseline = {ratio:.3f}", flush=True)
+                    ratio = got["this tree"]["after_bytes"] / got["baseline"]["after_bytes"]
+                    print(f"  after the load: this tree / baseline = {ratio:.3f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -422,10 +422,32 @@ def read_model(out_dir: Path, dtype=np.float32) -> tuple[ModelConfig, dict]:
 def placed(tree: dict) -> dict:
     """A tree of host (numpy) arrays on the device, one leaf at a time, each host copy let go as its
     device copy is made: the tree is changed in place, so the peak is the weights once and a leaf,
-    not twice (measured: benchmarks/RESULTS.md)."""
-    for key, value in tree.items():
-        tree[key] = placed(value) if isinstance(value, dict) else jax.numpy.asarray(value)
+    not twice (measured: benchmarks/RESULTS.md). Then the memory the host copies (and a load's
+    conversions) took goes back to the system (`give_back_freed_memory`)."""
+    def place(node: dict) -> None:
+        for key, value in node.items():
+            if isinstance(value, dict):
+                place(value)
+            else:
+                node[key] = jax.numpy.asarray(value)
+
+    place(tree)
+    give_back_freed_memory()
     return tree
+
+
+def give_back_freed_memory() -> None:
+    """glibc's malloc_trim(0): the C allocator keeps memory that was freed for later allocations,
+    which after a load are few (a server's are its slots, made once), so a process would hold
+    about the weights' size again for nothing (benchmarks/RESULTS.md). Other C libraries (macOS)
+    have no such call, and need none here: nothing is done there."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name is not None else None
+    if trim is not None:
+        trim(0)
 
 
 def unflatten(flat: dict[str, np.ndarray]) -> dict:
