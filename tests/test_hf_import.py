@@ -94,7 +94,8 @@ def transformers_model(hf, arch: str, **config):
     """A random transformers model of `arch` (llama, qwen2): matrices N(0, 0.1), norms 1 + N(0, 0.2),
     biases N(0, 0.2)."""
     torch, transformers = hf
-    config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[arch]
+    config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+                    "mistral": transformers.MistralConfig}[arch]
     cfg = config_class(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
                        num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6,
                        bos_token_id=1, eos_token_id=2, **config)
@@ -131,6 +132,9 @@ CASES = {
     "llama-untied": ("llama", {"tie_word_embeddings": False, "rope_theta": 500.0}),
     "llama-tied": ("llama", {"tie_word_embeddings": True}),
     "qwen2-tied": ("qwen2", {"tie_word_embeddings": True, "rope_theta": 1e6}),
+    # Mistral 7B v0.2 on: no sliding window; v0.1's (4096) does not bite at contexts up to it
+    "mistral-no-window": ("mistral", {"tie_word_embeddings": False, "sliding_window": None, "rope_theta": 1e6}),
+    "mistral-window-the-context": ("mistral", {"tie_word_embeddings": False, "sliding_window": 64}),
     # Llama 3.1's RoPE scaling, its original context short enough that positions 0..23 feel it:
     # with head_dim 8 and theta 500 one frequency is blended, two are slowed, one is kept
     "llama-rope-llama3": ("llama", {"tie_word_embeddings": False, "rope_theta": 500.0, "rope_scaling": {
@@ -168,13 +172,14 @@ def test_imported_checkpoint_gives_transformers_logits_and_round_trips(case, hf,
         steps.append(logits)
     assert_close(np.asarray(jnp.concatenate(steps, axis=1)), expected)
 
-    # kiln -> Hugging Face again: transformers loads it as the same class, with the same logits
+    # kiln -> Hugging Face again: transformers loads it as the same class (Mistral's as Llama, which it
+    # then is), with the same logits
     (tmp_path / "export").mkdir()
     export_hf(cfg, params, (tokenizer_dir / "tokenizer.json").read_text(), read_tokenizer_meta(tokenizer_dir),
               tmp_path / "export")
     _, transformers = hf
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
-    assert type(again).__name__ == type(model).__name__
+    assert type(again).__name__ == ("LlamaForCausalLM" if arch == "mistral" else type(model).__name__)
     assert_close(torch_logits(hf, again, tokens), expected)
     assert again.generation_config.eos_token_id == read_tokenizer_meta(tokenizer_dir)["eos_id"]
 
@@ -449,7 +454,11 @@ REFUSED = {
     "linear-rope": ({"rope_scaling": {"rope_type": "linear", "factor": 8.0}}, "rope_scaling .*plain or Llama 3.1"),
     "yarn-rope-v5": ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "rope_parameters"),
     "head-dim": ({"head_dim": 16}, "head_dim 16 with hidden_size 32 and 4 heads"),
-    "mistral": ({"architectures": ["MistralForCausalLM"], "model_type": "mistral"}, "architectures .*Mistral"),
+    "gemma": ({"architectures": ["GemmaForCausalLM"], "model_type": "gemma"}, "architectures .*Gemma"),
+    "mistral-window": ({"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 16},
+                       "sliding window of 16 tokens is shorter than the context of 32"),
+    "mistral-attention-bias": ({"architectures": ["MistralForCausalLM"], "model_type": "mistral",
+                                "sliding_window": None, "attention_bias": True}, "o_proj"),
     "mlp-bias": ({"mlp_bias": True}, "mlp_bias true"),
     "llama-attention-bias": ({"attention_bias": True}, "o_proj"),
     "sliding-window": ({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": True,

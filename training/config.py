@@ -189,7 +189,7 @@ class InitConfig(ConfigModel):
                                 "(`train`, `train/stable`), or an output already in the store by its place "
                                 "(`train/<version>`, `sft/<version>`, `dpo/<version>`); its version enters this "
                                 "step's version.")
-    hf: str | None = files(None, description="A Hugging Face model folder (Llama or Qwen2; local files), "
+    hf: str | None = files(None, description="A Hugging Face model folder (Llama, Qwen2 or Mistral; local files), "
                            "entering the version by its content. Mode `weights` only.")
     step: Count | Literal["latest"] = Field("latest", description="Which checkpoint of `from`: a step it keeps "
                                             "(the pipeline makes it keep the steps named here), or its last.")

@@ -1,8 +1,10 @@
 """Import a Hugging Face checkpoint as kiln's model: the inverse of training/export.py.
 
 `load_hf(folder)` reads a local folder (nothing is downloaded) holding `config.json` and
-`model.safetensors`, or shards listed in `model.safetensors.index.json`, of a `LlamaForCausalLM`
-or a `Qwen2ForCausalLM` (Llama with biases on q, k and v: kiln's `attention_bias`). Tensors are
+`model.safetensors`, or shards listed in `model.safetensors.index.json`, of a `LlamaForCausalLM`,
+a `Qwen2ForCausalLM` (Llama with biases on q, k and v: kiln's `attention_bias`), or a
+`MistralForCausalLM` whose sliding window does not bite (none, as from Mistral 7B v0.2 on, or one
+at least the context kiln uses: then it is Llama, and exports as `LlamaForCausalLM`). Tensors are
 renamed by the export's own table (`training.export.hf_names`) and Linear weights [out, in]
 transposed back to Dense kernels [in, out]; nothing is permuted, since kiln's RoPE is HF's
 `rotate_half` layout. Every tensor becomes float32 (bfloat16 exactly), as kiln's parameters are,
@@ -30,7 +32,7 @@ from training.config import ModelConfig, RopeScaling
 from training.export import hf_names, leaf_at
 from training.model import init_params
 
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}
 INDEX_FILE = "model.safetensors.index.json"
 WEIGHTS_FILE = "model.safetensors"
 # Buffers some older checkpoints saved beside the weights; kiln computes them from rope_theta.
@@ -68,7 +70,8 @@ def architecture(hf: dict, folder: Path) -> str:
         raise ValueError(f"{folder}: architectures {archs}: kiln imports one of {sorted(ARCHITECTURES)}")
     model_type = ARCHITECTURES[known[0]] if known else hf.get("model_type")
     if model_type not in ARCHITECTURES.values() or hf.get("model_type", model_type) != model_type:
-        raise ValueError(f"{folder}: model_type {hf.get('model_type')!r}: kiln imports Llama and Qwen2 decoders "
+        raise ValueError(f"{folder}: model_type {hf.get('model_type')!r}: kiln imports Llama, Qwen2 and Mistral "
+                         "decoders "
                          f"({', '.join(sorted(ARCHITECTURES))})")
     return model_type
 
@@ -105,7 +108,7 @@ def unsupported(hf: dict, model_type: str) -> list[str]:
     if hidden % heads or head_dim not in (None, hidden // heads):
         reasons.append(f"head_dim {head_dim} with hidden_size {hidden} and {heads} heads "
                        "(kiln's head_dim is hidden_size / num_attention_heads)")
-    if model_type == "llama" and hf.get("attention_bias"):
+    if model_type != "qwen2" and hf.get("attention_bias"):
         reasons.append("attention_bias true (Llama's puts biases on q, k, v and o_proj; kiln's attention_bias "
                        "is Qwen2's, on q, k and v only)")
     if hf.get("mlp_bias"):
@@ -130,6 +133,12 @@ def model_config(hf: dict, seq_len: int | None, folder: Path) -> ModelConfig:
     max_positions = hf.get("max_position_embeddings") or seq_len
     if max_positions is None:
         raise ValueError(f"{folder}: config.json has no max_position_embeddings: pass seq_len")
+    window = hf.get("sliding_window") if model_type == "mistral" else None  # Mistral's applies whenever set
+    if window is not None and min(max_positions, seq_len or max_positions) > window:
+        context = min(max_positions, seq_len or max_positions)
+        raise ValueError(f"{folder}: kiln's model cannot represent this mistral checkpoint: its sliding window of "
+                         f"{window} tokens is shorter than the context of {context} (kiln attends to every earlier "
+                         f"position): use it with seq_len {window} or less")
     try:
         return ModelConfig(vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
                            n_heads=hf["num_attention_heads"],
