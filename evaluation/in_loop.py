@@ -52,7 +52,7 @@ class _Evaluations:
     def __init__(self, spec: InLoopEvals, ctx: LoopContext):
         from evaluation.adapter import KilnLM
         from evaluation.suite import task_configs
-        from tasks.tokenizer import load_tokenizer, read_tokenizer_meta
+        from tasks.tokenizer import chat_template, load_tokenizer, read_tokenizer_meta
 
         self.cfg, self.ctx = spec.cfg, ctx
         folder = spec.tokenizer.local()
@@ -64,7 +64,8 @@ class _Evaluations:
         self.suite = task_configs(ctx.work_dir / SUITE_DIR, spec.suite_tasks) if spec.suite_tasks else []
         # One adapter for the whole run: its compiled functions are kept, its parameters replaced.
         self.lm = KilnLM(ctx.model_cfg, None, self.tokenizer, meta["eos_id"], meta.get("bos_id"),
-                         batch_size=spec.cfg.batch_size)
+                         batch_size=spec.cfg.batch_size,
+                         chat=chat_template(folder) if spec.cfg.apply_chat_template else None)
 
     def __call__(self, info: StepInfo) -> None:
         params = info.params
@@ -95,7 +96,7 @@ class _Evaluations:
             t0 = time.perf_counter()
             self.lm.params = params
             results = evaluate(self.lm, self.suite, list(self.cfg.lm_eval_tasks), self.cfg.limit,
-                               self.cfg.num_fewshot)
+                               self.cfg.num_fewshot, self.cfg.apply_chat_template)
             for row in metric_table(results):
                 out[f"eval/{short_name(row['task'])}/{row['metric']}"] = row["value"]
             out["eval/tasks_seconds"] = time.perf_counter() - t0

@@ -97,7 +97,9 @@ def test_a_checkpoint_post_trained_in_its_own_chat_template_exports_and_serves_i
         "tokenizer": {"kind": "hf", "path": str(folder)},
         "tokenize": {"validation_fraction": 0.5},
         "model": {"seq_len": 64},
-        "train": {**small, "steps": 2, "init": {"hf": str(folder), "mode": "weights"}},
+        "train": {**small, "steps": 2, "init": {"hf": str(folder), "mode": "weights"},
+                  "evals": {"every": 2, "heldout_tokens": None, "tasks": ["next_passage"], "limit": 6,
+                            "apply_chat_template": True}},
         "eval": {"tasks": ["next_passage"], "limit": 6, "apply_chat_template": True, "heldout_tokens": 256,
                  "suite": {"context_words": 4, "choice_words": 2}},
         "resources": {"cpus_per_host": 1},
@@ -119,8 +121,11 @@ def test_a_checkpoint_post_trained_in_its_own_chat_template_exports_and_serves_i
     assert {r["model"] for r in stats["table"]} == {"base", "sft"}
     # the evaluate step put the suite's prompts in the template (lm-eval's apply_chat_template)
     evaluation = json.loads((store / "evaluate" / steps["evaluate"].version / "results.json").read_text())
-    assert evaluation["chat_template"] == CHATML and any(
-        r["task"] == "next_passage" and r["metric"] == "acc" for r in evaluation["table"])
+    assert evaluation["chat_template"] == CHATML
+    (acc,) = [r["value"] for r in evaluation["table"] if r["task"] == "next_passage" and r["metric"] == "acc"]
+    # train.evals in the template too: at the last step, the evaluate step's number on the same model
+    last = json.loads((store / "train" / steps["train"].version / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["eval/next_passage/acc"] == acc
 
     theirs = transformers.AutoTokenizer.from_pretrained(export)
     end = theirs.convert_tokens_to_ids("<|im_end|>")

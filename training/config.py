@@ -145,6 +145,8 @@ class InLoopEvalConfig(ConfigModel):
                                      "(task YAML files are for the evaluate step).")
     limit: Count | None = Field(100, description="Examples per task (the same seeded sample as eval.limit).")
     num_fewshot: NonNegative = Field(0, description="Few-shot examples lm-eval puts before each question.")
+    apply_chat_template: bool = Field(False, description="As eval.apply_chat_template: each task's prompt in the "
+                                      "chat template the tokenizer carries.")
     batch_size: Count = Field(16, description="Sequences per forward pass, for the held-out tokens and the tasks.")
 
     @model_validator(mode="after")
