@@ -20,7 +20,7 @@ class KilnChat:
     def __init__(self, model):
         self.template = ChatTemplate(model.tokenizer)
         self.start_id = model.start_id
-        self.source = CHAT_TEMPLATE
+        self.source = self.template.source
         self.stop_ids = (self.template.end_id,)  # the end of the assistant's turn
 
     def prompt(self, messages: list[dict], add_generation_prompt: bool = True,

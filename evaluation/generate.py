@@ -489,8 +489,7 @@ def load(path: Path, tokenizer_dir: Path | None = None, dtype: str | None = None
         from tasks.tokenizer import load_tokenizer, read_tokenizer_meta
         from training.loop import read_model
 
-        stored = ModelConfig.model_validate_json((path / "model.json").read_text())
-        cfg, params = read_model(path, jnp.dtype(dtype or stored.compute_dtype))
+        cfg, params = read_model(path, None if dtype is None else jnp.dtype(dtype))
         folder = Path(tokenizer_dir) if tokenizer_dir is not None else tokenizer_of(path)
         meta = read_tokenizer_meta(folder)
         tokenizer = load_tokenizer(folder)
@@ -529,7 +528,8 @@ def output_chat(model_dir: Path, tokenizer_dir: Path) -> tuple[tuple[int, ...], 
     template = chat_template(tokenizer_dir)
     if template.source != template_file.read_text(encoding="utf-8"):
         raise ValueError(f"{model_dir} was post-trained with another chat template than the tokenizer {tokenizer_dir} "
-                         "carries: pass the tokenizer it was post-trained with (--tokenizer)")
+                         "carries: pair it with the tokenizer it was post-trained with (kiln generate and "
+                         "serve-model: --tokenizer)")
     return (template.end_id,), template.source, template_tokens
 
 

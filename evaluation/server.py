@@ -1072,10 +1072,10 @@ def serve_model(path: Path, host: str = "127.0.0.1", port: int = 8000, tokenizer
     if max_batch < 1:
         raise ValueError(f"--max-batch {max_batch}: give at least 1")
     model = load(Path(path), tokenizer_dir, dtype, max_model_len)
-    needed, free = state_bytes(model.cfg, max_batch), free_bytes()
+    needed, free, weights = state_bytes(model.cfg, max_batch), free_bytes(), weights_bytes(model)
     if free is not None and needed > free:  # say so now, not as an out-of-memory error at the first request
         raise ValueError(f"{max_batch} slots of {model.cfg.seq_len} tokens need {gib(needed)} of key/value cache, and "
-                         f"{gib(free)} is free beside the weights ({gib(weights_bytes(model))}): give a smaller "
+                         f"{gib(free)} is free beside the weights ({gib(weights)}): give a smaller "
                          "--max-model-len or --max-batch")
     service = Service(model, name or default_name(path), max_batch)
     url = f"http://{host}:{port}/v1"
@@ -1086,7 +1086,7 @@ def serve_model(path: Path, host: str = "127.0.0.1", port: int = 8000, tokenizer
             if self.started:
                 print(f"kiln serve-model: {service.name} at {url} (context {model.cfg.seq_len} tokens, "
                       f"up to {max_batch} prompts decoding at once; {model.cfg.compute_dtype}, weights "
-                      f"{gib(weights_bytes(model))}, slots {gib(needed)}; "
+                      f"{gib(weights)}, slots {gib(needed)}; "
                       f"{'an API key' if api_key else 'no API key'} required); SIGTERM or Ctrl-C stops it", flush=True)
 
     config = uvicorn.Config(create_app(service, api_key), host=host, port=port, log_level="warning", access_log=False,

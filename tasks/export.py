@@ -19,7 +19,7 @@ from tasks.evaluate import RESULTS_FILE
 from tasks.engine.lineage import lineage_tree, read_lineage
 from tasks.engine.step import Step, StepContext
 from tasks.engine.store import LINEAGE
-from tasks.tokenizer import TOKENIZER_FILE, carried_chat_template, chat_template, load_tokenizer, read_tokenizer_meta
+from tasks.tokenizer import TOKENIZER_FILE, load_tokenizer, read_tokenizer_meta
 from tasks.engine.config import ConfigModel, identity_when_set
 from training.config import LoraConfig
 
@@ -48,27 +48,8 @@ def model_lineage(model_dir: Path) -> dict | None:
     return {**lineage_tree(model_dir), "config": record.get("config", {}), "code": record.get("code", {})}
 
 
-def exported_template(model_dir: Path, tokenizer_dir: Path) -> tuple[str | None, int | None]:
-    """The chat template the export's tokenizer_config.json carries, and the token that ends a
-    reply for its generation_config.json. A post-trained model (tasks/sft.py, tasks/dpo.py) keeps
-    its template beside its weights, and its replies end at the template's end of turn; any other
-    model carries the template its tokenizer does (a Hugging Face checkpoint's), if any, as the
-    checkpoint's own tokenizer_config.json did."""
-    from training.posttrain import TEMPLATE_FILE  # JAX: imported when exporting, not for plans
-
-    template_file = model_dir / TEMPLATE_FILE
-    if not template_file.is_file():
-        carried = carried_chat_template(tokenizer_dir)
-        return (None if carried is None else carried[0]), None
-    source = template_file.read_text(encoding="utf-8")
-    template = chat_template(tokenizer_dir)
-    if template.source != source:
-        raise ValueError(f"{model_dir} was post-trained with another chat template than the tokenizer {tokenizer_dir} "
-                         "gives: export it with the tokenizer it was post-trained with")
-    return source, template.end_id
-
-
 def run_export(ctx: StepContext) -> dict:
+    from evaluation.generate import output_chat
     from training.export import export_hf, model_card  # JAX, and only when exporting: not for plans
     from training.loop import load_model
     from training.model import param_count
@@ -79,8 +60,10 @@ def run_export(ctx: StepContext) -> dict:
     meta = read_tokenizer_meta(tokenizer_dir)
     load_tokenizer(tokenizer_dir)  # checks tokenizer.json against its recorded hash
     tokenizer_json = (Path(tokenizer_dir) / TOKENIZER_FILE).read_text(encoding="utf-8")
-    chat_template, turn_end_id = exported_template(Path(model_dir), Path(tokenizer_dir))
-    stats = export_hf(cfg, params, tokenizer_json, meta, ctx.out, chat_template, turn_end_id)
+    # the template serving uses: a post-trained model's, whose turn's end joins EOS in generation_config.json,
+    # or the one its tokenizer carries (a checkpoint's), as the checkpoint's own tokenizer_config.json did
+    turn_end_ids, chat_template, _ = output_chat(Path(model_dir), Path(tokenizer_dir))
+    stats = export_hf(cfg, params, tokenizer_json, meta, ctx.out, chat_template, next(iter(turn_end_ids), None))
     if config.lora == "adapter":
         from safetensors.numpy import load_file
 

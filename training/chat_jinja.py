@@ -148,12 +148,13 @@ class CheckpointTemplate:
     def end_text(self) -> str:
         """The text that ends an assistant turn (`<|im_end|>`, `<|eot_id|>`), found by rendering a
         short conversation: what follows the answer's own text."""
-        rendered = self.answer_text(_PROBE[:1], _PROBE[1]["content"])
         answer = _PROBE[1]["content"]
-        if answer not in rendered or not rendered[rendered.index(answer) + len(answer):].strip():
+        rendered = self.answer_text(_PROBE[:1], answer)
+        end = rendered.partition(answer)[2].strip()
+        if answer not in rendered or not end:
             raise ValueError(f"the checkpoint's chat template renders an answer as {rendered!r}: nothing after the "
                              "answer's text ends the turn, so a reply could not stop")
-        return rendered[rendered.index(answer) + len(answer):].strip()
+        return end
 
     @functools.cached_property
     def end_id(self) -> int:

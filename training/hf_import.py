@@ -71,8 +71,7 @@ def architecture(hf: dict, folder: Path) -> str:
     model_type = ARCHITECTURES[known[0]] if known else hf.get("model_type")
     if model_type not in ARCHITECTURES.values() or hf.get("model_type", model_type) != model_type:
         raise ValueError(f"{folder}: model_type {hf.get('model_type')!r}: kiln imports Llama, Qwen2 and Mistral "
-                         "decoders "
-                         f"({', '.join(sorted(ARCHITECTURES))})")
+                         f"decoders ({', '.join(sorted(ARCHITECTURES))})")
     return model_type
 
 
@@ -133,9 +132,9 @@ def model_config(hf: dict, seq_len: int | None, folder: Path) -> ModelConfig:
     max_positions = hf.get("max_position_embeddings") or seq_len
     if max_positions is None:
         raise ValueError(f"{folder}: config.json has no max_position_embeddings: pass seq_len")
+    context = min(max_positions, seq_len or max_positions)
     window = hf.get("sliding_window") if model_type == "mistral" else None  # Mistral's applies whenever set
-    if window is not None and min(max_positions, seq_len or max_positions) > window:
-        context = min(max_positions, seq_len or max_positions)
+    if window is not None and context > window:
         raise ValueError(f"{folder}: kiln's model cannot represent this mistral checkpoint: its sliding window of "
                          f"{window} tokens is shorter than the context of {context} (kiln attends to every earlier "
                          f"position): use it with seq_len {window} or less")
@@ -143,7 +142,7 @@ def model_config(hf: dict, seq_len: int | None, folder: Path) -> ModelConfig:
         return ModelConfig(vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
                            n_heads=hf["num_attention_heads"],
                            n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-                           d_ff=hf["intermediate_size"], seq_len=min(max_positions, seq_len or max_positions),
+                           d_ff=hf["intermediate_size"], seq_len=context,
                            rope_theta=rope_theta(hf), rope_scaling=rope_scaling(hf),
                            tie_embeddings=hf.get("tie_word_embeddings", False), norm_eps=hf.get("rms_norm_eps", 1e-6),
                            init_std=hf.get("initializer_range", 0.02), attention_bias=model_type == "qwen2")

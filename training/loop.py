@@ -412,9 +412,11 @@ def load_model(out_dir: Path) -> tuple[ModelConfig, dict]:
 
 def read_model(out_dir: Path, dtype=np.float32) -> tuple[ModelConfig, dict]:
     """The ModelConfig and parameter tree, in host memory (numpy), of a published training output:
-    float32 as stored, or each parameter converted to `dtype` as it is read."""
+    float32 as stored, or each parameter converted to `dtype` as it is read (None: the model's
+    compute dtype)."""
     out_dir = Path(out_dir)
     cfg = ModelConfig.model_validate_json((out_dir / "model.json").read_text())
+    dtype = np.dtype(jax.numpy.dtype(cfg.compute_dtype)) if dtype is None else dtype
     with safe_open(str(out_dir / "params.safetensors"), framework="numpy") as f:
         return cfg, unflatten({name: f.get_tensor(name).astype(dtype, copy=False) for name in f.keys()})
 
