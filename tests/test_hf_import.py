@@ -91,11 +91,11 @@ def hf():
 
 
 def transformers_model(hf, arch: str, **config):
-    """A random transformers model of `arch` (llama, qwen2): matrices N(0, 0.1), norms 1 + N(0, 0.2),
-    biases N(0, 0.2)."""
+    """A random transformers model of `arch` (llama, qwen2, qwen3, mistral): matrices N(0, 0.1), norms
+    (Qwen3's q/k norms too) 1 + N(0, 0.2), biases N(0, 0.2). Heads are 48 / 6 = 8 wide unless `head_dim`."""
     torch, transformers = hf
     config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-                    "mistral": transformers.MistralConfig}[arch]
+                    "qwen3": transformers.Qwen3Config, "mistral": transformers.MistralConfig}[arch]
     cfg = config_class(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
                        num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6,
                        bos_token_id=1, eos_token_id=2, **config)
@@ -135,6 +135,12 @@ CASES = {
     # Mistral 7B v0.2 on: no sliding window; v0.1's (4096) does not bite at contexts up to it
     "mistral-no-window": ("mistral", {"tie_word_embeddings": False, "sliding_window": None, "rope_theta": 1e6}),
     "mistral-window-the-context": ("mistral", {"tie_word_embeddings": False, "sliding_window": 64}),
+    # Qwen3: q/k norms, heads wider than hidden / heads (Qwen3-0.6B: 16 heads of 128 over 1024)
+    "qwen3-tied-wide-heads": ("qwen3", {"tie_word_embeddings": True, "rope_theta": 1e6, "head_dim": 16}),
+    # head_dim written out equal to hidden / heads (Qwen3Config's default is 128): kiln's default width
+    "qwen3-untied": ("qwen3", {"tie_word_embeddings": False, "head_dim": 8}),
+    # Mistral Nemo's shape: heads narrower than hidden / heads (32 of 128 over 5120)
+    "mistral-narrow-heads": ("mistral", {"tie_word_embeddings": False, "sliding_window": None, "head_dim": 4}),
     # Llama 3.1's RoPE scaling, its original context short enough that positions 0..23 feel it:
     # with head_dim 8 and theta 500 one frequency is blended, two are slowed, one is kept
     "llama-rope-llama3": ("llama", {"tie_word_embeddings": False, "rope_theta": 500.0, "rope_scaling": {
@@ -151,6 +157,8 @@ def test_imported_checkpoint_gives_transformers_logits_and_round_trips(case, hf,
     cfg, params = load_hf(tmp_path / "hf")
 
     assert (cfg.attention_bias, cfg.tie_embeddings, cfg.seq_len) == (arch == "qwen2", config["tie_word_embeddings"], 64)
+    width = config.get("head_dim", 8)
+    assert (cfg.qk_norm, cfg.head_dim, cfg.head_width) == (arch == "qwen3", width, None if width == 8 else width)
     assert cfg.rope_theta == config.get("rope_theta", 10000.0) and cfg.norm_eps == 1e-6
     assert (cfg.rope_scaling is not None) == ("rope_scaling" in config)
     fresh = init_state(cfg, optax.sgd(0.1), jax.random.PRNGKey(0))["params"]  # what training starts from
@@ -211,13 +219,26 @@ SMALL = ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, n_kv_he
                     tie_embeddings=False, rope_theta=2000.0, norm_eps=1e-6, init_std=0.05)
 
 
-@pytest.mark.parametrize("attention_bias", [False, True])
-def test_import_is_the_inverse_of_export(attention_bias, tokenizer_dir, tmp_path):
-    cfg = SMALL.model_copy(update={"attention_bias": attention_bias})
+EXPORTED_AS = {  # kiln's model -> the transformers class it exports as
+    "llama": ({}, "LlamaForCausalLM"),
+    "qwen2": ({"attention_bias": True}, "Qwen2ForCausalLM"),
+    "qwen3-wide-heads": ({"qk_norm": True, "head_width": 12}, "Qwen3ForCausalLM"),
+    "llama-narrow-heads": ({"head_width": 4}, "LlamaForCausalLM"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(EXPORTED_AS))
+def test_import_is_the_inverse_of_export(case, tokenizer_dir, tmp_path):
+    update, arch = EXPORTED_AS[case]
+    cfg = SMALL.model_copy(update=update)
     params = kiln_export(tmp_path / "hf", cfg, tokenizer_dir)
     hf_config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    assert hf_config["architectures"] == ["Qwen2ForCausalLM" if attention_bias else "LlamaForCausalLM"]
-    assert ("model.layers.1.self_attn.k_proj.bias" in load_file(tmp_path / "hf" / "model.safetensors")) == attention_bias
+    assert hf_config["architectures"] == [arch]
+    assert hf_config["head_dim"] == update.get("head_width", 8)
+    tensors = load_file(tmp_path / "hf" / "model.safetensors")
+    assert ("model.layers.1.self_attn.k_proj.bias" in tensors) == cfg.attention_bias
+    assert ("model.layers.1.self_attn.k_norm.weight" in tensors) == cfg.qk_norm
+    assert tensors["model.layers.1.self_attn.o_proj.weight"].shape == (32, 4 * cfg.head_dim)
 
     got_cfg, got = load_hf(tmp_path / "hf")
     assert got_cfg == cfg
@@ -231,6 +252,13 @@ def test_import_is_the_inverse_of_export(attention_bias, tokenizer_dir, tmp_path
     assert all(jax.tree_util.tree_leaves(jax.tree_util.tree_map(np.array_equal, model.params, params)))
     eos = read_tokenizer_meta(tokenizer_dir)["eos_id"]
     assert model.stop_ids == (eos,)
+
+
+def test_a_model_no_transformers_class_computes_is_not_exported(tokenizer_dir, tmp_path):
+    cfg = SMALL.model_copy(update={"attention_bias": True, "qk_norm": True})
+    with pytest.raises(ValueError, match="both attention_bias and qk_norm has no Hugging Face class"):
+        kiln_export(tmp_path / "hf", cfg, tokenizer_dir)
+    assert not (tmp_path / "hf" / "model.safetensors").exists()
 
 
 def test_a_checkpoint_folder_stops_at_every_eos_it_lists(tokenizer_dir, tmp_path):
@@ -453,7 +481,11 @@ def edited(tokenizer_dir: Path, tmp_path: Path, config: dict | None = None, weig
 REFUSED = {
     "linear-rope": ({"rope_scaling": {"rope_type": "linear", "factor": 8.0}}, "rope_scaling .*plain or Llama 3.1"),
     "yarn-rope-v5": ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "rope_parameters"),
-    "head-dim": ({"head_dim": 16}, "head_dim 16 with hidden_size 32 and 4 heads"),
+    "heads-undivided": ({"num_attention_heads": 3, "num_key_value_heads": 1, "head_dim": None},
+                        "hidden_size 32 does not divide by its 3 heads"),
+    "qwen3-moe": ({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe"}, "architectures .*Qwen3Moe"),
+    "qwen3-attention-bias": ({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": True},
+                             "qwen3's puts biases on q, k, v and o_proj"),
     "gemma": ({"architectures": ["GemmaForCausalLM"], "model_type": "gemma"}, "architectures .*Gemma"),
     "mistral-window": ({"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 16},
                        "sliding window of 16 tokens is shorter than the context of 32"),

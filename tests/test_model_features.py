@@ -183,8 +183,8 @@ def test_document_mask_needs_an_eos_id():
 def test_new_fields_leave_default_versions_as_they_were(monkeypatch):
     tokens = Step(name="tokens", stage="tokenize", stage_version=1, config=TokenizeConfig(), run=lambda ctx: {})
 
-    def version(**train):
-        return train_step(ModelConfig(), TrainConfig(**train), ResourcesConfig(), tokens=tokens).version
+    def version(model=ModelConfig(), **train):
+        return train_step(model, TrainConfig(**train), ResourcesConfig(), tokens=tokens).version
 
     current = version()
     monkeypatch.setattr(tasks.train, "STAGE_VERSION", 4)  # the train stage's version when this hash was taken
@@ -194,6 +194,8 @@ def test_new_fields_leave_default_versions_as_they_were(monkeypatch):
     assert version(attention="fused", eos_id=50256) == version()  # settings
     for identity in ({"remat": "full"}, {"document_mask": True}, {"z_loss": 1e-4}):
         assert version(**identity) != version(), identity
+    for shape in ({"qk_norm": True}, {"head_width": 64}):  # the model's, identity when set
+        assert version(ModelConfig(**shape)) != version(), shape
 
 
 # --- z-loss ----------------------------------------------------------------------------------

@@ -30,7 +30,8 @@ CFG = ModelConfig(vocab_size=97, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2
 
 
 def reference_llama(p: dict, tokens: np.ndarray, cfg: ModelConfig) -> np.ndarray:
-    """HF LlamaForCausalLM's forward written out in numpy, float64, from the param tree."""
+    """HF LlamaForCausalLM's forward written out in numpy, float64, from the param tree (with
+    Qwen3's q/k norms where the config has them)."""
     p = jax.tree_util.tree_map(lambda a: np.asarray(a, np.float64), p)
     B, T = tokens.shape
     H, K, Q = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -54,6 +55,8 @@ def reference_llama(p: dict, tokens: np.ndarray, cfg: ModelConfig) -> np.ndarray
         q = (h @ a["q_proj"]["kernel"]).reshape(B, T, H, Q).transpose(0, 2, 1, 3)
         k = (h @ a["k_proj"]["kernel"]).reshape(B, T, K, Q).transpose(0, 2, 1, 3)
         v = (h @ a["v_proj"]["kernel"]).reshape(B, T, K, Q).transpose(0, 2, 1, 3)
+        if cfg.qk_norm:  # Qwen3: each head of q and k normalised before the rotation
+            q, k = rms(q, a["q_norm"]["weight"]), rms(k, a["k_norm"]["weight"])
         q, k = rope(q), rope(k)
         k, v = np.repeat(k, H // K, axis=1), np.repeat(v, H // K, axis=1)  # HF repeat_kv
         s = q @ k.transpose(0, 1, 3, 2) / np.sqrt(Q) + np.triu(np.full((T, T), -np.inf), 1)
@@ -69,9 +72,10 @@ def reference_llama(p: dict, tokens: np.ndarray, cfg: ModelConfig) -> np.ndarray
     return x @ head
 
 
-@pytest.mark.parametrize("tie,T", [(True, 11), (False, 11), (True, 150)])
-def test_forward_matches_hf_llama_reference(tie, T):
-    cfg = CFG.model_copy(update={"tie_embeddings": tie, "seq_len": max(T, CFG.seq_len)})
+@pytest.mark.parametrize("tie,T,shape", [(True, 11, {}), (False, 11, {}), (True, 150, {}),
+                                         (False, 150, {"qk_norm": True, "head_width": 24})])  # heads 4 x 24 != 64
+def test_forward_matches_hf_llama_reference(tie, T, shape):
+    cfg = CFG.model_copy(update={"tie_embeddings": tie, "seq_len": max(T, CFG.seq_len), **shape})
     params = init_params(cfg, jax.random.PRNGKey(0))
     # Norm weights are 1 at init; perturb them so a wrong norm formula cannot hide.
     params = jax.tree_util.tree_map_with_path(

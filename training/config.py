@@ -50,8 +50,8 @@ class ModelConfig(ConfigModel):
                               "pipeline sets it from the tokenizer.")
     d_model: Count = Field(128, description="Width of the residual stream (the embedding size).")
     n_layers: Count = Field(4, description="Decoder blocks.")
-    n_heads: Count = Field(4, description="Query heads per attention layer; head_dim = d_model / n_heads, which "
-                           "must be even (rotary positions).")
+    n_heads: Count = Field(4, description="Query heads per attention layer; each head is d_model / n_heads wide "
+                           "unless `head_width` says otherwise, and must be even (rotary positions).")
     n_kv_heads: Count = Field(2, description="Key/value heads (grouped-query attention): n_heads / n_kv_heads query "
                               "heads share one; equal to n_heads for plain multi-head attention.")
     d_ff: Count = Field(352, description="SwiGLU hidden width (Llama uses about 8/3 d_model, rounded).")
@@ -70,15 +70,24 @@ class ModelConfig(ConfigModel):
     rope_scaling: RopeScaling | None = identity_when_set(None, description="Llama 3.1's scaled RoPE frequencies "
                                                          "(training/hf_import.py sets it from a checkpoint's "
                                                          "`rope_type: llama3`); none: plain RoPE.")
+    head_width: Count | None = identity_when_set(None, description="Width of each attention head (Hugging Face's "
+                                                 "`head_dim`) where it is not d_model / n_heads, as in Qwen3 and "
+                                                 "Mistral Nemo: q, k and v are n_heads (n_kv_heads) times it wide "
+                                                 "and o_proj maps them back to d_model. None: d_model / n_heads.")
+    qk_norm: bool = identity_when_set(False, description="RMSNorm over each head of q and k before the rotation, "
+                                      "with a weight of head_dim per projection (q_norm, k_norm), as in Qwen3 "
+                                      "(training/hf_import.py sets it for a Qwen3 checkpoint).")
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        """Each attention head's width: `head_width`, or d_model / n_heads."""
+        return self.head_width or self.d_model // self.n_heads
 
     @model_validator(mode="after")
     def _check_shapes(self) -> "ModelConfig":
-        if self.d_model % self.n_heads:
-            raise ValueError(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
+        if self.head_width is None and self.d_model % self.n_heads:
+            raise ValueError(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads} "
+                             "(or set head_width)")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
         scaling = self.rope_scaling
@@ -86,7 +95,8 @@ class ModelConfig(ConfigModel):
             raise ValueError(f"rope_scaling: high_freq_factor={scaling.high_freq_factor} must exceed "
                              f"low_freq_factor={scaling.low_freq_factor}")
         if self.head_dim % 2:
-            raise ValueError(f"head_dim={self.head_dim} must be even for rotary positions; change d_model or n_heads")
+            raise ValueError(f"head_dim={self.head_dim} must be even for rotary positions; change d_model, n_heads or "
+                             "head_width")
         return self
 
 
@@ -191,8 +201,8 @@ class InitConfig(ConfigModel):
                                 "(`train`, `train/stable`), or an output already in the store by its place "
                                 "(`train/<version>`, `sft/<version>`, `dpo/<version>`); its version enters this "
                                 "step's version.")
-    hf: str | None = files(None, description="A Hugging Face model folder (Llama, Qwen2 or Mistral; local files), "
-                           "entering the version by its content. Mode `weights` only.")
+    hf: str | None = files(None, description="A Hugging Face model folder (Llama, Qwen2, Qwen3 or Mistral; local "
+                           "files), entering the version by its content. Mode `weights` only.")
     step: Count | Literal["latest"] = Field("latest", description="Which checkpoint of `from`: a step it keeps "
                                             "(the pipeline makes it keep the steps named here), or its last.")
     mode: Literal["continue", "reset", "weights"] = Field(

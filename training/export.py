@@ -3,11 +3,13 @@
 kiln's model is `LlamaForCausalLM` with other names (see training/model.py), so the export is a
 renaming (`hf_names`): Dense kernels [in, out] become Linear weights [out, in]; everything stays
 float32. A model with q/k/v biases (`attention_bias`, e.g. an imported Qwen2) is exported as
-`Qwen2ForCausalLM`, whose layout is Llama's plus those biases. training/hf_import.py is the
-inverse. The folder holds what `AutoModelForCausalLM.from_pretrained` and
+`Qwen2ForCausalLM`, whose layout is Llama's plus those biases, and one with q/k norms (`qk_norm`,
+an imported Qwen3) as `Qwen3ForCausalLM`, Llama's layout plus those norms. training/hf_import.py
+is the inverse. The folder holds what `AutoModelForCausalLM.from_pretrained` and
 `AutoTokenizer.from_pretrained` read:
 
-    config.json              LlamaConfig or Qwen2Config (rope_theta written flat, as transformers 4 and 5 read it)
+    config.json              LlamaConfig, Qwen2Config or Qwen3Config (rope_theta written flat, as transformers
+                             4 and 5 read it)
     model.safetensors        the weights under HF names; lm_head.weight only when untied
     generation_config.json   greedy by default, EOS from the tokenizer (for a post-trained model a list:
                              EOS and the end-of-turn token, so generation stops where a reply ends)
@@ -52,6 +54,8 @@ def hf_names(cfg: ModelConfig) -> dict[tuple[str, ...], str]:
                 names[(layer, block, name, "kernel")] = f"{prefix}.{block}.{name}.weight"
         for name in BIASED if cfg.attention_bias else ():
             names[(layer, "self_attn", name, "bias")] = f"{prefix}.self_attn.{name}.bias"
+        for name in ("q_norm", "k_norm") if cfg.qk_norm else ():
+            names[(layer, "self_attn", name, "weight")] = f"{prefix}.self_attn.{name}.weight"
     if not cfg.tie_embeddings:
         names[("lm_head", "kernel")] = "lm_head.weight"
     return names
@@ -99,13 +103,20 @@ def leaf_at(tree: dict, path: tuple[str, ...]):
 
 
 def architecture(cfg: ModelConfig) -> tuple[str, str]:
-    """The transformers class and model_type of the export: Qwen2 is Llama with q, k, v biases."""
+    """The transformers class and model_type of the export: Qwen2 is Llama with q, k, v biases,
+    Qwen3 Llama with q and k norms. No class has both (Qwen3's `attention_bias` biases o_proj too)."""
+    if cfg.qk_norm and cfg.attention_bias:
+        raise ValueError("a model with both attention_bias and qk_norm has no Hugging Face class: Qwen2 has the "
+                         "q, k, v biases but no q/k norms, and Qwen3's attention_bias also biases o_proj; "
+                         "kiln can train and serve it, but not export it")
+    if cfg.qk_norm:
+        return "Qwen3ForCausalLM", "qwen3"
     return ("Qwen2ForCausalLM", "qwen2") if cfg.attention_bias else ("LlamaForCausalLM", "llama")
 
 
 def hf_config(cfg: ModelConfig, bos_id: int, eos_id: int) -> dict:
-    """config.json for `LlamaForCausalLM`, or `Qwen2ForCausalLM` when q, k and v have biases (which
-    is what Qwen2 is: Llama with those biases)."""
+    """config.json for `LlamaForCausalLM`, `Qwen2ForCausalLM` when q, k and v have biases (which
+    is what Qwen2 is: Llama with those biases), or `Qwen3ForCausalLM` when q and k have norms."""
     arch, model_type = architecture(cfg)
     config = {
         "architectures": [arch],
@@ -132,9 +143,11 @@ def hf_config(cfg: ModelConfig, bos_id: int, eos_id: int) -> dict:
         "torch_dtype": "float32",  # the weights; a bfloat16-trained model computed its matmuls in bfloat16
         "use_cache": True,
     }
-    if cfg.attention_bias:  # Qwen2's config has no attention_bias or mlp_bias: its q, k, v always have biases
-        del config["attention_bias"], config["mlp_bias"]
+    if model_type != "llama":  # Qwen2's and Qwen3's configs have no mlp_bias, and a sliding window to turn off
+        del config["mlp_bias"]
         config.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers)
+    if model_type == "qwen2":  # nor Qwen2's an attention_bias: its q, k, v always have biases
+        del config["attention_bias"]
     return config
 
 
@@ -178,9 +191,10 @@ def export_hf(cfg: ModelConfig, params: dict, tokenizer_json: str, tokenizer_met
                          f"{cfg.vocab_size} embeddings: export the model with the tokenizer it was trained with")
     eos_id = tokenizer_meta["eos_id"]
     bos_id = tokenizer_meta["bos_id"] if tokenizer_meta.get("bos_id") is not None else eos_id
+    config = hf_config(cfg, bos_id, eos_id)  # first: it refuses a model no transformers class computes
     weights = hf_state_dict(params, cfg)
     save_file(weights, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
-    (out_dir / "config.json").write_text(json.dumps(hf_config(cfg, bos_id, eos_id), indent=2) + "\n")
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     generation = {"bos_token_id": bos_id, "eos_token_id": generation_eos(eos_id, turn_end_id),
                   "pad_token_id": eos_id, "do_sample": False, "max_length": cfg.seq_len}
     (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
@@ -235,7 +249,8 @@ def model_card(cfg: ModelConfig, n_params: int, name: str, license_id: str | Non
             ("context", cfg.seq_len), ("positions", f"RoPE, theta {cfg.rope_theta:g}"
                                                           + (", Llama 3.1 scaling" if cfg.rope_scaling else "")),
             ("norm", f"RMSNorm, eps {cfg.norm_eps:g}"), ("tied embeddings", cfg.tie_embeddings),
-            ("training compute dtype", cfg.compute_dtype)] + [("q/k/v biases", True)] * cfg.attention_bias
+            ("training compute dtype", cfg.compute_dtype)] + [("q/k/v biases", True)] * cfg.attention_bias \
+        + [("q/k norms (per head)", True)] * cfg.qk_norm
     lines += [f"| {k} | {v} |" for k, v in rows]
 
     lines += ["", "## Data lineage", ""]

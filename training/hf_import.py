@@ -2,9 +2,12 @@
 
 `load_hf(folder)` reads a local folder (nothing is downloaded) holding `config.json` and
 `model.safetensors`, or shards listed in `model.safetensors.index.json`, of a `LlamaForCausalLM`,
-a `Qwen2ForCausalLM` (Llama with biases on q, k and v: kiln's `attention_bias`), or a
+a `Qwen2ForCausalLM` (Llama with biases on q, k and v: kiln's `attention_bias`), a dense
+`Qwen3ForCausalLM` (Llama with an RMSNorm over each head of q and k: kiln's `qk_norm`), or a
 `MistralForCausalLM` whose sliding window does not bite (none, as from Mistral 7B v0.2 on, or one
-at least the context kiln uses: then it is Llama, and exports as `LlamaForCausalLM`). Tensors are
+at least the context kiln uses: then it is Llama, and exports as `LlamaForCausalLM`). A config's
+`head_dim` other than hidden_size / num_attention_heads (Qwen3, Mistral Nemo) is kiln's
+`head_width`. Tensors are
 renamed by the export's own table (`training.export.hf_names`) and Linear weights [out, in]
 transposed back to Dense kernels [in, out]; nothing is permuted, since kiln's RoPE is HF's
 `rotate_half` layout. Every tensor becomes float32 (bfloat16 exactly), as kiln's parameters are,
@@ -13,8 +16,8 @@ unless the caller asks for another dtype (`kiln serve-model` holds weights in it
 Llama 3.1's RoPE scaling (`rope_type: llama3`) becomes `model.rope_scaling`. What kiln's model
 cannot compute is refused with the reason, before any weight is read: other RoPE scaling (YaRN,
 linear, dynamic, ...), a sliding window in use, biases other than Qwen2's q/k/v, an activation
-other than SiLU, a head_dim other than hidden_size / num_attention_heads, quantized weights, and
-other architectures. A tensor the config does not account for is refused too.
+other than SiLU, quantized weights, and other architectures (Qwen3's mixture of experts among
+them). A tensor the config does not account for is refused too.
 
 Plain numpy and `safetensors`: no JAX device work, no torch, no Prefect.
 """
@@ -32,7 +35,8 @@ from training.config import ModelConfig, RopeScaling
 from training.export import hf_names, leaf_at
 from training.model import init_params
 
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                 "MistralForCausalLM": "mistral"}
 INDEX_FILE = "model.safetensors.index.json"
 WEIGHTS_FILE = "model.safetensors"
 # Buffers some older checkpoints saved beside the weights; kiln computes them from rope_theta.
@@ -70,8 +74,8 @@ def architecture(hf: dict, folder: Path) -> str:
         raise ValueError(f"{folder}: architectures {archs}: kiln imports one of {sorted(ARCHITECTURES)}")
     model_type = ARCHITECTURES[known[0]] if known else hf.get("model_type")
     if model_type not in ARCHITECTURES.values() or hf.get("model_type", model_type) != model_type:
-        raise ValueError(f"{folder}: model_type {hf.get('model_type')!r}: kiln imports Llama, Qwen2 and Mistral "
-                         f"decoders ({', '.join(sorted(ARCHITECTURES))})")
+        raise ValueError(f"{folder}: model_type {hf.get('model_type')!r}: kiln imports Llama, Qwen2, Qwen3 and "
+                         f"Mistral decoders ({', '.join(sorted(ARCHITECTURES))})")
     return model_type
 
 
@@ -89,6 +93,13 @@ def rope_theta(hf: dict) -> float:
     return float(hf.get("rope_theta", parameters.get("rope_theta", 10000.0)))
 
 
+def head_width(hf: dict) -> int | None:
+    """`head_dim` where it is not hidden_size / num_attention_heads (else None: kiln's default, so that
+    a config that merely writes it out, as kiln's own exports do, keeps the version it had)."""
+    head_dim, hidden, heads = hf.get("head_dim"), hf["hidden_size"], hf["num_attention_heads"]
+    return None if head_dim in (None, hidden // heads) and hidden % heads == 0 else head_dim
+
+
 def unsupported(hf: dict, model_type: str) -> list[str]:
     """Why kiln's model cannot compute this config, one reason each (empty: it can)."""
     reasons = []
@@ -103,13 +114,13 @@ def unsupported(hf: dict, model_type: str) -> list[str]:
     partial = hf.get("partial_rotary_factor", (hf.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0))
     if partial != 1.0:
         reasons.append(f"partial_rotary_factor {partial} (kiln rotates every head dimension)")
-    hidden, heads, head_dim = hf.get("hidden_size") or 0, hf.get("num_attention_heads") or 1, hf.get("head_dim")
-    if hidden % heads or head_dim not in (None, hidden // heads):
-        reasons.append(f"head_dim {head_dim} with hidden_size {hidden} and {heads} heads "
-                       "(kiln's head_dim is hidden_size / num_attention_heads)")
+    hidden, heads = hf.get("hidden_size") or 0, hf.get("num_attention_heads") or 1
+    if hidden % heads and not hf.get("head_dim"):
+        reasons.append(f"hidden_size {hidden} does not divide by its {heads} heads, and no head_dim says how "
+                       "wide they are")
     if model_type != "qwen2" and hf.get("attention_bias"):
-        reasons.append("attention_bias true (Llama's puts biases on q, k, v and o_proj; kiln's attention_bias "
-                       "is Qwen2's, on q, k and v only)")
+        reasons.append(f"attention_bias true ({model_type}'s puts biases on q, k, v and o_proj; kiln's "
+                       "attention_bias is Qwen2's, on q, k and v only)")
     if hf.get("mlp_bias"):
         reasons.append("mlp_bias true (kiln's MLP has no biases)")
     if hf.get("use_sliding_window"):
@@ -145,7 +156,8 @@ def model_config(hf: dict, seq_len: int | None, folder: Path) -> ModelConfig:
                            d_ff=hf["intermediate_size"], seq_len=context,
                            rope_theta=rope_theta(hf), rope_scaling=rope_scaling(hf),
                            tie_embeddings=hf.get("tie_word_embeddings", False), norm_eps=hf.get("rms_norm_eps", 1e-6),
-                           init_std=hf.get("initializer_range", 0.02), attention_bias=model_type == "qwen2")
+                           init_std=hf.get("initializer_range", 0.02), attention_bias=model_type == "qwen2",
+                           qk_norm=model_type == "qwen3", head_width=head_width(hf))
     except KeyError as e:
         raise ValueError(f"{folder}: config.json has no {e.args[0]}") from None
 

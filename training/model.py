@@ -5,6 +5,8 @@ It follows Hugging Face's `LlamaForCausalLM` exactly, so an export is a renaming
 RMSNorm is `weight * (x * rsqrt(mean(x^2) + eps))`, RoPE uses `rotate_half` on the two halves of
 each head (not interleaved pairs), the MLP is `down(silu(gate(x)) * up(x))`, and nothing has a bias
 unless `attention_bias` is set: then q, k and v have one, as in `Qwen2ForCausalLM` (o_proj none).
+`qk_norm` adds Qwen3's RMSNorm over each head of q and k before the rotation (`Qwen3ForCausalLM`),
+and `head_width` heads wider or narrower than d_model / n_heads (Qwen3, Mistral Nemo).
 
 Parameter tree (`params` of `init_params`), HF names in brackets; a Dense `kernel` is stored
 [in, out], the transpose of a torch `Linear.weight`:
@@ -16,6 +18,7 @@ Parameter tree (`params` of `init_params`), HF names in brackets; a Dense `kerne
     layers_{i}/self_attn/v_proj/kernel [D, K*Q]     (v_proj)
     layers_{i}/self_attn/o_proj/kernel [H*Q, D]     (o_proj)
     layers_{i}/self_attn/{q,k,v}_proj/bias [H*Q], [K*Q], [K*Q]   (...q_proj.bias; attention_bias only)
+    layers_{i}/self_attn/{q,k}_norm/weight [Q]     (...self_attn.q_norm.weight; qk_norm only)
     layers_{i}/post_attention_layernorm/weight [D]
     layers_{i}/mlp/gate_proj/kernel    [D, F]       (mlp.gate_proj)
     layers_{i}/mlp/up_proj/kernel      [D, F]       (mlp.up_proj)
@@ -23,7 +26,7 @@ Parameter tree (`params` of `init_params`), HF names in brackets; a Dense `kerne
     norm/weight                        [D]          (model.norm.weight)
     lm_head/kernel                     [D, V]       (lm_head.weight; absent when tied)
 
-V vocab, D d_model, H query heads, K key/value heads, Q head_dim = D / H, F d_ff.
+V vocab, D d_model, H query heads, K key/value heads, Q head_dim (D / H unless head_width), F d_ff.
 
 How it is computed (the parameters above are stored and initialised exactly as `nn.Dense` would;
 only the matmuls XLA is asked for differ, to suit its CPU backend, see benchmarks/RESULTS.md):
@@ -262,6 +265,8 @@ class Attention(nn.Module):
         if biases:  # Qwen2's q, k and v biases, added before the rotation as HF does
             q, k, v = (part + bias.astype(dt) for part, bias in zip((q, k, v), biases))
         q, k, v = q.reshape(B, T, H, Q), k.reshape(B, T, K, Q), v.reshape(B, T, K, Q)
+        if cfg.qk_norm:  # Qwen3's: each head of q and k normalised, before the rotation as HF does
+            q, k = RMSNorm(cfg.norm_eps, dt, name="q_norm")(q), RMSNorm(cfg.norm_eps, dt, name="k_norm")(k)
         q, k = rotary(q, rope), rotary(k, rope)
 
         if layer_cache is None and self.attention != "query_blocks":  # training / full forward, fused
