@@ -3,8 +3,11 @@
 A row is a train step of the experiment with what its variant changed, the train step's numbers
 (final losses, parameters, tokens, seconds), every metric of the evaluate step that scored it, and
 the seconds of every step in the variant's branch; a train step several branches share (the
-stable run of cooldown branches) is one row, named after the step. A variant whose steps are
-not in the store yet shows `missing`, never zeros.
+stable run of cooldown branches) is one row, named after the step. The SFT and DPO models of a
+post-trained variant follow its row as rows of their own (`<variant>:sft`, `<variant>:dpo`), with
+their training numbers and the metrics of their evaluate steps (posttrain.evaluate), so the base
+and post-trained models compare on the same tasks. A variant whose steps are not in the store
+yet shows `missing`, never zeros.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from tasks.engine.store import Store
 TRAIN_KEYS = {"final_loss": "final_loss", "final_val_loss": "final_val_loss", "params": "param_count",
               "tokens": "tokens"}  # column -> the train step's stat
 NOT_METRICS = {"seconds", "table", "heldout_tokens", "suite_examples"}
+POSTTRAINED = ("sft", "dpo")  # stages whose models get rows of their own after their variant's train rows
 MISSING = "missing"
 
 
@@ -40,6 +44,12 @@ def comparison(experiment: Experiment, store: Store) -> list[dict]:
                 run = train.name.removesuffix(f"/{'+'.join(experiment.variants_of[train.key])}").split("/", 1)[-1]
                 label = f"{label}:{run}" if variant else run
             rows.append(_row(label, {} if shared else branch.overrides, train, _evaluation_of(train, steps), steps,
+                             store))
+        for model in (s for s in steps if s.stage in POSTTRAINED and s.key not in shown):
+            shown.add(model.key)
+            shared = len(experiment.variants_of[model.key]) > 1
+            label = model.name if shared else f"{variant or experiment.name}:{model.stage}"
+            rows.append(_row(label, {} if shared else branch.overrides, model, _evaluation_of(model, steps), steps,
                              store))
     cols = columns(rows)  # every row has every column: None where a variant has no such result yet
     return [{c: r.get(c) for c in cols} for r in rows]

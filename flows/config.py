@@ -155,6 +155,11 @@ class PosttrainConfig(ConfigModel):
                            "the conversations.")
     dpo: DPOConfig | None = Field(DPOConfig(), description="DPO of the SFT model on the preference pairs; leave out "
                                   "with `dpo: null`.")
+    evaluate: bool = setting(True, description="Also score the SFT and DPO models with the `eval` section's "
+                             "evaluate step (`evaluate/sft`, `evaluate/dpo`), beside the base model's, so "
+                             "`kiln compare` shows each model's metrics in one table and the export's model card "
+                             "shows the exported model's own; false: neither, and the card says it was not "
+                             "evaluated.")
 
 
 class RunSettings(ConfigModel):

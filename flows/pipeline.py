@@ -78,11 +78,14 @@ def data_refresh(config: ExperimentConfig, store: str | None = None, until: str 
 @flow(name="evaluate", log_prints=True, on_failure=[notify_failure])
 def evaluate_flow(config: ExperimentConfig, store: str | None = None, force: list[str] = []) -> list[StepRun]:
     """Evaluate the config's trained model(s): only the evaluate steps run, and a model that is not
-    in the store yet is an error that names it."""
-    experiment = from_config(config)
-    steps = [s for s in experiment.steps if s.stage == "evaluate"]
+    in the store yet is an error that names it. The SFT and DPO models (posttrain.evaluate) are
+    evaluated where they are in the store already: this flow's trigger is a train step's end,
+    before the pipeline post-trains it (the pipeline evaluates them itself)."""
+    experiment, store = from_config(config), Store(store)
+    steps = [s for s in experiment.steps if s.stage == "evaluate" and (
+        s.inputs["model"].stage == "train" or store.is_done(s.inputs["model"].stage, s.inputs["model"].version))]
     settings = experiment.run
-    runs = execute(steps, Store(store), max_concurrent=settings.max_concurrent, workers=settings.workers,
+    runs = execute(steps, store, max_concurrent=settings.max_concurrent, workers=settings.workers,
                    force=frozenset(force), lock_url=settings.lock_url, lease_s=settings.lock_lease_s,
                    verify=settings.verify)
     if failures(runs):

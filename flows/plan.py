@@ -126,7 +126,9 @@ def named(final: Step, source: str, upstream: bool = True) -> Step:
 def after_training(config: ExperimentConfig, models: dict[str, Step], tokenizer: Step, tokens: Step,
                    documents: Step) -> list[Step]:
     """Evaluation of every train step (`evaluate`, `evaluate/<phase>`), the last one's checkpoint
-    series (eval.checkpoints), optional post-training of the last one and its export."""
+    series (eval.checkpoints), optional post-training of the last one (with posttrain.evaluate,
+    `evaluate/sft` and `evaluate/dpo` of its models) and the export of the final model, whose
+    model card carries that model's own evaluation (none where it was not evaluated)."""
     eval_cfg = config.eval.model_copy(update={"validation_fraction": config.tokenize.validation_fraction})
 
     def evaluation_of(model: Step, name: str, step: int | None = None) -> Step:
@@ -139,16 +141,22 @@ def after_training(config: ExperimentConfig, models: dict[str, Step], tokenizer:
     series = [evaluation_of(model, f"{evaluation.name}/step-{step}", step)
               for step in checkpoint_steps(config.eval.checkpoints, model.config.train.steps,
                                            model.config.train.checkpoint_every)]
-    final = model
+    final, posttrained = model, []
     if config.posttrain is not None:
         pt = config.posttrain
         chat = chat_data_step(pt.chat.model_copy(update={"validation_fraction": config.tokenize.validation_fraction}),
                               documents=documents)
         final = sft_step(pt.sft, model=model, tokenizer=tokenizer, chat=chat, tracking=config.tracking)
+        posttrained.append(final)
         if pt.dpo is not None:
             final = dpo_step(pt.dpo, model=final, tokenizer=tokenizer, pairs=chat, tracking=config.tracking)
+            posttrained.append(final)
+        evaluation = None  # the base model's scores are not the post-trained model's
+        if pt.evaluate:
+            posttrained += [evaluation_of(m, f"evaluate/{m.stage}") for m in posttrained]
+            evaluation = posttrained[-1]
     exported = export_step(config.export, model=final, tokenizer=tokenizer, evaluation=evaluation)
-    return [*models.values(), *series, *evaluations.values(), final, exported]
+    return [*models.values(), *series, *evaluations.values(), *posttrained, exported]
 
 
 class PublishedConfig(ConfigModel):

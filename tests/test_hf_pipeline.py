@@ -113,7 +113,7 @@ def test_a_checkpoint_post_trained_in_its_own_chat_template_exports_and_serves_i
     path, store = tmp_path / "chat.yaml", tmp_path / "store"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     ran = run_names(kiln("run", str(path), "--store", str(store)).stdout)
-    assert ran["sft"] == "ran" and ran["dpo"] == "ran" and ran["export"] == "ran", ran
+    assert all(ran[name] == "ran" for name in ("sft", "dpo", "evaluate/sft", "evaluate/dpo", "export")), ran
 
     steps = {s.name: s for s in from_config(ExperimentConfig.model_validate(config)).steps}
     sft, dpo, export = (store / name / steps[name].version for name in ("sft", "dpo", "export"))
@@ -127,6 +127,22 @@ def test_a_checkpoint_post_trained_in_its_own_chat_template_exports_and_serves_i
     # train.evals in the template too: at the last step, the evaluate step's number on the same model
     last = json.loads((store / "train" / steps["train"].version / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["eval/next_passage/acc"] == acc
+
+    # the SFT and DPO models scored on the same tasks (posttrain.evaluate), each row in kiln compare,
+    # and the export's model card shows the DPO model's scores, not the base model's
+    results = {name: json.loads((store / "evaluate" / steps[name].version / "results.json").read_text())
+               for name in ("evaluate", "evaluate/sft", "evaluate/dpo")}
+    assert all(r["chat_template"] == CHATML for r in results.values())
+    bpb = {name: r["heldout"]["bits_per_byte"] for name, r in results.items()}
+    assert len(set(bpb.values())) == 3, bpb  # three different models
+    card = (export / "README.md").read_text()
+    assert "post-trained (SFT, DPO)" in card and "The dpo step's config" in card
+    assert f"| heldout | bits_per_byte | {bpb['evaluate/dpo']:.4f} |" in card
+    assert f"{bpb['evaluate']:.4f}" not in card
+    rows = {r["variant"]: r for r in json.loads(kiln("compare", str(path), "--store", str(store), "--json").stdout)}
+    assert list(rows) == ["chat-from-hf", "chat-from-hf:sft", "chat-from-hf:dpo"]
+    assert [rows[v]["bits_per_byte"] for v in rows] == [bpb["evaluate"], bpb["evaluate/sft"], bpb["evaluate/dpo"]]
+    assert rows["chat-from-hf:dpo"]["train_version"] == steps["dpo"].version
 
     theirs = transformers.AutoTokenizer.from_pretrained(export)
     end = theirs.convert_tokens_to_ids("<|im_end|>")

@@ -342,3 +342,33 @@ def test_the_server_leaves_generated_special_tokens_out_of_its_text_unless_asked
         answer = post("/v1/chat/completions", **chat, skip_special_tokens=False)
         assert answer["message"]["content"] == "<|user|>" * 4
         assert [c["token"] for c in answer["logprobs"]["content"]] == ["<|user|>"] * 4
+
+
+def test_post_trained_models_are_evaluated_and_the_export_carries_the_final_ones_scores():
+    """posttrain.evaluate (on by default) scores the SFT and DPO models with the base model's
+    evaluate config, and the export's model card takes the exported model's own evaluation, not
+    the base model's; off, neither exists and the card has none. It is a setting: no other version
+    moves with it."""
+    import yaml
+
+    from flows.config import ExperimentConfig
+    from flows.experiment import from_config
+    from tests.conftest import REPO
+
+    config = yaml.safe_load((REPO / "configs" / "posttrain_cpu.yaml").read_text())
+
+    def steps(**posttrain) -> dict:
+        cfg = {**config, "posttrain": {**config["posttrain"], **posttrain}}
+        return {s.name: s for s in from_config(ExperimentConfig.model_validate(cfg)).steps}
+
+    on = steps()
+    for stage in ("sft", "dpo"):
+        evaluation = on[f"evaluate/{stage}"]
+        assert evaluation.inputs["model"] is on[stage]
+        assert evaluation.config == on["evaluate"].config and evaluation.version != on["evaluate"].version
+    assert on["export"].inputs["model"] is on["dpo"] and on["export"].inputs["evaluation"] is on["evaluate/dpo"]
+    assert steps(dpo=None)["export"].inputs["evaluation"].inputs["model"].stage == "sft"
+
+    off = steps(evaluate=False)
+    assert not {"evaluate/sft", "evaluate/dpo"} & set(off) and "evaluation" not in off["export"].inputs
+    assert all(off[name].version == on[name].version for name in ("train", "evaluate", "sft", "dpo"))

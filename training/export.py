@@ -228,6 +228,9 @@ def lineage_lines(node: dict, indent: str = "") -> list[str]:
     return lines
 
 
+MADE_BY = {"sft": "trained, then fine-tuned on conversations (SFT),", "dpo": "trained, then post-trained (SFT, DPO),"}
+
+
 def model_card(cfg: ModelConfig, n_params: int, name: str, license_id: str | None, lineage: dict | None,
                eval_table: list[dict] | None) -> str:
     """README.md for the export: architecture, data lineage to the raw sources, training config,
@@ -239,8 +242,9 @@ def model_card(cfg: ModelConfig, n_params: int, name: str, license_id: str | Non
               f"- {model_type}"]
     if license_id:
         header.append(f"license: {license_id}")
+    made = MADE_BY.get((lineage or {}).get("stage"), "trained")
     lines = header + ["---", "", f"# {name}", "",
-                      f"A {n_params / 1e6:.2f}M-parameter Llama-style decoder trained from scratch with kiln "
+                      f"A {n_params / 1e6:.2f}M-parameter Llama-style decoder {made} with kiln "
                       "(reproducible LM training: every stage a cached, versioned step with lineage).", "",
                       "## Architecture", "", "| | |", "| --- | --- |"]
     rows = [("parameters", f"{n_params:,}"), ("layers", cfg.n_layers), ("d_model", cfg.d_model),
@@ -259,19 +263,20 @@ def model_card(cfg: ModelConfig, n_params: int, name: str, license_id: str | Non
     else:
         lines += ["Each step's output is named by its version (a hash of its config and its inputs' "
                   "versions), back to the raw sources:", ""] + lineage_lines(lineage)
-        lines += ["", "## Training", "", "The train step's config (every field that changes the weights):", "",
+        lines += ["", "## Training", "", f"The {lineage['stage']} step's config (every field that changes the "
+                  "weights):", "",
                   "```json", json.dumps(lineage.get("config", {}), indent=2, sort_keys=True), "```"]
         code = lineage.get("code", {})
         commit = code.get("commit") or "unknown (not run from a git checkout)"
         dirty = " with uncommitted changes" if code.get("dirty") else ""
-        lines += ["", f"kiln commit: `{commit}`{dirty}; train step version `{lineage['version']}`."]
+        lines += ["", f"kiln commit: `{commit}`{dirty}; {lineage['stage']} step version `{lineage['version']}`."]
 
     lines += ["", "## Evaluation", ""]
     if not eval_table:
         lines.append("Not evaluated in this export (no evaluate step given).")
     else:
-        lines += ["Zero-shot, by kiln's evaluate step (lm-eval in-process; `next_passage` and `last_word` are "
-                  "built from held-out documents never trained on; `heldout` is the validation token split).",
+        lines += ["This model, scored by kiln's evaluate step (lm-eval in-process; `next_passage` and `last_word` "
+                  "are built from held-out documents never trained on; `heldout` is the validation token split).",
                   "", "| task | metric | value | examples |", "| --- | --- | --- | --- |"]
         for r in eval_table:
             lines.append(f"| {r['task']} | {r['metric']} | {r['value']:.4f} | {r.get('samples') or ''} |")
