@@ -91,11 +91,12 @@ def hf():
 
 
 def transformers_model(hf, arch: str, **config):
-    """A random transformers model of `arch` (llama, qwen2, qwen3, mistral): matrices N(0, 0.1), norms
-    (Qwen3's q/k norms too) 1 + N(0, 0.2), biases N(0, 0.2). Heads are 48 / 6 = 8 wide unless `head_dim`."""
+    """A random transformers model of `arch` (llama, qwen2, qwen3, olmo2, mistral): matrices N(0, 0.1),
+    norms (q/k norms too) 1 + N(0, 0.2), biases N(0, 0.2). Heads are 48 / 6 = 8 wide unless `head_dim`."""
     torch, transformers = hf
     config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-                    "qwen3": transformers.Qwen3Config, "mistral": transformers.MistralConfig}[arch]
+                    "qwen3": transformers.Qwen3Config, "olmo2": transformers.Olmo2Config,
+                    "mistral": transformers.MistralConfig}[arch]
     cfg = config_class(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
                        num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6,
                        bos_token_id=1, eos_token_id=2, **config)
@@ -139,6 +140,9 @@ CASES = {
     "qwen3-tied-wide-heads": ("qwen3", {"tie_word_embeddings": True, "rope_theta": 1e6, "head_dim": 16}),
     # head_dim written out equal to hidden / heads (Qwen3Config's default is 128): kiln's default width
     "qwen3-untied": ("qwen3", {"tie_word_embeddings": False, "head_dim": 8}),
+    # OLMo 2: norms after attention and the MLP, q/k norms over the whole projections
+    "olmo2-untied": ("olmo2", {"tie_word_embeddings": False, "rope_theta": 500000.0}),
+    "olmo2-tied": ("olmo2", {"tie_word_embeddings": True}),
     # Mistral Nemo's shape: heads narrower than hidden / heads (32 of 128 over 5120)
     "mistral-narrow-heads": ("mistral", {"tie_word_embeddings": False, "sliding_window": None, "head_dim": 4}),
     # Llama 3.1's RoPE scaling, its original context short enough that positions 0..23 feel it:
@@ -158,7 +162,9 @@ def test_imported_checkpoint_gives_transformers_logits_and_round_trips(case, hf,
 
     assert (cfg.attention_bias, cfg.tie_embeddings, cfg.seq_len) == (arch == "qwen2", config["tie_word_embeddings"], 64)
     width = config.get("head_dim", 8)
-    assert (cfg.qk_norm, cfg.head_dim, cfg.head_width) == (arch == "qwen3", width, None if width == 8 else width)
+    assert (cfg.head_dim, cfg.head_width) == (width, None if width == 8 else width)
+    assert (cfg.qk_norm, cfg.norm_position) == {"qwen3": ("head", "pre"), "olmo2": ("projection", "post")}.get(
+        arch, ("none", "pre"))
     assert cfg.rope_theta == config.get("rope_theta", 10000.0) and cfg.norm_eps == 1e-6
     assert (cfg.rope_scaling is not None) == ("rope_scaling" in config)
     fresh = init_state(cfg, optax.sgd(0.1), jax.random.PRNGKey(0))["params"]  # what training starts from
@@ -222,7 +228,8 @@ SMALL = ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, n_kv_he
 EXPORTED_AS = {  # kiln's model -> the transformers class it exports as
     "llama": ({}, "LlamaForCausalLM"),
     "qwen2": ({"attention_bias": True}, "Qwen2ForCausalLM"),
-    "qwen3-wide-heads": ({"qk_norm": True, "head_width": 12}, "Qwen3ForCausalLM"),
+    "qwen3-wide-heads": ({"qk_norm": "head", "head_width": 12}, "Qwen3ForCausalLM"),
+    "olmo2": ({"qk_norm": "projection", "norm_position": "post"}, "Olmo2ForCausalLM"),
     "llama-narrow-heads": ({"head_width": 4}, "LlamaForCausalLM"),
 }
 
@@ -237,7 +244,8 @@ def test_import_is_the_inverse_of_export(case, tokenizer_dir, tmp_path):
     assert hf_config["head_dim"] == update.get("head_width", 8)
     tensors = load_file(tmp_path / "hf" / "model.safetensors")
     assert ("model.layers.1.self_attn.k_proj.bias" in tensors) == cfg.attention_bias
-    assert ("model.layers.1.self_attn.k_norm.weight" in tensors) == cfg.qk_norm
+    assert ("model.layers.1.self_attn.k_norm.weight" in tensors) == (cfg.qk_norm != "none")
+    assert ("model.layers.1.input_layernorm.weight" in tensors) == (cfg.norm_position == "pre")
     assert tensors["model.layers.1.self_attn.o_proj.weight"].shape == (32, 4 * cfg.head_dim)
 
     got_cfg, got = load_hf(tmp_path / "hf")
@@ -254,9 +262,11 @@ def test_import_is_the_inverse_of_export(case, tokenizer_dir, tmp_path):
     assert model.stop_ids == (eos,)
 
 
-def test_a_model_no_transformers_class_computes_is_not_exported(tokenizer_dir, tmp_path):
-    cfg = SMALL.model_copy(update={"attention_bias": True, "qk_norm": True})
-    with pytest.raises(ValueError, match="both attention_bias and qk_norm has no Hugging Face class"):
+@pytest.mark.parametrize("update", [{"attention_bias": True, "qk_norm": "head"}, {"qk_norm": "projection"},
+                                    {"norm_position": "post"}])
+def test_a_model_no_transformers_class_computes_is_not_exported(update, tokenizer_dir, tmp_path):
+    cfg = SMALL.model_copy(update=update)
+    with pytest.raises(ValueError, match="no Hugging Face class computes .*kiln can train and serve this model"):
         kiln_export(tmp_path / "hf", cfg, tokenizer_dir)
     assert not (tmp_path / "hf" / "model.safetensors").exists()
 
@@ -486,6 +496,8 @@ REFUSED = {
     "qwen3-moe": ({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe"}, "architectures .*Qwen3Moe"),
     "qwen3-attention-bias": ({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": True},
                              "qwen3's puts biases on q, k, v and o_proj"),
+    "olmo2-attention-bias": ({"architectures": ["Olmo2ForCausalLM"], "model_type": "olmo2", "attention_bias": True},
+                             "olmo2's puts biases on q, k, v and o_proj"),
     "gemma": ({"architectures": ["GemmaForCausalLM"], "model_type": "gemma"}, "architectures .*Gemma"),
     "mistral-window": ({"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 16},
                        "sliding window of 16 tokens is shorter than the context of 32"),

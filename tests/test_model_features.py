@@ -194,7 +194,7 @@ def test_new_fields_leave_default_versions_as_they_were(monkeypatch):
     assert version(attention="fused", eos_id=50256) == version()  # settings
     for identity in ({"remat": "full"}, {"document_mask": True}, {"z_loss": 1e-4}):
         assert version(**identity) != version(), identity
-    for shape in ({"qk_norm": True}, {"head_width": 64}):  # the model's, identity when set
+    for shape in ({"qk_norm": "head"}, {"norm_position": "post"}, {"head_width": 64}):  # the model's, identity when set
         assert version(ModelConfig(**shape)) != version(), shape
 
 

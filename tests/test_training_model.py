@@ -31,7 +31,7 @@ CFG = ModelConfig(vocab_size=97, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2
 
 def reference_llama(p: dict, tokens: np.ndarray, cfg: ModelConfig) -> np.ndarray:
     """HF LlamaForCausalLM's forward written out in numpy, float64, from the param tree (with
-    Qwen3's q/k norms where the config has them)."""
+    Qwen3's or OLMo 2's q/k norms, and OLMo 2's norms after each sublayer, where the config has them)."""
     p = jax.tree_util.tree_map(lambda a: np.asarray(a, np.float64), p)
     B, T = tokens.shape
     H, K, Q = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -51,29 +51,35 @@ def reference_llama(p: dict, tokens: np.ndarray, cfg: ModelConfig) -> np.ndarray
     for i in range(cfg.n_layers):
         lp = p[f"layers_{i}"]
         a = lp["self_attn"]
-        h = rms(x, lp["input_layernorm"]["weight"])
-        q = (h @ a["q_proj"]["kernel"]).reshape(B, T, H, Q).transpose(0, 2, 1, 3)
-        k = (h @ a["k_proj"]["kernel"]).reshape(B, T, K, Q).transpose(0, 2, 1, 3)
+        post = cfg.norm_position == "post"  # OLMo 2: the sublayers' outputs normalised, not their inputs
+        h = x if post else rms(x, lp["input_layernorm"]["weight"])
+        q, k = h @ a["q_proj"]["kernel"], h @ a["k_proj"]["kernel"]
+        if cfg.qk_norm == "projection":  # OLMo 2: q and k normalised whole
+            q, k = rms(q, a["q_norm"]["weight"]), rms(k, a["k_norm"]["weight"])
+        q, k = q.reshape(B, T, H, Q).transpose(0, 2, 1, 3), k.reshape(B, T, K, Q).transpose(0, 2, 1, 3)
         v = (h @ a["v_proj"]["kernel"]).reshape(B, T, K, Q).transpose(0, 2, 1, 3)
-        if cfg.qk_norm:  # Qwen3: each head of q and k normalised before the rotation
+        if cfg.qk_norm == "head":  # Qwen3: each head of q and k normalised before the rotation
             q, k = rms(q, a["q_norm"]["weight"]), rms(k, a["k_norm"]["weight"])
         q, k = rope(q), rope(k)
         k, v = np.repeat(k, H // K, axis=1), np.repeat(v, H // K, axis=1)  # HF repeat_kv
         s = q @ k.transpose(0, 1, 3, 2) / np.sqrt(Q) + np.triu(np.full((T, T), -np.inf), 1)
         w = np.exp(s - s.max(-1, keepdims=True))
         o = (w / w.sum(-1, keepdims=True)) @ v
-        x = x + o.transpose(0, 2, 1, 3).reshape(B, T, H * Q) @ a["o_proj"]["kernel"]
+        o = o.transpose(0, 2, 1, 3).reshape(B, T, H * Q) @ a["o_proj"]["kernel"]
+        x = x + (rms(o, lp["post_attention_layernorm"]["weight"]) if post else o)
         m = lp["mlp"]
-        h = rms(x, lp["post_attention_layernorm"]["weight"])
+        h = x if post else rms(x, lp["post_attention_layernorm"]["weight"])
         g = h @ m["gate_proj"]["kernel"]
-        x = x + ((g / (1 + np.exp(-g))) * (h @ m["up_proj"]["kernel"])) @ m["down_proj"]["kernel"]
+        f = ((g / (1 + np.exp(-g))) * (h @ m["up_proj"]["kernel"])) @ m["down_proj"]["kernel"]
+        x = x + (rms(f, lp["post_feedforward_layernorm"]["weight"]) if post else f)
     x = rms(x, p["norm"]["weight"])
     head = p["embed_tokens"]["embedding"].T if cfg.tie_embeddings else p["lm_head"]["kernel"]
     return x @ head
 
 
 @pytest.mark.parametrize("tie,T,shape", [(True, 11, {}), (False, 11, {}), (True, 150, {}),
-                                         (False, 150, {"qk_norm": True, "head_width": 24})])  # heads 4 x 24 != 64
+                                         (False, 150, {"qk_norm": "head", "head_width": 24}),  # heads 4 x 24 != 64
+                                         (True, 150, {"qk_norm": "projection", "norm_position": "post"})])
 def test_forward_matches_hf_llama_reference(tie, T, shape):
     cfg = CFG.model_copy(update={"tie_embeddings": tie, "seq_len": max(T, CFG.seq_len), **shape})
     params = init_params(cfg, jax.random.PRNGKey(0))

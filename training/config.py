@@ -74,9 +74,14 @@ class ModelConfig(ConfigModel):
                                                  "`head_dim`) where it is not d_model / n_heads, as in Qwen3 and "
                                                  "Mistral Nemo: q, k and v are n_heads (n_kv_heads) times it wide "
                                                  "and o_proj maps them back to d_model. None: d_model / n_heads.")
-    qk_norm: bool = identity_when_set(False, description="RMSNorm over each head of q and k before the rotation, "
-                                      "with a weight of head_dim per projection (q_norm, k_norm), as in Qwen3 "
-                                      "(training/hf_import.py sets it for a Qwen3 checkpoint).")
+    qk_norm: Literal["none", "head", "projection"] = identity_when_set(
+        "none", description="RMSNorm of q and k before the rotation: `head` over each head, with a weight of "
+        "head_dim per projection, as in Qwen3; `projection` over the whole q and k projections (after their "
+        "biases), as in OLMo 2. training/hf_import.py sets it for those checkpoints.")
+    norm_position: Literal["pre", "post"] = identity_when_set(
+        "pre", description="Where each block's RMSNorms sit: `pre`, on the inputs of attention and the MLP "
+        "(Llama); `post`, on their outputs before the residual adds (OLMo 2: post_attention_layernorm, "
+        "post_feedforward_layernorm, no input_layernorm).")
 
     @property
     def head_dim(self) -> int:
@@ -201,8 +206,8 @@ class InitConfig(ConfigModel):
                                 "(`train`, `train/stable`), or an output already in the store by its place "
                                 "(`train/<version>`, `sft/<version>`, `dpo/<version>`); its version enters this "
                                 "step's version.")
-    hf: str | None = files(None, description="A Hugging Face model folder (Llama, Qwen2, Qwen3 or Mistral; local "
-                           "files), entering the version by its content. Mode `weights` only.")
+    hf: str | None = files(None, description="A Hugging Face model folder (Llama, Qwen2, Qwen3, OLMo 2 or "
+                           "Mistral; local files), entering the version by its content. Mode `weights` only.")
     step: Count | Literal["latest"] = Field("latest", description="Which checkpoint of `from`: a step it keeps "
                                             "(the pipeline makes it keep the steps named here), or its last.")
     mode: Literal["continue", "reset", "weights"] = Field(

@@ -3,13 +3,15 @@
 kiln's model is `LlamaForCausalLM` with other names (see training/model.py), so the export is a
 renaming (`hf_names`): Dense kernels [in, out] become Linear weights [out, in]; everything stays
 float32. A model with q/k/v biases (`attention_bias`, e.g. an imported Qwen2) is exported as
-`Qwen2ForCausalLM`, whose layout is Llama's plus those biases, and one with q/k norms (`qk_norm`,
-an imported Qwen3) as `Qwen3ForCausalLM`, Llama's layout plus those norms. training/hf_import.py
-is the inverse. The folder holds what `AutoModelForCausalLM.from_pretrained` and
+`Qwen2ForCausalLM`, whose layout is Llama's plus those biases, one with per-head q/k norms
+(`qk_norm: head`, an imported Qwen3) as `Qwen3ForCausalLM`, Llama's layout plus those norms, and
+one with norms after each sublayer and over whole q/k projections (`norm_position: post`,
+`qk_norm: projection`, an imported OLMo 2) as `Olmo2ForCausalLM`. training/hf_import.py is the
+inverse. The folder holds what `AutoModelForCausalLM.from_pretrained` and
 `AutoTokenizer.from_pretrained` read:
 
-    config.json              LlamaConfig, Qwen2Config or Qwen3Config (rope_theta written flat, as transformers
-                             4 and 5 read it)
+    config.json              LlamaConfig, Qwen2Config, Qwen3Config or Olmo2Config (rope_theta written flat,
+                             as transformers 4 and 5 read it)
     model.safetensors        the weights under HF names; lm_head.weight only when untied
     generation_config.json   greedy by default, EOS from the tokenizer (for a post-trained model a list:
                              EOS and the end-of-turn token, so generation stops where a reply ends)
@@ -38,6 +40,14 @@ WEIGHTS_FILE = "model.safetensors"
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 BIASED = ("q_proj", "k_proj", "v_proj")  # with attention_bias: Qwen2's layout, o_proj has none
+BLOCK_NORMS = {"pre": ("input_layernorm", "post_attention_layernorm"),  # Llama's: before attention, before the MLP
+               "post": ("post_attention_layernorm", "post_feedforward_layernorm")}  # OLMo 2's: after each
+# (attention_bias, qk_norm, norm_position) -> the transformers class and model_type that computes it
+# (training/hf_import.py reads checkpoints of these classes by the same table)
+HF_CLASSES = {(False, "none", "pre"): ("LlamaForCausalLM", "llama"),
+              (True, "none", "pre"): ("Qwen2ForCausalLM", "qwen2"),  # Llama with q, k, v biases
+              (False, "head", "pre"): ("Qwen3ForCausalLM", "qwen3"),  # Llama with per-head q/k norms
+              (False, "projection", "post"): ("Olmo2ForCausalLM", "olmo2")}  # norms after sublayers, whole q/k
 
 
 def hf_names(cfg: ModelConfig) -> dict[tuple[str, ...], str]:
@@ -47,14 +57,14 @@ def hf_names(cfg: ModelConfig) -> dict[tuple[str, ...], str]:
     names = {("embed_tokens", "embedding"): "model.embed_tokens.weight", ("norm", "weight"): "model.norm.weight"}
     for i in range(cfg.n_layers):
         layer, prefix = f"layers_{i}", f"model.layers.{i}"
-        for norm in ("input_layernorm", "post_attention_layernorm"):
+        for norm in BLOCK_NORMS[cfg.norm_position]:
             names[(layer, norm, "weight")] = f"{prefix}.{norm}.weight"
         for block, projections in (("self_attn", ATTENTION), ("mlp", MLP)):
             for name in projections:
                 names[(layer, block, name, "kernel")] = f"{prefix}.{block}.{name}.weight"
         for name in BIASED if cfg.attention_bias else ():
             names[(layer, "self_attn", name, "bias")] = f"{prefix}.self_attn.{name}.bias"
-        for name in ("q_norm", "k_norm") if cfg.qk_norm else ():
+        for name in ("q_norm", "k_norm") if cfg.qk_norm != "none" else ():
             names[(layer, "self_attn", name, "weight")] = f"{prefix}.self_attn.{name}.weight"
     if not cfg.tie_embeddings:
         names[("lm_head", "kernel")] = "lm_head.weight"
@@ -103,20 +113,21 @@ def leaf_at(tree: dict, path: tuple[str, ...]):
 
 
 def architecture(cfg: ModelConfig) -> tuple[str, str]:
-    """The transformers class and model_type of the export: Qwen2 is Llama with q, k, v biases,
-    Qwen3 Llama with q and k norms. No class has both (Qwen3's `attention_bias` biases o_proj too)."""
-    if cfg.qk_norm and cfg.attention_bias:
-        raise ValueError("a model with both attention_bias and qk_norm has no Hugging Face class: Qwen2 has the "
-                         "q, k, v biases but no q/k norms, and Qwen3's attention_bias also biases o_proj; "
-                         "kiln can train and serve it, but not export it")
-    if cfg.qk_norm:
-        return "Qwen3ForCausalLM", "qwen3"
-    return ("Qwen2ForCausalLM", "qwen2") if cfg.attention_bias else ("LlamaForCausalLM", "llama")
+    """The transformers class and model_type of the export (`HF_CLASSES`). Another combination
+    of attention_bias, qk_norm and norm_position (say Qwen3's norms with Qwen2's biases: Qwen3's
+    own attention_bias also biases o_proj) is a model kiln trains and serves but no class computes."""
+    key = (cfg.attention_bias, cfg.qk_norm, cfg.norm_position)
+    if key not in HF_CLASSES:
+        known = "; ".join(f"{arch}: attention_bias {b}, qk_norm {q}, norm_position {n}"
+                          for (b, q, n), (arch, _) in HF_CLASSES.items())
+        raise ValueError(f"no Hugging Face class computes attention_bias {key[0]}, qk_norm {key[1]}, norm_position "
+                         f"{key[2]}: kiln can train and serve this model, but not export it ({known})")
+    return HF_CLASSES[key]
 
 
 def hf_config(cfg: ModelConfig, bos_id: int, eos_id: int) -> dict:
-    """config.json for `LlamaForCausalLM`, `Qwen2ForCausalLM` when q, k and v have biases (which
-    is what Qwen2 is: Llama with those biases), or `Qwen3ForCausalLM` when q and k have norms."""
+    """config.json for the export's class (`architecture`): Llama's keys, less what Qwen2, Qwen3
+    and OLMo 2 do not have, plus their sliding-window switches (off)."""
     arch, model_type = architecture(cfg)
     config = {
         "architectures": [arch],
@@ -143,8 +154,9 @@ def hf_config(cfg: ModelConfig, bos_id: int, eos_id: int) -> dict:
         "torch_dtype": "float32",  # the weights; a bfloat16-trained model computed its matmuls in bfloat16
         "use_cache": True,
     }
-    if model_type != "llama":  # Qwen2's and Qwen3's configs have no mlp_bias, and a sliding window to turn off
+    if model_type != "llama":  # Qwen2's, Qwen3's and OLMo 2's configs have no mlp_bias
         del config["mlp_bias"]
+    if model_type in ("qwen2", "qwen3"):  # and the Qwens a sliding window to turn off
         config.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers)
     if model_type == "qwen2":  # nor Qwen2's an attention_bias: its q, k, v always have biases
         del config["attention_bias"]
@@ -254,7 +266,8 @@ def model_card(cfg: ModelConfig, n_params: int, name: str, license_id: str | Non
                                                           + (", Llama 3.1 scaling" if cfg.rope_scaling else "")),
             ("norm", f"RMSNorm, eps {cfg.norm_eps:g}"), ("tied embeddings", cfg.tie_embeddings),
             ("training compute dtype", cfg.compute_dtype)] + [("q/k/v biases", True)] * cfg.attention_bias \
-        + [("q/k norms (per head)", True)] * cfg.qk_norm
+        + [("q/k norms", f"RMSNorm over each {cfg.qk_norm}")] * (cfg.qk_norm != "none") \
+        + [("norm position", "after each sublayer (post-norm)")] * (cfg.norm_position == "post")
     lines += [f"| {k} | {v} |" for k, v in rows]
 
     lines += ["", "## Data lineage", ""]

@@ -3,7 +3,9 @@
 `load_hf(folder)` reads a local folder (nothing is downloaded) holding `config.json` and
 `model.safetensors`, or shards listed in `model.safetensors.index.json`, of a `LlamaForCausalLM`,
 a `Qwen2ForCausalLM` (Llama with biases on q, k and v: kiln's `attention_bias`), a dense
-`Qwen3ForCausalLM` (Llama with an RMSNorm over each head of q and k: kiln's `qk_norm`), or a
+`Qwen3ForCausalLM` (Llama with an RMSNorm over each head of q and k: kiln's `qk_norm: head`), an
+`Olmo2ForCausalLM` (norms after attention and the MLP instead of before, and over the whole q and
+k projections: `norm_position: post`, `qk_norm: projection`), or a
 `MistralForCausalLM` whose sliding window does not bite (none, as from Mistral 7B v0.2 on, or one
 at least the context kiln uses: then it is Llama, and exports as `LlamaForCausalLM`). A config's
 `head_dim` other than hidden_size / num_attention_heads (Qwen3, Mistral Nemo) is kiln's
@@ -32,11 +34,14 @@ import numpy as np
 from safetensors import safe_open
 
 from training.config import ModelConfig, RopeScaling
-from training.export import hf_names, leaf_at
+from training.export import HF_CLASSES, hf_names, leaf_at
 from training.model import init_params
 
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-                 "MistralForCausalLM": "mistral"}
+# the classes kiln exports (training.export.HF_CLASSES) and Mistral, which is Llama where it is read
+ARCHITECTURES = {arch: model_type for arch, model_type in HF_CLASSES.values()} | {"MistralForCausalLM": "mistral"}
+# model_type -> kiln's (attention_bias, qk_norm, norm_position)
+FEATURES = {model_type: features for features, (_, model_type) in HF_CLASSES.items()}
+FEATURES["mistral"] = FEATURES["llama"]
 INDEX_FILE = "model.safetensors.index.json"
 WEIGHTS_FILE = "model.safetensors"
 # Buffers some older checkpoints saved beside the weights; kiln computes them from rope_theta.
@@ -74,8 +79,8 @@ def architecture(hf: dict, folder: Path) -> str:
         raise ValueError(f"{folder}: architectures {archs}: kiln imports one of {sorted(ARCHITECTURES)}")
     model_type = ARCHITECTURES[known[0]] if known else hf.get("model_type")
     if model_type not in ARCHITECTURES.values() or hf.get("model_type", model_type) != model_type:
-        raise ValueError(f"{folder}: model_type {hf.get('model_type')!r}: kiln imports Llama, Qwen2, Qwen3 and "
-                         f"Mistral decoders ({', '.join(sorted(ARCHITECTURES))})")
+        raise ValueError(f"{folder}: model_type {hf.get('model_type')!r}: kiln imports Llama, Qwen2, Qwen3, "
+                         f"OLMo 2 and Mistral decoders ({', '.join(sorted(ARCHITECTURES))})")
     return model_type
 
 
@@ -156,8 +161,8 @@ def model_config(hf: dict, seq_len: int | None, folder: Path) -> ModelConfig:
                            d_ff=hf["intermediate_size"], seq_len=context,
                            rope_theta=rope_theta(hf), rope_scaling=rope_scaling(hf),
                            tie_embeddings=hf.get("tie_word_embeddings", False), norm_eps=hf.get("rms_norm_eps", 1e-6),
-                           init_std=hf.get("initializer_range", 0.02), attention_bias=model_type == "qwen2",
-                           qk_norm=model_type == "qwen3", head_width=head_width(hf))
+                           init_std=hf.get("initializer_range", 0.02), head_width=head_width(hf),
+                           **dict(zip(("attention_bias", "qk_norm", "norm_position"), FEATURES[model_type])))
     except KeyError as e:
         raise ValueError(f"{folder}: config.json has no {e.args[0]}") from None
 

@@ -5,8 +5,11 @@ It follows Hugging Face's `LlamaForCausalLM` exactly, so an export is a renaming
 RMSNorm is `weight * (x * rsqrt(mean(x^2) + eps))`, RoPE uses `rotate_half` on the two halves of
 each head (not interleaved pairs), the MLP is `down(silu(gate(x)) * up(x))`, and nothing has a bias
 unless `attention_bias` is set: then q, k and v have one, as in `Qwen2ForCausalLM` (o_proj none).
-`qk_norm` adds Qwen3's RMSNorm over each head of q and k before the rotation (`Qwen3ForCausalLM`),
-and `head_width` heads wider or narrower than d_model / n_heads (Qwen3, Mistral Nemo).
+`qk_norm` adds an RMSNorm of q and k before the rotation, over each head (`head`, as
+`Qwen3ForCausalLM`) or over the whole projection (`projection`, as `Olmo2ForCausalLM`);
+`norm_position: post` moves each block's norms from the inputs of attention and the MLP to their
+outputs, before the residual adds (OLMo 2); `head_width` makes heads wider or narrower than
+d_model / n_heads (Qwen3, Mistral Nemo).
 
 Parameter tree (`params` of `init_params`), HF names in brackets; a Dense `kernel` is stored
 [in, out], the transpose of a torch `Linear.weight`:
@@ -18,8 +21,10 @@ Parameter tree (`params` of `init_params`), HF names in brackets; a Dense `kerne
     layers_{i}/self_attn/v_proj/kernel [D, K*Q]     (v_proj)
     layers_{i}/self_attn/o_proj/kernel [H*Q, D]     (o_proj)
     layers_{i}/self_attn/{q,k,v}_proj/bias [H*Q], [K*Q], [K*Q]   (...q_proj.bias; attention_bias only)
-    layers_{i}/self_attn/{q,k}_norm/weight [Q]     (...self_attn.q_norm.weight; qk_norm only)
-    layers_{i}/post_attention_layernorm/weight [D]
+    layers_{i}/self_attn/{q,k}_norm/weight [Q]     (...self_attn.q_norm.weight; qk_norm head;
+                                            [H*Q] and [K*Q] with qk_norm projection)
+    layers_{i}/post_attention_layernorm/weight [D]   (norm_position post: after attention, and no
+    layers_{i}/post_feedforward_layernorm/weight [D]  input_layernorm; this one after the MLP)
     layers_{i}/mlp/gate_proj/kernel    [D, F]       (mlp.gate_proj)
     layers_{i}/mlp/up_proj/kernel      [D, F]       (mlp.up_proj)
     layers_{i}/mlp/down_proj/kernel    [F, D]       (mlp.down_proj)
@@ -264,8 +269,10 @@ class Attention(nn.Module):
             q, k, v = jnp.split(project(x, jnp.concatenate(kernels, axis=1).astype(dt)), [H * Q, (H + K) * Q], axis=-1)
         if biases:  # Qwen2's q, k and v biases, added before the rotation as HF does
             q, k, v = (part + bias.astype(dt) for part, bias in zip((q, k, v), biases))
+        if cfg.qk_norm == "projection":  # OLMo 2's: q and k normalised whole, before the heads are split
+            q, k = RMSNorm(cfg.norm_eps, dt, name="q_norm")(q), RMSNorm(cfg.norm_eps, dt, name="k_norm")(k)
         q, k, v = q.reshape(B, T, H, Q), k.reshape(B, T, K, Q), v.reshape(B, T, K, Q)
-        if cfg.qk_norm:  # Qwen3's: each head of q and k normalised, before the rotation as HF does
+        if cfg.qk_norm == "head":  # Qwen3's: each head of q and k normalised, before the rotation as HF does
             q, k = RMSNorm(cfg.norm_eps, dt, name="q_norm")(q), RMSNorm(cfg.norm_eps, dt, name="k_norm")(k)
         q, k = rotary(q, rope), rotary(k, rope)
 
@@ -329,12 +336,16 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x, positions, rope, layer_cache=None, cache_pos=None, index=None, segments=None):
         cfg, dt = self.cfg, _dtype(self.cfg)
-        h, layer_cache = Attention(cfg, self.attention, name="self_attn")(
-            RMSNorm(cfg.norm_eps, dt, name="input_layernorm")(x), positions, rope, layer_cache, cache_pos, index,
-            segments)
+        attention, mlp = Attention(cfg, self.attention, name="self_attn"), MLP(cfg, name="mlp")
+        decoding = layer_cache is not None
+        if cfg.norm_position == "post":  # OLMo 2: each sublayer's output normalised, then added
+            h, layer_cache = attention(x, positions, rope, layer_cache, cache_pos, index, segments)
+            x = x + RMSNorm(cfg.norm_eps, dt, name="post_attention_layernorm")(h)
+            return x + RMSNorm(cfg.norm_eps, dt, name="post_feedforward_layernorm")(mlp(x, decoding)), layer_cache
+        h, layer_cache = attention(RMSNorm(cfg.norm_eps, dt, name="input_layernorm")(x), positions, rope, layer_cache,
+                                   cache_pos, index, segments)
         x = x + h
-        x = x + MLP(cfg, name="mlp")(RMSNorm(cfg.norm_eps, dt, name="post_attention_layernorm")(x),
-                                     decoding=layer_cache is not None)
+        x = x + mlp(RMSNorm(cfg.norm_eps, dt, name="post_attention_layernorm")(x), decoding)
         return x, layer_cache
 
 
