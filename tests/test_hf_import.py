@@ -150,6 +150,13 @@ CASES = {
     "llama-rope-llama3": ("llama", {"tie_word_embeddings": False, "rope_theta": 500.0, "rope_scaling": {
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 16}}),
+    # YaRN (Qwen's long-context setting): heads of 16 and an original context of 64 blend dimensions
+    # 1 and 2 of 8, and the attention factor is 0.1 ln 4 + 1
+    "qwen3-yarn": ("qwen3", {"tie_word_embeddings": True, "head_dim": 16, "rope_scaling": {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}}),
+    "qwen2-yarn-every-field": ("qwen2", {"tie_word_embeddings": True, "rope_theta": 500.0, "rope_scaling": {
+        "rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 48, "attention_factor": 1.3,
+        "beta_fast": 16.0, "beta_slow": 2.0, "truncate": False}}),
 }
 
 
@@ -489,8 +496,9 @@ def edited(tokenizer_dir: Path, tmp_path: Path, config: dict | None = None, weig
 
 
 REFUSED = {
-    "linear-rope": ({"rope_scaling": {"rope_type": "linear", "factor": 8.0}}, "rope_scaling .*plain or Llama 3.1"),
-    "yarn-rope-v5": ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "rope_parameters"),
+    "linear-rope": ({"rope_scaling": {"rope_type": "linear", "factor": 8.0}}, "rope_scaling .*plain, Llama 3.1's or YaRN"),
+    "yarn-deepseek-mscale-v5": ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4, "mscale": 1.0,
+                                                     "mscale_all_dim": 0.5}}, "rope_parameters .*mscale_all_dim"),
     "heads-undivided": ({"num_attention_heads": 3, "num_key_value_heads": 1, "head_dim": None},
                         "hidden_size 32 does not divide by its 3 heads"),
     "qwen3-moe": ({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe"}, "architectures .*Qwen3Moe"),

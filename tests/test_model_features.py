@@ -196,6 +196,11 @@ def test_new_fields_leave_default_versions_as_they_were(monkeypatch):
         assert version(**identity) != version(), identity
     for shape in ({"qk_norm": "head"}, {"norm_position": "post"}, {"head_width": 64}):  # the model's, identity when set
         assert version(ModelConfig(**shape)) != version(), shape
+    # rope_scaling: a dict with rope_type yarn is YaRN's, one without Llama 3.1's (whose versions stay)
+    yarn = ModelConfig(rope_scaling={"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 64})
+    llama3 = ModelConfig(rope_scaling={"factor": 4, "original_max_position_embeddings": 64})
+    assert type(yarn.rope_scaling).__name__ == "YarnScaling" and type(llama3.rope_scaling).__name__ == "RopeScaling"
+    assert len({version(yarn), version(llama3), version()}) == 3
 
 
 # --- z-loss ----------------------------------------------------------------------------------

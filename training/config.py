@@ -5,6 +5,7 @@ whose marks say which fields are identity.
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import ConfigDict, Field, model_validator
@@ -43,6 +44,32 @@ class RopeScaling(ConfigModel):
                                                     "for.")
 
 
+class YarnScaling(ConfigModel):
+    """YaRN's RoPE scaling (`rope_type: yarn` in a Hugging Face config, as Qwen2.5 and Qwen3 extend
+    their context with): frequencies that turn fewer than `beta_slow` times over the original
+    context are divided by `factor`, those that turn more than `beta_fast` times kept, those
+    between blended linearly by dimension; cos and sin are multiplied by `attention_factor`
+    (default 0.1 ln(factor) + 1), as transformers' `yarn` rope type computes them."""
+
+    rope_type: Literal["yarn"] = Field(description="Which scaling: `yarn` (without it, `rope_scaling` is Llama "
+                                       "3.1's).")
+    factor: Positive = Field(description="How much the context is extended: low frequencies are divided by it.")
+    original_max_position_embeddings: Count = Field(description="The context the model was first trained for.")
+    beta_fast: Positive = Field(32.0, description="Rotations over the original context above which a frequency "
+                                "is kept.")
+    beta_slow: Positive = Field(1.0, description="Rotations over the original context below which a frequency "
+                                "is divided by factor.")
+    attention_factor: Positive | None = Field(None, description="What cos and sin are multiplied by; None: "
+                                              "0.1 ln(factor) + 1 (1 for a factor of 1 or less).")
+    truncate: bool = Field(True, description="Round the blended band's bounds out to whole dimensions.")
+
+    @property
+    def attention_scale(self) -> float:
+        if self.attention_factor is not None:
+            return self.attention_factor
+        return 1.0 if self.factor <= 1 else 0.1 * math.log(self.factor) + 1.0
+
+
 class ModelConfig(ConfigModel):
     """A Llama-style decoder. `vocab_size` is filled from the tokenizer by the pipeline."""
 
@@ -67,9 +94,9 @@ class ModelConfig(ConfigModel):
         "float32. Identity: bfloat16 changes the bytes of the result.")
     attention_bias: bool = identity_when_set(False, description="Biases on the q, k and v projections, as in "
                                              "Qwen2 (training/hf_import.py sets it for a Qwen2 checkpoint).")
-    rope_scaling: RopeScaling | None = identity_when_set(None, description="Llama 3.1's scaled RoPE frequencies "
-                                                         "(training/hf_import.py sets it from a checkpoint's "
-                                                         "`rope_type: llama3`); none: plain RoPE.")
+    rope_scaling: RopeScaling | YarnScaling | None = identity_when_set(
+        None, description="Scaled RoPE frequencies: Llama 3.1's, or YaRN's (`rope_type: yarn`); "
+        "training/hf_import.py sets it from a checkpoint's `rope_type: llama3` or `yarn`. None: plain RoPE.")
     head_width: Count | None = identity_when_set(None, description="Width of each attention head (Hugging Face's "
                                                  "`head_dim`) where it is not d_model / n_heads, as in Qwen3 and "
                                                  "Mistral Nemo: q, k and v are n_heads (n_kv_heads) times it wide "
@@ -96,7 +123,7 @@ class ModelConfig(ConfigModel):
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
         scaling = self.rope_scaling
-        if scaling is not None and scaling.high_freq_factor <= scaling.low_freq_factor:
+        if isinstance(scaling, RopeScaling) and scaling.high_freq_factor <= scaling.low_freq_factor:
             raise ValueError(f"rope_scaling: high_freq_factor={scaling.high_freq_factor} must exceed "
                              f"low_freq_factor={scaling.low_freq_factor}")
         if self.head_dim % 2:

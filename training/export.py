@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
-from training.config import ModelConfig
+from training.config import ModelConfig, RopeScaling, YarnScaling
 from training.model import param_count
 
 WEIGHTS_FILE = "model.safetensors"
@@ -125,6 +125,15 @@ def architecture(cfg: ModelConfig) -> tuple[str, str]:
     return HF_CLASSES[key]
 
 
+def rope_scaling(cfg: ModelConfig) -> dict | None:
+    """config.json's `rope_scaling`: Llama 3.1's (`rope_type: llama3`) or YaRN's, as transformers reads them."""
+    if cfg.rope_scaling is None:
+        return None
+    if isinstance(cfg.rope_scaling, YarnScaling):
+        return cfg.rope_scaling.model_dump(exclude_none=True)
+    return {"rope_type": "llama3", **cfg.rope_scaling.model_dump()}
+
+
 def hf_config(cfg: ModelConfig, bos_id: int, eos_id: int) -> dict:
     """config.json for the export's class (`architecture`): Llama's keys, less what Qwen2, Qwen3
     and OLMo 2 do not have, plus their sliding-window switches (off)."""
@@ -143,7 +152,7 @@ def hf_config(cfg: ModelConfig, bos_id: int, eos_id: int) -> dict:
         "max_position_embeddings": cfg.seq_len,
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,
-        "rope_scaling": None if cfg.rope_scaling is None else {"rope_type": "llama3", **cfg.rope_scaling.model_dump()},
+        "rope_scaling": rope_scaling(cfg),
         "attention_bias": False,
         "attention_dropout": 0.0,
         "mlp_bias": False,
@@ -240,6 +249,7 @@ def lineage_lines(node: dict, indent: str = "") -> list[str]:
     return lines
 
 
+ROPE_NAMES = {type(None): "", RopeScaling: ", Llama 3.1 scaling", YarnScaling: ", YaRN scaling"}
 MADE_BY = {"sft": "trained, then fine-tuned on conversations (SFT),", "dpo": "trained, then post-trained (SFT, DPO),"}
 
 
@@ -263,7 +273,7 @@ def model_card(cfg: ModelConfig, n_params: int, name: str, license_id: str | Non
             ("attention heads", cfg.n_heads), ("key/value heads (GQA)", cfg.n_kv_heads),
             ("head dim", cfg.head_dim), ("MLP (SwiGLU) width", cfg.d_ff), ("vocabulary", cfg.vocab_size),
             ("context", cfg.seq_len), ("positions", f"RoPE, theta {cfg.rope_theta:g}"
-                                                          + (", Llama 3.1 scaling" if cfg.rope_scaling else "")),
+                                                          + ROPE_NAMES[type(cfg.rope_scaling)]),
             ("norm", f"RMSNorm, eps {cfg.norm_eps:g}"), ("tied embeddings", cfg.tie_embeddings),
             ("training compute dtype", cfg.compute_dtype)] + [("q/k/v biases", True)] * cfg.attention_bias \
         + [("q/k norms", f"RMSNorm over each {cfg.qk_norm}")] * (cfg.qk_norm != "none") \

@@ -15,11 +15,11 @@ transposed back to Dense kernels [in, out]; nothing is permuted, since kiln's Ro
 `rotate_half` layout. Every tensor becomes float32 (bfloat16 exactly), as kiln's parameters are,
 unless the caller asks for another dtype (`kiln serve-model` holds weights in its compute dtype).
 
-Llama 3.1's RoPE scaling (`rope_type: llama3`) becomes `model.rope_scaling`. What kiln's model
-cannot compute is refused with the reason, before any weight is read: other RoPE scaling (YaRN,
-linear, dynamic, ...), a sliding window in use, biases other than Qwen2's q/k/v, an activation
-other than SiLU, quantized weights, and other architectures (Qwen3's mixture of experts among
-them). A tensor the config does not account for is refused too.
+Llama 3.1's and YaRN's RoPE scaling (`rope_type: llama3`, `yarn`) become `model.rope_scaling`.
+What kiln's model cannot compute is refused with the reason, before any weight is read: other
+RoPE scaling (linear, dynamic, longrope, YaRN with DeepSeek's mscale, ...), a sliding window in
+use, biases other than Qwen2's q/k/v, an activation other than SiLU, quantized weights, and other
+architectures (Qwen3's mixture of experts among them). A tensor the config does not account for is refused too.
 
 Plain numpy and `safetensors`: no JAX device work, no torch, no Prefect.
 """
@@ -33,7 +33,7 @@ import jax
 import numpy as np
 from safetensors import safe_open
 
-from training.config import ModelConfig, RopeScaling
+from training.config import ModelConfig, RopeScaling, YarnScaling
 from training.export import HF_CLASSES, hf_names, leaf_at
 from training.model import init_params
 
@@ -84,12 +84,24 @@ def architecture(hf: dict, folder: Path) -> str:
     return model_type
 
 
-def rope_scaling(hf: dict) -> RopeScaling | None:
-    """Llama 3.1's RoPE scaling from `rope_scaling` (transformers 4) or `rope_parameters` (5), or None."""
+def rope_scaling(hf: dict) -> RopeScaling | YarnScaling | None:
+    """Llama 3.1's or YaRN's RoPE scaling from `rope_scaling` (transformers 4) or `rope_parameters`
+    (5), or None. As transformers reads them, a missing original context is the config's
+    `original_max_position_embeddings` or else its `max_position_embeddings`, and YaRN's missing
+    factor their ratio."""
     for key in ("rope_scaling", "rope_parameters"):
-        rope = hf.get(key) or {}
-        if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) == "llama3":
+        rope = dict(hf.get(key) or {})
+        kind = rope.get("rope_type", rope.get("type"))
+        if kind not in ("llama3", "yarn"):
+            continue
+        rope.setdefault("original_max_position_embeddings",
+                        hf.get("original_max_position_embeddings", hf.get("max_position_embeddings")))
+        if kind == "llama3":
             return RopeScaling(**{name: rope[name] for name in RopeScaling.model_fields if name in rope})
+        if rope.get("factor") is None:
+            rope["factor"] = hf["max_position_embeddings"] / rope["original_max_position_embeddings"]
+        fields = {name: rope[name] for name in YarnScaling.model_fields if rope.get(name) is not None}
+        return YarnScaling(**{**fields, "rope_type": "yarn"})
     return None
 
 
@@ -114,8 +126,12 @@ def unsupported(hf: dict, model_type: str) -> list[str]:
     for key in ("rope_scaling", "rope_parameters"):
         rope = hf.get(key) or {}
         kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else rope
-        if kind not in ("default", "llama3"):
-            reasons.append(f"{key} {rope} (kiln's RoPE is plain or Llama 3.1's: rope_type default or llama3)")
+        if kind not in ("default", "llama3", "yarn"):
+            reasons.append(f"{key} {rope} (kiln's RoPE is plain, Llama 3.1's or YaRN's: rope_type default, llama3 "
+                           "or yarn)")
+        elif kind == "yarn" and rope.get("mscale") and rope.get("mscale_all_dim") and not rope.get("attention_factor"):
+            reasons.append(f"{key} {rope} (YaRN's mscale and mscale_all_dim, DeepSeek's attention factor: kiln's "
+                           "YaRN takes attention_factor, or 0.1 ln(factor) + 1)")
     partial = hf.get("partial_rotary_factor", (hf.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0))
     if partial != 1.0:
         reasons.append(f"partial_rotary_factor {partial} (kiln rotates every head dimension)")

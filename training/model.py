@@ -62,7 +62,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
-from training.config import ModelConfig
+from training.config import ModelConfig, YarnScaling
 
 _MASKED = -1e30  # finite, so a row with nothing visible (padding) gives no NaN
 
@@ -84,12 +84,15 @@ class RMSNorm(nn.Module):
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling=None):
-    """theta^(-2i/Q) for i < Q/2, float32; with `scaling` (a RopeScaling), Llama 3.1's: low
+    """theta^(-2i/Q) for i < Q/2, float32; with `scaling` a RopeScaling, Llama 3.1's: low
     frequencies divided by `factor`, high ones kept, the band between blended by where its
-    wavelength lies, as transformers' `llama3` rope type computes them."""
+    wavelength lies, as transformers' `llama3` rope type computes them; a YarnScaling, YaRN's
+    (`yarn_frequencies`)."""
     inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim // 2, dtype=jnp.float32) * 2 / head_dim))
     if scaling is None:
         return inv_freq
+    if isinstance(scaling, YarnScaling):
+        return yarn_frequencies(inv_freq, head_dim, theta, scaling)
     wavelength = 2 * math.pi / inv_freq
     context = scaling.original_max_position_embeddings
     slowed = jnp.where(wavelength > context / scaling.low_freq_factor, inv_freq / scaling.factor, inv_freq)
@@ -98,10 +101,29 @@ def rope_frequencies(head_dim: int, theta: float, scaling=None):
     return jnp.where(between, (1 - blend) * slowed / scaling.factor + blend * slowed, slowed)
 
 
+def yarn_frequencies(inv_freq, head_dim: int, theta: float, scaling: YarnScaling):
+    """YaRN's frequencies, as transformers' `yarn` rope type computes them: dimension d (of Q/2)
+    turns original_max_position_embeddings * inv_freq[d] / 2pi times over the original context;
+    the dimensions at which that count is beta_fast and beta_slow bound a band (rounded outwards
+    with `truncate`) across which the frequency goes linearly from kept to divided by `factor`."""
+    def dimension(rotations):  # the (fractional) dimension index at which a frequency turns `rotations` times
+        return head_dim * math.log(scaling.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
+            2 * math.log(theta))
+
+    low, high = dimension(scaling.beta_fast), dimension(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # as transformers does: no zero-width band
+    ramp = jnp.clip((jnp.arange(head_dim // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+    return inv_freq / scaling.factor * ramp + inv_freq * (1 - ramp)
+
+
 def rope_tables(positions, head_dim: int, theta: float, dtype, scaling=None):
-    """HF's RoPE angles position * theta^(-2i/Q) (`rope_frequencies`, Llama 3.1's with `scaling`)
+    """HF's RoPE angles position * theta^(-2i/Q) (`rope_frequencies`, scaled with `scaling`)
     as (cos [B, T, 1, 1, Q/2], signed_sin [B, T, 1, 2, Q/2]: [-sin, sin]) for positions [B, T] (B
-    may be 1, for rows that share their positions).
+    may be 1, for rows that share their positions); YaRN's multiplied by its attention scale.
 
     Computed once per forward, for every layer. Positions known while tracing (training's 0..T-1,
     a numpy array: `forward`) give constant tables, computed eagerly by the same XLA cos and sin
@@ -110,8 +132,10 @@ def rope_tables(positions, head_dim: int, theta: float, dtype, scaling=None):
     benchmarks/RESULTS.md). Traced positions (documents, decoding) are computed in the program."""
     with jax.ensure_compile_time_eval():
         angles = jnp.asarray(positions).astype(jnp.float32)[..., None] * rope_frequencies(head_dim, theta, scaling)
-        cos = jnp.cos(angles)[:, :, None, None, :].astype(dtype)
-        sin = jnp.sin(angles)[:, :, None, None, :].astype(dtype)
+        cos, sin = jnp.cos(angles), jnp.sin(angles)
+        if isinstance(scaling, YarnScaling):
+            cos, sin = cos * scaling.attention_scale, sin * scaling.attention_scale
+        cos, sin = cos[:, :, None, None, :].astype(dtype), sin[:, :, None, None, :].astype(dtype)
         return cos, jnp.concatenate([-sin, sin], axis=3)
 
 
