@@ -496,9 +496,11 @@ def edited(tokenizer_dir: Path, tmp_path: Path, config: dict | None = None, weig
 
 
 REFUSED = {
-    "linear-rope": ({"rope_scaling": {"rope_type": "linear", "factor": 8.0}}, "rope_scaling .*plain, Llama 3.1's or YaRN"),
-    "yarn-deepseek-mscale-v5": ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4, "mscale": 1.0,
-                                                     "mscale_all_dim": 0.5}}, "rope_parameters .*mscale_all_dim"),
+    "linear-rope": ({"rope_scaling": {"rope_type": "linear", "factor": 8.0}},
+                    "rope_scaling .*plain, Llama 3.1's or YaRN"),
+    "yarn-deepseek-mscale-v5": ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
+                                                     "mscale": 1.0, "mscale_all_dim": 0.5}},
+                                "rope_parameters .*mscale_all_dim"),
     "heads-undivided": ({"num_attention_heads": 3, "num_key_value_heads": 1, "head_dim": None},
                         "hidden_size 32 does not divide by its 3 heads"),
     "qwen3-moe": ({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe"}, "architectures .*Qwen3Moe"),
