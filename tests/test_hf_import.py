@@ -91,12 +91,12 @@ def hf():
 
 
 def transformers_model(hf, arch: str, **config):
-    """A random transformers model of `arch` (llama, qwen2, qwen3, olmo2, mistral): matrices N(0, 0.1),
+    """A random transformers model of `arch` (llama, qwen2, qwen3, olmo2, olmo3, mistral): matrices N(0, 0.1),
     norms (q/k norms too) 1 + N(0, 0.2), biases N(0, 0.2). Heads are 48 / 6 = 8 wide unless `head_dim`."""
     torch, transformers = hf
     config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
                     "qwen3": transformers.Qwen3Config, "olmo2": transformers.Olmo2Config,
-                    "mistral": transformers.MistralConfig}[arch]
+                    "olmo3": transformers.Olmo3Config, "mistral": transformers.MistralConfig}[arch]
     cfg = config_class(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
                        num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6,
                        bos_token_id=1, eos_token_id=2, **config)
@@ -143,6 +143,16 @@ CASES = {
     # OLMo 2: norms after attention and the MLP, q/k norms over the whole projections
     "olmo2-untied": ("olmo2", {"tie_word_embeddings": False, "rope_theta": 500000.0}),
     "olmo2-tied": ("olmo2", {"tie_word_embeddings": True}),
+    # sliding windows shorter than the 24 tokens run: Mistral v0.1's in every layer, OLMo 3's in the
+    # layers layer_types names, with YaRN on the full-attention layers only (as OLMo 3's long context)
+    "mistral-window-in-the-context": ("mistral", {"tie_word_embeddings": False, "sliding_window": 8}),
+    # (Olmo3Config gives a rope_theta argument to the full layers only: left at its default, 500000)
+    "olmo3": ("olmo3", {"tie_word_embeddings": False, "sliding_window": 8,
+                        "layer_types": ["sliding_attention", "full_attention"]}),
+    "olmo3-yarn-on-full-layers": ("olmo3", {"tie_word_embeddings": True, "sliding_window": 6,
+                                            "layer_types": ["full_attention", "sliding_attention"],
+                                            "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                                             "original_max_position_embeddings": 16}}),
     # Mistral Nemo's shape: heads narrower than hidden / heads (32 of 128 over 5120)
     "mistral-narrow-heads": ("mistral", {"tie_word_embeddings": False, "sliding_window": None, "head_dim": 4}),
     # Llama 3.1's RoPE scaling, its original context short enough that positions 0..23 feel it:
@@ -170,9 +180,12 @@ def test_imported_checkpoint_gives_transformers_logits_and_round_trips(case, hf,
     assert (cfg.attention_bias, cfg.tie_embeddings, cfg.seq_len) == (arch == "qwen2", config["tie_word_embeddings"], 64)
     width = config.get("head_dim", 8)
     assert (cfg.head_dim, cfg.head_width) == (width, None if width == 8 else width)
-    assert (cfg.qk_norm, cfg.norm_position) == {"qwen3": ("head", "pre"), "olmo2": ("projection", "post")}.get(
-        arch, ("none", "pre"))
-    assert cfg.rope_theta == config.get("rope_theta", 10000.0) and cfg.norm_eps == 1e-6
+    assert (cfg.qk_norm, cfg.norm_position) == {"qwen3": ("head", "pre"), "olmo2": ("projection", "post"),
+                                                "olmo3": ("projection", "post")}.get(arch, ("none", "pre"))
+    window = config.get("sliding_window")  # Mistral's is left out where it does not bite (at least 64)
+    assert cfg.sliding_window == (window if arch == "olmo3" or (arch == "mistral" and (window or 64) < 64) else None)
+    assert cfg.layer_types == (tuple(config["layer_types"]) if arch == "olmo3" else None)
+    assert cfg.rope_theta == config.get("rope_theta", 5e5 if arch == "olmo3" else 1e4) and cfg.norm_eps == 1e-6
     assert (cfg.rope_scaling is not None) == ("rope_scaling" in config)
     fresh = init_state(cfg, optax.sgd(0.1), jax.random.PRNGKey(0))["params"]  # what training starts from
     assert jax.tree_util.tree_structure(params) == jax.tree_util.tree_structure(fresh)
@@ -200,7 +213,8 @@ def test_imported_checkpoint_gives_transformers_logits_and_round_trips(case, hf,
               tmp_path / "export")
     _, transformers = hf
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
-    assert type(again).__name__ == ("LlamaForCausalLM" if arch == "mistral" else type(model).__name__)
+    assert type(again).__name__ == ("LlamaForCausalLM" if arch == "mistral" and cfg.sliding_window is None
+                                    else type(model).__name__)
     assert_close(torch_logits(hf, again, tokens), expected)
     assert again.generation_config.eos_token_id == read_tokenizer_meta(tokenizer_dir)["eos_id"]
 
@@ -237,6 +251,9 @@ EXPORTED_AS = {  # kiln's model -> the transformers class it exports as
     "qwen2": ({"attention_bias": True}, "Qwen2ForCausalLM"),
     "qwen3-wide-heads": ({"qk_norm": "head", "head_width": 12}, "Qwen3ForCausalLM"),
     "olmo2": ({"qk_norm": "projection", "norm_position": "post"}, "Olmo2ForCausalLM"),
+    "olmo3": ({"qk_norm": "projection", "norm_position": "post", "sliding_window": 8,
+               "layer_types": ("sliding_attention", "full_attention")}, "Olmo3ForCausalLM"),
+    "mistral-window": ({"sliding_window": 8}, "MistralForCausalLM"),
     "llama-narrow-heads": ({"head_width": 4}, "LlamaForCausalLM"),
 }
 
@@ -270,7 +287,8 @@ def test_import_is_the_inverse_of_export(case, tokenizer_dir, tmp_path):
 
 
 @pytest.mark.parametrize("update", [{"attention_bias": True, "qk_norm": "head"}, {"qk_norm": "projection"},
-                                    {"norm_position": "post"}])
+                                    {"norm_position": "post"},
+                                    {"sliding_window": 8, "layer_types": ("sliding_attention", "full_attention")}])
 def test_a_model_no_transformers_class_computes_is_not_exported(update, tokenizer_dir, tmp_path):
     cfg = SMALL.model_copy(update=update)
     with pytest.raises(ValueError, match="no Hugging Face class computes .*kiln can train and serve this model"):
@@ -497,10 +515,10 @@ def edited(tokenizer_dir: Path, tmp_path: Path, config: dict | None = None, weig
 
 REFUSED = {
     "linear-rope": ({"rope_scaling": {"rope_type": "linear", "factor": 8.0}},
-                    "rope_scaling .*plain, Llama 3.1's or YaRN"),
+                    "RoPE .*linear.*plain, Llama 3.1's or YaRN"),
     "yarn-deepseek-mscale-v5": ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
                                                      "mscale": 1.0, "mscale_all_dim": 0.5}},
-                                "rope_parameters .*mscale_all_dim"),
+                                "RoPE .*mscale_all_dim"),
     "heads-undivided": ({"num_attention_heads": 3, "num_key_value_heads": 1, "head_dim": None},
                         "hidden_size 32 does not divide by its 3 heads"),
     "qwen3-moe": ({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe"}, "architectures .*Qwen3Moe"),
@@ -509,8 +527,13 @@ REFUSED = {
     "olmo2-attention-bias": ({"architectures": ["Olmo2ForCausalLM"], "model_type": "olmo2", "attention_bias": True},
                              "olmo2's puts biases on q, k, v and o_proj"),
     "gemma": ({"architectures": ["GemmaForCausalLM"], "model_type": "gemma"}, "architectures .*Gemma"),
-    "mistral-window": ({"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 16},
-                       "sliding window of 16 tokens is shorter than the context of 32"),
+    "olmo3-sliding-layers-own-rope": ({"architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3",
+                                       "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
+                                       "rope_parameters": {"sliding_attention": {"rope_type": "default",
+                                                                                 "rope_theta": 1e4},
+                                                           "full_attention": {"rope_type": "default",
+                                                                              "rope_theta": 5e5}}},
+                                      "the sliding layers' RoPE .*rope_theta 500000"),
     "mistral-attention-bias": ({"architectures": ["MistralForCausalLM"], "model_type": "mistral",
                                 "sliding_window": None, "attention_bias": True}, "o_proj"),
     "mlp-bias": ({"mlp_bias": True}, "mlp_bias true"),

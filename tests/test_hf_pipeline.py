@@ -1,7 +1,7 @@
-"""Continued pretraining from Hugging Face models through `kiln run`: a Llama, a Qwen2, a Qwen3 and
-an OLMo 2 saved by `transformers` (random weights, small) are the starting points (`train.init.hf`) and their own
-tokenizers tokenize the data (`tokenizer: {kind: hf}`); each run ends in an export that
-`transformers` loads with kiln's logits."""
+"""Continued pretraining from Hugging Face models through `kiln run`: a Llama, a Qwen2, a Qwen3, an
+OLMo 2 and an OLMo 3 saved by `transformers` (random weights, small) are the starting points
+(`train.init.hf`) and their own tokenizers tokenize the data (`tokenizer: {kind: hf}`); each run
+ends in an export that `transformers` loads with kiln's logits."""
 
 from __future__ import annotations
 
@@ -24,12 +24,14 @@ from training.model import forward
 @pytest.mark.slow  # out of the fast suite (29 s alone, 75-82 s in it); CI runs it after it
 @pytest.mark.ci
 @pytest.mark.ray  # its training starts a local Ray: tests/conftest.py ray_lock
-def test_continued_pretraining_from_llama_qwen2_qwen3_and_olmo2_exports_what_transformers_loads(hf, tmp_path):  # noqa: F811
+def test_continued_pretraining_from_five_architectures_exports_what_transformers_loads(hf, tmp_path):  # noqa: F811
     torch, transformers = hf
     folders, classes = {}, {}
     for arch, extra in (("llama", {"tie_word_embeddings": False}), ("qwen2", {"tie_word_embeddings": True}),
                         ("qwen3", {"tie_word_embeddings": True, "head_dim": 16}),  # q/k norms, wide heads
-                        ("olmo2", {"tie_word_embeddings": False})):  # post-norm blocks
+                        ("olmo2", {"tie_word_embeddings": False}),  # post-norm blocks
+                        ("olmo3", {"tie_word_embeddings": False, "sliding_window": 16,  # windows within seq_len
+                                   "layer_types": ["sliding_attention", "full_attention"]})):
         folder = tmp_path / arch
         model = transformers_model(hf, arch, **extra)
         model.save_pretrained(folder, safe_serialization=True)
@@ -47,7 +49,7 @@ def test_continued_pretraining_from_llama_qwen2_qwen3_and_olmo2_exports_what_tra
         "eval": {"tasks": [], "bits_per_byte": True, "heldout_tokens": 256},  # bits per byte: any context fits
         "resources": {"cpus_per_host": 1},
         "variants": {"llama": {}, **{arch: {"tokenizer.path": str(folders[arch]), "train.init.hf": str(folders[arch])}
-                                     for arch in ("qwen2", "qwen3", "olmo2")}},
+                                     for arch in ("qwen2", "qwen3", "olmo2", "olmo3")}},
     }
     path, store = tmp_path / "from_hf.yaml", tmp_path / "store"
     path.write_text(yaml.safe_dump(config, sort_keys=False))

@@ -112,9 +112,16 @@ def test_fused_and_query_block_attention_agree(T):
     q = jax.random.normal(kq, (2, T, 4, 16))
     k, v = jax.random.normal(kk, (2, T, 2, 16)), jax.random.normal(kv, (2, T, 2, 16))
     segments = jnp.asarray(np.repeat([[0, 1, 2], [0, 0, 1]], [T // 3, T // 3, T - 2 * (T // 3)], axis=1))
-    fused = jax.jit(lambda q, k, v, seg: fused_attention(q, k, v, seg, "xla"))
+    fused = jax.jit(lambda q, k, v, seg, window: fused_attention(q, k, v, seg, "xla", window), static_argnums=4)
+    blocks = jax.jit(causal_attention, static_argnums=4)
+    w = T // 3 + 1  # a sliding window, across the query blocks' edges at T = 200
     for seg in (None, segments):
-        np.testing.assert_allclose(fused(q, k, v, seg), jax.jit(causal_attention)(q, k, v, seg), rtol=1e-5, atol=1e-5)
+        for window in (None, w):
+            np.testing.assert_allclose(fused(q, k, v, seg, window), blocks(q, k, v, seg, window), rtol=1e-5, atol=1e-5)
+    # the window is a window: the last query's output moves with the key at its far end, not with the one before
+    last = lambda k: blocks(q, k, v, None, w)[:, -1]  # noqa: E731
+    assert not np.allclose(last(k.at[:, T - w].add(1.0)), last(k))
+    np.testing.assert_array_equal(last(k.at[:, T - w - 1].add(1.0)), last(k))
 
 
 def test_fused_attention_gives_the_loss_and_gradients_of_query_blocks():
@@ -194,7 +201,8 @@ def test_new_fields_leave_default_versions_as_they_were(monkeypatch):
     assert version(attention="fused", eos_id=50256) == version()  # settings
     for identity in ({"remat": "full"}, {"document_mask": True}, {"z_loss": 1e-4}):
         assert version(**identity) != version(), identity
-    for shape in ({"qk_norm": "head"}, {"norm_position": "post"}, {"head_width": 64}):  # the model's, identity when set
+    for shape in ({"qk_norm": "head"}, {"norm_position": "post"}, {"head_width": 64},
+                  {"sliding_window": 64}):  # the model's, identity when set
         assert version(ModelConfig(**shape)) != version(), shape
     # rope_scaling: a dict with rope_type yarn is YaRN's, one without Llama 3.1's (whose versions stay)
     yarn = ModelConfig(rope_scaling={"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 64})
@@ -245,3 +253,16 @@ def test_z_loss_is_logged_beside_the_cross_entropy_and_zero_changes_no_bit():
     moved = [not np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(z_state["params"]),
                                                         jax.tree_util.tree_leaves(plain_state["params"]))]
     assert any(moved)  # and the z term is trained on
+
+
+def test_sliding_window_layers_are_checked():
+    olmo3 = ModelConfig(n_layers=4, sliding_window=8, layer_types=("sliding_attention",) * 3 + ("full_attention",))
+    assert [olmo3.layer_window(i) for i in range(4)] == [8, 8, 8, None]
+    assert [ModelConfig(n_layers=2, sliding_window=8).layer_window(i) for i in range(2)] == [8, 8]  # Mistral's
+    assert ModelConfig(n_layers=2).layer_window(1) is None
+    with pytest.raises(ValueError, match="layer_types names 3 layers, but the model has n_layers=4"):
+        ModelConfig(n_layers=4, sliding_window=8, layer_types=("full_attention",) * 3)
+    with pytest.raises(ValueError, match="sliding_attention layers but sliding_window is not set"):
+        ModelConfig(n_layers=1, layer_types=("sliding_attention",))
+    with pytest.raises(ValueError, match="rope_scaling applies to full-attention layers, and every layer slides"):
+        ModelConfig(sliding_window=8, rope_scaling={"factor": 8})

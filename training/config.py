@@ -110,6 +110,21 @@ class ModelConfig(ConfigModel):
         "(Llama); `post`, on their outputs before the residual adds (OLMo 2: post_attention_layernorm, "
         "post_feedforward_layernorm, no input_layernorm).")
 
+    sliding_window: Count | None = identity_when_set(
+        None, description="Positions a sliding-window layer's query sees, itself included (the keys after "
+        "i - sliding_window), as in Mistral and OLMo 3; which layers slide, `layer_types` says (all of them "
+        "without it). None: every layer attends to every earlier position.")
+    layer_types: tuple[Literal["full_attention", "sliding_attention"], ...] | None = identity_when_set(
+        None, description="Each layer's attention, one entry per layer, as a Hugging Face config's `layer_types` "
+        "(OLMo 3: three sliding layers, then a full one). `rope_scaling` applies to the full-attention layers; "
+        "the sliding ones rotate with plain RoPE, as OLMo 3's do.")
+
+    def layer_window(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window, or None for a full-attention layer."""
+        if self.sliding_window is None or (self.layer_types and self.layer_types[layer] == "full_attention"):
+            return None
+        return self.sliding_window
+
     @property
     def head_dim(self) -> int:
         """Each attention head's width: `head_width`, or d_model / n_heads."""
@@ -126,6 +141,14 @@ class ModelConfig(ConfigModel):
         if isinstance(scaling, RopeScaling) and scaling.high_freq_factor <= scaling.low_freq_factor:
             raise ValueError(f"rope_scaling: high_freq_factor={scaling.high_freq_factor} must exceed "
                              f"low_freq_factor={scaling.low_freq_factor}")
+        if self.layer_types is not None and len(self.layer_types) != self.n_layers:
+            raise ValueError(f"layer_types names {len(self.layer_types)} layers, but the model has "
+                             f"n_layers={self.n_layers}")
+        if self.layer_types and "sliding_attention" in self.layer_types and self.sliding_window is None:
+            raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
+        if self.rope_scaling is not None and all(self.layer_window(i) for i in range(self.n_layers)):
+            raise ValueError("rope_scaling applies to full-attention layers, and every layer slides "
+                             "(sliding_window without layer_types naming a full_attention layer)")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary positions; change d_model, n_heads or "
                              "head_width")

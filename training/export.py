@@ -2,16 +2,16 @@
 
 kiln's model is `LlamaForCausalLM` with other names (see training/model.py), so the export is a
 renaming (`hf_names`): Dense kernels [in, out] become Linear weights [out, in]; everything stays
-float32. A model with q/k/v biases (`attention_bias`, e.g. an imported Qwen2) is exported as
-`Qwen2ForCausalLM`, whose layout is Llama's plus those biases, one with per-head q/k norms
-(`qk_norm: head`, an imported Qwen3) as `Qwen3ForCausalLM`, Llama's layout plus those norms, and
-one with norms after each sublayer and over whole q/k projections (`norm_position: post`,
-`qk_norm: projection`, an imported OLMo 2) as `Olmo2ForCausalLM`. training/hf_import.py is the
-inverse. The folder holds what `AutoModelForCausalLM.from_pretrained` and
-`AutoTokenizer.from_pretrained` read:
+float32. Which class the folder names follows the model's features (`HF_CLASSES`): q/k/v biases
+(`attention_bias`, an imported Qwen2) make it `Qwen2ForCausalLM`, Llama's layout plus those
+biases; per-head q/k norms (`qk_norm: head`, Qwen3) `Qwen3ForCausalLM`; norms after each sublayer
+and over whole q/k projections (`norm_position: post`, `qk_norm: projection`, OLMo 2)
+`Olmo2ForCausalLM`, or `Olmo3ForCausalLM` with sliding-window layers; Llama with a sliding window
+in every layer `MistralForCausalLM`. training/hf_import.py is the inverse. The folder holds what
+`AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained` read:
 
-    config.json              LlamaConfig, Qwen2Config, Qwen3Config or Olmo2Config (rope_theta written flat,
-                             as transformers 4 and 5 read it)
+    config.json              LlamaConfig, Qwen2Config, Qwen3Config, Olmo2Config, Olmo3Config or MistralConfig
+                             (rope_theta written flat, as transformers 4 and 5 read it)
     model.safetensors        the weights under HF names; lm_head.weight only when untied
     generation_config.json   greedy by default, EOS from the tokenizer (for a post-trained model a list:
                              EOS and the end-of-turn token, so generation stops where a reply ends)
@@ -42,12 +42,21 @@ MLP = ("gate_proj", "up_proj", "down_proj")
 BIASED = ("q_proj", "k_proj", "v_proj")  # with attention_bias: Qwen2's layout, o_proj has none
 BLOCK_NORMS = {"pre": ("input_layernorm", "post_attention_layernorm"),  # Llama's: before attention, before the MLP
                "post": ("post_attention_layernorm", "post_feedforward_layernorm")}  # OLMo 2's: after each
-# (attention_bias, qk_norm, norm_position) -> the transformers class and model_type that computes it
-# (training/hf_import.py reads checkpoints of these classes by the same table)
-HF_CLASSES = {(False, "none", "pre"): ("LlamaForCausalLM", "llama"),
-              (True, "none", "pre"): ("Qwen2ForCausalLM", "qwen2"),  # Llama with q, k, v biases
-              (False, "head", "pre"): ("Qwen3ForCausalLM", "qwen3"),  # Llama with per-head q/k norms
-              (False, "projection", "post"): ("Olmo2ForCausalLM", "olmo2")}  # norms after sublayers, whole q/k
+# (attention_bias, qk_norm, norm_position, which layers slide: `sliding`) -> the transformers class and
+# model_type that computes it (training/hf_import.py reads checkpoints of these classes by the same table)
+HF_CLASSES = {(False, "none", "pre", "none"): ("LlamaForCausalLM", "llama"),
+              (True, "none", "pre", "none"): ("Qwen2ForCausalLM", "qwen2"),  # Llama with q, k, v biases
+              (False, "head", "pre", "none"): ("Qwen3ForCausalLM", "qwen3"),  # Llama with per-head q/k norms
+              (False, "projection", "post", "none"): ("Olmo2ForCausalLM", "olmo2"),  # norms after sublayers
+              (False, "none", "pre", "every layer"): ("MistralForCausalLM", "mistral"),  # Llama, every layer sliding
+              (False, "projection", "post", "every layer"): ("Olmo3ForCausalLM", "olmo3"),  # OLMo 2 with
+              (False, "projection", "post", "some layers"): ("Olmo3ForCausalLM", "olmo3")}  # sliding layers
+
+
+def sliding(cfg: ModelConfig) -> str:
+    """Which layers of the model attend through a sliding window: none, every layer, or some layers."""
+    windows = [cfg.layer_window(i) is not None for i in range(cfg.n_layers)]
+    return "every layer" if all(windows) else "some layers" if any(windows) else "none"
 
 
 def hf_names(cfg: ModelConfig) -> dict[tuple[str, ...], str]:
@@ -116,12 +125,13 @@ def architecture(cfg: ModelConfig) -> tuple[str, str]:
     """The transformers class and model_type of the export (`HF_CLASSES`). Another combination
     of attention_bias, qk_norm and norm_position (say Qwen3's norms with Qwen2's biases: Qwen3's
     own attention_bias also biases o_proj) is a model kiln trains and serves but no class computes."""
-    key = (cfg.attention_bias, cfg.qk_norm, cfg.norm_position)
+    key = (cfg.attention_bias, cfg.qk_norm, cfg.norm_position, sliding(cfg))
     if key not in HF_CLASSES:
-        known = "; ".join(f"{arch}: attention_bias {b}, qk_norm {q}, norm_position {n}"
-                          for (b, q, n), (arch, _) in HF_CLASSES.items())
+        known = "; ".join(f"{arch}: attention_bias {b}, qk_norm {q}, norm_position {n}, sliding {w}"
+                          for (b, q, n, w), (arch, _) in HF_CLASSES.items())
         raise ValueError(f"no Hugging Face class computes attention_bias {key[0]}, qk_norm {key[1]}, norm_position "
-                         f"{key[2]}: kiln can train and serve this model, but not export it ({known})")
+                         f"{key[2]}, sliding {key[3]}: kiln can train and serve this model, but not export it "
+                         f"({known})")
     return HF_CLASSES[key]
 
 
@@ -135,8 +145,9 @@ def rope_scaling(cfg: ModelConfig) -> dict | None:
 
 
 def hf_config(cfg: ModelConfig, bos_id: int, eos_id: int) -> dict:
-    """config.json for the export's class (`architecture`): Llama's keys, less what Qwen2, Qwen3
-    and OLMo 2 do not have, plus their sliding-window switches (off)."""
+    """config.json for the export's class (`architecture`): Llama's keys, less what Qwen2, Qwen3,
+    OLMo 2 and OLMo 3 do not have, plus the sliding windows (Mistral's, OLMo 3's, with each layer's
+    type) or the Qwens' switches for them (off)."""
     arch, model_type = architecture(cfg)
     config = {
         "architectures": [arch],
@@ -163,8 +174,14 @@ def hf_config(cfg: ModelConfig, bos_id: int, eos_id: int) -> dict:
         "torch_dtype": "float32",  # the weights; a bfloat16-trained model computed its matmuls in bfloat16
         "use_cache": True,
     }
-    if model_type != "llama":  # Qwen2's, Qwen3's and OLMo 2's configs have no mlp_bias
+    if model_type not in ("llama", "mistral"):  # Qwen2's, Qwen3's and OLMo's configs have no mlp_bias
         del config["mlp_bias"]
+    if model_type == "mistral":
+        config["sliding_window"] = cfg.sliding_window
+    if model_type == "olmo3":  # its sliding window, and each layer's attention (its rope_scaling: the full ones')
+        config["sliding_window"] = cfg.sliding_window
+        config["layer_types"] = ["full_attention" if cfg.layer_window(i) is None else "sliding_attention"
+                                 for i in range(cfg.n_layers)]
     if model_type in ("qwen2", "qwen3"):  # and the Qwens a sliding window to turn off
         config.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers)
     if model_type == "qwen2":  # nor Qwen2's an attention_bias: its q, k, v always have biases

@@ -1,15 +1,16 @@
 """Import a Hugging Face checkpoint as kiln's model: the inverse of training/export.py.
 
 `load_hf(folder)` reads a local folder (nothing is downloaded) holding `config.json` and
-`model.safetensors`, or shards listed in `model.safetensors.index.json`, of a `LlamaForCausalLM`,
-a `Qwen2ForCausalLM` (Llama with biases on q, k and v: kiln's `attention_bias`), a dense
-`Qwen3ForCausalLM` (Llama with an RMSNorm over each head of q and k: kiln's `qk_norm: head`), an
-`Olmo2ForCausalLM` (norms after attention and the MLP instead of before, and over the whole q and
-k projections: `norm_position: post`, `qk_norm: projection`), or a
-`MistralForCausalLM` whose sliding window does not bite (none, as from Mistral 7B v0.2 on, or one
-at least the context kiln uses: then it is Llama, and exports as `LlamaForCausalLM`). A config's
-`head_dim` other than hidden_size / num_attention_heads (Qwen3, Mistral Nemo) is kiln's
-`head_width`. Tensors are
+`model.safetensors`, or shards listed in `model.safetensors.index.json`, of one of the classes
+`training.export.HF_CLASSES` lists: a `LlamaForCausalLM`; a `Qwen2ForCausalLM` (Llama with biases
+on q, k and v: kiln's `attention_bias`); a dense `Qwen3ForCausalLM` (Llama with an RMSNorm over
+each head of q and k: `qk_norm: head`); an `Olmo2ForCausalLM` (norms after attention and the MLP
+instead of before, and over the whole q and k projections: `norm_position: post`, `qk_norm:
+projection`); an `Olmo3ForCausalLM` (OLMo 2 with sliding-window layers: `sliding_window`,
+`layer_types`); a `MistralForCausalLM` (Llama with a sliding window in every layer, left out
+where it does not bite: none, as from Mistral 7B v0.2 on, or one at least the context kiln uses,
+when it is Llama and exports as `LlamaForCausalLM`). A config's `head_dim` other than
+hidden_size / num_attention_heads (Qwen3, Mistral Nemo) is kiln's `head_width`. Tensors are
 renamed by the export's own table (`training.export.hf_names`) and Linear weights [out, in]
 transposed back to Dense kernels [in, out]; nothing is permuted, since kiln's RoPE is HF's
 `rotate_half` layout. Every tensor becomes float32 (bfloat16 exactly), as kiln's parameters are,
@@ -17,9 +18,10 @@ unless the caller asks for another dtype (`kiln serve-model` holds weights in it
 
 Llama 3.1's and YaRN's RoPE scaling (`rope_type: llama3`, `yarn`) become `model.rope_scaling`.
 What kiln's model cannot compute is refused with the reason, before any weight is read: other
-RoPE scaling (linear, dynamic, longrope, YaRN with DeepSeek's mscale, ...), a sliding window in
-use, biases other than Qwen2's q/k/v, an activation other than SiLU, quantized weights, and other
-architectures (Qwen3's mixture of experts among them). A tensor the config does not account for is refused too.
+RoPE scaling (linear, dynamic, longrope, YaRN with DeepSeek's mscale, ...), sliding layers with
+RoPE of their own, Qwen's sliding window, biases other than Qwen2's q/k/v, an activation other
+than SiLU, quantized weights, and other architectures (Qwen3's mixture of experts among them). A
+tensor the config does not account for is refused too.
 
 Plain numpy and `safetensors`: no JAX device work, no torch, no Prefect.
 """
@@ -37,11 +39,10 @@ from training.config import ModelConfig, RopeScaling, YarnScaling
 from training.export import HF_CLASSES, hf_names, leaf_at
 from training.model import init_params
 
-# the classes kiln exports (training.export.HF_CLASSES) and Mistral, which is Llama where it is read
-ARCHITECTURES = {arch: model_type for arch, model_type in HF_CLASSES.values()} | {"MistralForCausalLM": "mistral"}
-# model_type -> kiln's (attention_bias, qk_norm, norm_position)
-FEATURES = {model_type: features for features, (_, model_type) in HF_CLASSES.items()}
-FEATURES["mistral"] = FEATURES["llama"]
+# the classes kiln exports (training.export.HF_CLASSES)
+ARCHITECTURES = {arch: model_type for arch, model_type in HF_CLASSES.values()}
+# model_type -> kiln's (attention_bias, qk_norm, norm_position); which layers slide, the config says
+FEATURES = {model_type: features[:3] for features, (_, model_type) in HF_CLASSES.items()}
 INDEX_FILE = "model.safetensors.index.json"
 WEIGHTS_FILE = "model.safetensors"
 # Buffers some older checkpoints saved beside the weights; kiln computes them from rope_theta.
@@ -80,34 +81,61 @@ def architecture(hf: dict, folder: Path) -> str:
     model_type = ARCHITECTURES[known[0]] if known else hf.get("model_type")
     if model_type not in ARCHITECTURES.values() or hf.get("model_type", model_type) != model_type:
         raise ValueError(f"{folder}: model_type {hf.get('model_type')!r}: kiln imports Llama, Qwen2, Qwen3, "
-                         f"OLMo 2 and Mistral decoders ({', '.join(sorted(ARCHITECTURES))})")
+                         f"OLMo 2, OLMo 3 and Mistral decoders ({', '.join(sorted(ARCHITECTURES))})")
     return model_type
 
 
+def rope_parameters(hf: dict) -> tuple[dict, dict | None]:
+    """The RoPE of the full-attention layers as one dict (`rope_type`, `rope_theta`, the scaling's
+    fields), from transformers 4's flat `rope_theta` and `rope_scaling` or 5's `rope_parameters`;
+    and the sliding layers' own, where the config nests one per layer type (OLMo 3), else None."""
+    nested = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
+    sliding = None
+    if "full_attention" in nested or "sliding_attention" in nested:
+        nested, sliding = nested.get("full_attention") or {}, dict(nested.get("sliding_attention") or {})
+    scaling = hf.get("rope_scaling") if isinstance(hf.get("rope_scaling"), dict) else {}
+    full = {"rope_theta": hf.get("rope_theta", 10000.0), **nested, **scaling}
+    full["rope_type"] = full.get("rope_type", full.get("type", "default"))
+    if sliding is not None:
+        sliding["rope_type"] = sliding.get("rope_type", sliding.get("type", "default"))
+    return full, sliding
+
+
 def rope_scaling(hf: dict) -> RopeScaling | YarnScaling | None:
-    """Llama 3.1's or YaRN's RoPE scaling from `rope_scaling` (transformers 4) or `rope_parameters`
-    (5), or None. As transformers reads them, a missing original context is the config's
+    """Llama 3.1's or YaRN's RoPE scaling of the full-attention layers (`rope_parameters`), or
+    None. As transformers reads them, a missing original context is the config's
     `original_max_position_embeddings` or else its `max_position_embeddings`, and YaRN's missing
     factor their ratio."""
-    for key in ("rope_scaling", "rope_parameters"):
-        rope = dict(hf.get(key) or {})
-        kind = rope.get("rope_type", rope.get("type"))
-        if kind not in ("llama3", "yarn"):
-            continue
-        rope.setdefault("original_max_position_embeddings",
-                        hf.get("original_max_position_embeddings", hf.get("max_position_embeddings")))
-        if kind == "llama3":
-            return RopeScaling(**{name: rope[name] for name in RopeScaling.model_fields if name in rope})
-        if rope.get("factor") is None:
-            rope["factor"] = hf["max_position_embeddings"] / rope["original_max_position_embeddings"]
-        fields = {name: rope[name] for name in YarnScaling.model_fields if rope.get(name) is not None}
-        return YarnScaling(**{**fields, "rope_type": "yarn"})
-    return None
+    rope, _ = rope_parameters(hf)
+    if rope["rope_type"] not in ("llama3", "yarn"):
+        return None
+    rope.setdefault("original_max_position_embeddings",
+                    hf.get("original_max_position_embeddings", hf.get("max_position_embeddings")))
+    if rope["rope_type"] == "llama3":
+        return RopeScaling(**{name: rope[name] for name in RopeScaling.model_fields if name in rope})
+    if rope.get("factor") is None:
+        rope["factor"] = hf["max_position_embeddings"] / rope["original_max_position_embeddings"]
+    return YarnScaling(**{name: rope[name] for name in YarnScaling.model_fields if rope.get(name) is not None})
 
 
 def rope_theta(hf: dict) -> float:
-    parameters = hf.get("rope_parameters") or {}  # transformers 5 nests it; 4 writes it flat
-    return float(hf.get("rope_theta", parameters.get("rope_theta", 10000.0)))
+    return float(rope_parameters(hf)[0]["rope_theta"])
+
+
+def windows(hf: dict, model_type: str, context: int) -> tuple[int | None, tuple[str, ...] | None]:
+    """(sliding_window, layer_types) of the model: Mistral's window slides in every layer, and is
+    left out where it does not bite (at least the context: the model is then Llama, with the
+    version it had before kiln had windows); OLMo 3's in the layers `layer_types` names (Olmo3Config's
+    default: three sliding, then one full), none where no layer slides."""
+    window = hf.get("sliding_window")
+    if model_type == "mistral" and window is not None and window < context:
+        return window, None
+    if model_type == "olmo3" and window is not None:
+        types = tuple(hf.get("layer_types") or ("full_attention" if (i + 1) % 4 == 0 else "sliding_attention"
+                                                for i in range(hf["num_hidden_layers"])))
+        if "sliding_attention" in types:
+            return window, types
+    return None, None
 
 
 def head_width(hf: dict) -> int | None:
@@ -123,16 +151,18 @@ def unsupported(hf: dict, model_type: str) -> list[str]:
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         reasons.append(f"hidden_act {act!r} (kiln's MLP is SwiGLU, silu)")
-    for key in ("rope_scaling", "rope_parameters"):
-        rope = hf.get(key) or {}
-        kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else rope
-        if kind not in ("default", "llama3", "yarn"):
-            reasons.append(f"{key} {rope} (kiln's RoPE is plain, Llama 3.1's or YaRN's: rope_type default, llama3 "
-                           "or yarn)")
-        elif kind == "yarn" and rope.get("mscale") and rope.get("mscale_all_dim") and not rope.get("attention_factor"):
-            reasons.append(f"{key} {rope} (YaRN's mscale and mscale_all_dim, DeepSeek's attention factor: kiln's "
-                           "YaRN takes attention_factor, or 0.1 ln(factor) + 1)")
-    partial = hf.get("partial_rotary_factor", (hf.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0))
+    rope, sliding_rope = rope_parameters(hf)
+    if rope["rope_type"] not in ("default", "llama3", "yarn"):
+        reasons.append(f"RoPE {rope} (kiln's RoPE is plain, Llama 3.1's or YaRN's: rope_type default, llama3 or yarn)")
+    elif rope["rope_type"] == "yarn" and rope.get("mscale") and rope.get("mscale_all_dim") \
+            and not rope.get("attention_factor"):
+        reasons.append(f"RoPE {rope} (YaRN's mscale and mscale_all_dim, DeepSeek's attention factor: kiln's "
+                       "YaRN takes attention_factor, or 0.1 ln(factor) + 1)")
+    if sliding_rope is not None and (sliding_rope["rope_type"] != "default"
+                                     or sliding_rope.get("rope_theta", rope["rope_theta"]) != rope["rope_theta"]):
+        reasons.append(f"the sliding layers' RoPE {sliding_rope} (kiln's sliding layers rotate with plain RoPE at "
+                       f"the full layers' rope_theta {rope['rope_theta']})")
+    partial = hf.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
         reasons.append(f"partial_rotary_factor {partial} (kiln rotates every head dimension)")
     hidden, heads = hf.get("hidden_size") or 0, hf.get("num_attention_heads") or 1
@@ -145,11 +175,14 @@ def unsupported(hf: dict, model_type: str) -> list[str]:
     if hf.get("mlp_bias"):
         reasons.append("mlp_bias true (kiln's MLP has no biases)")
     if hf.get("use_sliding_window"):
-        reasons.append(f"use_sliding_window true, window {hf.get('sliding_window')} (kiln attends to every "
-                       "earlier position)")
+        reasons.append(f"use_sliding_window true, window {hf.get('sliding_window')} (Qwen's window, in the layers "
+                       "from max_window_layers on: kiln's sliding layers are Mistral's and OLMo 3's)")
     other_layers = sorted(set(hf.get("layer_types") or ["full_attention"]) - {"full_attention"})
-    if other_layers:
-        reasons.append(f"layer_types {other_layers} (kiln's layers are all full_attention)")
+    if other_layers and model_type != "olmo3":
+        reasons.append(f"layer_types {other_layers} (kiln's sliding layers are Mistral's and OLMo 3's)")
+    if set(hf.get("layer_types") or []) - {"full_attention", "sliding_attention"}:
+        reasons.append(f"layer_types {sorted(set(hf['layer_types']))} (kiln has full_attention and "
+                       "sliding_attention layers)")
     if hf.get("quantization_config"):
         reasons.append("quantization_config (kiln imports float weights: float32, float16 or bfloat16)")
     return reasons
@@ -165,12 +198,8 @@ def model_config(hf: dict, seq_len: int | None, folder: Path) -> ModelConfig:
     if max_positions is None:
         raise ValueError(f"{folder}: config.json has no max_position_embeddings: pass seq_len")
     context = min(max_positions, seq_len or max_positions)
-    window = hf.get("sliding_window") if model_type == "mistral" else None  # Mistral's applies whenever set
-    if window is not None and context > window:
-        raise ValueError(f"{folder}: kiln's model cannot represent this mistral checkpoint: its sliding window of "
-                         f"{window} tokens is shorter than the context of {context} (kiln attends to every earlier "
-                         f"position): use it with seq_len {window} or less")
     try:
+        sliding_window, layer_types = windows(hf, model_type, context)
         return ModelConfig(vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
                            n_heads=hf["num_attention_heads"],
                            n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
@@ -178,6 +207,7 @@ def model_config(hf: dict, seq_len: int | None, folder: Path) -> ModelConfig:
                            rope_theta=rope_theta(hf), rope_scaling=rope_scaling(hf),
                            tie_embeddings=hf.get("tie_word_embeddings", False), norm_eps=hf.get("rms_norm_eps", 1e-6),
                            init_std=hf.get("initializer_range", 0.02), head_width=head_width(hf),
+                           sliding_window=sliding_window, layer_types=layer_types,
                            **dict(zip(("attention_bias", "qk_norm", "norm_position"), FEATURES[model_type])))
     except KeyError as e:
         raise ValueError(f"{folder}: config.json has no {e.args[0]}") from None

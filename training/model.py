@@ -9,7 +9,9 @@ unless `attention_bias` is set: then q, k and v have one, as in `Qwen2ForCausalL
 `Qwen3ForCausalLM`) or over the whole projection (`projection`, as `Olmo2ForCausalLM`);
 `norm_position: post` moves each block's norms from the inputs of attention and the MLP to their
 outputs, before the residual adds (OLMo 2); `head_width` makes heads wider or narrower than
-d_model / n_heads (Qwen3, Mistral Nemo).
+d_model / n_heads (Qwen3, Mistral Nemo); `sliding_window` keeps the layers `layer_types` names
+`sliding_attention` (every layer, without it) to the last positions (Mistral, OLMo 3), and those
+rotate with plain RoPE where `rope_scaling` scales the full-attention layers' (OLMo 3's).
 
 Parameter tree (`params` of `init_params`), HF names in brackets; a Dense `kernel` is stored
 [in, out], the transpose of a torch `Linear.weight`:
@@ -201,10 +203,11 @@ def query_blocks(T: int) -> list[tuple[int, int]]:
     return list(zip(edges[:-1], edges[1:]))
 
 
-def causal_attention(q, k, v, segments=None):
+def causal_attention(q, k, v, segments=None, window: int | None = None):
     """Grouped-query causal attention of one sequence per row, position i seeing keys 0..i:
     q [B, T, H, Q], k and v [B, T, K, Q] -> [B, T, H*Q]. With `segments` [B, T] (each position's
-    document, `segment_ids`) only the keys 0..i of its own document.
+    document, `segment_ids`) only the keys 0..i of its own document; with `window`, only the keys
+    after i - window (a sliding-window layer's).
 
     Laid out for XLA's batched matmuls: heads first, and the H/K query heads that share a key
     head stacked as rows in (position, head) order, [B, K, T*H/K, Q], so each query block is a
@@ -220,6 +223,8 @@ def causal_attention(q, k, v, segments=None):
         scores = (rows[:, :, t0 * G:t1 * G] @ keys_t[..., :t1]).astype(jnp.float32) / math.sqrt(Q)
         row_pos = t0 + jnp.arange((t1 - t0) * G) // G  # [(t1 - t0) G]
         visible = jnp.arange(t1) <= row_pos[:, None]  # [(t1 - t0) G, t1]
+        if window is not None:
+            visible = visible & (jnp.arange(t1) > row_pos[:, None] - window)
         if segments is not None:
             visible = visible & (segments[:, row_pos, None] == segments[:, None, :t1])[:, None]  # [B, 1, rows, t1]
         scores = jnp.where(visible, scores, _MASKED)
@@ -228,14 +233,16 @@ def causal_attention(q, k, v, segments=None):
     return out.reshape(B, K, T, G * Q).transpose(0, 2, 1, 3).reshape(B, T, H * Q)
 
 
-def fused_attention(q, k, v, segments=None, implementation: str | None = None):
+def fused_attention(q, k, v, segments=None, implementation: str | None = None, window: int | None = None):
     """Grouped-query causal attention as one `jax.nn.dot_product_attention` call: q [B, T, H, Q],
     k and v [B, T, K, Q] -> [B, T, H*Q]. `implementation` "cudnn" is cuDNN's fused flash attention
     (GPU, bfloat16 or float16 only), "xla" (or None) the plain softmax(QK^T)V that XLA fuses as
-    it can. With `segments`, a [B, 1, T, T] mask keeps each query inside its document."""
+    it can. With `segments`, a [B, 1, T, T] mask keeps each query inside its document; with
+    `window`, its local window keeps it to the last `window` positions."""
     B, T, H, Q = q.shape
     mask = None if segments is None else (segments[:, :, None] == segments[:, None, :])[:, None]
-    out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=implementation)
+    out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=implementation,
+                                       local_window_size=None if window is None else (window - 1, 0))
     return out.reshape(B, T, H * Q)
 
 
@@ -254,13 +261,16 @@ def document_positions(segments):
     return t - jax.lax.cummax(jnp.where(starts, t, 0), axis=1)
 
 
-def cached_attention(q, k, v, positions, kv_pos):
+def cached_attention(q, k, v, positions, kv_pos, window: int | None = None):
     """Attention over a key/value cache while decoding: q [B, T, H, Q] at `positions` [B, T],
     k and v [B, S, K, Q] at `kv_pos` [B, S]. A key is visible to a query if it is not later
-    (causal) and not padding or an empty slot (position -1)."""
+    (causal) and not padding or an empty slot (position -1), and, with `window`, not `window` or
+    more positions earlier. (The cache keeps every position: a sliding window saves no memory.)"""
     B, T, H, Q = q.shape
     K = k.shape[2]
     visible = (kv_pos[:, None, :] <= positions[:, :, None]) & (kv_pos[:, None, :] >= 0)  # [B, T, S]
+    if window is not None:
+        visible = visible & (kv_pos[:, None, :] > positions[:, :, None] - window)
     q = q.reshape(B, T, K, H // K, Q)  # query head h uses kv head h // (H/K), as HF's repeat_kv
     scores = jnp.einsum("btkgq,bskq->bkgts", q, k).astype(jnp.float32) / math.sqrt(Q)
     scores = jnp.where(visible[:, None, None], scores, _MASKED)
@@ -277,6 +287,7 @@ class Attention(nn.Module):
 
     cfg: ModelConfig
     attention: str = "query_blocks"  # training's form: query_blocks, or fused_xla / fused_cudnn (`fused_attention`)
+    window: int | None = None  # a sliding-window layer's (ModelConfig.layer_window)
 
     @nn.compact
     def __call__(self, x, positions, rope, layer_cache=None, cache_pos=None, index=None, segments=None):
@@ -301,13 +312,13 @@ class Attention(nn.Module):
         q, k = rotary(q, rope), rotary(k, rope)
 
         if layer_cache is None and self.attention != "query_blocks":  # training / full forward, fused
-            out = fused_attention(q, k, v, segments, self.attention.removeprefix("fused_"))
+            out = fused_attention(q, k, v, segments, self.attention.removeprefix("fused_"), self.window)
         elif layer_cache is None:  # training / full forward: one causal run, position i sees 0..i
-            out = causal_attention(q, k, v, segments)
+            out = causal_attention(q, k, v, segments, self.window)
         else:  # decoding: write this chunk at slot `index` (row b's at index[b]), attend over the whole cache
             layer_cache = {"k": write_cache(layer_cache["k"], k, index), "v": write_cache(layer_cache["v"], v, index)}
             k, v = layer_cache["k"], layer_cache["v"]
-            out = cached_attention(q, k, v, positions, cache_pos)
+            out = cached_attention(q, k, v, positions, cache_pos, self.window)
         return project(out, Kernel((H * Q, D), out_std, name="o_proj")().astype(dt)), layer_cache
 
 
@@ -356,11 +367,12 @@ class MLP(nn.Module):
 class Block(nn.Module):
     cfg: ModelConfig
     attention: str = "query_blocks"
+    window: int | None = None
 
     @nn.compact
     def __call__(self, x, positions, rope, layer_cache=None, cache_pos=None, index=None, segments=None):
         cfg, dt = self.cfg, _dtype(self.cfg)
-        attention, mlp = Attention(cfg, self.attention, name="self_attn"), MLP(cfg, name="mlp")
+        attention, mlp = Attention(cfg, self.attention, self.window, name="self_attn"), MLP(cfg, name="mlp")
         decoding = layer_cache is not None
         if cfg.norm_position == "post":  # OLMo 2: each sublayer's output normalised, then added
             h, layer_cache = attention(x, positions, rope, layer_cache, cache_pos, index, segments)
@@ -405,13 +417,16 @@ class Llama(nn.Module):
                          embedding_init=nn.initializers.normal(cfg.init_std), name="embed_tokens")
         x = embed(tokens)
         rope = rope_tables(positions, cfg.head_dim, cfg.rope_theta, dt, cfg.rope_scaling)
+        windows = [cfg.layer_window(i) for i in range(cfg.n_layers)]
+        if cfg.rope_scaling is not None and any(windows):  # sliding layers rotate plainly (OLMo 3's)
+            plain_rope = rope_tables(positions, cfg.head_dim, cfg.rope_theta, dt)
         # Remat wraps the block, so the parameter tree keeps its names (layers_{i}/...).
         block = Block if self.remat == "none" else nn.remat(Block, policy=remat_policy(self.remat))
         new_layers = []
-        for i in range(cfg.n_layers):
+        for i, window in enumerate(windows):
             layer_cache = None if cache is None else cache["layers"][i]
-            x, layer_cache = block(cfg, self.attention, name=f"layers_{i}")(
-                x, positions, rope, layer_cache,
+            x, layer_cache = block(cfg, self.attention, window, name=f"layers_{i}")(
+                x, positions, plain_rope if window and cfg.rope_scaling is not None else rope, layer_cache,
                 None if cache is None else cache["pos"], None if cache is None else cache["index"], segments)
             new_layers.append(layer_cache)
         x = RMSNorm(cfg.norm_eps, dt, name="norm")(x)
