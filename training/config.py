@@ -109,7 +109,6 @@ class ModelConfig(ConfigModel):
         "pre", description="Where each block's RMSNorms sit: `pre`, on the inputs of attention and the MLP "
         "(Llama); `post`, on their outputs before the residual adds (OLMo 2: post_attention_layernorm, "
         "post_feedforward_layernorm, no input_layernorm).")
-
     sliding_window: Count | None = identity_when_set(
         None, description="Positions a sliding-window layer's query sees, itself included (the keys after "
         "i - sliding_window), as in Mistral and OLMo 3; which layers slide, `layer_types` says (all of them "
@@ -256,8 +255,8 @@ class InitConfig(ConfigModel):
                                 "(`train`, `train/stable`), or an output already in the store by its place "
                                 "(`train/<version>`, `sft/<version>`, `dpo/<version>`); its version enters this "
                                 "step's version.")
-    hf: str | None = files(None, description="A Hugging Face model folder (Llama, Qwen2, Qwen3, OLMo 2 or "
-                           "Mistral; local files), entering the version by its content. Mode `weights` only.")
+    hf: str | None = files(None, description="A Hugging Face model folder (Llama, Qwen2, Qwen3, OLMo 2, OLMo 3 "
+                           "or Mistral; local files), entering the version by its content. Mode `weights` only.")
     step: Count | Literal["latest"] = Field("latest", description="Which checkpoint of `from`: a step it keeps "
                                             "(the pipeline makes it keep the steps named here), or its last.")
     mode: Literal["continue", "reset", "weights"] = Field(
