@@ -123,8 +123,9 @@ def leaf_at(tree: dict, path: tuple[str, ...]):
 
 def architecture(cfg: ModelConfig) -> tuple[str, str]:
     """The transformers class and model_type of the export (`HF_CLASSES`). Another combination
-    of attention_bias, qk_norm and norm_position (say Qwen3's norms with Qwen2's biases: Qwen3's
-    own attention_bias also biases o_proj) is a model kiln trains and serves but no class computes."""
+    of attention_bias, qk_norm, norm_position and sliding layers (say Qwen3's norms with Qwen2's
+    biases: Qwen3's own attention_bias also biases o_proj) is a model kiln trains and serves but no
+    class computes."""
     key = (cfg.attention_bias, cfg.qk_norm, cfg.norm_position, sliding(cfg))
     if key not in HF_CLASSES:
         known = "; ".join(f"{arch}: attention_bias {b}, qk_norm {q}, norm_position {n}, sliding {w}"
@@ -294,7 +295,8 @@ def model_card(cfg: ModelConfig, n_params: int, name: str, license_id: str | Non
             ("norm", f"RMSNorm, eps {cfg.norm_eps:g}"), ("tied embeddings", cfg.tie_embeddings),
             ("training compute dtype", cfg.compute_dtype)] + [("q/k/v biases", True)] * cfg.attention_bias \
         + [("q/k norms", f"RMSNorm over each {cfg.qk_norm}")] * (cfg.qk_norm != "none") \
-        + [("norm position", "after each sublayer (post-norm)")] * (cfg.norm_position == "post")
+        + [("norm position", "after each sublayer (post-norm)")] * (cfg.norm_position == "post") \
+        + [("sliding window", f"{cfg.sliding_window} tokens, {sliding(cfg)}")] * (sliding(cfg) != "none")
     lines += [f"| {k} | {v} |" for k, v in rows]
 
     lines += ["", "## Data lineage", ""]
