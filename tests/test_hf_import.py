@@ -286,6 +286,34 @@ def test_import_is_the_inverse_of_export(case, tokenizer_dir, tmp_path):
     assert model.stop_ids == (eos,)
 
 
+def test_a_windowed_model_decodes_in_the_servers_slots_as_its_forward_computes(tokenizer_dir, tmp_path):
+    """OLMo 3's shape (a sliding layer, then a full one) with a window of 5 over prompts and answers
+    of up to 29 tokens: greedy answers equal the argmax of the full forward at each position (the
+    cache masks the window as the forward does), and answers decoded beside others in the
+    server's continuous batching (each row at positions of its own) equal those decoded alone."""
+    from evaluation.generate import Request, sample
+    from evaluation.server import Job, Service
+
+    cfg = SMALL.model_copy(update={"qk_norm": "projection", "norm_position": "post", "sliding_window": 5,
+                                   "layer_types": ("sliding_attention", "full_attention")})
+    kiln_export(tmp_path / "hf", cfg, tokenizer_dir)
+    model = load(tmp_path / "hf")
+    assert model.cfg == cfg
+    prompts = [list(range(3, 3 + n)) for n in (4, 9, 14)]
+    answers = [sample(model, p, 15, temperature=0.0) for p in prompts]
+    for prompt, answer in zip(prompts, answers):
+        assert len(answer) == 15  # no EOS drawn: every position below is checked
+        logits = np.asarray(forward(model.params, np.array([prompt + answer[:-1]], np.int32), cfg))[0]
+        assert [int(t) for t in logits[len(prompt) - 1:].argmax(-1)] == answer
+    scheduler = Service(model, "windowed", max_batch=4).scheduler
+    try:
+        jobs = [Job(Request(p, 15, 0.0)) for p in prompts]
+        together = [f.result(120) for f in [scheduler.submit(j) for j in jobs]]
+        assert [r.sampled.ids for r in together] == answers
+    finally:
+        scheduler.close()
+
+
 @pytest.mark.parametrize("update", [{"attention_bias": True, "qk_norm": "head"}, {"qk_norm": "projection"},
                                     {"norm_position": "post"},
                                     {"sliding_window": 8, "layer_types": ("sliding_attention", "full_attention")}])
