@@ -493,6 +493,38 @@ def test_post_training_encodes_a_checkpoints_chat_template_with_a_mask_on_the_an
         chat_template(tmp_path / "bad-out").encode(CONVERSATION)
 
 
+# A template in the manner of Qwen3's (written here, not Qwen3's own): an empty think block before
+# the answers after the last user turn only, so earlier answers render differently once one follows
+THINKING = ("{% set last = namespace(user=-1) %}{% for m in messages %}{% if m['role'] == 'user' %}"
+            "{% set last.user = loop.index0 %}{% endif %}{% endfor %}"
+            "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+            "{% if m['role'] == 'assistant' and loop.index0 > last.user %}<think>\n\n</think>\n\n{% endif %}"
+            "{{ m['content'] | trim }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_template_that_thinks_before_the_last_answer_trains_single_turns_and_refuses_more(hf, tmp_path):
+    """What docs/starting_points.md says of Qwen3's template: a single-turn conversation is learned
+    with the empty think block in front of its answer (transformers' ids), one with two answers is
+    refused (the first answer renders without the block once the second follows)."""
+    from tasks.tokenizer import chat_template
+
+    _, transformers = hf
+    folder = chatml_folder(tmp_path / "hf", {**CHATML_TOKENS, "chat_template": THINKING})
+    run_body(tokenizer_step(TokenizerConfig(kind="hf", path=str(folder))), tmp_path / "out", {})
+    template, theirs = chat_template(tmp_path / "out"), transformers.AutoTokenizer.from_pretrained(folder)
+    single = CONVERSATION[1:3]
+    ids, mask = template.encode(single)
+    expected = theirs.apply_chat_template(single, tokenize=True)
+    assert ids == list(expected["input_ids"] if hasattr(expected, "keys") else expected)
+    learned = [i for i, m in zip(ids, mask) if m]  # one run, up to the turn's end (its newline is not learned)
+    first = mask.index(1)
+    assert mask[first:first + len(learned)] == [1] * len(learned)  # contiguous
+    assert theirs.decode(learned) == "<think>\n\n</think>\n\nthe heaven and the earth.<|im_end|>"
+    with pytest.raises(ValueError, match="cannot tell which tokens are the answer"):
+        template.encode(CONVERSATION)
+
+
 def test_a_model_trained_on_from_a_checkpoint_keeps_its_chat_template_unless_it_does_not_parse(hf, tmp_path):
     """A train output (not post-trained) whose tokenizer carries a checkpoint's chat template chats
     in it when served and exports it, as the checkpoint did, stopping at EOS only; a carried
