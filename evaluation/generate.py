@@ -495,7 +495,8 @@ def load(path: Path, tokenizer_dir: Path | None = None, dtype: str | None = None
         folder = Path(tokenizer_dir) if tokenizer_dir is not None else tokenizer_of(path)
         meta = read_tokenizer_meta(folder)
         tokenizer = load_tokenizer(folder)
-        model = Model(cfg, params, tokenizer, meta["eos_id"], meta.get("bos_id"), *output_chat(path, folder))
+        model = Model(cfg, params, tokenizer, meta["eos_id"], meta.get("bos_id"),
+                      *output_chat(path, folder, tokenizer))
     elif (path / "config.json").is_file() and ((path / WEIGHTS_FILE).is_file() or (path / INDEX_FILE).is_file()):
         model = load_export(path, jnp.dtype(dtype or "float32"))
     else:
@@ -514,11 +515,13 @@ def load(path: Path, tokenizer_dir: Path | None = None, dtype: str | None = None
     return replace(model, cfg=cfg, params=placed(model.params))
 
 
-def output_chat(model_dir: Path, tokenizer_dir: Path) -> tuple[tuple[int, ...], str | None, dict[str, str]]:
+def output_chat(model_dir: Path, tokenizer_dir: Path,
+                tokenizer: Tokenizer | None = None) -> tuple[tuple[int, ...], str | None, dict[str, str]]:
     """A training output's (turn end ids, chat template, the template's special tokens' text). A
     post-trained output (SFT, DPO) keeps the template it learned beside its weights, and a reply ends
     at its end of turn; any other output chats in its tokenizer's template (a Hugging Face
-    checkpoint's, which a tokenizer step of kind hf carries), if any, and stops at EOS."""
+    checkpoint's, which a tokenizer step of kind hf carries), if any, and stops at EOS. `tokenizer`:
+    the tokenizer folder's, where the caller has loaded it already."""
     from tasks.tokenizer import carried_chat_template, chat_template
     from training.posttrain import TEMPLATE_FILE
 
@@ -527,7 +530,7 @@ def output_chat(model_dir: Path, tokenizer_dir: Path) -> tuple[tuple[int, ...], 
     template_file = Path(model_dir) / TEMPLATE_FILE
     if not template_file.is_file():
         return (), None if carried is None else carried[0], template_tokens
-    template = chat_template(tokenizer_dir)
+    template = chat_template(tokenizer_dir, tokenizer)
     if template.source != template_file.read_text(encoding="utf-8"):
         raise ValueError(f"{model_dir} was post-trained with another chat template than the tokenizer {tokenizer_dir} "
                          "carries: pair it with the tokenizer it was post-trained with (kiln generate and "

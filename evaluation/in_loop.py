@@ -65,7 +65,7 @@ class _Evaluations:
         # One adapter for the whole run: its compiled functions are kept, its parameters replaced.
         self.lm = KilnLM(ctx.model_cfg, None, self.tokenizer, meta["eos_id"], meta.get("bos_id"),
                          batch_size=spec.cfg.batch_size,
-                         chat=chat_template(folder) if spec.cfg.apply_chat_template else None)
+                         chat=chat_template(folder, self.tokenizer) if spec.cfg.apply_chat_template else None)
 
     def __call__(self, info: StepInfo) -> None:
         params = info.params

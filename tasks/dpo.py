@@ -85,7 +85,7 @@ def generated_pairs(model_dir: Path, tokenizer_dir: Path, chat_dir: Path, out: P
 
     model_cfg, params = load_model(Path(model_dir))
     tokenizer = load_tokenizer(tokenizer_dir)
-    template = chat_template(tokenizer_dir)
+    template = chat_template(tokenizer_dir, tokenizer)
     lm = KilnLM(model_cfg, params, tokenizer, read_tokenizer_meta(tokenizer_dir)["eos_id"], batch_size=batch_size,
                 max_gen_toks=max_gen_toks, parse_special_tokens=True)
     out.mkdir(parents=True, exist_ok=True)

@@ -111,7 +111,7 @@ def load_kiln_lm(model_dir: Path, tokenizer_dir: Path, step: int | None = None, 
     meta = read_tokenizer_meta(tokenizer_dir)
     tokenizer = load_tokenizer(tokenizer_dir)
     return KilnLM(cfg, params, tokenizer, meta["eos_id"], meta.get("bos_id"),
-                  end_ids=output_chat(model_dir, tokenizer_dir)[0], **kwargs)
+                  end_ids=output_chat(model_dir, tokenizer_dir, tokenizer)[0], **kwargs)
 
 
 def model_at(model_dir: Path, step: int | None) -> Path:

@@ -58,11 +58,11 @@ def run_export(ctx: StepContext) -> dict:
     model_dir, tokenizer_dir = ctx.inputs["model"], ctx.inputs["tokenizer"]
     cfg, params = load_model(model_dir)
     meta = read_tokenizer_meta(tokenizer_dir)
-    load_tokenizer(tokenizer_dir)  # checks tokenizer.json against its recorded hash
+    tokenizer = load_tokenizer(tokenizer_dir)  # checks tokenizer.json against its recorded hash
     tokenizer_json = (Path(tokenizer_dir) / TOKENIZER_FILE).read_text(encoding="utf-8")
     # the template serving uses: a post-trained model's, whose turn's end joins EOS in generation_config.json,
     # or the one its tokenizer carries (a checkpoint's), as the checkpoint's own tokenizer_config.json did
-    turn_end_ids, chat_template, _ = output_chat(Path(model_dir), Path(tokenizer_dir))
+    turn_end_ids, chat_template, _ = output_chat(Path(model_dir), Path(tokenizer_dir), tokenizer)
     stats = export_hf(cfg, params, tokenizer_json, meta, ctx.out, chat_template, next(iter(turn_end_ids), None))
     if config.lora == "adapter":
         from safetensors.numpy import load_file

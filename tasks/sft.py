@@ -67,8 +67,9 @@ def evaluate_model(model_dir: Path, tokenizer_dir: Path, chat_dir: Path, out_dir
     from training.loop import load_model
 
     model_cfg, params = load_model(model_dir)
-    return chat_evaluate(model_cfg, params, load_tokenizer(tokenizer_dir), read_tokenizer_meta(tokenizer_dir)["eos_id"],
-                         chat_template(tokenizer_dir), read_records(Path(chat_dir) / "sft_eval.jsonl"),
+    tokenizer = load_tokenizer(tokenizer_dir)
+    return chat_evaluate(model_cfg, params, tokenizer, read_tokenizer_meta(tokenizer_dir)["eos_id"],
+                         chat_template(tokenizer_dir, tokenizer), read_records(Path(chat_dir) / "sft_eval.jsonl"),
                          read_records(Path(chat_dir) / "pairs_eval.jsonl"), out_dir, cfg)
 
 

@@ -327,14 +327,16 @@ def carried_chat_template(folder: Path) -> tuple[str, dict[str, str]] | None:
     return source, record["tokens"]
 
 
-def chat_template(folder: Path):
+def chat_template(folder: Path, tokenizer: Tokenizer | None = None):
     """The chat template post-training encodes conversations with: the checkpoint's own where the
     tokenizer carries one (kind hf), else kiln's (training.posttrain.ChatTemplate), which needs the
-    chat tokens among the tokenizer's special tokens."""
+    chat tokens among the tokenizer's special tokens. `tokenizer`: the folder's, where the caller
+    has loaded it already (else it is loaded here)."""
     from training.chat_jinja import CheckpointTemplate
     from training.posttrain import ChatTemplate
 
+    tokenizer = load_tokenizer(folder) if tokenizer is None else tokenizer
     carried = carried_chat_template(folder)
     if carried is None:
-        return ChatTemplate(load_tokenizer(folder))
-    return CheckpointTemplate(carried[0], load_tokenizer(folder), carried[1])
+        return ChatTemplate(tokenizer)
+    return CheckpointTemplate(carried[0], tokenizer, carried[1])
