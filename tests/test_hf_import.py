@@ -91,12 +91,14 @@ def hf():
 
 
 def transformers_model(hf, arch: str, **config):
-    """A random transformers model of `arch` (llama, qwen2, qwen3, olmo2, olmo3, mistral): matrices N(0, 0.1),
-    norms (q/k norms too) 1 + N(0, 0.2), biases N(0, 0.2). Heads are 48 / 6 = 8 wide unless `head_dim`."""
+    """A random transformers model of `arch` (llama, qwen2, qwen3, olmo2, olmo3, mistral, gemma3): matrices
+    N(0, 0.1), norms (q/k norms too) 1 + N(0, 0.2) (Gemma's multiply by 1 + that), biases N(0, 0.2). Heads
+    are 48 / 6 = 8 wide unless `head_dim`."""
     torch, transformers = hf
     config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
                     "qwen3": transformers.Qwen3Config, "olmo2": transformers.Olmo2Config,
-                    "olmo3": transformers.Olmo3Config, "mistral": transformers.MistralConfig}[arch]
+                    "olmo3": transformers.Olmo3Config, "mistral": transformers.MistralConfig,
+                    "gemma3": transformers.Gemma3TextConfig}[arch]
     cfg = config_class(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
                        num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6,
                        bos_token_id=1, eos_token_id=2, **config)
@@ -164,6 +166,16 @@ CASES = {
     # 1 and 2 of 8, and the attention factor is 0.1 ln 4 + 1
     "qwen3-yarn": ("qwen3", {"tie_word_embeddings": True, "head_dim": 16, "rope_scaling": {
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}}),
+    # Gemma 3 (text): norms before and after each sublayer, GeGLU, embeddings times sqrt(48), heads of
+    # 16 over 48 / 6, sliding layers at RoPE base 10000 beside the full layers' 1000000 (Gemma3TextConfig's)
+    "gemma3": ("gemma3", {"tie_word_embeddings": True, "head_dim": 16, "query_pre_attn_scalar": 16,
+                          "sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"]}),
+    # Gemma 3 4B's linear RoPE scaling on the full layers, 27B's scores over sqrt(query_pre_attn_scalar)
+    # rather than sqrt(head_dim), the flat keys of transformers 4's configs, and a window of 5
+    "gemma3-linear-rope-score-scalar": ("gemma3", {"tie_word_embeddings": False, "query_pre_attn_scalar": 12,
+                                                   "sliding_window": 5, "rope_theta": 100.0, "rope_local_base_freq":
+                                                   30.0, "rope_scaling": {"rope_type": "linear", "factor": 4.0},
+                                                   "layer_types": ["full_attention", "sliding_attention"]}),
     "qwen2-yarn-every-field": ("qwen2", {"tie_word_embeddings": True, "rope_theta": 500.0, "rope_scaling": {
         "rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 48, "attention_factor": 1.3,
         "beta_fast": 16.0, "beta_slow": 2.0, "truncate": False}}),
@@ -178,14 +190,22 @@ def test_imported_checkpoint_gives_transformers_logits_and_round_trips(case, hf,
     cfg, params = load_hf(tmp_path / "hf")
 
     assert (cfg.attention_bias, cfg.tie_embeddings, cfg.seq_len) == (arch == "qwen2", config["tie_word_embeddings"], 64)
-    width = config.get("head_dim", 8)
+    width = config.get("head_dim", 256 if arch == "gemma3" else 8)  # (Gemma3TextConfig's default head_dim)
     assert (cfg.head_dim, cfg.head_width) == (width, None if width == 8 else width)
     assert (cfg.qk_norm, cfg.norm_position) == {"qwen3": ("head", "pre"), "olmo2": ("projection", "post"),
-                                                "olmo3": ("projection", "post")}.get(arch, ("none", "pre"))
+                                                "olmo3": ("projection", "post"),
+                                                "gemma3": ("head", "both")}.get(arch, ("none", "pre"))
+    gemma = arch == "gemma3"
+    assert (cfg.activation, cfg.scale_embeddings) == (("gelu_tanh", True) if gemma else ("silu", False))
+    scalar = config.get("query_pre_attn_scalar")  # kept only where it is not the head width
+    assert cfg.query_pre_attn_scalar == (scalar if scalar not in (None, width) else None)
     window = config.get("sliding_window")  # Mistral's is left out where it does not bite (at least 64)
-    assert cfg.sliding_window == (window if arch == "olmo3" or (arch == "mistral" and (window or 64) < 64) else None)
-    assert cfg.layer_types == (tuple(config["layer_types"]) if arch == "olmo3" else None)
-    assert cfg.rope_theta == config.get("rope_theta", 5e5 if arch == "olmo3" else 1e4) and cfg.norm_eps == 1e-6
+    assert cfg.sliding_window == (window if arch in ("olmo3", "gemma3") or (arch == "mistral" and (window or 64) < 64)
+                                  else None)
+    assert cfg.layer_types == (tuple(config["layer_types"]) if arch in ("olmo3", "gemma3") else None)
+    theta = config.get("rope_theta", {"olmo3": 5e5, "gemma3": 1e6}.get(arch, 1e4))
+    assert cfg.rope_theta == theta and cfg.norm_eps == 1e-6
+    assert cfg.sliding_rope_theta == (config.get("rope_local_base_freq", 1e4) if gemma else None)
     assert (cfg.rope_scaling is not None) == ("rope_scaling" in config)
     fresh = init_state(cfg, optax.sgd(0.1), jax.random.PRNGKey(0))["params"]  # what training starts from
     assert jax.tree_util.tree_structure(params) == jax.tree_util.tree_structure(fresh)
@@ -217,6 +237,33 @@ def test_imported_checkpoint_gives_transformers_logits_and_round_trips(case, hf,
                                     else type(model).__name__)
     assert_close(torch_logits(hf, again, tokens), expected)
     assert again.generation_config.eos_token_id == read_tokenizer_meta(tokenizer_dir)["eos_id"]
+
+
+def test_a_gemma3_config_in_transformers_4_keys_imports_as_the_nested_one(hf, tmp_path):
+    """Gemma 3's checkpoints on the Hub were written by transformers 4: flat `rope_theta` and
+    `rope_local_base_freq`, `sliding_window_pattern` instead of `layer_types`. They import as the
+    same model as transformers 5's nested `rope_parameters`, and compute what transformers does."""
+    _, transformers = hf
+    model = transformers_model(hf, "gemma3", tie_word_embeddings=True, head_dim=8, query_pre_attn_scalar=8,
+                               sliding_window=6, layer_types=["sliding_attention", "full_attention"],
+                               rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 5e5},
+                                                "sliding_attention": {"rope_type": "default", "rope_theta": 50.0}})
+    model.save_pretrained(tmp_path / "nested")
+    model.save_pretrained(tmp_path / "flat")
+    config = json.loads((tmp_path / "flat" / "config.json").read_text())
+    assert config["rope_parameters"]["sliding_attention"]["rope_theta"] == 50.0
+    for key in ("rope_parameters", "layer_types", "_sliding_window_pattern"):
+        config.pop(key, None)
+    config.update(rope_theta=5e5, rope_local_base_freq=50.0, rope_scaling=None, sliding_window_pattern=2)
+    (tmp_path / "flat" / "config.json").write_text(json.dumps(config))
+
+    cfg, params = load_hf(tmp_path / "flat")
+    assert cfg == load_hf(tmp_path / "nested")[0]
+    assert (cfg.layer_types, cfg.rope_theta, cfg.sliding_rope_theta) == (("sliding_attention", "full_attention"),
+                                                                         5e5, 50.0)
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "flat").eval()
+    tokens = tokens_for(cfg)
+    assert_close(np.asarray(forward(params, tokens, cfg)), torch_logits(hf, again, tokens))
 
 
 def test_bfloat16_and_sharded_checkpoints_import_exactly(hf, tmp_path):
@@ -255,6 +302,11 @@ EXPORTED_AS = {  # kiln's model -> the transformers class it exports as
                "layer_types": ("sliding_attention", "full_attention")}, "Olmo3ForCausalLM"),
     "mistral-window": ({"sliding_window": 8}, "MistralForCausalLM"),
     "llama-narrow-heads": ({"head_width": 4}, "LlamaForCausalLM"),
+    "gemma3": ({"qk_norm": "head", "norm_position": "both", "activation": "gelu_tanh", "scale_embeddings": True,
+                "head_width": 12, "sliding_window": 8, "layer_types": ("sliding_attention", "full_attention"),
+                "sliding_rope_theta": 1e4, "query_pre_attn_scalar": 10}, "Gemma3ForCausalLM"),
+    "gemma3-no-window": ({"qk_norm": "head", "norm_position": "both", "activation": "gelu_tanh",
+                          "scale_embeddings": True}, "Gemma3ForCausalLM"),
 }
 
 
@@ -269,7 +321,11 @@ def test_import_is_the_inverse_of_export(case, tokenizer_dir, tmp_path):
     tensors = load_file(tmp_path / "hf" / "model.safetensors")
     assert ("model.layers.1.self_attn.k_proj.bias" in tensors) == cfg.attention_bias
     assert ("model.layers.1.self_attn.k_norm.weight" in tensors) == (cfg.qk_norm != "none")
-    assert ("model.layers.1.input_layernorm.weight" in tensors) == (cfg.norm_position == "pre")
+    assert ("model.layers.1.input_layernorm.weight" in tensors) == (cfg.norm_position in ("pre", "both"))
+    assert ("model.layers.1.pre_feedforward_layernorm.weight" in tensors) == (cfg.norm_position == "both")
+    # Gemma's norms multiply by 1 + weight: stored as kiln's weight - 1
+    offset = 1.0 if arch == "Gemma3ForCausalLM" else 0.0
+    assert np.array_equal(tensors["model.norm.weight"], params["norm"]["weight"] - np.float32(offset))
     assert tensors["model.layers.1.self_attn.o_proj.weight"].shape == (32, 4 * cfg.head_dim)
 
     got_cfg, got = load_hf(tmp_path / "hf")
@@ -425,7 +481,15 @@ CHATML_MARKED = CHATML.replace("<|im_start|>{{ m['role'] }}\n{{ m['content'] | t
                                "<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}{% generation %}"
                                "{{ m['content'] | trim }}<|im_end|>{% endgeneration %}{% else %}"
                                "{{ m['content'] | trim }}<|im_end|>{% endif %}\n")
+# In the manner of Gemma 3's (written here, not Gemma's own): the system message folded into the
+# first user turn, the assistant's turns named `model`
+GEMMA = ("{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set prefix = messages[0]['content'] + '\n\n' %}"
+         "{% set turns = messages[1:] %}{% else %}{% set prefix = '' %}{% set turns = messages %}{% endif %}"
+         "{% for m in turns %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+         "{{ prefix if loop.first else '' }}{{ m['content'] | trim }}<end_of_turn>\n{% endfor %}"
+         "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
 TEMPLATES = {"chatml": (CHATML, ["<|im_start|>", "<|im_end|>"], "<|im_end|>"),
+             "gemma": (GEMMA, ["<start_of_turn>", "<end_of_turn>"], "<end_of_turn>"),
              "chatml-generation-marks": (CHATML_MARKED, ["<|im_start|>", "<|im_end|>"], "<|im_end|>"),
              "llama3": (LLAMA3, ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"], "<|eot_id|>")}
 
@@ -574,8 +638,16 @@ def edited(tokenizer_dir: Path, tmp_path: Path, config: dict | None = None, weig
 
 
 REFUSED = {
-    "linear-rope": ({"rope_scaling": {"rope_type": "linear", "factor": 8.0}},
-                    "RoPE .*linear.*plain, Llama 3.1's or YaRN"),
+    "dynamic-rope": ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
+                     "RoPE .*dynamic.*plain, Llama 3.1's, YaRN's or linear"),
+    "gemma3-vision-language": ({"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3"},
+                               "vision-language models; kiln imports Gemma 3's text-only"),
+    "gemma3-soft-capping": ({"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+                             "final_logit_softcapping": 30.0}, "final_logit_softcapping 30.0 .*Gemma 2's"),
+    "gemma3-exact-gelu": ({"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+                           "hidden_activation": "gelu"}, "hidden_activation 'gelu' .*gelu_pytorch_tanh"),
+    "gemma3-bidirectional": ({"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+                              "use_bidirectional_attention": True}, "use_bidirectional_attention"),
     "yarn-deepseek-mscale-v5": ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
                                                      "mscale": 1.0, "mscale_all_dim": 0.5}},
                                 "RoPE .*mscale_all_dim"),

@@ -201,14 +201,19 @@ def test_new_fields_leave_default_versions_as_they_were(monkeypatch):
     assert version(attention="fused", eos_id=50256) == version()  # settings
     for identity in ({"remat": "full"}, {"document_mask": True}, {"z_loss": 1e-4}):
         assert version(**identity) != version(), identity
-    for shape in ({"qk_norm": "head"}, {"norm_position": "post"}, {"head_width": 64},
-                  {"sliding_window": 64}):  # the model's, identity when set
+    for shape in ({"qk_norm": "head"}, {"norm_position": "post"}, {"head_width": 64}, {"sliding_window": 64},
+                  {"norm_position": "both"}, {"activation": "gelu_tanh"}, {"scale_embeddings": True},
+                  {"query_pre_attn_scalar": 64},
+                  {"sliding_window": 64, "sliding_rope_theta": 1e3}):  # the model's, identity when set
         assert version(ModelConfig(**shape)) != version(), shape
+    assert version(ModelConfig(sliding_window=64, sliding_rope_theta=1e3)) != version(ModelConfig(sliding_window=64))
     # rope_scaling: a dict with rope_type yarn is YaRN's, one without Llama 3.1's (whose versions stay)
     yarn = ModelConfig(rope_scaling={"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 64})
     llama3 = ModelConfig(rope_scaling={"factor": 4, "original_max_position_embeddings": 64})
     assert type(yarn.rope_scaling).__name__ == "YarnScaling" and type(llama3.rope_scaling).__name__ == "RopeScaling"
-    assert len({version(yarn), version(llama3), version()}) == 3
+    linear = ModelConfig(rope_scaling={"rope_type": "linear", "factor": 4})
+    assert type(linear.rope_scaling).__name__ == "LinearScaling"
+    assert len({version(yarn), version(llama3), version(linear), version()}) == 4
 
 
 # --- z-loss ----------------------------------------------------------------------------------
@@ -266,3 +271,5 @@ def test_sliding_window_layers_are_checked():
         ModelConfig(n_layers=1, layer_types=("sliding_attention",))
     with pytest.raises(ValueError, match="rope_scaling applies to full-attention layers, and every layer slides"):
         ModelConfig(sliding_window=8, rope_scaling={"factor": 8})
+    with pytest.raises(ValueError, match="sliding_rope_theta is the sliding layers' RoPE base, and no layer slides"):
+        ModelConfig(n_layers=2, sliding_rope_theta=1e4)

@@ -70,6 +70,15 @@ class YarnScaling(ConfigModel):
         return 1.0 if self.factor <= 1 else 0.1 * math.log(self.factor) + 1.0
 
 
+class LinearScaling(ConfigModel):
+    """Linear RoPE scaling (`rope_type: linear` in a Hugging Face config, as Gemma 3 4B and up
+    extend their full-attention layers' context): every frequency divided by `factor`, so each
+    position turns as position / factor would unscaled."""
+
+    rope_type: Literal["linear"] = Field(description="Which scaling: `linear`.")
+    factor: Positive = Field(description="What positions are divided by.")
+
+
 class ModelConfig(ConfigModel):
     """A Llama-style decoder. `vocab_size` is filled from the tokenizer by the pipeline."""
 
@@ -94,9 +103,10 @@ class ModelConfig(ConfigModel):
         "float32. Identity: bfloat16 changes the bytes of the result.")
     attention_bias: bool = identity_when_set(False, description="Biases on the q, k and v projections, as in "
                                              "Qwen2 (training/hf_import.py sets it for a Qwen2 checkpoint).")
-    rope_scaling: RopeScaling | YarnScaling | None = identity_when_set(
-        None, description="Scaled RoPE frequencies: Llama 3.1's, or YaRN's (`rope_type: yarn`); "
-        "training/hf_import.py sets it from a checkpoint's `rope_type: llama3` or `yarn`. None: plain RoPE.")
+    rope_scaling: RopeScaling | YarnScaling | LinearScaling | None = identity_when_set(
+        None, description="Scaled RoPE frequencies: Llama 3.1's, YaRN's (`rope_type: yarn`) or linear "
+        "(`rope_type: linear`); training/hf_import.py sets it from a checkpoint's `rope_type: llama3`, `yarn` or "
+        "`linear`. None: plain RoPE.")
     head_width: Count | None = identity_when_set(None, description="Width of each attention head (Hugging Face's "
                                                  "`head_dim`) where it is not d_model / n_heads, as in Qwen3 and "
                                                  "Mistral Nemo: q, k and v are n_heads (n_kv_heads) times it wide "
@@ -105,10 +115,19 @@ class ModelConfig(ConfigModel):
         "none", description="RMSNorm of q and k before the rotation: `head` over each head, with a weight of "
         "head_dim per projection, as in Qwen3; `projection` over the whole q and k projections (after their "
         "biases), as in OLMo 2. training/hf_import.py sets it for those checkpoints.")
-    norm_position: Literal["pre", "post"] = identity_when_set(
+    norm_position: Literal["pre", "post", "both"] = identity_when_set(
         "pre", description="Where each block's RMSNorms sit: `pre`, on the inputs of attention and the MLP "
         "(Llama); `post`, on their outputs before the residual adds (OLMo 2: post_attention_layernorm, "
-        "post_feedforward_layernorm, no input_layernorm).")
+        "post_feedforward_layernorm, no input_layernorm); `both`, on inputs and outputs (Gemma 3: "
+        "input_layernorm, post_attention_layernorm, pre_feedforward_layernorm, post_feedforward_layernorm).")
+    activation: Literal["silu", "gelu_tanh"] = identity_when_set(
+        "silu", description="The MLP's gate activation: `silu` (SwiGLU, Llama) or `gelu_tanh`, GELU's tanh "
+        "approximation (GeGLU, Gemma's `gelu_pytorch_tanh`).")
+    scale_embeddings: bool = identity_when_set(False, description="Multiply the input embeddings by "
+                                               "sqrt(d_model) (Gemma); the tied output projection is not scaled.")
+    query_pre_attn_scalar: Count | None = identity_when_set(
+        None, description="Attention scores are q.k / sqrt(this) where it is set (Gemma's `query_pre_attn_scalar`, "
+        "as in Gemma 3 27B), else q.k / sqrt(head_dim).")
     sliding_window: Count | None = identity_when_set(
         None, description="Positions a sliding-window layer's query sees, itself included (the keys after "
         "i - sliding_window), as in Mistral and OLMo 3; which layers slide, `layer_types` says (all of them "
@@ -117,6 +136,9 @@ class ModelConfig(ConfigModel):
         None, description="Each layer's attention, one entry per layer, as a Hugging Face config's `layer_types` "
         "(OLMo 3: three sliding layers, then a full one). `rope_scaling` applies to the full-attention layers; "
         "the sliding ones rotate with plain RoPE, as OLMo 3's do.")
+    sliding_rope_theta: Positive | None = identity_when_set(
+        None, description="The sliding-window layers' RoPE base where it is not rope_theta (Gemma 3's "
+        "`rope_local_base_freq`, 10000 beside its full layers' 1000000). None: rope_theta.")
 
     def layer_window(self, layer: int) -> int | None:
         """Layer `layer`'s sliding window, or None for a full-attention layer."""
@@ -148,6 +170,9 @@ class ModelConfig(ConfigModel):
         if self.rope_scaling is not None and all(self.layer_window(i) for i in range(self.n_layers)):
             raise ValueError("rope_scaling applies to full-attention layers, and every layer slides "
                              "(sliding_window without layer_types naming a full_attention layer)")
+        if self.sliding_rope_theta is not None and not any(self.layer_window(i) for i in range(self.n_layers)):
+            raise ValueError("sliding_rope_theta is the sliding layers' RoPE base, and no layer slides "
+                             "(set sliding_window, and layer_types if some layers attend fully)")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary positions; change d_model, n_heads or "
                              "head_width")

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
-from training.config import ModelConfig, RopeScaling, YarnScaling
+from training.config import LinearScaling, ModelConfig, RopeScaling, YarnScaling
 from training.model import param_count
 
 WEIGHTS_FILE = "model.safetensors"
@@ -41,16 +41,25 @@ ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 BIASED = ("q_proj", "k_proj", "v_proj")  # with attention_bias: Qwen2's layout, o_proj has none
 BLOCK_NORMS = {"pre": ("input_layernorm", "post_attention_layernorm"),  # Llama's: before attention, before the MLP
-               "post": ("post_attention_layernorm", "post_feedforward_layernorm")}  # OLMo 2's: after each
-# (attention_bias, qk_norm, norm_position, which layers slide: `sliding`) -> the transformers class and
-# model_type that computes it (training/hf_import.py reads checkpoints of these classes by the same table)
-HF_CLASSES = {(False, "none", "pre", "none"): ("LlamaForCausalLM", "llama"),
-              (True, "none", "pre", "none"): ("Qwen2ForCausalLM", "qwen2"),  # Llama with q, k, v biases
-              (False, "head", "pre", "none"): ("Qwen3ForCausalLM", "qwen3"),  # Llama with per-head q/k norms
-              (False, "projection", "post", "none"): ("Olmo2ForCausalLM", "olmo2"),  # norms after sublayers
-              (False, "none", "pre", "every layer"): ("MistralForCausalLM", "mistral"),  # Llama, every layer sliding
-              (False, "projection", "post", "every layer"): ("Olmo3ForCausalLM", "olmo3"),  # OLMo 2 with
-              (False, "projection", "post", "some layers"): ("Olmo3ForCausalLM", "olmo3")}  # sliding layers
+               "post": ("post_attention_layernorm", "post_feedforward_layernorm"),  # OLMo 2's: after each
+               "both": ("input_layernorm", "post_attention_layernorm",  # Gemma 3's: before and after each
+                        "pre_feedforward_layernorm", "post_feedforward_layernorm")}
+LLAMA_MLP = ("silu", False)  # (activation, scale_embeddings) of every class but Gemma's
+GEMMA = ("gelu_tanh", True)
+# (attention_bias, qk_norm, norm_position, (activation, scale_embeddings), which layers slide: `sliding`)
+# -> the transformers class and model_type that computes it (training/hf_import.py reads checkpoints of
+# these classes by the same table)
+HF_CLASSES = {(False, "none", "pre", LLAMA_MLP, "none"): ("LlamaForCausalLM", "llama"),
+              (True, "none", "pre", LLAMA_MLP, "none"): ("Qwen2ForCausalLM", "qwen2"),  # Llama with q, k, v biases
+              (False, "head", "pre", LLAMA_MLP, "none"): ("Qwen3ForCausalLM", "qwen3"),  # per-head q/k norms
+              (False, "projection", "post", LLAMA_MLP, "none"): ("Olmo2ForCausalLM", "olmo2"),  # norms after
+              (False, "none", "pre", LLAMA_MLP, "every layer"): ("MistralForCausalLM", "mistral"),  # all sliding
+              (False, "projection", "post", LLAMA_MLP, "every layer"): ("Olmo3ForCausalLM", "olmo3"),  # OLMo 2
+              (False, "projection", "post", LLAMA_MLP, "some layers"): ("Olmo3ForCausalLM", "olmo3"),  # + windows
+              **{(False, "head", "both", GEMMA, slide): ("Gemma3ForCausalLM", "gemma3_text")  # Gemma 3's text model
+                 for slide in ("none", "every layer", "some layers")}}
+# Classes whose RMSNorm multiplies by 1 + weight (Gemma's): their checkpoints store kiln's weight - 1
+OFFSET_NORMS = {"gemma3_text"}
 
 
 def sliding(cfg: ModelConfig) -> str:
@@ -81,12 +90,22 @@ def hf_names(cfg: ModelConfig) -> dict[tuple[str, ...], str]:
 
 
 def hf_state_dict(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
-    """kiln's parameter tree as a flat {HF name: float32 array} dict (Linear weights are [out, in])."""
+    """kiln's parameter tree as a flat {HF name: float32 array} dict (Linear weights are [out, in];
+    a Gemma norm's weight as its class stores it, kiln's weight - 1: `norm_offset`)."""
+    offset = norm_offset(architecture(cfg)[1])
     out = {}
     for path, name in hf_names(cfg).items():
         leaf = np.asarray(leaf_at(params, path), dtype=np.float32)
-        out[name] = np.ascontiguousarray(leaf.T if path[-1] == "kernel" else leaf)
+        out[name] = np.ascontiguousarray(leaf.T if path[-1] == "kernel" else leaf - offset if path[-1] == "weight"
+                                         else leaf)
     return out
+
+
+def norm_offset(model_type: str) -> float:
+    """What a checkpoint of `model_type` stores less than kiln's RMSNorm weight: 1 for Gemma's
+    norms, which compute x * (1 + weight) in float32 where kiln computes x * weight; else 0.
+    (Only norms have a leaf named `weight` in kiln's tree.)"""
+    return 1.0 if model_type in OFFSET_NORMS else 0.0
 
 
 def export_adapter(cfg: ModelConfig, lora, adapters: dict[str, np.ndarray], out_dir: Path) -> dict:
@@ -123,24 +142,31 @@ def leaf_at(tree: dict, path: tuple[str, ...]):
 
 def architecture(cfg: ModelConfig) -> tuple[str, str]:
     """The transformers class and model_type of the export (`HF_CLASSES`). Another combination
-    of attention_bias, qk_norm, norm_position and sliding layers (say Qwen3's norms with Qwen2's
-    biases: Qwen3's own attention_bias also biases o_proj) is a model kiln trains and serves but no
-    class computes."""
-    key = (cfg.attention_bias, cfg.qk_norm, cfg.norm_position, sliding(cfg))
-    if key not in HF_CLASSES:
-        known = "; ".join(f"{arch}: attention_bias {b}, qk_norm {q}, norm_position {n}, sliding {w}"
-                          for (b, q, n, w), (arch, _) in HF_CLASSES.items())
+    of attention_bias, qk_norm, norm_position, activation, scale_embeddings and sliding layers (say
+    Qwen3's norms with Qwen2's biases: Qwen3's own attention_bias also biases o_proj), or a sliding
+    layers' RoPE base or a query_pre_attn_scalar outside Gemma 3, is a model kiln trains and serves
+    but no class computes."""
+    key = (cfg.attention_bias, cfg.qk_norm, cfg.norm_position, (cfg.activation, cfg.scale_embeddings), sliding(cfg))
+    gemma_only = [f"{name} {getattr(cfg, name)}" for name in ("sliding_rope_theta", "query_pre_attn_scalar")
+                  if getattr(cfg, name) is not None]
+    if key not in HF_CLASSES or (gemma_only and HF_CLASSES[key][1] != "gemma3_text"):
+        known = "; ".join(f"{arch}: attention_bias {b}, qk_norm {q}, norm_position {n}, activation {a}, "
+                          f"scale_embeddings {e}, sliding {w}"
+                          for (b, q, n, (a, e), w), (arch, _) in HF_CLASSES.items())
         raise ValueError(f"no Hugging Face class computes attention_bias {key[0]}, qk_norm {key[1]}, norm_position "
-                         f"{key[2]}, sliding {key[3]}: kiln can train and serve this model, but not export it "
-                         f"({known})")
+                         f"{key[2]}, activation {key[3][0]}, scale_embeddings {key[3][1]}, sliding {key[4]}"
+                         + "".join(f", {item}" for item in gemma_only) + ": kiln can train and serve this model, "
+                         f"but not export it ({known}; sliding_rope_theta and query_pre_attn_scalar: Gemma3ForCausalLM "
+                         "only)")
     return HF_CLASSES[key]
 
 
 def rope_scaling(cfg: ModelConfig) -> dict | None:
-    """config.json's `rope_scaling`: Llama 3.1's (`rope_type: llama3`) or YaRN's, as transformers reads them."""
+    """config.json's `rope_scaling`: Llama 3.1's (`rope_type: llama3`), YaRN's or linear, as transformers reads
+    them."""
     if cfg.rope_scaling is None:
         return None
-    if isinstance(cfg.rope_scaling, YarnScaling):
+    if isinstance(cfg.rope_scaling, (YarnScaling, LinearScaling)):
         return cfg.rope_scaling.model_dump(exclude_none=True)
     return {"rope_type": "llama3", **cfg.rope_scaling.model_dump()}
 
@@ -175,7 +201,7 @@ def hf_config(cfg: ModelConfig, bos_id: int, eos_id: int) -> dict:
         "torch_dtype": "float32",  # the weights; a bfloat16-trained model computed its matmuls in bfloat16
         "use_cache": True,
     }
-    if model_type not in ("llama", "mistral"):  # Qwen2's, Qwen3's and OLMo's configs have no mlp_bias
+    if model_type not in ("llama", "mistral"):  # Qwen2's, Qwen3's, OLMo's and Gemma's configs have no mlp_bias
         del config["mlp_bias"]
     if model_type == "mistral":
         config["sliding_window"] = cfg.sliding_window
@@ -187,6 +213,14 @@ def hf_config(cfg: ModelConfig, bos_id: int, eos_id: int) -> dict:
         config.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers)
     if model_type == "qwen2":  # nor Qwen2's an attention_bias: its q, k, v always have biases
         del config["attention_bias"]
+    if model_type == "gemma3_text":  # Gemma 3's names, flat as transformers 4 and 5 read them
+        del config["hidden_act"]
+        config.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=cfg.query_pre_attn_scalar
+                      or cfg.head_dim, rope_local_base_freq=cfg.sliding_rope_theta or cfg.rope_theta,
+                      sliding_window=cfg.sliding_window or cfg.seq_len, final_logit_softcapping=None,
+                      attn_logit_softcapping=None, use_bidirectional_attention=False,
+                      layer_types=["full_attention" if cfg.layer_window(i) is None else "sliding_attention"
+                                   for i in range(cfg.n_layers)])
     return config
 
 
@@ -267,7 +301,10 @@ def lineage_lines(node: dict, indent: str = "") -> list[str]:
     return lines
 
 
-ROPE_NAMES = {type(None): "", RopeScaling: ", Llama 3.1 scaling", YarnScaling: ", YaRN scaling"}
+ROPE_NAMES = {type(None): "", RopeScaling: ", Llama 3.1 scaling", YarnScaling: ", YaRN scaling",
+              LinearScaling: ", linear scaling"}
+NORM_PLACES = {"post": "after each sublayer (post-norm)", "both": "before and after each sublayer"}
+MLP_NAMES = {"silu": "SwiGLU", "gelu_tanh": "GeGLU, tanh GELU"}
 MADE_BY = {"sft": "trained, then fine-tuned on conversations (SFT),", "dpo": "trained, then post-trained (SFT, DPO),"}
 
 
@@ -278,6 +315,7 @@ def model_card(cfg: ModelConfig, n_params: int, name: str, license_id: str | Non
     `config` and `code` (tasks.export.model_lineage; None when the model did not come from a kiln
     store)."""
     arch, model_type = architecture(cfg)
+    slide = sliding(cfg)
     header = ["---", "library_name: transformers", "pipeline_tag: text-generation", "tags:", "- kiln",
               f"- {model_type}"]
     if license_id:
@@ -289,14 +327,18 @@ def model_card(cfg: ModelConfig, n_params: int, name: str, license_id: str | Non
                       "## Architecture", "", "| | |", "| --- | --- |"]
     rows = [("parameters", f"{n_params:,}"), ("layers", cfg.n_layers), ("d_model", cfg.d_model),
             ("attention heads", cfg.n_heads), ("key/value heads (GQA)", cfg.n_kv_heads),
-            ("head dim", cfg.head_dim), ("MLP (SwiGLU) width", cfg.d_ff), ("vocabulary", cfg.vocab_size),
+            ("head dim", cfg.head_dim), (f"MLP ({MLP_NAMES[cfg.activation]}) width", cfg.d_ff),
+            ("vocabulary", cfg.vocab_size),
             ("context", cfg.seq_len), ("positions", f"RoPE, theta {cfg.rope_theta:g}"
                                                           + ROPE_NAMES[type(cfg.rope_scaling)]),
             ("norm", f"RMSNorm, eps {cfg.norm_eps:g}"), ("tied embeddings", cfg.tie_embeddings),
             ("training compute dtype", cfg.compute_dtype)] + [("q/k/v biases", True)] * cfg.attention_bias \
         + [("q/k norms", f"RMSNorm over each {cfg.qk_norm}")] * (cfg.qk_norm != "none") \
-        + [("norm position", "after each sublayer (post-norm)")] * (cfg.norm_position == "post") \
-        + [("sliding window", f"{cfg.sliding_window} tokens, {sliding(cfg)}")] * (sliding(cfg) != "none")
+        + [("norm position", NORM_PLACES.get(cfg.norm_position))] * (cfg.norm_position != "pre") \
+        + [("embeddings", "scaled by sqrt(d_model)")] * cfg.scale_embeddings \
+        + [("attention scores", f"q.k / sqrt({cfg.query_pre_attn_scalar})")] * bool(cfg.query_pre_attn_scalar) \
+        + [("sliding window", f"{cfg.sliding_window} tokens, {slide}" + (
+            f", RoPE theta {cfg.sliding_rope_theta:g}" if cfg.sliding_rope_theta else ""))] * (slide != "none")
     lines += [f"| {k} | {v} |" for k, v in rows]
 
     lines += ["", "## Data lineage", ""]

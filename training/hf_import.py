@@ -9,19 +9,24 @@ instead of before, and over the whole q and k projections: `norm_position: post`
 projection`); an `Olmo3ForCausalLM` (OLMo 2 with sliding-window layers: `sliding_window`,
 `layer_types`); a `MistralForCausalLM` (Llama with a sliding window in every layer, left out
 where it does not bite: none, as from Mistral 7B v0.2 on, or one at least the context kiln uses,
-when it is Llama and exports as `LlamaForCausalLM`). A config's `head_dim` other than
+when it is Llama and exports as `LlamaForCausalLM`); a `Gemma3ForCausalLM` (Gemma 3's text model,
+270M and 1B: norms before and after each sublayer, `norm_position: both`; per-head q/k norms;
+GeGLU, `activation: gelu_tanh`; embeddings times sqrt(d_model), `scale_embeddings`; sliding
+layers at a RoPE base of their own, `sliding_rope_theta`; its norms' weights stored as kiln's - 1,
+`training.export.norm_offset`). A config's `head_dim` other than
 hidden_size / num_attention_heads (Qwen3, Mistral Nemo) is kiln's `head_width`. Tensors are
 renamed by the export's own table (`training.export.hf_names`) and Linear weights [out, in]
 transposed back to Dense kernels [in, out]; nothing is permuted, since kiln's RoPE is HF's
 `rotate_half` layout. Every tensor becomes float32 (bfloat16 exactly), as kiln's parameters are,
 unless the caller asks for another dtype (`kiln serve-model` holds weights in its compute dtype).
 
-Llama 3.1's and YaRN's RoPE scaling (`rope_type: llama3`, `yarn`) become `model.rope_scaling`.
-What kiln's model cannot compute is refused with the reason, before any weight is read: other
-RoPE scaling (linear, dynamic, longrope, YaRN with DeepSeek's mscale, ...), sliding layers with
-RoPE of their own, Qwen's sliding window, biases other than Qwen2's q/k/v, an activation other
-than SiLU, quantized weights, and other architectures (Qwen3's mixture of experts among them). A
-tensor the config does not account for is refused too.
+Llama 3.1's, YaRN's and linear RoPE scaling (`rope_type: llama3`, `yarn`, `linear`) become
+`model.rope_scaling`. What kiln's model cannot compute is refused with the reason, before any
+weight is read: other RoPE scaling (dynamic, longrope, YaRN with DeepSeek's mscale, ...), sliding
+layers with a scaled RoPE, Qwen's sliding window, biases other than Qwen2's q/k/v, an activation
+other than the class's (SiLU; Gemma's tanh GELU), Gemma 2's logit soft-capping, quantized
+weights, and other architectures (Qwen3's mixture of experts and the multimodal Gemma 3 among
+them). A tensor the config does not account for is refused too.
 
 Plain numpy and `safetensors`: no JAX device work, no torch, no Prefect.
 """
@@ -35,14 +40,21 @@ import jax
 import numpy as np
 from safetensors import safe_open
 
-from training.config import ModelConfig, RopeScaling, YarnScaling
-from training.export import HF_CLASSES, hf_names, leaf_at
+from training.config import LinearScaling, ModelConfig, RopeScaling, YarnScaling
+from training.export import HF_CLASSES, hf_names, leaf_at, norm_offset
 from training.model import init_params
 
 # the classes kiln exports (training.export.HF_CLASSES)
 ARCHITECTURES = {arch: model_type for arch, model_type in HF_CLASSES.values()}
-# model_type -> kiln's (attention_bias, qk_norm, norm_position); which layers slide, the config says
-FEATURES = {model_type: features[:3] for features, (_, model_type) in HF_CLASSES.items()}
+# model_type -> kiln's (attention_bias, qk_norm, norm_position, (activation, scale_embeddings)); which
+# layers slide, the config says
+FEATURES = {model_type: features[:4] for features, (_, model_type) in HF_CLASSES.items()}
+# what each model_type's config calls its MLP's activation, and the value kiln computes
+ACTIVATIONS = {"gemma3_text": ("hidden_activation", "gelu_pytorch_tanh")}
+# sliding layers by default where the config lists no layer_types: every n-th layer attends fully
+FULL_LAYER_EVERY = {"olmo3": 4, "gemma3_text": 6}
+# classes whose sliding layers rotate at a RoPE base of their own (`model.sliding_rope_theta`)
+OWN_SLIDING_THETA = {"gemma3_text"}
 INDEX_FILE = "model.safetensors.index.json"
 WEIGHTS_FILE = "model.safetensors"
 # Buffers some older checkpoints saved beside the weights; kiln computes them from rope_theta.
@@ -58,8 +70,9 @@ def load_hf(folder: Path, seq_len: int | None = None, dtype=np.float32) -> tuple
     `seq_len` caps the config's `max_position_embeddings`, which kiln's seq_len would otherwise
     take: it sizes training's buffers and the default generation length."""
     folder = Path(folder)
-    cfg = model_config(read_config(folder), seq_len, folder)
-    return cfg, kiln_params(read_tensors(folder, dtype), cfg, folder)
+    hf = read_config(folder)
+    cfg = model_config(hf, seq_len, folder)
+    return cfg, kiln_params(read_tensors(folder, dtype), cfg, folder, norm_offset(architecture(hf, folder)))
 
 
 def read_config(folder: Path) -> dict:
@@ -76,23 +89,29 @@ def read_config(folder: Path) -> dict:
 def architecture(hf: dict, folder: Path) -> str:
     archs = hf.get("architectures") or []
     known = [a for a in archs if a in ARCHITECTURES]
+    if archs == ["Gemma3ForConditionalGeneration"]:
+        raise ValueError(f"{folder}: architectures {archs}: Gemma 3 4B and up are vision-language models; kiln "
+                         "imports Gemma 3's text-only checkpoints (Gemma3ForCausalLM: 270M, 1B)")
     if len(archs) > 1 or (archs and not known):
         raise ValueError(f"{folder}: architectures {archs}: kiln imports one of {sorted(ARCHITECTURES)}")
     model_type = ARCHITECTURES[known[0]] if known else hf.get("model_type")
     if model_type not in ARCHITECTURES.values() or hf.get("model_type", model_type) != model_type:
         raise ValueError(f"{folder}: model_type {hf.get('model_type')!r}: kiln imports Llama, Qwen2, Qwen3, "
-                         f"OLMo 2, OLMo 3 and Mistral decoders ({', '.join(sorted(ARCHITECTURES))})")
+                         f"OLMo 2, OLMo 3, Mistral and Gemma 3 decoders ({', '.join(sorted(ARCHITECTURES))})")
     return model_type
 
 
 def rope_parameters(hf: dict) -> tuple[dict, dict | None]:
     """The RoPE of the full-attention layers as one dict (`rope_type`, `rope_theta`, the scaling's
     fields), from transformers 4's flat `rope_theta` and `rope_scaling` or 5's `rope_parameters`;
-    and the sliding layers' own, where the config nests one per layer type (OLMo 3), else None."""
+    and the sliding layers' own, where the config nests one per layer type (OLMo 3, Gemma 3) or
+    names their base (Gemma 3's `rope_local_base_freq`), else None."""
     nested = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
     sliding = None
     if "full_attention" in nested or "sliding_attention" in nested:
         nested, sliding = nested.get("full_attention") or {}, dict(nested.get("sliding_attention") or {})
+    elif hf.get("rope_local_base_freq") is not None:
+        sliding = {"rope_type": "default", "rope_theta": hf["rope_local_base_freq"]}
     scaling = hf.get("rope_scaling") if isinstance(hf.get("rope_scaling"), dict) else {}
     full = {"rope_theta": hf.get("rope_theta", 10000.0), **nested, **scaling}
     full["rope_type"] = full.get("rope_type", full.get("type", "default"))
@@ -101,12 +120,14 @@ def rope_parameters(hf: dict) -> tuple[dict, dict | None]:
     return full, sliding
 
 
-def rope_scaling(hf: dict) -> RopeScaling | YarnScaling | None:
-    """Llama 3.1's or YaRN's RoPE scaling of the full-attention layers (`rope_parameters`), or
-    None. As transformers reads them, a missing original context is the config's
+def rope_scaling(hf: dict) -> RopeScaling | YarnScaling | LinearScaling | None:
+    """Llama 3.1's, YaRN's or linear RoPE scaling of the full-attention layers (`rope_parameters`),
+    or None. As transformers reads them, a missing original context is the config's
     `original_max_position_embeddings` or else its `max_position_embeddings`, and YaRN's missing
     factor their ratio."""
     rope, _ = rope_parameters(hf)
+    if rope["rope_type"] == "linear":
+        return LinearScaling(rope_type="linear", factor=rope["factor"])
     if rope["rope_type"] not in ("llama3", "yarn"):
         return None
     rope.setdefault("original_max_position_embeddings",
@@ -122,16 +143,28 @@ def rope_theta(hf: dict) -> float:
     return float(rope_parameters(hf)[0]["rope_theta"])
 
 
+def sliding_rope_theta(hf: dict, layer_types) -> float | None:
+    """The sliding layers' RoPE base where some layer slides and it differs from the full layers'
+    (Gemma 3's 10000 beside 1000000), else None."""
+    full, sliding = rope_parameters(hf)
+    theta = (sliding or {}).get("rope_theta", full["rope_theta"])
+    return float(theta) if layer_types and "sliding_attention" in layer_types and theta != full["rope_theta"] \
+        else None
+
+
 def windows(hf: dict, model_type: str, context: int) -> tuple[int | None, tuple[str, ...] | None]:
     """(sliding_window, layer_types) of the model: Mistral's window slides in every layer, and is
     left out where it does not bite (at least the context: the model is then Llama, with the
-    version it had before kiln had windows); OLMo 3's in the layers `layer_types` names (Olmo3Config's
-    default: three sliding, then one full), none where no layer slides."""
+    version it had before kiln had windows); OLMo 3's and Gemma 3's in the layers `layer_types`
+    names (by default every 4th layer attends fully in Olmo3Config, every `sliding_window_pattern`th,
+    6, in Gemma3TextConfig), kept where they do not bite (Gemma 3's sliding layers rotate at a base
+    of their own), none where no layer slides."""
     window = hf.get("sliding_window")
     if model_type == "mistral" and window is not None and window < context:
         return window, None
-    if model_type == "olmo3" and window is not None:
-        types = tuple(hf.get("layer_types") or ("full_attention" if (i + 1) % 4 == 0 else "sliding_attention"
+    if model_type in FULL_LAYER_EVERY and window is not None:
+        every = hf.get("sliding_window_pattern", FULL_LAYER_EVERY[model_type])
+        types = tuple(hf.get("layer_types") or ("full_attention" if (i + 1) % every == 0 else "sliding_attention"
                                                 for i in range(hf["num_hidden_layers"])))
         if "sliding_attention" in types:
             return window, types
@@ -148,20 +181,28 @@ def head_width(hf: dict) -> int | None:
 def unsupported(hf: dict, model_type: str) -> list[str]:
     """Why kiln's model cannot compute this config, one reason each (empty: it can)."""
     reasons = []
-    act = hf.get("hidden_act", "silu")
-    if act != "silu":
-        reasons.append(f"hidden_act {act!r} (kiln's MLP is SwiGLU, silu)")
+    key, expected = ACTIVATIONS.get(model_type, ("hidden_act", "silu"))
+    act = hf.get(key, expected)
+    if act != expected:
+        reasons.append(f"{key} {act!r} (kiln computes {model_type}'s MLP with {expected})")
+    for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if hf.get(cap) is not None:
+            reasons.append(f"{cap} {hf[cap]} (Gemma 2's soft-capping: kiln's logits are not capped)")
+    if hf.get("use_bidirectional_attention"):
+        reasons.append("use_bidirectional_attention true (kiln's attention is causal)")
     rope, sliding_rope = rope_parameters(hf)
-    if rope["rope_type"] not in ("default", "llama3", "yarn"):
-        reasons.append(f"RoPE {rope} (kiln's RoPE is plain, Llama 3.1's or YaRN's: rope_type default, llama3 or yarn)")
+    if rope["rope_type"] not in ("default", "llama3", "yarn", "linear"):
+        reasons.append(f"RoPE {rope} (kiln's RoPE is plain, Llama 3.1's, YaRN's or linear: rope_type default, "
+                       "llama3, yarn or linear)")
     elif rope["rope_type"] == "yarn" and rope.get("mscale") and rope.get("mscale_all_dim") \
             and not rope.get("attention_factor"):
         reasons.append(f"RoPE {rope} (YaRN's mscale and mscale_all_dim, DeepSeek's attention factor: kiln's "
                        "YaRN takes attention_factor, or 0.1 ln(factor) + 1)")
+    own_theta = sliding_rope is not None and sliding_rope.get("rope_theta", rope["rope_theta"]) != rope["rope_theta"]
     if sliding_rope is not None and (sliding_rope["rope_type"] != "default"
-                                     or sliding_rope.get("rope_theta", rope["rope_theta"]) != rope["rope_theta"]):
-        reasons.append(f"the sliding layers' RoPE {sliding_rope} (kiln's sliding layers rotate with plain RoPE at "
-                       f"the full layers' rope_theta {rope['rope_theta']})")
+                                     or (own_theta and model_type not in OWN_SLIDING_THETA)):
+        reasons.append(f"the sliding layers' RoPE {sliding_rope} (kiln's sliding layers rotate with plain RoPE, at the "
+                       f"full layers' rope_theta {rope['rope_theta']}, or at a base of their own in Gemma 3)")
     partial = hf.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
         reasons.append(f"partial_rotary_factor {partial} (kiln rotates every head dimension)")
@@ -178,14 +219,29 @@ def unsupported(hf: dict, model_type: str) -> list[str]:
         reasons.append(f"use_sliding_window true, window {hf.get('sliding_window')} (Qwen's window, in the layers "
                        "from max_window_layers on: kiln's sliding layers are Mistral's and OLMo 3's)")
     other_layers = sorted(set(hf.get("layer_types") or ["full_attention"]) - {"full_attention"})
-    if other_layers and model_type != "olmo3":
-        reasons.append(f"layer_types {other_layers} (kiln's sliding layers are Mistral's and OLMo 3's)")
+    if other_layers and model_type not in FULL_LAYER_EVERY:
+        reasons.append(f"layer_types {other_layers} (kiln's sliding layers are Mistral's, OLMo 3's and Gemma 3's)")
     if set(hf.get("layer_types") or []) - {"full_attention", "sliding_attention"}:
         reasons.append(f"layer_types {sorted(set(hf['layer_types']))} (kiln has full_attention and "
                        "sliding_attention layers)")
     if hf.get("quantization_config"):
         reasons.append("quantization_config (kiln imports float weights: float32, float16 or bfloat16)")
     return reasons
+
+
+def query_pre_attn_scalar(hf: dict) -> int | None:
+    """Gemma's `query_pre_attn_scalar` where it is not the head width (else None: kiln's default
+    1 / sqrt(head_dim), which Gemma 3 270M, 1B, 4B and 12B have)."""
+    scalar = hf.get("query_pre_attn_scalar")
+    width = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    return None if scalar in (None, width) else int(scalar)
+
+
+def features(model_type: str) -> dict:
+    """ModelConfig's fields that the class fixes (`FEATURES`), by name."""
+    bias, qk_norm, norm_position, (activation, scale_embeddings) = FEATURES[model_type]
+    return {"attention_bias": bias, "qk_norm": qk_norm, "norm_position": norm_position, "activation": activation,
+            "scale_embeddings": scale_embeddings}
 
 
 def model_config(hf: dict, seq_len: int | None, folder: Path) -> ModelConfig:
@@ -208,7 +264,8 @@ def model_config(hf: dict, seq_len: int | None, folder: Path) -> ModelConfig:
                            tie_embeddings=hf.get("tie_word_embeddings", False), norm_eps=hf.get("rms_norm_eps", 1e-6),
                            init_std=hf.get("initializer_range", 0.02), head_width=head_width(hf),
                            sliding_window=sliding_window, layer_types=layer_types,
-                           **dict(zip(("attention_bias", "qk_norm", "norm_position"), FEATURES[model_type])))
+                           sliding_rope_theta=sliding_rope_theta(hf, layer_types),
+                           query_pre_attn_scalar=query_pre_attn_scalar(hf), **features(model_type))
     except KeyError as e:
         raise ValueError(f"{folder}: config.json has no {e.args[0]}") from None
 
@@ -237,10 +294,11 @@ def read_tensors(folder: Path, dtype=np.float32) -> dict[str, np.ndarray]:
     return tensors
 
 
-def kiln_params(tensors: dict[str, np.ndarray], cfg: ModelConfig, folder: Path) -> dict:
-    """The HF tensors as kiln's parameter tree, each checked against the shape kiln's model gives it.
-    Consumes `tensors`: each is taken out as it is placed, so a transposed kernel's original goes as
-    its copy is made (the weights held once, not twice)."""
+def kiln_params(tensors: dict[str, np.ndarray], cfg: ModelConfig, folder: Path, offset: float = 0.0) -> dict:
+    """The HF tensors as kiln's parameter tree, each checked against the shape kiln's model gives it;
+    `offset` added to the norms' weights (1 for Gemma's: `training.export.norm_offset`). Consumes
+    `tensors`: each is taken out as it is placed, so a transposed kernel's original goes as its copy
+    is made (the weights held once, not twice)."""
     shapes = jax.eval_shape(lambda key: init_params(cfg, key), jax.random.PRNGKey(0))
     missing, params = [], {}
     for path, name in hf_names(cfg).items():
@@ -257,6 +315,8 @@ def kiln_params(tensors: dict[str, np.ndarray], cfg: ModelConfig, folder: Path) 
         node = params
         for key in path[:-1]:
             node = node.setdefault(key, {})
+        if path[-1] == "weight" and offset:  # in float32, as Gemma computes 1 + weight, then in the caller's dtype
+            tensor = (tensor.astype(np.float32) + offset).astype(tensor.dtype)
         node[path[-1]] = np.ascontiguousarray(tensor.T if path[-1] == "kernel" else tensor)
     if missing:
         raise ValueError(f"{folder}: the checkpoint lacks {len(missing)} tensors its config.json needs: "

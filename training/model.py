@@ -11,7 +11,12 @@ unless `attention_bias` is set: then q, k and v have one, as in `Qwen2ForCausalL
 outputs, before the residual adds (OLMo 2); `head_width` makes heads wider or narrower than
 d_model / n_heads (Qwen3, Mistral Nemo); `sliding_window` keeps the layers `layer_types` names
 `sliding_attention` (every layer, without it) to the last positions (Mistral, OLMo 3), and those
-rotate with plain RoPE where `rope_scaling` scales the full-attention layers' (OLMo 3's).
+rotate with plain RoPE where `rope_scaling` scales the full-attention layers' (OLMo 3's), at
+`sliding_rope_theta` where it is set (Gemma 3's local base). Gemma 3's other features:
+`norm_position: both` (norms on the inputs and the outputs of attention and the MLP),
+`activation: gelu_tanh` (GeGLU), `scale_embeddings` (the input embeddings times sqrt(d_model)) and
+`query_pre_attn_scalar` (scores over sqrt of it instead of sqrt(head_dim)); Gemma's norms multiply
+by 1 + weight, which the export and import convert to and from kiln's weight (training/export.py).
 
 Parameter tree (`params` of `init_params`), HF names in brackets; a Dense `kernel` is stored
 [in, out], the transpose of a torch `Linear.weight`:
@@ -27,6 +32,8 @@ Parameter tree (`params` of `init_params`), HF names in brackets; a Dense `kerne
                                             [H*Q] and [K*Q] with qk_norm projection)
     layers_{i}/post_attention_layernorm/weight [D]   (norm_position post: after attention, and no
     layers_{i}/post_feedforward_layernorm/weight [D]  input_layernorm; this one after the MLP)
+    layers_{i}/pre_feedforward_layernorm/weight [D]  (norm_position both: before the MLP, beside
+                                            input_layernorm and the two above)
     layers_{i}/mlp/gate_proj/kernel    [D, F]       (mlp.gate_proj)
     layers_{i}/mlp/up_proj/kernel      [D, F]       (mlp.up_proj)
     layers_{i}/mlp/down_proj/kernel    [F, D]       (mlp.down_proj)
@@ -64,7 +71,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
-from training.config import ModelConfig, YarnScaling
+from training.config import LinearScaling, ModelConfig, YarnScaling
 
 _MASKED = -1e30  # finite, so a row with nothing visible (padding) gives no NaN
 
@@ -89,10 +96,12 @@ def rope_frequencies(head_dim: int, theta: float, scaling=None):
     """theta^(-2i/Q) for i < Q/2, float32; with `scaling` a RopeScaling, Llama 3.1's: low
     frequencies divided by `factor`, high ones kept, the band between blended by where its
     wavelength lies, as transformers' `llama3` rope type computes them; a YarnScaling, YaRN's
-    (`yarn_frequencies`)."""
+    (`yarn_frequencies`); a LinearScaling, every frequency divided by `factor`."""
     inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim // 2, dtype=jnp.float32) * 2 / head_dim))
     if scaling is None:
         return inv_freq
+    if isinstance(scaling, LinearScaling):
+        return inv_freq / scaling.factor
     if isinstance(scaling, YarnScaling):
         return yarn_frequencies(inv_freq, head_dim, theta, scaling)
     wavelength = 2 * math.pi / inv_freq
@@ -203,11 +212,11 @@ def query_blocks(T: int) -> list[tuple[int, int]]:
     return list(zip(edges[:-1], edges[1:]))
 
 
-def causal_attention(q, k, v, segments=None, window: int | None = None):
+def causal_attention(q, k, v, segments=None, window: int | None = None, score_width: float | None = None):
     """Grouped-query causal attention of one sequence per row, position i seeing keys 0..i:
     q [B, T, H, Q], k and v [B, T, K, Q] -> [B, T, H*Q]. With `segments` [B, T] (each position's
     document, `segment_ids`) only the keys 0..i of its own document; with `window`, only the keys
-    after i - window (a sliding-window layer's).
+    after i - window (a sliding-window layer's). Scores are q.k / sqrt(score_width or Q).
 
     Laid out for XLA's batched matmuls: heads first, and the H/K query heads that share a key
     head stacked as rows in (position, head) order, [B, K, T*H/K, Q], so each query block is a
@@ -220,7 +229,7 @@ def causal_attention(q, k, v, segments=None, window: int | None = None):
     keys_t, values = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)  # [B, K, Q, T], [B, K, T, Q]
     outs = []
     for t0, t1 in query_blocks(T):
-        scores = (rows[:, :, t0 * G:t1 * G] @ keys_t[..., :t1]).astype(jnp.float32) / math.sqrt(Q)
+        scores = (rows[:, :, t0 * G:t1 * G] @ keys_t[..., :t1]).astype(jnp.float32) / math.sqrt(score_width or Q)
         row_pos = t0 + jnp.arange((t1 - t0) * G) // G  # [(t1 - t0) G]
         visible = jnp.arange(t1) <= row_pos[:, None]  # [(t1 - t0) G, t1]
         if window is not None:
@@ -233,15 +242,18 @@ def causal_attention(q, k, v, segments=None, window: int | None = None):
     return out.reshape(B, K, T, G * Q).transpose(0, 2, 1, 3).reshape(B, T, H * Q)
 
 
-def fused_attention(q, k, v, segments=None, implementation: str | None = None, window: int | None = None):
+def fused_attention(q, k, v, segments=None, implementation: str | None = None, window: int | None = None,
+                    score_width: float | None = None):
     """Grouped-query causal attention as one `jax.nn.dot_product_attention` call: q [B, T, H, Q],
     k and v [B, T, K, Q] -> [B, T, H*Q]. `implementation` "cudnn" is cuDNN's fused flash attention
     (GPU, bfloat16 or float16 only), "xla" (or None) the plain softmax(QK^T)V that XLA fuses as
     it can. With `segments`, a [B, 1, T, T] mask keeps each query inside its document; with
-    `window`, its local window keeps it to the last `window` positions."""
+    `window`, its local window keeps it to the last `window` positions. Scores are q.k / sqrt(score_width
+    or Q)."""
     B, T, H, Q = q.shape
     mask = None if segments is None else (segments[:, :, None] == segments[:, None, :])[:, None]
     out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=implementation,
+                                       scale=None if score_width is None else 1 / math.sqrt(score_width),
                                        local_window_size=None if window is None else (window - 1, 0))
     return out.reshape(B, T, H * Q)
 
@@ -261,18 +273,19 @@ def document_positions(segments):
     return t - jax.lax.cummax(jnp.where(starts, t, 0), axis=1)
 
 
-def cached_attention(q, k, v, positions, kv_pos, window: int | None = None):
+def cached_attention(q, k, v, positions, kv_pos, window: int | None = None, score_width: float | None = None):
     """Attention over a key/value cache while decoding: q [B, T, H, Q] at `positions` [B, T],
     k and v [B, S, K, Q] at `kv_pos` [B, S]. A key is visible to a query if it is not later
     (causal) and not padding or an empty slot (position -1), and, with `window`, not `window` or
-    more positions earlier. (The cache keeps every position: a sliding window saves no memory.)"""
+    more positions earlier. (The cache keeps every position: a sliding window saves no memory.)
+    Scores are q.k / sqrt(score_width or Q)."""
     B, T, H, Q = q.shape
     K = k.shape[2]
     visible = (kv_pos[:, None, :] <= positions[:, :, None]) & (kv_pos[:, None, :] >= 0)  # [B, T, S]
     if window is not None:
         visible = visible & (kv_pos[:, None, :] > positions[:, :, None] - window)
     q = q.reshape(B, T, K, H // K, Q)  # query head h uses kv head h // (H/K), as HF's repeat_kv
-    scores = jnp.einsum("btkgq,bskq->bkgts", q, k).astype(jnp.float32) / math.sqrt(Q)
+    scores = jnp.einsum("btkgq,bskq->bkgts", q, k).astype(jnp.float32) / math.sqrt(score_width or Q)
     scores = jnp.where(visible[:, None, None], scores, _MASKED)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
     return jnp.einsum("bkgts,bskq->btkgq", probs, v).reshape(B, T, H * Q)
@@ -312,13 +325,14 @@ class Attention(nn.Module):
         q, k = rotary(q, rope), rotary(k, rope)
 
         if layer_cache is None and self.attention != "query_blocks":  # training / full forward, fused
-            out = fused_attention(q, k, v, segments, self.attention.removeprefix("fused_"), self.window)
+            out = fused_attention(q, k, v, segments, self.attention.removeprefix("fused_"), self.window,
+                                  cfg.query_pre_attn_scalar)
         elif layer_cache is None:  # training / full forward: one causal run, position i sees 0..i
-            out = causal_attention(q, k, v, segments, self.window)
+            out = causal_attention(q, k, v, segments, self.window, cfg.query_pre_attn_scalar)
         else:  # decoding: write this chunk at slot `index` (row b's at index[b]), attend over the whole cache
             layer_cache = {"k": write_cache(layer_cache["k"], k, index), "v": write_cache(layer_cache["v"], v, index)}
             k, v = layer_cache["k"], layer_cache["v"]
-            out = cached_attention(q, k, v, positions, cache_pos, self.window)
+            out = cached_attention(q, k, v, positions, cache_pos, self.window, cfg.query_pre_attn_scalar)
         return project(out, Kernel((H * Q, D), out_std, name="o_proj")().astype(dt)), layer_cache
 
 
@@ -348,6 +362,13 @@ def _swiglu_bwd(gate_up, dy):
 swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
+def geglu(gate_up):
+    """gelu(gate) * up with GELU's tanh approximation (Gemma's `gelu_pytorch_tanh`), gate and up
+    side by side as `swiglu` takes them; autodiff's backward."""
+    gate, up = jnp.split(gate_up, 2, axis=-1)
+    return jax.nn.gelu(gate, approximate=True) * up
+
+
 class MLP(nn.Module):
     cfg: ModelConfig
 
@@ -361,7 +382,8 @@ class MLP(nn.Module):
             gate_up = jnp.concatenate([project(x, gate.astype(dt)), project(x, up.astype(dt))], axis=-1)
         else:  # one matmul
             gate_up = project(x, jnp.concatenate([gate, up], axis=1).astype(dt))
-        return project(swiglu(gate_up), Kernel((F, D), out_std, name="down_proj")().astype(dt))
+        hidden = swiglu(gate_up) if cfg.activation == "silu" else geglu(gate_up)
+        return project(hidden, Kernel((F, D), out_std, name="down_proj")().astype(dt))
 
 
 class Block(nn.Module):
@@ -378,6 +400,12 @@ class Block(nn.Module):
             h, layer_cache = attention(x, positions, rope, layer_cache, cache_pos, index, segments)
             x = x + RMSNorm(cfg.norm_eps, dt, name="post_attention_layernorm")(h)
             return x + RMSNorm(cfg.norm_eps, dt, name="post_feedforward_layernorm")(mlp(x, decoding)), layer_cache
+        if cfg.norm_position == "both":  # Gemma 3: each sublayer's input and output normalised
+            h, layer_cache = attention(RMSNorm(cfg.norm_eps, dt, name="input_layernorm")(x), positions, rope,
+                                       layer_cache, cache_pos, index, segments)
+            x = x + RMSNorm(cfg.norm_eps, dt, name="post_attention_layernorm")(h)
+            h = mlp(RMSNorm(cfg.norm_eps, dt, name="pre_feedforward_layernorm")(x), decoding)
+            return x + RMSNorm(cfg.norm_eps, dt, name="post_feedforward_layernorm")(h), layer_cache
         h, layer_cache = attention(RMSNorm(cfg.norm_eps, dt, name="input_layernorm")(x), positions, rope, layer_cache,
                                    cache_pos, index, segments)
         x = x + h
@@ -416,17 +444,20 @@ class Llama(nn.Module):
         embed = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=dt, param_dtype=jnp.float32,
                          embedding_init=nn.initializers.normal(cfg.init_std), name="embed_tokens")
         x = embed(tokens)
+        if cfg.scale_embeddings:  # Gemma's, in the compute dtype as transformers casts it
+            x = x * jnp.asarray(math.sqrt(cfg.d_model), jnp.float32).astype(dt)
         rope = rope_tables(positions, cfg.head_dim, cfg.rope_theta, dt, cfg.rope_scaling)
         windows = [cfg.layer_window(i) for i in range(cfg.n_layers)]
-        if cfg.rope_scaling is not None and any(windows):  # sliding layers rotate plainly (OLMo 3's)
-            plain_rope = rope_tables(positions, cfg.head_dim, cfg.rope_theta, dt)
+        sliding_rope = rope  # sliding layers rotate plainly (OLMo 3's), at their own base if they have one (Gemma 3's)
+        if any(windows) and (cfg.rope_scaling is not None or cfg.sliding_rope_theta is not None):
+            sliding_rope = rope_tables(positions, cfg.head_dim, cfg.sliding_rope_theta or cfg.rope_theta, dt)
         # Remat wraps the block, so the parameter tree keeps its names (layers_{i}/...).
         block = Block if self.remat == "none" else nn.remat(Block, policy=remat_policy(self.remat))
         new_layers = []
         for i, window in enumerate(windows):
             layer_cache = None if cache is None else cache["layers"][i]
             x, layer_cache = block(cfg, self.attention, window, name=f"layers_{i}")(
-                x, positions, plain_rope if window and cfg.rope_scaling is not None else rope, layer_cache,
+                x, positions, sliding_rope if window else rope, layer_cache,
                 None if cache is None else cache["pos"], None if cache is None else cache["index"], segments)
             new_layers.append(layer_cache)
         x = RMSNorm(cfg.norm_eps, dt, name="norm")(x)
