@@ -125,12 +125,15 @@ def jax_profile(steps: int, batches: np.ndarray, fastest: bool = False) -> list[
     return sorted(totals.items(), key=lambda kv: -kv[1])
 
 
-def dense_attention(q, k, v):
+def dense_attention(q, k, v, segments=None, window=None, score_width=None, cap=None):
     """The attention training ran before query blocks: one masked [T, T] softmax per head, which
-    is the decoding path's form over the sequence's own keys at positions 0..T-1."""
+    is the decoding path's form over the sequence's own keys at positions 0..T-1. Called as
+    `causal_attention` is (the model here has no documents, windows, score scale or caps)."""
+    if segments is not None:
+        raise ValueError("dense_attention keeps no documents apart: profile without train.document_mask")
     B, T = q.shape[:2]
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    return kiln_model.cached_attention(q, k, v, positions, positions)
+    return kiln_model.cached_attention(q, k, v, positions, positions, window, score_width, cap)
 
 
 def transposed_copies(compiled) -> tuple[int, float]:

@@ -91,14 +91,14 @@ def hf():
 
 
 def transformers_model(hf, arch: str, **config):
-    """A random transformers model of `arch` (llama, qwen2, qwen3, olmo2, olmo3, mistral, gemma3): matrices
+    """A random transformers model of `arch` (llama, qwen2, qwen3, olmo2, olmo3, mistral, gemma2, gemma3): matrices
     N(0, 0.1), norms (q/k norms too) 1 + N(0, 0.2) (Gemma's multiply by 1 + that), biases N(0, 0.2). Heads
     are 48 / 6 = 8 wide unless `head_dim`."""
     torch, transformers = hf
     config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
                     "qwen3": transformers.Qwen3Config, "olmo2": transformers.Olmo2Config,
                     "olmo3": transformers.Olmo3Config, "mistral": transformers.MistralConfig,
-                    "gemma3": transformers.Gemma3TextConfig}[arch]
+                    "gemma2": transformers.Gemma2Config, "gemma3": transformers.Gemma3TextConfig}[arch]
     cfg = config_class(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
                        num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6,
                        bos_token_id=1, eos_token_id=2, **config)
@@ -166,6 +166,10 @@ CASES = {
     # 1 and 2 of 8, and the attention factor is 0.1 ln 4 + 1
     "qwen3-yarn": ("qwen3", {"tie_word_embeddings": True, "head_dim": 16, "rope_scaling": {
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}}),
+    # Gemma 2: Gemma 3's norms, GeGLU and scaled embeddings without q/k norms, every other layer sliding
+    # at one RoPE base, and soft caps on the attention scores and the logits (2 and 3: they bite here)
+    "gemma2": ("gemma2", {"tie_word_embeddings": True, "head_dim": 16, "query_pre_attn_scalar": 12,
+                          "sliding_window": 6, "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0}),
     # Gemma 3 (text): norms before and after each sublayer, GeGLU, embeddings times sqrt(48), heads of
     # 16 over 48 / 6, sliding layers at RoPE base 10000 beside the full layers' 1000000 (Gemma3TextConfig's)
     "gemma3": ("gemma3", {"tie_word_embeddings": True, "head_dim": 16, "query_pre_attn_scalar": 16,
@@ -190,22 +194,26 @@ def test_imported_checkpoint_gives_transformers_logits_and_round_trips(case, hf,
     cfg, params = load_hf(tmp_path / "hf")
 
     assert (cfg.attention_bias, cfg.tie_embeddings, cfg.seq_len) == (arch == "qwen2", config["tie_word_embeddings"], 64)
-    width = config.get("head_dim", 256 if arch == "gemma3" else 8)  # (Gemma3TextConfig's default head_dim)
+    width = config.get("head_dim", 256 if arch.startswith("gemma") else 8)  # (Gemma's default head_dim)
     assert (cfg.head_dim, cfg.head_width) == (width, None if width == 8 else width)
     assert (cfg.qk_norm, cfg.norm_position) == {"qwen3": ("head", "pre"), "olmo2": ("projection", "post"),
                                                 "olmo3": ("projection", "post"),
+                                                "gemma2": ("none", "both"),
                                                 "gemma3": ("head", "both")}.get(arch, ("none", "pre"))
-    gemma = arch == "gemma3"
+    gemma = arch.startswith("gemma")
     assert (cfg.activation, cfg.scale_embeddings) == (("gelu_tanh", True) if gemma else ("silu", False))
     scalar = config.get("query_pre_attn_scalar")  # kept only where it is not the head width
     assert cfg.query_pre_attn_scalar == (scalar if scalar not in (None, width) else None)
     window = config.get("sliding_window")  # Mistral's is left out where it does not bite (at least 64)
-    assert cfg.sliding_window == (window if arch in ("olmo3", "gemma3") or (arch == "mistral" and (window or 64) < 64)
-                                  else None)
-    assert cfg.layer_types == (tuple(config["layer_types"]) if arch in ("olmo3", "gemma3") else None)
+    assert cfg.sliding_window == (window if arch in ("olmo3", "gemma2", "gemma3")
+                                  or (arch == "mistral" and (window or 64) < 64) else None)
+    types = ("sliding_attention", "full_attention") if arch == "gemma2" else config.get("layer_types")  # its default
+    assert cfg.layer_types == (tuple(types) if arch in ("olmo3", "gemma2", "gemma3") else None)
+    caps = (config.get("attn_logit_softcapping"), config.get("final_logit_softcapping"))
+    assert (cfg.attn_logit_softcapping, cfg.final_logit_softcapping) == caps
     theta = config.get("rope_theta", {"olmo3": 5e5, "gemma3": 1e6}.get(arch, 1e4))
     assert cfg.rope_theta == theta and cfg.norm_eps == 1e-6
-    assert cfg.sliding_rope_theta == (config.get("rope_local_base_freq", 1e4) if gemma else None)
+    assert cfg.sliding_rope_theta == (config.get("rope_local_base_freq", 1e4) if arch == "gemma3" else None)
     assert (cfg.rope_scaling is not None) == ("rope_scaling" in config)
     fresh = init_state(cfg, optax.sgd(0.1), jax.random.PRNGKey(0))["params"]  # what training starts from
     assert jax.tree_util.tree_structure(params) == jax.tree_util.tree_structure(fresh)
@@ -307,6 +315,9 @@ EXPORTED_AS = {  # kiln's model -> the transformers class it exports as
                 "sliding_rope_theta": 1e4, "query_pre_attn_scalar": 10}, "Gemma3ForCausalLM"),
     "gemma3-no-window": ({"qk_norm": "head", "norm_position": "both", "activation": "gelu_tanh",
                           "scale_embeddings": True}, "Gemma3ForCausalLM"),
+    "gemma2": ({"norm_position": "both", "activation": "gelu_tanh", "scale_embeddings": True, "sliding_window": 8,
+                "layer_types": ("sliding_attention", "full_attention"), "attn_logit_softcapping": 50.0,
+                "final_logit_softcapping": 30.0}, "Gemma2ForCausalLM"),
 }
 
 
@@ -324,7 +335,7 @@ def test_import_is_the_inverse_of_export(case, tokenizer_dir, tmp_path):
     assert ("model.layers.1.input_layernorm.weight" in tensors) == (cfg.norm_position in ("pre", "both"))
     assert ("model.layers.1.pre_feedforward_layernorm.weight" in tensors) == (cfg.norm_position == "both")
     # Gemma's norms multiply by 1 + weight: stored as kiln's weight - 1
-    offset = 1.0 if arch == "Gemma3ForCausalLM" else 0.0
+    offset = 1.0 if arch.startswith("Gemma") else 0.0
     assert np.array_equal(tensors["model.norm.weight"], params["norm"]["weight"] - np.float32(offset))
     assert tensors["model.layers.1.self_attn.o_proj.weight"].shape == (32, 4 * cfg.head_dim)
 
@@ -372,7 +383,11 @@ def test_a_windowed_model_decodes_in_the_servers_slots_as_its_forward_computes(t
 
 @pytest.mark.parametrize("update", [{"attention_bias": True, "qk_norm": "head"}, {"qk_norm": "projection"},
                                     {"norm_position": "post"},
-                                    {"sliding_window": 8, "layer_types": ("sliding_attention", "full_attention")}])
+                                    {"sliding_window": 8, "layer_types": ("sliding_attention", "full_attention")},
+                                    {"final_logit_softcapping": 30.0}, {"activation": "gelu_tanh"},
+                                    {"norm_position": "both", "activation": "gelu_tanh", "scale_embeddings": True,
+                                     "sliding_window": 8, "layer_types": ("sliding_attention", "full_attention"),
+                                     "sliding_rope_theta": 100.0}])  # Gemma 2's shape, with Gemma 3's local base
 def test_a_model_no_transformers_class_computes_is_not_exported(update, tokenizer_dir, tmp_path):
     cfg = SMALL.model_copy(update=update)
     with pytest.raises(ValueError, match="no Hugging Face class computes .*kiln can train and serve this model"):
@@ -642,8 +657,7 @@ REFUSED = {
                      "RoPE .*dynamic.*plain, Llama 3.1's, YaRN's or linear"),
     "gemma3-vision-language": ({"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3"},
                                "vision-language models; kiln imports Gemma 3's text-only"),
-    "gemma3-soft-capping": ({"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
-                             "final_logit_softcapping": 30.0}, "final_logit_softcapping 30.0 .*Gemma 2's"),
+    "llama-soft-capping": ({"final_logit_softcapping": 30.0}, "final_logit_softcapping 30.0 .*Gemma 2's"),
     "gemma3-exact-gelu": ({"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
                            "hidden_activation": "gelu"}, "hidden_activation 'gelu' .*gelu_pytorch_tanh"),
     "gemma3-bidirectional": ({"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",

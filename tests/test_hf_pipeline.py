@@ -1,7 +1,7 @@
 """Continued pretraining from Hugging Face models through `kiln run`: a Llama, a Qwen2, a Qwen3, an
-OLMo 2, an OLMo 3 and a Gemma 3 saved by `transformers` (random weights, small) are the starting points
-(`train.init.hf`) and their own tokenizers tokenize the data (`tokenizer: {kind: hf}`); each run
-ends in an export that `transformers` loads with kiln's logits."""
+OLMo 2, an OLMo 3, a Gemma 2 and a Gemma 3 saved by `transformers` (random weights, small) are the
+starting points (`train.init.hf`) and their own tokenizers tokenize the data (`tokenizer: {kind:
+hf}`); each run ends in an export that `transformers` loads with kiln's logits."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from training.model import forward
 @pytest.mark.slow  # out of the fast suite (29 s alone, 75-82 s in it); CI runs it after it
 @pytest.mark.ci
 @pytest.mark.ray  # its training starts a local Ray: tests/conftest.py ray_lock
-def test_continued_pretraining_from_six_architectures_exports_what_transformers_loads(hf, tmp_path):  # noqa: F811
+def test_continued_pretraining_from_each_architecture_exports_what_transformers_loads(hf, tmp_path):  # noqa: F811
     torch, transformers = hf
     folders, classes = {}, {}
     for arch, extra in (("llama", {"tie_word_embeddings": False}), ("qwen2", {"tie_word_embeddings": True}),
@@ -32,6 +32,8 @@ def test_continued_pretraining_from_six_architectures_exports_what_transformers_
                         ("olmo2", {"tie_word_embeddings": False}),  # post-norm blocks
                         ("olmo3", {"tie_word_embeddings": False, "sliding_window": 16,  # windows within seq_len
                                    "layer_types": ["sliding_attention", "full_attention"]}),
+                        ("gemma2", {"tie_word_embeddings": False, "head_dim": 8, "query_pre_attn_scalar": 8,
+                                    "sliding_window": 16}),  # soft caps at Gemma2Config's 50 and 30
                         ("gemma3", {"tie_word_embeddings": True, "head_dim": 16, "query_pre_attn_scalar": 16,
                                     "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"]})):
         folder = tmp_path / arch
@@ -51,7 +53,7 @@ def test_continued_pretraining_from_six_architectures_exports_what_transformers_
         "eval": {"tasks": [], "bits_per_byte": True, "heldout_tokens": 256},  # bits per byte: any context fits
         "resources": {"cpus_per_host": 1},
         "variants": {"llama": {}, **{arch: {"tokenizer.path": str(folders[arch]), "train.init.hf": str(folders[arch])}
-                                     for arch in ("qwen2", "qwen3", "olmo2", "olmo3", "gemma3")}},
+                                     for arch in ("qwen2", "qwen3", "olmo2", "olmo3", "gemma2", "gemma3")}},
     }
     path, store = tmp_path / "from_hf.yaml", tmp_path / "store"
     path.write_text(yaml.safe_dump(config, sort_keys=False))

@@ -273,3 +273,27 @@ def test_sliding_window_layers_are_checked():
         ModelConfig(sliding_window=8, rope_scaling={"factor": 8})
     with pytest.raises(ValueError, match="sliding_rope_theta is the sliding layers' RoPE base, and no layer slides"):
         ModelConfig(n_layers=2, sliding_rope_theta=1e4)
+
+
+# --- Gemma 2's soft caps -------------------------------------------------------------------------
+
+
+def test_soft_capped_models_attend_in_query_blocks_and_every_logit_path_caps():
+    """attn_logit_softcapping has no fused form: auto resolves to query blocks on every platform and
+    an explicit fused choice is refused, as is a fused forward; the scorers' separate output layer
+    (evaluation.scoring, behind lm-eval and the server) caps the logits as the forward does."""
+    from evaluation.scoring import final_hidden, output_logits
+
+    capped = CFG.model_copy(update={"attn_logit_softcapping": 0.5, "final_logit_softcapping": 0.7})
+    for platform in ("cpu", "gpu", "tpu"):
+        assert attention_form("auto", capped, platform) == "query_blocks"
+    with pytest.raises(ValueError, match="dot_product_attention has no soft cap"):
+        attention_form("fused", capped, "gpu")
+    params, tokens = shared_params(), shared_batch()[:, :-1]
+    with pytest.raises(ValueError, match="has no soft cap"):
+        forward(params, tokens, capped, attention="fused_xla")
+    logits = np.asarray(forward(params, tokens, capped))
+    assert np.abs(logits).max() < 0.7  # capped, where the uncapped logits reach further
+    assert np.abs(np.asarray(forward(params, tokens, CFG))).max() > 0.7
+    np.testing.assert_allclose(np.asarray(output_logits(params, final_hidden(params, tokens, capped), capped)),
+                               logits, rtol=1e-6, atol=1e-6)

@@ -136,6 +136,11 @@ class ModelConfig(ConfigModel):
         None, description="Each layer's attention, one entry per layer, as a Hugging Face config's `layer_types` "
         "(OLMo 3: three sliding layers, then a full one). `rope_scaling` applies to the full-attention layers; "
         "the sliding ones rotate with plain RoPE, as OLMo 3's do.")
+    attn_logit_softcapping: Positive | None = identity_when_set(
+        None, description="Attention scores (after their scale) soft-capped to (-c, c) as c * tanh(score / c), as in "
+        "Gemma 2 (50). Training then attends in kiln's query blocks: jax.nn.dot_product_attention has no cap.")
+    final_logit_softcapping: Positive | None = identity_when_set(
+        None, description="The output logits soft-capped to (-c, c) as c * tanh(logit / c), as in Gemma 2 (30).")
     sliding_rope_theta: Positive | None = identity_when_set(
         None, description="The sliding-window layers' RoPE base where it is not rope_theta (Gemma 3's "
         "`rope_local_base_freq`, 10000 beside its full layers' 1000000). None: rope_theta.")

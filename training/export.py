@@ -56,10 +56,15 @@ HF_CLASSES = {(False, "none", "pre", LLAMA_MLP, "none"): ("LlamaForCausalLM", "l
               (False, "none", "pre", LLAMA_MLP, "every layer"): ("MistralForCausalLM", "mistral"),  # all sliding
               (False, "projection", "post", LLAMA_MLP, "every layer"): ("Olmo3ForCausalLM", "olmo3"),  # OLMo 2
               (False, "projection", "post", LLAMA_MLP, "some layers"): ("Olmo3ForCausalLM", "olmo3"),  # + windows
+              **{(False, "none", "both", GEMMA, slide): ("Gemma2ForCausalLM", "gemma2")  # Gemma 2
+                 for slide in ("none", "every layer", "some layers")},
               **{(False, "head", "both", GEMMA, slide): ("Gemma3ForCausalLM", "gemma3_text")  # Gemma 3's text model
                  for slide in ("none", "every layer", "some layers")}}
 # Classes whose RMSNorm multiplies by 1 + weight (Gemma's): their checkpoints store kiln's weight - 1
-OFFSET_NORMS = {"gemma3_text"}
+OFFSET_NORMS = {"gemma2", "gemma3_text"}
+# model fields only some classes' configs carry (set, the export is refused for the others)
+ONLY_IN = {"query_pre_attn_scalar": OFFSET_NORMS, "attn_logit_softcapping": OFFSET_NORMS,
+           "final_logit_softcapping": OFFSET_NORMS, "sliding_rope_theta": {"gemma3_text"}}
 
 
 def sliding(cfg: ModelConfig) -> str:
@@ -143,21 +148,22 @@ def leaf_at(tree: dict, path: tuple[str, ...]):
 def architecture(cfg: ModelConfig) -> tuple[str, str]:
     """The transformers class and model_type of the export (`HF_CLASSES`). Another combination
     of attention_bias, qk_norm, norm_position, activation, scale_embeddings and sliding layers (say
-    Qwen3's norms with Qwen2's biases: Qwen3's own attention_bias also biases o_proj), or a sliding
-    layers' RoPE base or a query_pre_attn_scalar outside Gemma 3, is a model kiln trains and serves
-    but no class computes."""
+    Qwen3's norms with Qwen2's biases: Qwen3's own attention_bias also biases o_proj), or a field
+    `ONLY_IN` keeps to Gemma's classes (a sliding layers' RoPE base, query_pre_attn_scalar, soft
+    caps) set in another, is a model kiln trains and serves but no class computes."""
     key = (cfg.attention_bias, cfg.qk_norm, cfg.norm_position, (cfg.activation, cfg.scale_embeddings), sliding(cfg))
-    gemma_only = [f"{name} {getattr(cfg, name)}" for name in ("sliding_rope_theta", "query_pre_attn_scalar")
-                  if getattr(cfg, name) is not None]
-    if key not in HF_CLASSES or (gemma_only and HF_CLASSES[key][1] != "gemma3_text"):
+    model_type = HF_CLASSES.get(key, (None, None))[1]
+    misplaced = [f"{name} {getattr(cfg, name)}" for name, classes in ONLY_IN.items()
+                 if getattr(cfg, name) is not None and model_type not in classes]
+    if model_type is None or misplaced:
         known = "; ".join(f"{arch}: attention_bias {b}, qk_norm {q}, norm_position {n}, activation {a}, "
                           f"scale_embeddings {e}, sliding {w}"
                           for (b, q, n, (a, e), w), (arch, _) in HF_CLASSES.items())
         raise ValueError(f"no Hugging Face class computes attention_bias {key[0]}, qk_norm {key[1]}, norm_position "
                          f"{key[2]}, activation {key[3][0]}, scale_embeddings {key[3][1]}, sliding {key[4]}"
-                         + "".join(f", {item}" for item in gemma_only) + ": kiln can train and serve this model, "
-                         f"but not export it ({known}; sliding_rope_theta and query_pre_attn_scalar: Gemma3ForCausalLM "
-                         "only)")
+                         + "".join(f", {item}" for item in misplaced) + ": kiln can train and serve this model, "
+                         f"but not export it ({known}; sliding_rope_theta: Gemma3ForCausalLM only; "
+                         "query_pre_attn_scalar and the soft caps: Gemma2ForCausalLM and Gemma3ForCausalLM only)")
     return HF_CLASSES[key]
 
 
@@ -213,14 +219,16 @@ def hf_config(cfg: ModelConfig, bos_id: int, eos_id: int) -> dict:
         config.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers)
     if model_type == "qwen2":  # nor Qwen2's an attention_bias: its q, k, v always have biases
         del config["attention_bias"]
-    if model_type == "gemma3_text":  # Gemma 3's names, flat as transformers 4 and 5 read them
+    if model_type in OFFSET_NORMS:  # Gemma 2's and 3's names, flat as transformers 4 and 5 read them
         del config["hidden_act"]
         config.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=cfg.query_pre_attn_scalar
-                      or cfg.head_dim, rope_local_base_freq=cfg.sliding_rope_theta or cfg.rope_theta,
-                      sliding_window=cfg.sliding_window or cfg.seq_len, final_logit_softcapping=None,
-                      attn_logit_softcapping=None, use_bidirectional_attention=False,
+                      or cfg.head_dim, sliding_window=cfg.sliding_window or cfg.seq_len,
+                      final_logit_softcapping=cfg.final_logit_softcapping,
+                      attn_logit_softcapping=cfg.attn_logit_softcapping, use_bidirectional_attention=False,
                       layer_types=["full_attention" if cfg.layer_window(i) is None else "sliding_attention"
                                    for i in range(cfg.n_layers)])
+    if model_type == "gemma3_text":
+        config["rope_local_base_freq"] = cfg.sliding_rope_theta or cfg.rope_theta
     return config
 
 

@@ -9,11 +9,13 @@ instead of before, and over the whole q and k projections: `norm_position: post`
 projection`); an `Olmo3ForCausalLM` (OLMo 2 with sliding-window layers: `sliding_window`,
 `layer_types`); a `MistralForCausalLM` (Llama with a sliding window in every layer, left out
 where it does not bite: none, as from Mistral 7B v0.2 on, or one at least the context kiln uses,
-when it is Llama and exports as `LlamaForCausalLM`); a `Gemma3ForCausalLM` (Gemma 3's text model,
-270M and 1B: norms before and after each sublayer, `norm_position: both`; per-head q/k norms;
-GeGLU, `activation: gelu_tanh`; embeddings times sqrt(d_model), `scale_embeddings`; sliding
-layers at a RoPE base of their own, `sliding_rope_theta`; its norms' weights stored as kiln's - 1,
-`training.export.norm_offset`). A config's `head_dim` other than
+when it is Llama and exports as `LlamaForCausalLM`); a `Gemma2ForCausalLM` (norms before and
+after each sublayer, `norm_position: both`; GeGLU, `activation: gelu_tanh`; embeddings times
+sqrt(d_model), `scale_embeddings`; every other layer sliding; soft-capped attention scores and
+logits, `attn_logit_softcapping`, `final_logit_softcapping`; its norms' weights stored as kiln's
+- 1, `training.export.norm_offset`); a `Gemma3ForCausalLM` (Gemma 3's text model, 270M and 1B:
+Gemma 2's features without the caps, with per-head q/k norms, five sliding layers to one full,
+and those at a RoPE base of their own, `sliding_rope_theta`). A config's `head_dim` other than
 hidden_size / num_attention_heads (Qwen3, Mistral Nemo) is kiln's `head_width`. Tensors are
 renamed by the export's own table (`training.export.hf_names`) and Linear weights [out, in]
 transposed back to Dense kernels [in, out]; nothing is permuted, since kiln's RoPE is HF's
@@ -24,7 +26,7 @@ Llama 3.1's, YaRN's and linear RoPE scaling (`rope_type: llama3`, `yarn`, `linea
 `model.rope_scaling`. What kiln's model cannot compute is refused with the reason, before any
 weight is read: other RoPE scaling (dynamic, longrope, YaRN with DeepSeek's mscale, ...), sliding
 layers with a scaled RoPE, Qwen's sliding window, biases other than Qwen2's q/k/v, an activation
-other than the class's (SiLU; Gemma's tanh GELU), Gemma 2's logit soft-capping, quantized
+other than the class's (SiLU; Gemma's tanh GELU), soft caps outside Gemma's classes, quantized
 weights, and other architectures (Qwen3's mixture of experts and the multimodal Gemma 3 among
 them). A tensor the config does not account for is refused too.
 
@@ -41,7 +43,7 @@ import numpy as np
 from safetensors import safe_open
 
 from training.config import LinearScaling, ModelConfig, RopeScaling, YarnScaling
-from training.export import HF_CLASSES, hf_names, leaf_at, norm_offset
+from training.export import HF_CLASSES, ONLY_IN, hf_names, leaf_at, norm_offset
 from training.model import init_params
 
 # the classes kiln exports (training.export.HF_CLASSES)
@@ -50,11 +52,13 @@ ARCHITECTURES = {arch: model_type for arch, model_type in HF_CLASSES.values()}
 # layers slide, the config says
 FEATURES = {model_type: features[:4] for features, (_, model_type) in HF_CLASSES.items()}
 # what each model_type's config calls its MLP's activation, and the value kiln computes
-ACTIVATIONS = {"gemma3_text": ("hidden_activation", "gelu_pytorch_tanh")}
+ACTIVATIONS = {model_type: ("hidden_activation", "gelu_pytorch_tanh") for model_type in ("gemma2", "gemma3_text")}
 # sliding layers by default where the config lists no layer_types: every n-th layer attends fully
-FULL_LAYER_EVERY = {"olmo3": 4, "gemma3_text": 6}
+FULL_LAYER_EVERY = {"olmo3": 4, "gemma2": 2, "gemma3_text": 6}
+# classes whose configs may soft-cap attention scores and logits (`model.attn_logit_softcapping`, ...)
+SOFT_CAPPED = ONLY_IN["attn_logit_softcapping"]
 # classes whose sliding layers rotate at a RoPE base of their own (`model.sliding_rope_theta`)
-OWN_SLIDING_THETA = {"gemma3_text"}
+OWN_SLIDING_THETA = ONLY_IN["sliding_rope_theta"]
 INDEX_FILE = "model.safetensors.index.json"
 WEIGHTS_FILE = "model.safetensors"
 # Buffers some older checkpoints saved beside the weights; kiln computes them from rope_theta.
@@ -97,7 +101,7 @@ def architecture(hf: dict, folder: Path) -> str:
     model_type = ARCHITECTURES[known[0]] if known else hf.get("model_type")
     if model_type not in ARCHITECTURES.values() or hf.get("model_type", model_type) != model_type:
         raise ValueError(f"{folder}: model_type {hf.get('model_type')!r}: kiln imports Llama, Qwen2, Qwen3, "
-                         f"OLMo 2, OLMo 3, Mistral and Gemma 3 decoders ({', '.join(sorted(ARCHITECTURES))})")
+                         f"OLMo 2, OLMo 3, Mistral, Gemma 2 and Gemma 3 decoders ({', '.join(sorted(ARCHITECTURES))})")
     return model_type
 
 
@@ -155,9 +159,9 @@ def sliding_rope_theta(hf: dict, layer_types) -> float | None:
 def windows(hf: dict, model_type: str, context: int) -> tuple[int | None, tuple[str, ...] | None]:
     """(sliding_window, layer_types) of the model: Mistral's window slides in every layer, and is
     left out where it does not bite (at least the context: the model is then Llama, with the
-    version it had before kiln had windows); OLMo 3's and Gemma 3's in the layers `layer_types`
-    names (by default every 4th layer attends fully in Olmo3Config, every `sliding_window_pattern`th,
-    6, in Gemma3TextConfig), kept where they do not bite (Gemma 3's sliding layers rotate at a base
+    version it had before kiln had windows); OLMo 3's and Gemma's in the layers `layer_types`
+    names (by default every 4th layer attends fully in Olmo3Config, every 2nd in Gemma2Config, every
+    `sliding_window_pattern`th, 6, in Gemma3TextConfig), kept where they do not bite (Gemma 3's sliding layers rotate at a base
     of their own), none where no layer slides."""
     window = hf.get("sliding_window")
     if model_type == "mistral" and window is not None and window < context:
@@ -186,8 +190,8 @@ def unsupported(hf: dict, model_type: str) -> list[str]:
     if act != expected:
         reasons.append(f"{key} {act!r} (kiln computes {model_type}'s MLP with {expected})")
     for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if hf.get(cap) is not None:
-            reasons.append(f"{cap} {hf[cap]} (Gemma 2's soft-capping: kiln's logits are not capped)")
+        if hf.get(cap) is not None and model_type not in SOFT_CAPPED:
+            reasons.append(f"{cap} {hf[cap]} (kiln soft-caps Gemma 2's and Gemma 3's scores and logits only)")
     if hf.get("use_bidirectional_attention"):
         reasons.append("use_bidirectional_attention true (kiln's attention is causal)")
     rope, sliding_rope = rope_parameters(hf)
@@ -220,7 +224,7 @@ def unsupported(hf: dict, model_type: str) -> list[str]:
                        "from max_window_layers on: kiln's sliding layers are Mistral's and OLMo 3's)")
     other_layers = sorted(set(hf.get("layer_types") or ["full_attention"]) - {"full_attention"})
     if other_layers and model_type not in FULL_LAYER_EVERY:
-        reasons.append(f"layer_types {other_layers} (kiln's sliding layers are Mistral's, OLMo 3's and Gemma 3's)")
+        reasons.append(f"layer_types {other_layers} (kiln's sliding layers are Mistral's, OLMo 3's and Gemma's)")
     if set(hf.get("layer_types") or []) - {"full_attention", "sliding_attention"}:
         reasons.append(f"layer_types {sorted(set(hf['layer_types']))} (kiln has full_attention and "
                        "sliding_attention layers)")
@@ -265,7 +269,9 @@ def model_config(hf: dict, seq_len: int | None, folder: Path) -> ModelConfig:
                            init_std=hf.get("initializer_range", 0.02), head_width=head_width(hf),
                            sliding_window=sliding_window, layer_types=layer_types,
                            sliding_rope_theta=sliding_rope_theta(hf, layer_types),
-                           query_pre_attn_scalar=query_pre_attn_scalar(hf), **features(model_type))
+                           query_pre_attn_scalar=query_pre_attn_scalar(hf),
+                           attn_logit_softcapping=hf.get("attn_logit_softcapping"),
+                           final_logit_softcapping=hf.get("final_logit_softcapping"), **features(model_type))
     except KeyError as e:
         raise ValueError(f"{folder}: config.json has no {e.args[0]}") from None
 

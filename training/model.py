@@ -15,8 +15,9 @@ rotate with plain RoPE where `rope_scaling` scales the full-attention layers' (O
 `sliding_rope_theta` where it is set (Gemma 3's local base). Gemma 3's other features:
 `norm_position: both` (norms on the inputs and the outputs of attention and the MLP),
 `activation: gelu_tanh` (GeGLU), `scale_embeddings` (the input embeddings times sqrt(d_model)) and
-`query_pre_attn_scalar` (scores over sqrt of it instead of sqrt(head_dim)); Gemma's norms multiply
-by 1 + weight, which the export and import convert to and from kiln's weight (training/export.py).
+`query_pre_attn_scalar` (scores over sqrt of it instead of sqrt(head_dim)); Gemma 2's soft caps
+`attn_logit_softcapping` and `final_logit_softcapping` (`soft_cap`); Gemma's norms multiply by
+1 + weight, which the export and import convert to and from kiln's weight (training/export.py).
 
 Parameter tree (`params` of `init_params`), HF names in brackets; a Dense `kernel` is stored
 [in, out], the transpose of a torch `Linear.weight`:
@@ -212,11 +213,13 @@ def query_blocks(T: int) -> list[tuple[int, int]]:
     return list(zip(edges[:-1], edges[1:]))
 
 
-def causal_attention(q, k, v, segments=None, window: int | None = None, score_width: float | None = None):
+def causal_attention(q, k, v, segments=None, window: int | None = None, score_width: float | None = None,
+                     cap: float | None = None):
     """Grouped-query causal attention of one sequence per row, position i seeing keys 0..i:
     q [B, T, H, Q], k and v [B, T, K, Q] -> [B, T, H*Q]. With `segments` [B, T] (each position's
     document, `segment_ids`) only the keys 0..i of its own document; with `window`, only the keys
-    after i - window (a sliding-window layer's). Scores are q.k / sqrt(score_width or Q).
+    after i - window (a sliding-window layer's). Scores are q.k / sqrt(score_width or Q), soft-capped
+    at `cap` where it is set (`soft_cap`).
 
     Laid out for XLA's batched matmuls: heads first, and the H/K query heads that share a key
     head stacked as rows in (position, head) order, [B, K, T*H/K, Q], so each query block is a
@@ -229,7 +232,8 @@ def causal_attention(q, k, v, segments=None, window: int | None = None, score_wi
     keys_t, values = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)  # [B, K, Q, T], [B, K, T, Q]
     outs = []
     for t0, t1 in query_blocks(T):
-        scores = (rows[:, :, t0 * G:t1 * G] @ keys_t[..., :t1]).astype(jnp.float32) / math.sqrt(score_width or Q)
+        scores = soft_cap((rows[:, :, t0 * G:t1 * G] @ keys_t[..., :t1]).astype(jnp.float32)
+                          / math.sqrt(score_width or Q), cap)
         row_pos = t0 + jnp.arange((t1 - t0) * G) // G  # [(t1 - t0) G]
         visible = jnp.arange(t1) <= row_pos[:, None]  # [(t1 - t0) G, t1]
         if window is not None:
@@ -258,6 +262,12 @@ def fused_attention(q, k, v, segments=None, implementation: str | None = None, w
     return out.reshape(B, T, H * Q)
 
 
+def soft_cap(x, cap: float | None):
+    """Gemma 2's soft cap: cap * tanh(x / cap), which keeps x inside (-cap, cap) and is ~x near 0;
+    x itself where `cap` is None."""
+    return x if cap is None else cap * jnp.tanh(x / cap)
+
+
 def segment_ids(tokens, eos_id: int):
     """Each position's document in a packed row: tokens [B, T] -> int32 [B, T], counting the EOS
     tokens before it. An EOS belongs to the document it ends (the tokenize step writes each
@@ -273,19 +283,20 @@ def document_positions(segments):
     return t - jax.lax.cummax(jnp.where(starts, t, 0), axis=1)
 
 
-def cached_attention(q, k, v, positions, kv_pos, window: int | None = None, score_width: float | None = None):
+def cached_attention(q, k, v, positions, kv_pos, window: int | None = None, score_width: float | None = None,
+                     cap: float | None = None):
     """Attention over a key/value cache while decoding: q [B, T, H, Q] at `positions` [B, T],
     k and v [B, S, K, Q] at `kv_pos` [B, S]. A key is visible to a query if it is not later
     (causal) and not padding or an empty slot (position -1), and, with `window`, not `window` or
     more positions earlier. (The cache keeps every position: a sliding window saves no memory.)
-    Scores are q.k / sqrt(score_width or Q)."""
+    Scores are q.k / sqrt(score_width or Q), soft-capped at `cap` where it is set."""
     B, T, H, Q = q.shape
     K = k.shape[2]
     visible = (kv_pos[:, None, :] <= positions[:, :, None]) & (kv_pos[:, None, :] >= 0)  # [B, T, S]
     if window is not None:
         visible = visible & (kv_pos[:, None, :] > positions[:, :, None] - window)
     q = q.reshape(B, T, K, H // K, Q)  # query head h uses kv head h // (H/K), as HF's repeat_kv
-    scores = jnp.einsum("btkgq,bskq->bkgts", q, k).astype(jnp.float32) / math.sqrt(score_width or Q)
+    scores = soft_cap(jnp.einsum("btkgq,bskq->bkgts", q, k).astype(jnp.float32) / math.sqrt(score_width or Q), cap)
     scores = jnp.where(visible[:, None, None], scores, _MASKED)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
     return jnp.einsum("bkgts,bskq->btkgq", probs, v).reshape(B, T, H * Q)
@@ -324,15 +335,20 @@ class Attention(nn.Module):
             q, k = RMSNorm(cfg.norm_eps, dt, name="q_norm")(q), RMSNorm(cfg.norm_eps, dt, name="k_norm")(k)
         q, k = rotary(q, rope), rotary(k, rope)
 
+        if layer_cache is None and self.attention != "query_blocks" and cfg.attn_logit_softcapping is not None:
+            raise ValueError(f"attention {self.attention!r} has no soft cap: a model with attn_logit_softcapping "
+                             "attends in query blocks (train.attention auto or query_blocks)")
         if layer_cache is None and self.attention != "query_blocks":  # training / full forward, fused
             out = fused_attention(q, k, v, segments, self.attention.removeprefix("fused_"), self.window,
                                   cfg.query_pre_attn_scalar)
         elif layer_cache is None:  # training / full forward: one causal run, position i sees 0..i
-            out = causal_attention(q, k, v, segments, self.window, cfg.query_pre_attn_scalar)
+            out = causal_attention(q, k, v, segments, self.window, cfg.query_pre_attn_scalar,
+                                   cfg.attn_logit_softcapping)
         else:  # decoding: write this chunk at slot `index` (row b's at index[b]), attend over the whole cache
             layer_cache = {"k": write_cache(layer_cache["k"], k, index), "v": write_cache(layer_cache["v"], v, index)}
             k, v = layer_cache["k"], layer_cache["v"]
-            out = cached_attention(q, k, v, positions, cache_pos, self.window, cfg.query_pre_attn_scalar)
+            out = cached_attention(q, k, v, positions, cache_pos, self.window, cfg.query_pre_attn_scalar,
+                                   cfg.attn_logit_softcapping)
         return project(out, Kernel((H * Q, D), out_std, name="o_proj")().astype(dt)), layer_cache
 
 
@@ -466,7 +482,7 @@ class Llama(nn.Module):
         else:
             head = Kernel((cfg.d_model, cfg.vocab_size), cfg.init_std, name="lm_head")()
         logits = project(x, head.astype(dt))
-        return logits.astype(jnp.float32), new_layers
+        return soft_cap(logits.astype(jnp.float32), cfg.final_logit_softcapping), new_layers
 
 
 # --- functions the rest of kiln calls ------------------------------------------------------------

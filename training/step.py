@@ -157,7 +157,15 @@ def attention_form(choice: str, model_cfg: ModelConfig, platform: str) -> str:
     flash attention compiled with the flag and then stopped at its first run with
     `IndexError: absl::container_internal::raw_hash_map<>::at`, a bare JAX loop too; query blocks
     ran (benchmarks/RESULTS.md, the first GPU check). There auto is query blocks (bitwise
-    reproducible, 0.68x cuDNN's tokens/s on small_gpu) and fused is XLA's."""
+    reproducible, 0.68x cuDNN's tokens/s on small_gpu) and fused is XLA's.
+
+    A model with `attn_logit_softcapping` (Gemma 2) attends in query blocks: neither fused form
+    caps its scores."""
+    if model_cfg.attn_logit_softcapping is not None:
+        if choice == "fused":
+            raise ValueError("train.attention fused: jax.nn.dot_product_attention has no soft cap, and "
+                             "model.attn_logit_softcapping is set; use auto or query_blocks")
+        return "query_blocks"
     if choice == "query_blocks" or (choice == "auto" and platform == "cpu"):
         return "query_blocks"
     if platform == "gpu" and xla_gpu_deterministic():
