@@ -91,14 +91,15 @@ def hf():
 
 
 def transformers_model(hf, arch: str, **config):
-    """A random transformers model of `arch` (llama, qwen2, qwen3, olmo2, olmo3, mistral, gemma2, gemma3): matrices
-    N(0, 0.1), norms (q/k norms too) 1 + N(0, 0.2) (Gemma's multiply by 1 + that), biases N(0, 0.2). Heads
-    are 48 / 6 = 8 wide unless `head_dim`."""
+    """A random transformers model of `arch` (llama, qwen2, qwen3, olmo2, olmo3, mistral, gemma2, gemma3, smollm3):
+    matrices N(0, 0.1), norms (q/k norms too) 1 + N(0, 0.2) (Gemma's multiply by 1 + that), biases N(0, 0.2).
+    Heads are 48 / 6 = 8 wide unless `head_dim`."""
     torch, transformers = hf
     config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
                     "qwen3": transformers.Qwen3Config, "olmo2": transformers.Olmo2Config,
                     "olmo3": transformers.Olmo3Config, "mistral": transformers.MistralConfig,
-                    "gemma2": transformers.Gemma2Config, "gemma3": transformers.Gemma3TextConfig}[arch]
+                    "gemma2": transformers.Gemma2Config, "gemma3": transformers.Gemma3TextConfig,
+                    "smollm3": transformers.SmolLM3Config}[arch]
     cfg = config_class(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
                        num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6,
                        bos_token_id=1, eos_token_id=2, **config)
@@ -166,6 +167,8 @@ CASES = {
     # 1 and 2 of 8, and the attention factor is 0.1 ln 4 + 1
     "qwen3-yarn": ("qwen3", {"tie_word_embeddings": True, "head_dim": 16, "rope_scaling": {
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}}),
+    # SmolLM3: Llama with layers that attend without positions (NoPE; every 4th by default, the first here)
+    "smollm3": ("smollm3", {"tie_word_embeddings": True, "no_rope_layers": [0, 1], "pad_token_id": 0}),
     # Gemma 2: Gemma 3's norms, GeGLU and scaled embeddings without q/k norms, every other layer sliding
     # at one RoPE base, and soft caps on the attention scores and the logits (2 and 3: they bite here)
     "gemma2": ("gemma2", {"tie_word_embeddings": True, "head_dim": 16, "query_pre_attn_scalar": 12,
@@ -211,10 +214,11 @@ def test_imported_checkpoint_gives_transformers_logits_and_round_trips(case, hf,
     assert cfg.layer_types == (tuple(types) if arch in ("olmo3", "gemma2", "gemma3") else None)
     caps = (config.get("attn_logit_softcapping"), config.get("final_logit_softcapping"))
     assert (cfg.attn_logit_softcapping, cfg.final_logit_softcapping) == caps
-    theta = config.get("rope_theta", {"olmo3": 5e5, "gemma3": 1e6}.get(arch, 1e4))
+    theta = config.get("rope_theta", {"olmo3": 5e5, "gemma3": 1e6, "smollm3": 2e6}.get(arch, 1e4))
     assert cfg.rope_theta == theta and cfg.norm_eps == 1e-6
     assert cfg.sliding_rope_theta == (config.get("rope_local_base_freq", 1e4) if arch == "gemma3" else None)
     assert (cfg.rope_scaling is not None) == ("rope_scaling" in config)
+    assert cfg.rotary_layers == (tuple(map(bool, config["no_rope_layers"])) if arch == "smollm3" else None)
     fresh = init_state(cfg, optax.sgd(0.1), jax.random.PRNGKey(0))["params"]  # what training starts from
     assert jax.tree_util.tree_structure(params) == jax.tree_util.tree_structure(fresh)
     assert jax.tree_util.tree_map(lambda a: (a.shape, a.dtype), params) == \
@@ -315,6 +319,7 @@ EXPORTED_AS = {  # kiln's model -> the transformers class it exports as
                 "sliding_rope_theta": 1e4, "query_pre_attn_scalar": 10}, "Gemma3ForCausalLM"),
     "gemma3-no-window": ({"qk_norm": "head", "norm_position": "both", "activation": "gelu_tanh",
                           "scale_embeddings": True}, "Gemma3ForCausalLM"),
+    "smollm3": ({"rotary_layers": (False, True)}, "SmolLM3ForCausalLM"),
     "gemma2": ({"norm_position": "both", "activation": "gelu_tanh", "scale_embeddings": True, "sliding_window": 8,
                 "layer_types": ("sliding_attention", "full_attention"), "attn_logit_softcapping": 50.0,
                 "final_logit_softcapping": 30.0}, "Gemma2ForCausalLM"),
@@ -385,6 +390,7 @@ def test_a_windowed_model_decodes_in_the_servers_slots_as_its_forward_computes(t
                                     {"norm_position": "post"},
                                     {"sliding_window": 8, "layer_types": ("sliding_attention", "full_attention")},
                                     {"final_logit_softcapping": 30.0}, {"activation": "gelu_tanh"},
+                                    {"rotary_layers": (False, True), "qk_norm": "head"},
                                     {"norm_position": "both", "activation": "gelu_tanh", "scale_embeddings": True,
                                      "sliding_window": 8, "layer_types": ("sliding_attention", "full_attention"),
                                      "sliding_rope_theta": 100.0}])  # Gemma 2's shape, with Gemma 3's local base
@@ -790,3 +796,24 @@ def test_hf_tokenizer_errors(tmp_path):
     with pytest.raises(ValueError, match="leave special_tokens, eos_token, bos_token out"):
         TokenizerConfig(kind="hf", path=str(tmp_path), special_tokens=("<s>", "</s>"), eos_token="</s>",
                         bos_token="<s>")
+
+
+def test_the_model_card_names_the_architecture_an_export_has():
+    """The card's architecture table says what makes the model the class it exports as."""
+    from training.export import model_card
+
+    gemma2 = SMALL.model_copy(update=EXPORTED_AS["gemma2"][0])
+    card = model_card(gemma2, 1000, "g", None, None, None)
+    assert "- gemma2" in card and "Gemma2ForCausalLM.from_pretrained" in card
+    for row in ("| MLP (GeGLU, tanh GELU) width | 48 |", "| norm position | before and after each sublayer |",
+                "| embeddings | scaled by sqrt(d_model) |", "| soft caps | scores 50.0, logits 30.0 |",
+                "| sliding window | 8 tokens, some layers |"):
+        assert row in card, row
+    gemma3 = SMALL.model_copy(update=EXPORTED_AS["gemma3"][0])
+    card = model_card(gemma3, 1000, "g", None, None, None)
+    assert "| sliding window | 8 tokens, some layers, RoPE theta 10000 |" in card
+    assert "| attention scores | q.k / sqrt(10) |" in card and "soft caps" not in card
+    smol = model_card(SMALL.model_copy(update=EXPORTED_AS["smollm3"][0]), 1000, "s", None, None, None)
+    assert "| layers without positions (NoPE) | 0 |" in smol and "| MLP (SwiGLU) width | 48 |" in smol
+    plain = model_card(SMALL, 1000, "l", None, None, None)
+    assert not any(word in plain for word in ("NoPE", "soft caps", "| embeddings |", "norm position"))

@@ -1,6 +1,6 @@
 """Continued pretraining from Hugging Face models through `kiln run`: a Llama, a Qwen2, a Qwen3, an
-OLMo 2, an OLMo 3, a Gemma 2 and a Gemma 3 saved by `transformers` (random weights, small) are the
-starting points (`train.init.hf`) and their own tokenizers tokenize the data (`tokenizer: {kind:
+OLMo 2, an OLMo 3, a Gemma 2, a Gemma 3 and a SmolLM3 saved by `transformers` (random weights,
+small) are the starting points (`train.init.hf`) and their own tokenizers tokenize the data (`tokenizer: {kind:
 hf}`); each run ends in an export that `transformers` loads with kiln's logits."""
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ def test_continued_pretraining_from_each_architecture_exports_what_transformers_
                                    "layer_types": ["sliding_attention", "full_attention"]}),
                         ("gemma2", {"tie_word_embeddings": False, "head_dim": 8, "query_pre_attn_scalar": 8,
                                     "sliding_window": 16}),  # soft caps at Gemma2Config's 50 and 30
+                        ("smollm3", {"tie_word_embeddings": False, "no_rope_layers": [1, 0], "pad_token_id": 0}),
                         ("gemma3", {"tie_word_embeddings": True, "head_dim": 16, "query_pre_attn_scalar": 16,
                                     "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"]})):
         folder = tmp_path / arch
@@ -53,7 +54,8 @@ def test_continued_pretraining_from_each_architecture_exports_what_transformers_
         "eval": {"tasks": [], "bits_per_byte": True, "heldout_tokens": 256},  # bits per byte: any context fits
         "resources": {"cpus_per_host": 1},
         "variants": {"llama": {}, **{arch: {"tokenizer.path": str(folders[arch]), "train.init.hf": str(folders[arch])}
-                                     for arch in ("qwen2", "qwen3", "olmo2", "olmo3", "gemma2", "gemma3")}},
+                                     for arch in ("qwen2", "qwen3", "olmo2", "olmo3", "gemma2", "gemma3",
+                                                  "smollm3")}},
     }
     path, store = tmp_path / "from_hf.yaml", tmp_path / "store"
     path.write_text(yaml.safe_dump(config, sort_keys=False))

@@ -203,7 +203,7 @@ def test_new_fields_leave_default_versions_as_they_were(monkeypatch):
         assert version(**identity) != version(), identity
     for shape in ({"qk_norm": "head"}, {"norm_position": "post"}, {"head_width": 64}, {"sliding_window": 64},
                   {"norm_position": "both"}, {"activation": "gelu_tanh"}, {"scale_embeddings": True},
-                  {"query_pre_attn_scalar": 64},
+                  {"query_pre_attn_scalar": 64}, {"rotary_layers": (True, True, True, False)},
                   {"sliding_window": 64, "sliding_rope_theta": 1e3}):  # the model's, identity when set
         assert version(ModelConfig(**shape)) != version(), shape
     assert version(ModelConfig(sliding_window=64, sliding_rope_theta=1e3)) != version(ModelConfig(sliding_window=64))
@@ -271,6 +271,8 @@ def test_sliding_window_layers_are_checked():
         ModelConfig(n_layers=1, layer_types=("sliding_attention",))
     with pytest.raises(ValueError, match="rope_scaling applies to full-attention layers, and every layer slides"):
         ModelConfig(sliding_window=8, rope_scaling={"factor": 8})
+    with pytest.raises(ValueError, match="rotary_layers names 2 layers, but the model has n_layers=4"):
+        ModelConfig(n_layers=4, rotary_layers=(True, False))
     with pytest.raises(ValueError, match="sliding_rope_theta is the sliding layers' RoPE base, and no layer slides"):
         ModelConfig(n_layers=2, sliding_rope_theta=1e4)
 

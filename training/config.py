@@ -141,9 +141,16 @@ class ModelConfig(ConfigModel):
         "Gemma 2 (50). Training then attends in kiln's query blocks: jax.nn.dot_product_attention has no cap.")
     final_logit_softcapping: Positive | None = identity_when_set(
         None, description="The output logits soft-capped to (-c, c) as c * tanh(logit / c), as in Gemma 2 (30).")
+    rotary_layers: tuple[bool, ...] | None = identity_when_set(
+        None, description="Which layers rotate q and k, one entry per layer: the others attend without positions "
+        "(NoPE, as SmolLM3's every fourth layer: its `no_rope_layers`). None: every layer rotates.")
     sliding_rope_theta: Positive | None = identity_when_set(
         None, description="The sliding-window layers' RoPE base where it is not rope_theta (Gemma 3's "
         "`rope_local_base_freq`, 10000 beside its full layers' 1000000). None: rope_theta.")
+
+    def layer_rotates(self, layer: int) -> bool:
+        """Whether layer `layer` rotates q and k (False: a NoPE layer, `rotary_layers`)."""
+        return self.rotary_layers is None or self.rotary_layers[layer]
 
     def layer_window(self, layer: int) -> int | None:
         """Layer `layer`'s sliding window, or None for a full-attention layer."""
@@ -169,6 +176,9 @@ class ModelConfig(ConfigModel):
                              f"low_freq_factor={scaling.low_freq_factor}")
         if self.layer_types is not None and len(self.layer_types) != self.n_layers:
             raise ValueError(f"layer_types names {len(self.layer_types)} layers, but the model has "
+                             f"n_layers={self.n_layers}")
+        if self.rotary_layers is not None and len(self.rotary_layers) != self.n_layers:
+            raise ValueError(f"rotary_layers names {len(self.rotary_layers)} layers, but the model has "
                              f"n_layers={self.n_layers}")
         if self.layer_types and "sliding_attention" in self.layer_types and self.sliding_window is None:
             raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")

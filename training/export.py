@@ -7,12 +7,15 @@ float32. Which class the folder names follows the model's features (`HF_CLASSES`
 biases; per-head q/k norms (`qk_norm: head`, Qwen3) `Qwen3ForCausalLM`; norms after each sublayer
 and over whole q/k projections (`norm_position: post`, `qk_norm: projection`, OLMo 2)
 `Olmo2ForCausalLM`, or `Olmo3ForCausalLM` with sliding-window layers; Llama with a sliding window
-in every layer `MistralForCausalLM`. training/hf_import.py is the inverse. The folder holds what
+in every layer `MistralForCausalLM`; Gemma's norms, GeGLU and scaled embeddings `Gemma2ForCausalLM`
+(with soft caps) or `Gemma3ForCausalLM` (with per-head q/k norms); Llama with NoPE layers
+`SmolLM3ForCausalLM`. training/hf_import.py is the inverse. The folder holds what
 `AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained` read:
 
-    config.json              LlamaConfig, Qwen2Config, Qwen3Config, Olmo2Config, Olmo3Config or MistralConfig
+    config.json              the class's config: LlamaConfig, Qwen2Config, ..., SmolLM3Config
                              (rope_theta written flat, as transformers 4 and 5 read it)
-    model.safetensors        the weights under HF names; lm_head.weight only when untied
+    model.safetensors        the weights under HF names; lm_head.weight only when untied (Gemma's
+                             norms as weight - 1: `norm_offset`)
     generation_config.json   greedy by default, EOS from the tokenizer (for a post-trained model a list:
                              EOS and the end-of-turn token, so generation stops where a reply ends)
     tokenizer.json           the tokenizer step's file, unchanged
@@ -46,25 +49,31 @@ BLOCK_NORMS = {"pre": ("input_layernorm", "post_attention_layernorm"),  # Llama'
                         "pre_feedforward_layernorm", "post_feedforward_layernorm")}
 LLAMA_MLP = ("silu", False)  # (activation, scale_embeddings) of every class but Gemma's
 GEMMA = ("gelu_tanh", True)
-# (attention_bias, qk_norm, norm_position, (activation, scale_embeddings), which layers slide: `sliding`)
-# -> the transformers class and model_type that computes it (training/hf_import.py reads checkpoints of
-# these classes by the same table)
-HF_CLASSES = {(False, "none", "pre", LLAMA_MLP, "none"): ("LlamaForCausalLM", "llama"),
-              (True, "none", "pre", LLAMA_MLP, "none"): ("Qwen2ForCausalLM", "qwen2"),  # Llama with q, k, v biases
-              (False, "head", "pre", LLAMA_MLP, "none"): ("Qwen3ForCausalLM", "qwen3"),  # per-head q/k norms
-              (False, "projection", "post", LLAMA_MLP, "none"): ("Olmo2ForCausalLM", "olmo2"),  # norms after
-              (False, "none", "pre", LLAMA_MLP, "every layer"): ("MistralForCausalLM", "mistral"),  # all sliding
-              (False, "projection", "post", LLAMA_MLP, "every layer"): ("Olmo3ForCausalLM", "olmo3"),  # OLMo 2
-              (False, "projection", "post", LLAMA_MLP, "some layers"): ("Olmo3ForCausalLM", "olmo3"),  # + windows
-              **{(False, "none", "both", GEMMA, slide): ("Gemma2ForCausalLM", "gemma2")  # Gemma 2
+# (attention_bias, qk_norm, norm_position, (activation, scale_embeddings), whether some layers have no
+# positions: `nope`, which layers slide: `sliding`) -> the transformers class and model_type that computes
+# it (training/hf_import.py reads checkpoints of these classes by the same table)
+HF_CLASSES = {(False, "none", "pre", LLAMA_MLP, False, "none"): ("LlamaForCausalLM", "llama"),
+              (True, "none", "pre", LLAMA_MLP, False, "none"): ("Qwen2ForCausalLM", "qwen2"),  # q, k, v biases
+              (False, "head", "pre", LLAMA_MLP, False, "none"): ("Qwen3ForCausalLM", "qwen3"),  # per-head q/k norms
+              (False, "projection", "post", LLAMA_MLP, False, "none"): ("Olmo2ForCausalLM", "olmo2"),  # norms after
+              (False, "none", "pre", LLAMA_MLP, False, "every layer"): ("MistralForCausalLM", "mistral"),  # sliding
+              (False, "projection", "post", LLAMA_MLP, False, "every layer"): ("Olmo3ForCausalLM", "olmo3"),  # OLMo 2
+              (False, "projection", "post", LLAMA_MLP, False, "some layers"): ("Olmo3ForCausalLM", "olmo3"),  # windowed
+              (False, "none", "pre", LLAMA_MLP, True, "none"): ("SmolLM3ForCausalLM", "smollm3"),  # NoPE layers
+              **{(False, "none", "both", GEMMA, False, slide): ("Gemma2ForCausalLM", "gemma2")  # Gemma 2
                  for slide in ("none", "every layer", "some layers")},
-              **{(False, "head", "both", GEMMA, slide): ("Gemma3ForCausalLM", "gemma3_text")  # Gemma 3's text model
+              **{(False, "head", "both", GEMMA, False, slide): ("Gemma3ForCausalLM", "gemma3_text")  # Gemma 3's text
                  for slide in ("none", "every layer", "some layers")}}
 # Classes whose RMSNorm multiplies by 1 + weight (Gemma's): their checkpoints store kiln's weight - 1
 OFFSET_NORMS = {"gemma2", "gemma3_text"}
 # model fields only some classes' configs carry (set, the export is refused for the others)
 ONLY_IN = {"query_pre_attn_scalar": OFFSET_NORMS, "attn_logit_softcapping": OFFSET_NORMS,
            "final_logit_softcapping": OFFSET_NORMS, "sliding_rope_theta": {"gemma3_text"}}
+
+
+def nope(cfg: ModelConfig) -> bool:
+    """Whether some layer of the model attends without rotary positions (`rotary_layers`)."""
+    return not all(cfg.layer_rotates(i) for i in range(cfg.n_layers))
 
 
 def sliding(cfg: ModelConfig) -> str:
@@ -147,20 +156,22 @@ def leaf_at(tree: dict, path: tuple[str, ...]):
 
 def architecture(cfg: ModelConfig) -> tuple[str, str]:
     """The transformers class and model_type of the export (`HF_CLASSES`). Another combination
-    of attention_bias, qk_norm, norm_position, activation, scale_embeddings and sliding layers (say
+    of attention_bias, qk_norm, norm_position, activation, scale_embeddings, NoPE and sliding layers (say
     Qwen3's norms with Qwen2's biases: Qwen3's own attention_bias also biases o_proj), or a field
     `ONLY_IN` keeps to Gemma's classes (a sliding layers' RoPE base, query_pre_attn_scalar, soft
     caps) set in another, is a model kiln trains and serves but no class computes."""
-    key = (cfg.attention_bias, cfg.qk_norm, cfg.norm_position, (cfg.activation, cfg.scale_embeddings), sliding(cfg))
+    key = (cfg.attention_bias, cfg.qk_norm, cfg.norm_position, (cfg.activation, cfg.scale_embeddings), nope(cfg),
+           sliding(cfg))
     model_type = HF_CLASSES.get(key, (None, None))[1]
     misplaced = [f"{name} {getattr(cfg, name)}" for name, classes in ONLY_IN.items()
                  if getattr(cfg, name) is not None and model_type not in classes]
     if model_type is None or misplaced:
         known = "; ".join(f"{arch}: attention_bias {b}, qk_norm {q}, norm_position {n}, activation {a}, "
-                          f"scale_embeddings {e}, sliding {w}"
-                          for (b, q, n, (a, e), w), (arch, _) in HF_CLASSES.items())
+                          f"scale_embeddings {e}, NoPE layers {p}, sliding {w}"
+                          for (b, q, n, (a, e), p, w), (arch, _) in HF_CLASSES.items())
         raise ValueError(f"no Hugging Face class computes attention_bias {key[0]}, qk_norm {key[1]}, norm_position "
-                         f"{key[2]}, activation {key[3][0]}, scale_embeddings {key[3][1]}, sliding {key[4]}"
+                         f"{key[2]}, activation {key[3][0]}, scale_embeddings {key[3][1]}, NoPE layers {key[4]}, "
+                         f"sliding {key[5]}"
                          + "".join(f", {item}" for item in misplaced) + ": kiln can train and serve this model, "
                          f"but not export it ({known}; sliding_rope_theta: Gemma3ForCausalLM only; "
                          "query_pre_attn_scalar and the soft caps: Gemma2ForCausalLM and Gemma3ForCausalLM only)")
@@ -204,6 +215,7 @@ def hf_config(cfg: ModelConfig, bos_id: int, eos_id: int) -> dict:
         "initializer_range": cfg.init_std,
         "bos_token_id": bos_id,
         "eos_token_id": eos_id,
+        "pad_token_id": None,  # kiln's models have no padding row (SmolLM3's and Gemma's classes default to one)
         "torch_dtype": "float32",  # the weights; a bfloat16-trained model computed its matmuls in bfloat16
         "use_cache": True,
     }
@@ -229,6 +241,9 @@ def hf_config(cfg: ModelConfig, bos_id: int, eos_id: int) -> dict:
                                    for i in range(cfg.n_layers)])
     if model_type == "gemma3_text":
         config["rope_local_base_freq"] = cfg.sliding_rope_theta or cfg.rope_theta
+    if model_type == "smollm3":  # which layers rotate (1) and which have no positions (0); no sliding window
+        config.update(no_rope_layers=[int(cfg.layer_rotates(i)) for i in range(cfg.n_layers)],
+                      use_sliding_window=False, sliding_window=None, layer_types=["full_attention"] * cfg.n_layers)
     return config
 
 
@@ -344,7 +359,11 @@ def model_card(cfg: ModelConfig, n_params: int, name: str, license_id: str | Non
         + [("q/k norms", f"RMSNorm over each {cfg.qk_norm}")] * (cfg.qk_norm != "none") \
         + [("norm position", NORM_PLACES.get(cfg.norm_position))] * (cfg.norm_position != "pre") \
         + [("embeddings", "scaled by sqrt(d_model)")] * cfg.scale_embeddings \
+        + [("layers without positions (NoPE)", ", ".join(str(i) for i in range(cfg.n_layers)
+                                                          if not cfg.layer_rotates(i)))] * nope(cfg) \
         + [("attention scores", f"q.k / sqrt({cfg.query_pre_attn_scalar})")] * bool(cfg.query_pre_attn_scalar) \
+        + [("soft caps", f"scores {cfg.attn_logit_softcapping}, logits {cfg.final_logit_softcapping}")] * bool(
+            cfg.attn_logit_softcapping or cfg.final_logit_softcapping) \
         + [("sliding window", f"{cfg.sliding_window} tokens, {slide}" + (
             f", RoPE theta {cfg.sliding_rope_theta:g}" if cfg.sliding_rope_theta else ""))] * (slide != "none")
     lines += [f"| {k} | {v} |" for k, v in rows]

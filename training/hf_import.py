@@ -15,7 +15,9 @@ sqrt(d_model), `scale_embeddings`; every other layer sliding; soft-capped attent
 logits, `attn_logit_softcapping`, `final_logit_softcapping`; its norms' weights stored as kiln's
 - 1, `training.export.norm_offset`); a `Gemma3ForCausalLM` (Gemma 3's text model, 270M and 1B:
 Gemma 2's features without the caps, with per-head q/k norms, five sliding layers to one full,
-and those at a RoPE base of their own, `sliding_rope_theta`). A config's `head_dim` other than
+and those at a RoPE base of their own, `sliding_rope_theta`); a `SmolLM3ForCausalLM` (Llama with
+layers that attend without positions, `rotary_layers`, as its `no_rope_layers` says; Llama where
+every layer rotates). A config's `head_dim` other than
 hidden_size / num_attention_heads (Qwen3, Mistral Nemo) is kiln's `head_width`. Tensors are
 renamed by the export's own table (`training.export.hf_names`) and Linear weights [out, in]
 transposed back to Dense kernels [in, out]; nothing is permuted, since kiln's RoPE is HF's
@@ -51,6 +53,8 @@ ARCHITECTURES = {arch: model_type for arch, model_type in HF_CLASSES.values()}
 # model_type -> kiln's (attention_bias, qk_norm, norm_position, (activation, scale_embeddings)); which
 # layers slide, the config says
 FEATURES = {model_type: features[:4] for features, (_, model_type) in HF_CLASSES.items()}
+# NoPE layers by default where a SmolLM3 config lists no no_rope_layers: every n-th layer
+NOPE_EVERY = {"smollm3": 4}
 # what each model_type's config calls its MLP's activation, and the value kiln computes
 ACTIVATIONS = {model_type: ("hidden_activation", "gelu_pytorch_tanh") for model_type in ("gemma2", "gemma3_text")}
 # sliding layers by default where the config lists no layer_types: every n-th layer attends fully
@@ -101,7 +105,8 @@ def architecture(hf: dict, folder: Path) -> str:
     model_type = ARCHITECTURES[known[0]] if known else hf.get("model_type")
     if model_type not in ARCHITECTURES.values() or hf.get("model_type", model_type) != model_type:
         raise ValueError(f"{folder}: model_type {hf.get('model_type')!r}: kiln imports Llama, Qwen2, Qwen3, "
-                         f"OLMo 2, OLMo 3, Mistral, Gemma 2 and Gemma 3 decoders ({', '.join(sorted(ARCHITECTURES))})")
+                         "OLMo 2, OLMo 3, Mistral, Gemma 2, Gemma 3 and SmolLM3 decoders "
+                         f"({', '.join(sorted(ARCHITECTURES))})")
     return model_type
 
 
@@ -161,8 +166,8 @@ def windows(hf: dict, model_type: str, context: int) -> tuple[int | None, tuple[
     left out where it does not bite (at least the context: the model is then Llama, with the
     version it had before kiln had windows); OLMo 3's and Gemma's in the layers `layer_types`
     names (by default every 4th layer attends fully in Olmo3Config, every 2nd in Gemma2Config, every
-    `sliding_window_pattern`th, 6, in Gemma3TextConfig), kept where they do not bite (Gemma 3's sliding layers rotate at a base
-    of their own), none where no layer slides."""
+    `sliding_window_pattern`th, 6, in Gemma3TextConfig), kept where they do not bite (Gemma 3's
+    sliding layers rotate at a base of their own), none where no layer slides."""
     window = hf.get("sliding_window")
     if model_type == "mistral" and window is not None and window < context:
         return window, None
@@ -173,6 +178,17 @@ def windows(hf: dict, model_type: str, context: int) -> tuple[int | None, tuple[
         if "sliding_attention" in types:
             return window, types
     return None, None
+
+
+def rotary_layers(hf: dict, model_type: str) -> tuple[bool, ...] | None:
+    """Which layers rotate q and k: SmolLM3's `no_rope_layers` (1 rotates, 0 has no positions; by
+    default every `no_rope_layer_interval`th layer, 4, has none); None where every layer rotates (a
+    SmolLM3 without NoPE layers is Llama, with the version a Llama of its shape has)."""
+    if model_type not in NOPE_EVERY:
+        return None
+    every = hf.get("no_rope_layer_interval", NOPE_EVERY[model_type])
+    flags = hf.get("no_rope_layers") or [int((i + 1) % every != 0) for i in range(hf["num_hidden_layers"])]
+    return None if all(flags) else tuple(bool(flag) for flag in flags)
 
 
 def head_width(hf: dict) -> int | None:
@@ -220,8 +236,8 @@ def unsupported(hf: dict, model_type: str) -> list[str]:
     if hf.get("mlp_bias"):
         reasons.append("mlp_bias true (kiln's MLP has no biases)")
     if hf.get("use_sliding_window"):
-        reasons.append(f"use_sliding_window true, window {hf.get('sliding_window')} (Qwen's window, in the layers "
-                       "from max_window_layers on: kiln's sliding layers are Mistral's and OLMo 3's)")
+        reasons.append(f"use_sliding_window true, window {hf.get('sliding_window')} ({model_type}'s window, in some "
+                       "layers only: kiln's sliding layers are Mistral's, OLMo 3's and Gemma's)")
     other_layers = sorted(set(hf.get("layer_types") or ["full_attention"]) - {"full_attention"})
     if other_layers and model_type not in FULL_LAYER_EVERY:
         reasons.append(f"layer_types {other_layers} (kiln's sliding layers are Mistral's, OLMo 3's and Gemma's)")
@@ -269,6 +285,7 @@ def model_config(hf: dict, seq_len: int | None, folder: Path) -> ModelConfig:
                            init_std=hf.get("initializer_range", 0.02), head_width=head_width(hf),
                            sliding_window=sliding_window, layer_types=layer_types,
                            sliding_rope_theta=sliding_rope_theta(hf, layer_types),
+                           rotary_layers=rotary_layers(hf, model_type),
                            query_pre_attn_scalar=query_pre_attn_scalar(hf),
                            attn_logit_softcapping=hf.get("attn_logit_softcapping"),
                            final_logit_softcapping=hf.get("final_logit_softcapping"), **features(model_type))

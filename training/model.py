@@ -15,7 +15,8 @@ rotate with plain RoPE where `rope_scaling` scales the full-attention layers' (O
 `sliding_rope_theta` where it is set (Gemma 3's local base). Gemma 3's other features:
 `norm_position: both` (norms on the inputs and the outputs of attention and the MLP),
 `activation: gelu_tanh` (GeGLU), `scale_embeddings` (the input embeddings times sqrt(d_model)) and
-`query_pre_attn_scalar` (scores over sqrt of it instead of sqrt(head_dim)); Gemma 2's soft caps
+`query_pre_attn_scalar` (scores over sqrt of it instead of sqrt(head_dim)); SmolLM3's
+`rotary_layers` (the layers it names False attend without rotary positions); Gemma 2's soft caps
 `attn_logit_softcapping` and `final_logit_softcapping` (`soft_cap`); Gemma's norms multiply by
 1 + weight, which the export and import convert to and from kiln's weight (training/export.py).
 
@@ -333,7 +334,8 @@ class Attention(nn.Module):
         q, k, v = q.reshape(B, T, H, Q), k.reshape(B, T, K, Q), v.reshape(B, T, K, Q)
         if cfg.qk_norm == "head":  # Qwen3's: each head of q and k normalised, before the rotation as HF does
             q, k = RMSNorm(cfg.norm_eps, dt, name="q_norm")(q), RMSNorm(cfg.norm_eps, dt, name="k_norm")(k)
-        q, k = rotary(q, rope), rotary(k, rope)
+        if rope is not None:  # None: a layer without positions (NoPE, `rotary_layers`)
+            q, k = rotary(q, rope), rotary(k, rope)
 
         if layer_cache is None and self.attention != "query_blocks" and cfg.attn_logit_softcapping is not None:
             raise ValueError(f"attention {self.attention!r} has no soft cap: a model with attn_logit_softcapping "
@@ -473,7 +475,7 @@ class Llama(nn.Module):
         for i, window in enumerate(windows):
             layer_cache = None if cache is None else cache["layers"][i]
             x, layer_cache = block(cfg, self.attention, window, name=f"layers_{i}")(
-                x, positions, sliding_rope if window else rope, layer_cache,
+                x, positions, None if not cfg.layer_rotates(i) else sliding_rope if window else rope, layer_cache,
                 None if cache is None else cache["pos"], None if cache is None else cache["index"], segments)
             new_layers.append(layer_cache)
         x = RMSNorm(cfg.norm_eps, dt, name="norm")(x)
