@@ -16,8 +16,8 @@ decoding; the batch's tokens are the same either way.
 
 Models: a train, SFT or DPO output folder (`model.json`, `params.safetensors`; the tokenizer is
 found through its lineage, or given), or a Hugging Face folder (`config.json`, safetensors weights,
-`tokenizer.json`): kiln's export, or a Llama, Qwen2, Qwen3, OLMo 2, OLMo 3, Mistral, Gemma 2,
-Gemma 3 or SmolLM3 checkpoint. No Prefect here.
+`tokenizer.json`): kiln's export, or a checkpoint of a class training/hf_import.py reads (Llama,
+Qwen2, Qwen3, OLMo 2, OLMo 3, Mistral, Gemma 2, Gemma 3, SmolLM3, Phi-3). No Prefect here.
 """
 
 from __future__ import annotations
@@ -473,8 +473,8 @@ class TextStream:
 def load(path: Path, tokenizer_dir: Path | None = None, dtype: str | None = None,
          max_model_len: int | None = None) -> Model:
     """A train/SFT/DPO output folder with its tokenizer, or a Hugging Face folder (kiln's export,
-    or a Llama, Qwen2, Qwen3, OLMo 2, OLMo 3, Mistral, Gemma 2, Gemma 3 or SmolLM3 checkpoint) with
-    its tokenizer.json, ready to generate.
+    or a checkpoint of a class training/hf_import.py reads) with its tokenizer.json, ready to
+    generate.
 
     `dtype` is what the model computes in: float32 or bfloat16 (None: its config's
     `compute_dtype`; a Hugging Face folder's is float32). Its weights are held in that dtype, each
@@ -502,8 +502,8 @@ def load(path: Path, tokenizer_dir: Path | None = None, dtype: str | None = None
     else:
         raise FileNotFoundError(f"{path} is neither a training output (model.json, params.safetensors) nor a "
                                 f"Hugging Face folder (config.json, {WEIGHTS_FILE} or {INDEX_FILE}): point at "
-                                "<store>/train|sft|dpo|export/<version>, or a Llama, Qwen2, Qwen3, OLMo 2, "
-                                "OLMo 3, Mistral, Gemma 2, Gemma 3 or SmolLM3 checkpoint's folder")
+                                "<store>/train|sft|dpo|export/<version>, or the folder of a checkpoint "
+                                "docs/starting_points.md lists")
     cfg = model.cfg
     if max_model_len is not None and not 2 <= max_model_len <= cfg.seq_len:
         raise ValueError(f"max_model_len={max_model_len}: give 2 to the model's context of {cfg.seq_len} tokens "
@@ -560,12 +560,12 @@ def tokenizer_of(model_dir: Path) -> Path:
 
 def load_export(folder: Path, dtype=np.float32) -> Model:
     """A Hugging Face folder as kiln's model, its parameters in host memory in `dtype` (`load`
-    places them): kiln's export (training/export.py), or a Llama, Qwen2, Qwen3, OLMo 2, OLMo 3,
-    Mistral, Gemma 2, Gemma 3 or SmolLM3 checkpoint, read by the export's inverse (training/hf_import.py:
-    q/k/v biases, shards, bfloat16 weights, and what kiln's model cannot compute refused with the
-    reason), with the folder's tokenizer.json and chat template. Generation stops at config.json's
-    EOS and at every other id it or generation_config.json lists (a post-trained export's end of
-    turn, Llama 3 Instruct's <|eot_id|>)."""
+    places them): kiln's export (training/export.py), or a checkpoint of a class training/hf_import.py
+    reads, read by the export's inverse (q/k/v biases, fused projections, shards, bfloat16 weights,
+    and what kiln's model cannot compute refused with the reason), with the folder's tokenizer.json
+    and chat template. Generation stops at config.json's EOS and at every other id it or
+    generation_config.json lists (a post-trained export's end of turn, Llama 3 Instruct's
+    <|eot_id|>)."""
     from training.chat_jinja import checkpoint_template
     from training.hf_import import load_hf, read_config
 

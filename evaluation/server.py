@@ -1,7 +1,7 @@
 """`kiln serve-model`: an OpenAI-compatible HTTP server over one kiln model (a train, SFT, DPO or
-Hugging Face folder: an export, or a Llama, Qwen2, Qwen3, OLMo 2, OLMo 3, Mistral, Gemma 2, Gemma 3
-or SmolLM3 checkpoint), so that lm-eval's API models (`local-completions`), chat clients, LLM
-judges and RL rollouts reach it the way they reach vLLM.
+Hugging Face folder: an export, or a checkpoint of a class training/hf_import.py reads), so that
+lm-eval's API models (`local-completions`), chat clients, LLM judges and RL rollouts reach it the
+way they reach vLLM.
 FastAPI routes, uvicorn serving, on 127.0.0.1 by default; docs/serving.md is the user's page.
 
     GET  /v1/models               the one model served here, under its name

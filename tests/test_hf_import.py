@@ -99,7 +99,7 @@ def transformers_model(hf, arch: str, **config):
                     "qwen3": transformers.Qwen3Config, "olmo2": transformers.Olmo2Config,
                     "olmo3": transformers.Olmo3Config, "mistral": transformers.MistralConfig,
                     "gemma2": transformers.Gemma2Config, "gemma3": transformers.Gemma3TextConfig,
-                    "smollm3": transformers.SmolLM3Config}[arch]
+                    "smollm3": transformers.SmolLM3Config, "phi3": transformers.Phi3Config}[arch]
     cfg = config_class(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
                        num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6,
                        bos_token_id=1, eos_token_id=2, **config)
@@ -167,6 +167,10 @@ CASES = {
     # 1 and 2 of 8, and the attention factor is 0.1 ln 4 + 1
     "qwen3-yarn": ("qwen3", {"tie_word_embeddings": True, "head_dim": 16, "rope_scaling": {
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}}),
+    # Phi-3 and Phi-4: Llama with q, k, v fused in one tensor and gate, up in another; Phi-3 mini's
+    # window (2047 of 4096) where it bites, as Mistral's
+    "phi3": ("phi3", {"tie_word_embeddings": False, "pad_token_id": 0, "rope_theta": 250000.0}),
+    "phi3-window": ("phi3", {"tie_word_embeddings": False, "pad_token_id": 0, "sliding_window": 7}),
     # SmolLM3: Llama with layers that attend without positions (NoPE; every 4th by default, the first here)
     "smollm3": ("smollm3", {"tie_word_embeddings": True, "no_rope_layers": [0, 1], "pad_token_id": 0}),
     # Gemma 2: Gemma 3's norms, GeGLU and scaled embeddings without q/k norms, every other layer sliding
@@ -207,9 +211,9 @@ def test_imported_checkpoint_gives_transformers_logits_and_round_trips(case, hf,
     assert (cfg.activation, cfg.scale_embeddings) == (("gelu_tanh", True) if gemma else ("silu", False))
     scalar = config.get("query_pre_attn_scalar")  # kept only where it is not the head width
     assert cfg.query_pre_attn_scalar == (scalar if scalar not in (None, width) else None)
-    window = config.get("sliding_window")  # Mistral's is left out where it does not bite (at least 64)
+    window = config.get("sliding_window")  # Mistral's and Phi-3's are left out where they do not bite (64)
     assert cfg.sliding_window == (window if arch in ("olmo3", "gemma2", "gemma3")
-                                  or (arch == "mistral" and (window or 64) < 64) else None)
+                                  or (arch in ("mistral", "phi3") and (window or 64) < 64) else None)
     types = ("sliding_attention", "full_attention") if arch == "gemma2" else config.get("layer_types")  # its default
     assert cfg.layer_types == (tuple(types) if arch in ("olmo3", "gemma2", "gemma3") else None)
     caps = (config.get("attn_logit_softcapping"), config.get("final_logit_softcapping"))
@@ -239,13 +243,14 @@ def test_imported_checkpoint_gives_transformers_logits_and_round_trips(case, hf,
     assert_close(np.asarray(jnp.concatenate(steps, axis=1)), expected)
 
     # kiln -> Hugging Face again: transformers loads it as the same class (Mistral's as Llama, which it
-    # then is), with the same logits
+    # then is; Phi-3's, unfused, as Llama or Mistral), with the same logits
     (tmp_path / "export").mkdir()
     export_hf(cfg, params, (tokenizer_dir / "tokenizer.json").read_text(), read_tokenizer_meta(tokenizer_dir),
               tmp_path / "export")
     _, transformers = hf
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
-    assert type(again).__name__ == ("LlamaForCausalLM" if arch == "mistral" and cfg.sliding_window is None
+    written_as = "MistralForCausalLM" if arch == "phi3" and cfg.sliding_window else "LlamaForCausalLM"
+    assert type(again).__name__ == (written_as if arch == "phi3" or (arch == "mistral" and cfg.sliding_window is None)
                                     else type(model).__name__)
     assert_close(torch_logits(hf, again, tokens), expected)
     assert again.generation_config.eos_token_id == read_tokenizer_meta(tokenizer_dir)["eos_id"]
@@ -664,6 +669,10 @@ REFUSED = {
     "gemma3-vision-language": ({"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3"},
                                "vision-language models; kiln imports Gemma 3's text-only"),
     "llama-soft-capping": ({"final_logit_softcapping": 30.0}, "final_logit_softcapping 30.0 .*Gemma 2's"),
+    "phi4-mini-partial-rotary": ({"architectures": ["Phi3ForCausalLM"], "model_type": "phi3",
+                                  "partial_rotary_factor": 0.75}, "partial_rotary_factor 0.75"),
+    "phi3-longrope": ({"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "rope_scaling": {
+        "rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}}, "RoPE .*longrope"),
     "gemma3-exact-gelu": ({"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
                            "hidden_activation": "gelu"}, "hidden_activation 'gelu' .*gelu_pytorch_tanh"),
     "gemma3-bidirectional": ({"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",

