@@ -363,30 +363,47 @@ def test_import_is_the_inverse_of_export(case, tokenizer_dir, tmp_path):
     assert model.stop_ids == (eos,)
 
 
-def test_a_windowed_model_decodes_in_the_servers_slots_as_its_forward_computes(tokenizer_dir, tmp_path):
-    """OLMo 3's shape (a sliding layer, then a full one) with a window of 5 over prompts and answers
-    of up to 29 tokens: greedy answers equal the argmax of the full forward at each position (the
-    cache masks the window as the forward does), and answers decoded beside others in the
-    server's continuous batching (each row at positions of its own) equal those decoded alone."""
+WINDOWED = {  # a sliding layer, then a full one, with a window of 5
+    "olmo3": {"qk_norm": "projection", "norm_position": "post"},
+    # Gemma 2's soft caps (low enough to bite) and Gemma 3's sliding layers at a RoPE base of their own
+    "gemma2": {"norm_position": "both", "activation": "gelu_tanh", "scale_embeddings": True,
+               "attn_logit_softcapping": 0.5, "final_logit_softcapping": 4.0},
+    "gemma3": {"qk_norm": "head", "norm_position": "both", "activation": "gelu_tanh", "scale_embeddings": True,
+               "sliding_rope_theta": 50.0},
+}
+
+
+@pytest.mark.parametrize("shape", sorted(WINDOWED))
+def test_a_windowed_model_decodes_in_the_servers_slots_as_its_forward_computes(shape, tokenizer_dir, tmp_path):
+    """OLMo 3's and Gemma's shapes with a window of 5 over prompts and answers of up to 29 tokens:
+    greedy answers equal the argmax of the full forward at each position (the cache masks the
+    window, rotates and caps as the forward does; the server's separate output layer caps as it
+    does), and answers decoded beside others in the server's continuous batching (each row at
+    positions of its own) equal those decoded alone."""
     from evaluation.generate import Request, sample
     from evaluation.server import Job, Service
 
-    cfg = SMALL.model_copy(update={"qk_norm": "projection", "norm_position": "post", "sliding_window": 5,
+    cfg = SMALL.model_copy(update={**WINDOWED[shape], "sliding_window": 5,
                                    "layer_types": ("sliding_attention", "full_attention")})
     kiln_export(tmp_path / "hf", cfg, tokenizer_dir)
     model = load(tmp_path / "hf")
     assert model.cfg == cfg
     prompts = [list(range(3, 3 + n)) for n in (4, 9, 14)]
     answers = [sample(model, p, 15, temperature=0.0) for p in prompts]
+    logprobs = []  # the forward's log-probability of each answer token
     for prompt, answer in zip(prompts, answers):
         assert len(answer) == 15  # no EOS drawn: every position below is checked
         logits = np.asarray(forward(model.params, np.array([prompt + answer[:-1]], np.int32), cfg))[0]
         assert [int(t) for t in logits[len(prompt) - 1:].argmax(-1)] == answer
+        logp = np.asarray(jax.nn.log_softmax(logits[len(prompt) - 1:], axis=-1))
+        logprobs.append(logp[np.arange(len(answer)), answer])
     scheduler = Service(model, "windowed", max_batch=4).scheduler
     try:
-        jobs = [Job(Request(p, 15, 0.0)) for p in prompts]
+        jobs = [Job(Request(p, 15, 0.0), top_logprobs=0) for p in prompts]  # with log-probabilities
         together = [f.result(120) for f in [scheduler.submit(j) for j in jobs]]
         assert [r.sampled.ids for r in together] == answers
+        for r, expected in zip(together, logprobs):  # greedy hides a logit cap; log-probabilities do not
+            np.testing.assert_allclose(r.sampled.logprobs, expected, rtol=1e-4, atol=1e-5)
     finally:
         scheduler.close()
 
