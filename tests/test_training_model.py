@@ -31,7 +31,9 @@ CFG = ModelConfig(vocab_size=97, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2
 
 def reference_llama(p: dict, tokens: np.ndarray, cfg: ModelConfig) -> np.ndarray:
     """HF LlamaForCausalLM's forward written out in numpy, float64, from the param tree (with
-    Qwen3's or OLMo 2's q/k norms, and OLMo 2's norms after each sublayer, where the config has them)."""
+    Qwen3's or OLMo 2's q/k norms, OLMo 2's norms after each sublayer, Gemma's norms before and after
+    them, GeGLU, scaled embeddings, score scale and soft caps, sliding layers at their own RoPE base,
+    and SmolLM3's layers without positions, where the config has them)."""
     p = jax.tree_util.tree_map(lambda a: np.asarray(a, np.float64), p)
     B, T = tokens.shape
     H, K, Q = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -39,20 +41,22 @@ def reference_llama(p: dict, tokens: np.ndarray, cfg: ModelConfig) -> np.ndarray
     def rms(x, w):
         return w * (x / np.sqrt((x**2).mean(-1, keepdims=True) + cfg.norm_eps))
 
-    inv = 1.0 / cfg.rope_theta ** (np.arange(0, Q, 2) / Q)
-    ang = np.arange(T)[:, None] * inv[None]
-    cos, sin = np.cos(np.concatenate([ang, ang], -1)), np.sin(np.concatenate([ang, ang], -1))
+    def cap(x, c):
+        return x if c is None else c * np.tanh(x / c)
 
-    def rope(x):  # x [B, heads, T, Q]
+    def rope(x, theta):  # x [B, heads, T, Q]
+        ang = np.arange(T)[:, None] * (1.0 / theta ** (np.arange(0, Q, 2) / Q))[None]
+        cos, sin = np.cos(np.concatenate([ang, ang], -1)), np.sin(np.concatenate([ang, ang], -1))
         rotated = np.concatenate([-x[..., Q // 2:], x[..., :Q // 2]], -1)  # rotate_half
         return x * cos + rotated * sin
 
-    x = p["embed_tokens"]["embedding"][tokens]
+    x = p["embed_tokens"]["embedding"][tokens] * (np.sqrt(cfg.d_model) if cfg.scale_embeddings else 1.0)
     for i in range(cfg.n_layers):
         lp = p[f"layers_{i}"]
         a = lp["self_attn"]
-        post = cfg.norm_position == "post"  # OLMo 2: the sublayers' outputs normalised, not their inputs
-        h = x if post else rms(x, lp["input_layernorm"]["weight"])
+        before = cfg.norm_position in ("pre", "both")  # Llama's norms on the sublayers' inputs (and Gemma's)
+        after = cfg.norm_position in ("post", "both")  # OLMo 2's on their outputs (and Gemma's)
+        h = rms(x, lp["input_layernorm"]["weight"]) if before else x
         q, k = h @ a["q_proj"]["kernel"], h @ a["k_proj"]["kernel"]
         if cfg.qk_norm == "projection":  # OLMo 2: q and k normalised whole
             q, k = rms(q, a["q_norm"]["weight"]), rms(k, a["k_norm"]["weight"])
@@ -60,26 +64,46 @@ def reference_llama(p: dict, tokens: np.ndarray, cfg: ModelConfig) -> np.ndarray
         v = (h @ a["v_proj"]["kernel"]).reshape(B, T, K, Q).transpose(0, 2, 1, 3)
         if cfg.qk_norm == "head":  # Qwen3: each head of q and k normalised before the rotation
             q, k = rms(q, a["q_norm"]["weight"]), rms(k, a["k_norm"]["weight"])
-        q, k = rope(q), rope(k)
+        window = cfg.layer_window(i)
+        if cfg.layer_rotates(i):
+            theta = cfg.sliding_rope_theta if window and cfg.sliding_rope_theta else cfg.rope_theta
+            q, k = rope(q, theta), rope(k, theta)
         k, v = np.repeat(k, H // K, axis=1), np.repeat(v, H // K, axis=1)  # HF repeat_kv
-        s = q @ k.transpose(0, 1, 3, 2) / np.sqrt(Q) + np.triu(np.full((T, T), -np.inf), 1)
+        visible = np.tril(np.ones((T, T), bool)) & (np.arange(T)[None] > np.arange(T)[:, None] - (window or T + 1))
+        s = cap(q @ k.transpose(0, 1, 3, 2) / np.sqrt(cfg.query_pre_attn_scalar or Q), cfg.attn_logit_softcapping)
+        s = np.where(visible, s, -np.inf)
         w = np.exp(s - s.max(-1, keepdims=True))
         o = (w / w.sum(-1, keepdims=True)) @ v
         o = o.transpose(0, 2, 1, 3).reshape(B, T, H * Q) @ a["o_proj"]["kernel"]
-        x = x + (rms(o, lp["post_attention_layernorm"]["weight"]) if post else o)
+        x = x + (rms(o, lp["post_attention_layernorm"]["weight"]) if after else o)
         m = lp["mlp"]
-        h = x if post else rms(x, lp["post_attention_layernorm"]["weight"])
+        mlp_norm = {"pre": "post_attention_layernorm", "both": "pre_feedforward_layernorm"}.get(cfg.norm_position)
+        h = rms(x, lp[mlp_norm]["weight"]) if mlp_norm else x
         g = h @ m["gate_proj"]["kernel"]
-        f = ((g / (1 + np.exp(-g))) * (h @ m["up_proj"]["kernel"])) @ m["down_proj"]["kernel"]
-        x = x + (rms(f, lp["post_feedforward_layernorm"]["weight"]) if post else f)
+        if cfg.activation == "silu":
+            g = g / (1 + np.exp(-g))
+        else:  # GELU's tanh approximation
+            g = 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g**3)))
+        f = (g * (h @ m["up_proj"]["kernel"])) @ m["down_proj"]["kernel"]
+        x = x + (rms(f, lp["post_feedforward_layernorm"]["weight"]) if after else f)
     x = rms(x, p["norm"]["weight"])
     head = p["embed_tokens"]["embedding"].T if cfg.tie_embeddings else p["lm_head"]["kernel"]
-    return x @ head
+    return cap(x @ head, cfg.final_logit_softcapping)
 
 
 @pytest.mark.parametrize("tie,T,shape", [(True, 11, {}), (False, 11, {}), (True, 150, {}),
                                          (False, 150, {"qk_norm": "head", "head_width": 24}),  # heads 4 x 24 != 64
-                                         (True, 150, {"qk_norm": "projection", "norm_position": "post"})])
+                                         (True, 150, {"qk_norm": "projection", "norm_position": "post"}),
+                                         (True, 150, {"norm_position": "both", "activation": "gelu_tanh",  # Gemma 2
+                                                      "scale_embeddings": True, "query_pre_attn_scalar": 20,
+                                                      "attn_logit_softcapping": 0.01, "final_logit_softcapping": 0.1,
+                                                      "sliding_window": 70,
+                                                      "layer_types": ("sliding_attention", "full_attention")}),
+                                         (False, 150, {"qk_norm": "head", "norm_position": "both",  # Gemma 3
+                                                       "activation": "gelu_tanh", "scale_embeddings": True,
+                                                       "sliding_window": 40, "sliding_rope_theta": 30.0,
+                                                       "layer_types": ("full_attention", "sliding_attention")}),
+                                         (True, 150, {"rotary_layers": (False, True)})])  # SmolLM3's NoPE
 def test_forward_matches_hf_llama_reference(tie, T, shape):
     cfg = CFG.model_copy(update={"tie_embeddings": tie, "seq_len": max(T, CFG.seq_len), **shape})
     params = init_params(cfg, jax.random.PRNGKey(0))
