@@ -283,6 +283,44 @@ def test_a_gemma3_config_in_transformers_4_keys_imports_as_the_nested_one(hf, tm
     assert_close(np.asarray(forward(params, tokens, cfg)), torch_logits(hf, again, tokens))
 
 
+def test_a_vision_language_gemma3_imports_as_its_language_model(hf, tokenizer_dir, tmp_path):
+    """Gemma 3 4B and up are `Gemma3ForConditionalGeneration`: a Gemma 3 language model (its config
+    under `text_config`, its tensors under `language_model.`) beside a vision tower. kiln reads the
+    language model, leaves the vision tower and projector unread, computes transformers' text-only
+    logits, and exports a `Gemma3ForCausalLM` that transformers loads with them."""
+    torch, transformers = hf
+    text = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=6,
+                num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, max_position_embeddings=64,
+                sliding_window=6, layer_types=["sliding_attention", "full_attention"], rms_norm_eps=1e-6,
+                rope_scaling={"rope_type": "linear", "factor": 4.0})  # 4B's scaling on the full layers
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                       image_token_index=VOCAB - 3, boi_token_index=VOCAB - 2,
+                                       eoi_token_index=VOCAB - 1)
+    torch.manual_seed(3)
+    model = transformers.Gemma3ForConditionalGeneration(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.2 * torch.randn_like(p)) if name.endswith("norm.weight") else p.normal_(0, 0.1)
+    model.eval().save_pretrained(tmp_path / "hf")
+
+    cfg, params = load_hf(tmp_path / "hf")
+    assert (cfg.qk_norm, cfg.norm_position, cfg.head_width, cfg.sliding_rope_theta) == ("head", "both", 16, 1e4)
+    assert type(cfg.rope_scaling).__name__ == "LinearScaling" and cfg.rope_scaling.factor == 4.0
+    tokens = tokens_for(cfg)
+    tokens[tokens >= VOCAB - 3] = 5  # text only: no image tokens
+    expected = torch_logits(hf, model, tokens)
+    assert_close(np.asarray(forward(params, tokens, cfg)), expected)
+
+    (tmp_path / "export").mkdir()
+    export_hf(cfg, params, (tokenizer_dir / "tokenizer.json").read_text(), read_tokenizer_meta(tokenizer_dir),
+              tmp_path / "export")
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
+    assert type(again).__name__ == "Gemma3ForCausalLM"
+    assert_close(torch_logits(hf, again, tokens), expected)
+
+
 def test_bfloat16_and_sharded_checkpoints_import_exactly(hf, tmp_path):
     torch, _ = hf
     model = transformers_model(hf, "qwen2", tie_word_embeddings=False).to(torch.bfloat16)
@@ -683,8 +721,6 @@ def edited(tokenizer_dir: Path, tmp_path: Path, config: dict | None = None, weig
 REFUSED = {
     "dynamic-rope": ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
                      "RoPE .*dynamic.*plain, Llama 3.1's, YaRN's or linear"),
-    "gemma3-vision-language": ({"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3"},
-                               "vision-language models; kiln imports Gemma 3's text-only"),
     "llama-soft-capping": ({"final_logit_softcapping": 30.0}, "final_logit_softcapping 30.0 .*Gemma 2's"),
     "phi4-mini-partial-rotary": ({"architectures": ["Phi3ForCausalLM"], "model_type": "phi3",
                                   "partial_rotary_factor": 0.75}, "partial_rotary_factor 0.75"),

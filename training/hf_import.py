@@ -31,8 +31,9 @@ Llama 3.1's, YaRN's and linear RoPE scaling (`rope_type: llama3`, `yarn`, `linea
 weight is read: other RoPE scaling (dynamic, longrope, YaRN with DeepSeek's mscale, ...), sliding
 layers with a scaled RoPE, Qwen's sliding window, biases other than Qwen2's q/k/v, an activation
 other than the class's (SiLU; Gemma's tanh GELU), soft caps outside Gemma's classes, quantized
-weights, and other architectures (Qwen3's mixture of experts and the multimodal Gemma 3 among
-them). A tensor the config does not account for is refused too.
+weights, and other architectures (Qwen3's mixture of experts among them). A tensor the config
+does not account for is refused too. A vision-language Gemma 3 (4B and up) is read as its
+language model, a Gemma3ForCausalLM (`read_config`, `text_tensor`).
 
 Plain numpy and `safetensors`: no JAX device work, no torch, no Prefect.
 """
@@ -50,6 +51,8 @@ from training.config import LinearScaling, ModelConfig, RopeScaling, YarnScaling
 from training.export import HF_CLASSES, ONLY_IN, hf_names, leaf_at, norm_offset
 from training.model import init_params
 
+# Gemma 3 4B and up: a language model (Gemma3ForCausalLM's) beside a vision tower, read as the former
+VISION_LANGUAGE = "Gemma3ForConditionalGeneration"
 # Classes kiln reads but writes as another: Phi-3's (Phi-3's and Phi-4's) is Llama with q, k and v in one
 # tensor and gate and up in another (`unfused`), and with its window Mistral; exported as those
 READ_AS = {"Phi3ForCausalLM": ("phi3", "llama")}
@@ -88,18 +91,40 @@ def load_hf(folder: Path, seq_len: int | None = None, dtype=np.float32) -> tuple
     hf = read_config(folder)
     cfg = model_config(hf, seq_len, folder)
     model_type = architecture(hf, folder)
-    tensors = read_tensors(folder, dtype)
+    tensors = read_tensors(folder, dtype, text_tensor if hf.get("text_of") else None)
     if model_type == "phi3":
         tensors = unfused(tensors, cfg)
     return cfg, kiln_params(tensors, cfg, folder, norm_offset(model_type))
 
 
 def read_config(folder: Path) -> dict:
+    """config.json's dict; a vision-language Gemma 3's (`Gemma3ForConditionalGeneration`, 4B and up)
+    as its text model's, a `Gemma3ForCausalLM` config (`text_config`, with the ids and tying the
+    top level gives and it does not): kiln imports the language model and leaves the vision tower
+    out (`text_tensor`)."""
     path = folder / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: {folder} is not a Hugging Face model folder "
                                 "(kiln imports local folders only; download one with `hf download` first)")
-    return json.loads(path.read_text())
+    hf = json.loads(path.read_text())
+    if hf.get("architectures") != [VISION_LANGUAGE]:
+        return hf
+    shared = {key: hf[key] for key in ("bos_token_id", "eos_token_id", "tie_word_embeddings") if key in hf}
+    return {**shared, **hf.get("text_config", {}), "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+            "text_of": VISION_LANGUAGE}
+
+
+def text_tensor(name: str) -> str | None:
+    """A vision-language Gemma 3's tensor under its text model's name (`language_model.model.x`, as the
+    Hub's checkpoints and transformers write it, or `model.language_model.x`, transformers 5's own
+    module path, -> `model.x`; its lm_head -> `lm_head.weight`), or None for the vision tower's and the
+    projector's, which kiln does not read."""
+    for prefix in ("language_model.model.", "model.language_model."):
+        if name.startswith(prefix):
+            return "model." + name.removeprefix(prefix)
+    if name in ("language_model.lm_head.weight", "lm_head.weight"):
+        return "lm_head.weight"
+    return None
 
 
 # --- config.json -> ModelConfig ------------------------------------------------------------------
@@ -108,9 +133,6 @@ def read_config(folder: Path) -> dict:
 def architecture(hf: dict, folder: Path) -> str:
     archs = hf.get("architectures") or []
     known = [a for a in archs if a in ARCHITECTURES]
-    if archs == ["Gemma3ForConditionalGeneration"]:
-        raise ValueError(f"{folder}: architectures {archs}: Gemma 3 4B and up are vision-language models; kiln "
-                         "imports Gemma 3's text-only checkpoints (Gemma3ForCausalLM: 270M, 1B)")
     if len(archs) > 1 or (archs and not known):
         raise ValueError(f"{folder}: architectures {archs}: kiln imports one of {sorted(ARCHITECTURES)}")
     model_type = ARCHITECTURES[known[0]] if known else hf.get("model_type")
@@ -307,10 +329,11 @@ def model_config(hf: dict, seq_len: int | None, folder: Path) -> ModelConfig:
 # --- safetensors -> kiln's parameter tree ---------------------------------------------------------
 
 
-def read_tensors(folder: Path, dtype=np.float32) -> dict[str, np.ndarray]:
+def read_tensors(folder: Path, dtype=np.float32, rename=None) -> dict[str, np.ndarray]:
     """Every tensor of the checkpoint, by HF name, in `dtype` (float32: exact for float16 and
     bfloat16 weights), each converted as it is read, so that no more than one tensor at a time is
-    held in another dtype (a bfloat16 8B checkpoint read as bfloat16: 16 GB, not 32 and more)."""
+    held in another dtype (a bfloat16 8B checkpoint read as bfloat16: 16 GB, not 32 and more).
+    `rename(name)` gives the name to keep a tensor under, or None to leave it unread."""
     index = folder / INDEX_FILE
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -324,7 +347,9 @@ def read_tensors(folder: Path, dtype=np.float32) -> dict[str, np.ndarray]:
     for name in files:
         with safe_open(str(folder / name), framework="numpy") as f:  # bfloat16 as ml_dtypes' numpy bfloat16
             for key in f.keys():
-                tensors[key] = f.get_tensor(key).astype(dtype, copy=False)
+                name = key if rename is None else rename(key)
+                if name is not None:
+                    tensors[name] = f.get_tensor(key).astype(dtype, copy=False)
     return tensors
 
 
