@@ -127,7 +127,7 @@ class ModelConfig(ConfigModel):
                                                "sqrt(d_model) (Gemma); the tied output projection is not scaled.")
     query_pre_attn_scalar: Count | None = identity_when_set(
         None, description="Attention scores are q.k / sqrt(this) where it is set (Gemma's `query_pre_attn_scalar`, "
-        "as in Gemma 3 27B), else q.k / sqrt(head_dim).")
+        "where Gemma's 27B models set one other than the head width), else q.k / sqrt(head_dim).")
     sliding_window: Count | None = identity_when_set(
         None, description="Positions a sliding-window layer's query sees, itself included (the keys after "
         "i - sliding_window), as in Mistral and OLMo 3; which layers slide, `layer_types` says (all of them "

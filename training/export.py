@@ -45,7 +45,7 @@ MLP = ("gate_proj", "up_proj", "down_proj")
 BIASED = ("q_proj", "k_proj", "v_proj")  # with attention_bias: Qwen2's layout, o_proj has none
 BLOCK_NORMS = {"pre": ("input_layernorm", "post_attention_layernorm"),  # Llama's: before attention, before the MLP
                "post": ("post_attention_layernorm", "post_feedforward_layernorm"),  # OLMo 2's: after each
-               "both": ("input_layernorm", "post_attention_layernorm",  # Gemma 3's: before and after each
+               "both": ("input_layernorm", "post_attention_layernorm",  # Gemma's: before and after each
                         "pre_feedforward_layernorm", "post_feedforward_layernorm")}
 LLAMA_MLP = ("silu", False)  # (activation, scale_embeddings) of every class but Gemma's
 GEMMA = ("gelu_tanh", True)

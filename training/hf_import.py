@@ -284,7 +284,7 @@ def unsupported(hf: dict, model_type: str) -> list[str]:
 
 def query_pre_attn_scalar(hf: dict) -> int | None:
     """Gemma's `query_pre_attn_scalar` where it is not the head width (else None: kiln's default
-    1 / sqrt(head_dim), which Gemma 3 270M, 1B, 4B and 12B have)."""
+    scale, 1 / sqrt(head_dim), the same number)."""
     scalar = hf.get("query_pre_attn_scalar")
     width = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
     return None if scalar in (None, width) else int(scalar)
@@ -347,9 +347,9 @@ def read_tensors(folder: Path, dtype=np.float32, rename=None) -> dict[str, np.nd
     for name in files:
         with safe_open(str(folder / name), framework="numpy") as f:  # bfloat16 as ml_dtypes' numpy bfloat16
             for key in f.keys():
-                name = key if rename is None else rename(key)
-                if name is not None:
-                    tensors[name] = f.get_tensor(key).astype(dtype, copy=False)
+                kept = key if rename is None else rename(key)
+                if kept is not None:
+                    tensors[kept] = f.get_tensor(key).astype(dtype, copy=False)
     return tensors
 
 

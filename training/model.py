@@ -12,7 +12,7 @@ outputs, before the residual adds (OLMo 2); `head_width` makes heads wider or na
 d_model / n_heads (Qwen3, Mistral Nemo); `sliding_window` keeps the layers `layer_types` names
 `sliding_attention` (every layer, without it) to the last positions (Mistral, OLMo 3), and those
 rotate with plain RoPE where `rope_scaling` scales the full-attention layers' (OLMo 3's), at
-`sliding_rope_theta` where it is set (Gemma 3's local base). Gemma 3's other features:
+`sliding_rope_theta` where it is set (Gemma 3's local base). Gemma 2's and 3's other features:
 `norm_position: both` (norms on the inputs and the outputs of attention and the MLP),
 `activation: gelu_tanh` (GeGLU), `scale_embeddings` (the input embeddings times sqrt(d_model)) and
 `query_pre_attn_scalar` (scores over sqrt of it instead of sqrt(head_dim)); SmolLM3's
@@ -418,7 +418,7 @@ class Block(nn.Module):
             h, layer_cache = attention(x, positions, rope, layer_cache, cache_pos, index, segments)
             x = x + RMSNorm(cfg.norm_eps, dt, name="post_attention_layernorm")(h)
             return x + RMSNorm(cfg.norm_eps, dt, name="post_feedforward_layernorm")(mlp(x, decoding)), layer_cache
-        if cfg.norm_position == "both":  # Gemma 3: each sublayer's input and output normalised
+        if cfg.norm_position == "both":  # Gemma 2 and 3: each sublayer's input and output normalised
             h, layer_cache = attention(RMSNorm(cfg.norm_eps, dt, name="input_layernorm")(x), positions, rope,
                                        layer_cache, cache_pos, index, segments)
             x = x + RMSNorm(cfg.norm_eps, dt, name="post_attention_layernorm")(h)
