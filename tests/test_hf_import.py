@@ -302,7 +302,10 @@ def test_a_vision_language_gemma3_imports_as_its_language_model(hf, tokenizer_di
     model = transformers.Gemma3ForConditionalGeneration(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.copy_(1 + 0.2 * torch.randn_like(p)) if name.endswith("norm.weight") else p.normal_(0, 0.1)
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            else:
+                p.normal_(0, 0.1)
     model.eval().save_pretrained(tmp_path / "hf")
 
     cfg, params = load_hf(tmp_path / "hf")

@@ -118,7 +118,7 @@ class ModelConfig(ConfigModel):
     norm_position: Literal["pre", "post", "both"] = identity_when_set(
         "pre", description="Where each block's RMSNorms sit: `pre`, on the inputs of attention and the MLP "
         "(Llama); `post`, on their outputs before the residual adds (OLMo 2: post_attention_layernorm, "
-        "post_feedforward_layernorm, no input_layernorm); `both`, on inputs and outputs (Gemma 3: "
+        "post_feedforward_layernorm, no input_layernorm); `both`, on inputs and outputs (Gemma 2 and 3: "
         "input_layernorm, post_attention_layernorm, pre_feedforward_layernorm, post_feedforward_layernorm).")
     activation: Literal["silu", "gelu_tanh"] = identity_when_set(
         "silu", description="The MLP's gate activation: `silu` (SwiGLU, Llama) or `gelu_tanh`, GELU's tanh "

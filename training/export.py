@@ -66,6 +66,15 @@ HF_CLASSES = {(False, "none", "pre", LLAMA_MLP, False, "none"): ("LlamaForCausal
                  for slide in ("none", "every layer", "some layers")}}
 # Classes whose RMSNorm multiplies by 1 + weight (Gemma's): their checkpoints store kiln's weight - 1
 OFFSET_NORMS = {"gemma2", "gemma3_text"}
+# kiln's `activation` as transformers names it, under the key each class's config reads it from
+HF_ACTIVATIONS = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}
+
+
+def activation_key(model_type: str) -> str:
+    """config.json's key for the MLP's activation: Gemma's `hidden_activation`, the others' `hidden_act`."""
+    return "hidden_activation" if model_type in OFFSET_NORMS else "hidden_act"
+
+
 # model fields only some classes' configs carry (set, the export is refused for the others)
 ONLY_IN = {"query_pre_attn_scalar": OFFSET_NORMS, "attn_logit_softcapping": OFFSET_NORMS,
            "final_logit_softcapping": OFFSET_NORMS, "sliding_rope_theta": {"gemma3_text"}}
@@ -189,10 +198,13 @@ def rope_scaling(cfg: ModelConfig) -> dict | None:
 
 
 def hf_config(cfg: ModelConfig, bos_id: int, eos_id: int) -> dict:
-    """config.json for the export's class (`architecture`): Llama's keys, less what Qwen2, Qwen3,
-    OLMo 2 and OLMo 3 do not have, plus the sliding windows (Mistral's, OLMo 3's, with each layer's
-    type) or the Qwens' switches for them (off)."""
+    """config.json for the export's class (`architecture`): Llama's keys, less what the other classes
+    do not have, plus each one's own: the sliding windows (Mistral's; OLMo 3's and Gemma's with each
+    layer's type) or the Qwens' switches for them (off), Gemma's score scale, soft caps and local
+    RoPE base, SmolLM3's layers without positions."""
     arch, model_type = architecture(cfg)
+    layer_types = ["full_attention" if cfg.layer_window(i) is None else "sliding_attention"
+                   for i in range(cfg.n_layers)]
     config = {
         "architectures": [arch],
         "model_type": model_type,
@@ -203,7 +215,7 @@ def hf_config(cfg: ModelConfig, bos_id: int, eos_id: int) -> dict:
         "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads,
         "head_dim": cfg.head_dim,
-        "hidden_act": "silu",
+        activation_key(model_type): HF_ACTIVATIONS[cfg.activation],
         "max_position_embeddings": cfg.seq_len,
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,
@@ -219,26 +231,22 @@ def hf_config(cfg: ModelConfig, bos_id: int, eos_id: int) -> dict:
         "torch_dtype": "float32",  # the weights; a bfloat16-trained model computed its matmuls in bfloat16
         "use_cache": True,
     }
-    if model_type not in ("llama", "mistral"):  # Qwen2's, Qwen3's, OLMo's and Gemma's configs have no mlp_bias
+    if model_type not in ("llama", "mistral"):  # the others' configs have none (SmolLM3's defaults it to false)
         del config["mlp_bias"]
     if model_type == "mistral":
         config["sliding_window"] = cfg.sliding_window
     if model_type == "olmo3":  # its sliding window, and each layer's attention (its rope_scaling: the full ones')
-        config["sliding_window"] = cfg.sliding_window
-        config["layer_types"] = ["full_attention" if cfg.layer_window(i) is None else "sliding_attention"
-                                 for i in range(cfg.n_layers)]
+        config.update(sliding_window=cfg.sliding_window, layer_types=layer_types)
     if model_type in ("qwen2", "qwen3"):  # and the Qwens a sliding window to turn off
         config.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers)
     if model_type == "qwen2":  # nor Qwen2's an attention_bias: its q, k, v always have biases
         del config["attention_bias"]
     if model_type in OFFSET_NORMS:  # Gemma 2's and 3's names, flat as transformers 4 and 5 read them
-        del config["hidden_act"]
-        config.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=cfg.query_pre_attn_scalar
-                      or cfg.head_dim, sliding_window=cfg.sliding_window or cfg.seq_len,
+        config.update(query_pre_attn_scalar=cfg.query_pre_attn_scalar or cfg.head_dim,
+                      sliding_window=cfg.sliding_window or cfg.seq_len,
                       final_logit_softcapping=cfg.final_logit_softcapping,
                       attn_logit_softcapping=cfg.attn_logit_softcapping, use_bidirectional_attention=False,
-                      layer_types=["full_attention" if cfg.layer_window(i) is None else "sliding_attention"
-                                   for i in range(cfg.n_layers)])
+                      layer_types=layer_types)
     if model_type == "gemma3_text":
         config["rope_local_base_freq"] = cfg.sliding_rope_theta or cfg.rope_theta
     if model_type == "smollm3":  # which layers rotate (1) and which have no positions (0); no sliding window

@@ -48,7 +48,7 @@ import numpy as np
 from safetensors import safe_open
 
 from training.config import LinearScaling, ModelConfig, RopeScaling, YarnScaling
-from training.export import HF_CLASSES, ONLY_IN, hf_names, leaf_at, norm_offset
+from training.export import HF_ACTIVATIONS, HF_CLASSES, ONLY_IN, activation_key, hf_names, leaf_at, norm_offset
 from training.model import init_params
 
 # Gemma 3 4B and up: a language model (Gemma3ForCausalLM's) beside a vision tower, read as the former
@@ -65,8 +65,6 @@ FEATURES = {model_type: features[:4] for features, (_, model_type) in HF_CLASSES
 FEATURES.update({model_type: FEATURES[like] for model_type, like in READ_AS.values()})
 # NoPE layers by default where a SmolLM3 config lists no no_rope_layers: every n-th layer
 NOPE_EVERY = {"smollm3": 4}
-# what each model_type's config calls its MLP's activation, and the value kiln computes
-ACTIVATIONS = {model_type: ("hidden_activation", "gelu_pytorch_tanh") for model_type in ("gemma2", "gemma3_text")}
 # sliding layers by default where the config lists no layer_types: every n-th layer attends fully
 FULL_LAYER_EVERY = {"olmo3": 4, "gemma2": 2, "gemma3_text": 6}
 # classes whose configs may soft-cap attention scores and logits (`model.attn_logit_softcapping`, ...)
@@ -234,7 +232,7 @@ def head_width(hf: dict) -> int | None:
 def unsupported(hf: dict, model_type: str) -> list[str]:
     """Why kiln's model cannot compute this config, one reason each (empty: it can)."""
     reasons = []
-    key, expected = ACTIVATIONS.get(model_type, ("hidden_act", "silu"))
+    key, expected = activation_key(model_type), HF_ACTIVATIONS[FEATURES[model_type][3][0]]
     act = hf.get(key, expected)
     if act != expected:
         reasons.append(f"{key} {act!r} (kiln computes {model_type}'s MLP with {expected})")
