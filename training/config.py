@@ -79,6 +79,34 @@ class LinearScaling(ConfigModel):
     factor: Positive = Field(description="What positions are divided by.")
 
 
+class LongRopeScaling(ConfigModel):
+    """LongRoPE (`rope_type: longrope` in a Hugging Face config, Phi-3.5's, Phi-4-mini's and Phi-3's
+    128k models): each rotary frequency i divided by a factor of its own, `short_factor[i]` for a
+    sequence whose positions stay within `original_max_position_embeddings`, `long_factor[i]` for
+    one that goes beyond, as transformers picks per call by the largest position (kiln by each
+    row's); cos and sin are multiplied by `attention_factor` (default sqrt(1 + ln(factor) / ln(original
+    context)), 1 for a factor of 1 or less) either way."""
+
+    rope_type: Literal["longrope"] = Field(description="Which scaling: `longrope`.")
+    short_factor: tuple[Positive, ...] = Field(description="Each frequency's divisor within the original context "
+                                               "(one per pair of rotated dimensions).")
+    long_factor: tuple[Positive, ...] = Field(description="Each frequency's divisor beyond the original context.")
+    original_max_position_embeddings: Count = Field(description="The context the model was first trained for: "
+                                                    "positions past it switch a sequence to long_factor.")
+    factor: Positive = Field(description="How much the context was extended (max_position_embeddings over the "
+                             "original): sets the default attention_factor.")
+    attention_factor: Positive | None = Field(None, description="What cos and sin are multiplied by; None: "
+                                              "sqrt(1 + ln(factor) / ln(original_max_position_embeddings)).")
+
+    @property
+    def attention_scale(self) -> float:
+        if self.attention_factor is not None:
+            return self.attention_factor
+        if self.factor <= 1:
+            return 1.0
+        return math.sqrt(1 + math.log(self.factor) / math.log(self.original_max_position_embeddings))
+
+
 class ModelConfig(ConfigModel):
     """A Llama-style decoder. `vocab_size` is filled from the tokenizer by the pipeline."""
 
@@ -103,10 +131,10 @@ class ModelConfig(ConfigModel):
         "float32. Identity: bfloat16 changes the bytes of the result.")
     attention_bias: bool = identity_when_set(False, description="Biases on the q, k and v projections, as in "
                                              "Qwen2 (training/hf_import.py sets it for a Qwen2 checkpoint).")
-    rope_scaling: RopeScaling | YarnScaling | LinearScaling | None = identity_when_set(
-        None, description="Scaled RoPE frequencies: Llama 3.1's, YaRN's (`rope_type: yarn`) or linear "
-        "(`rope_type: linear`); training/hf_import.py sets it from a checkpoint's `rope_type: llama3`, `yarn` or "
-        "`linear`. None: plain RoPE.")
+    rope_scaling: RopeScaling | YarnScaling | LinearScaling | LongRopeScaling | None = identity_when_set(
+        None, description="Scaled RoPE frequencies: Llama 3.1's, YaRN's (`rope_type: yarn`), linear "
+        "(`rope_type: linear`) or LongRoPE (`rope_type: longrope`); training/hf_import.py sets it from a "
+        "checkpoint's `rope_type: llama3`, `yarn`, `linear` or (Phi-3's) `longrope`. None: plain RoPE.")
     head_width: Count | None = identity_when_set(None, description="Width of each attention head (Hugging Face's "
                                                  "`head_dim`) where it is not d_model / n_heads, as in Qwen3 and "
                                                  "Mistral Nemo: q, k and v are n_heads (n_kv_heads) times it wide "
@@ -144,6 +172,9 @@ class ModelConfig(ConfigModel):
     rotary_layers: tuple[bool, ...] | None = identity_when_set(
         None, description="Which layers rotate q and k, one entry per layer: the others attend without positions "
         "(NoPE, as SmolLM3's every fourth layer: its `no_rope_layers`). None: every layer rotates.")
+    rotary_width: Count | None = identity_when_set(
+        None, description="How many of each head's first dimensions rotate, where not all of them do (Phi-4-mini's "
+        "`partial_rotary_factor` 0.75: 96 of 128); the rest pass through unrotated. None: the whole head.")
     sliding_rope_theta: Positive | None = identity_when_set(
         None, description="The sliding-window layers' RoPE base where it is not rope_theta (Gemma 3's "
         "`rope_local_base_freq`, 10000 beside its full layers' 1000000). None: rope_theta.")
@@ -162,6 +193,11 @@ class ModelConfig(ConfigModel):
     def head_dim(self) -> int:
         """Each attention head's width: `head_width`, or d_model / n_heads."""
         return self.head_width or self.d_model // self.n_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many of each head's first dimensions rotate: `rotary_width`, or the whole head."""
+        return self.rotary_width or self.head_dim
 
     @model_validator(mode="after")
     def _check_shapes(self) -> "ModelConfig":
@@ -191,6 +227,14 @@ class ModelConfig(ConfigModel):
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary positions; change d_model, n_heads or "
                              "head_width")
+        if self.rotary_width is not None and (self.rotary_width % 2 or self.rotary_width >= self.head_dim):
+            raise ValueError(f"rotary_width={self.rotary_width} must be even and below head_dim={self.head_dim} (None "
+                             "rotates the whole head)")
+        if isinstance(scaling, LongRopeScaling) and not (len(scaling.short_factor) == len(scaling.long_factor)
+                                                         == self.rotary_dim // 2):
+            raise ValueError(f"rope_scaling: longrope needs one short and one long factor per rotated pair of "
+                             f"dimensions, {self.rotary_dim // 2}; got {len(scaling.short_factor)} and "
+                             f"{len(scaling.long_factor)}")
         return self
 
 

@@ -9,10 +9,12 @@ and over whole q/k projections (`norm_position: post`, `qk_norm: projection`, OL
 `Olmo2ForCausalLM`, or `Olmo3ForCausalLM` with sliding-window layers; Llama with a sliding window
 in every layer `MistralForCausalLM`; Gemma's norms, GeGLU and scaled embeddings `Gemma2ForCausalLM`
 (with soft caps) or `Gemma3ForCausalLM` (with per-head q/k norms); Llama with NoPE layers
-`SmolLM3ForCausalLM`. training/hf_import.py is the inverse. The folder holds what
-`AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained` read:
+`SmolLM3ForCausalLM`; Llama or Mistral rotating part of each head or with LongRoPE
+`Phi3ForCausalLM` (q, k and v fused in one Linear, gate and up in another: `fused`).
+training/hf_import.py is the inverse. The folder holds what `AutoModelForCausalLM.from_pretrained`
+and `AutoTokenizer.from_pretrained` read:
 
-    config.json              the class's config: LlamaConfig, Qwen2Config, ..., SmolLM3Config
+    config.json              the class's config: LlamaConfig, Qwen2Config, ..., Phi3Config
                              (rope_theta written flat, as transformers 4 and 5 read it)
     model.safetensors        the weights under HF names; lm_head.weight only when untied (Gemma's
                              norms as weight - 1: `norm_offset`)
@@ -34,7 +36,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
-from training.config import LinearScaling, ModelConfig, RopeScaling, YarnScaling
+from training.config import LinearScaling, LongRopeScaling, ModelConfig, RopeScaling, YarnScaling
 from training.model import param_count
 
 WEIGHTS_FILE = "model.safetensors"
@@ -50,19 +52,22 @@ BLOCK_NORMS = {"pre": ("input_layernorm", "post_attention_layernorm"),  # Llama'
 LLAMA_MLP = ("silu", False)  # (activation, scale_embeddings) of every class but Gemma's
 GEMMA = ("gelu_tanh", True)
 # (attention_bias, qk_norm, norm_position, (activation, scale_embeddings), whether some layers have no
-# positions: `nope`, which layers slide: `sliding`) -> the transformers class and model_type that computes
-# it (training/hf_import.py reads checkpoints of these classes by the same table)
-HF_CLASSES = {(False, "none", "pre", LLAMA_MLP, False, "none"): ("LlamaForCausalLM", "llama"),
-              (True, "none", "pre", LLAMA_MLP, False, "none"): ("Qwen2ForCausalLM", "qwen2"),  # q, k, v biases
-              (False, "head", "pre", LLAMA_MLP, False, "none"): ("Qwen3ForCausalLM", "qwen3"),  # per-head q/k norms
-              (False, "projection", "post", LLAMA_MLP, False, "none"): ("Olmo2ForCausalLM", "olmo2"),  # norms after
-              (False, "none", "pre", LLAMA_MLP, False, "every layer"): ("MistralForCausalLM", "mistral"),  # sliding
-              (False, "projection", "post", LLAMA_MLP, False, "every layer"): ("Olmo3ForCausalLM", "olmo3"),  # OLMo 2
-              (False, "projection", "post", LLAMA_MLP, False, "some layers"): ("Olmo3ForCausalLM", "olmo3"),  # windowed
-              (False, "none", "pre", LLAMA_MLP, True, "none"): ("SmolLM3ForCausalLM", "smollm3"),  # NoPE layers
-              **{(False, "none", "both", GEMMA, False, slide): ("Gemma2ForCausalLM", "gemma2")  # Gemma 2
+# positions: `nope`, which layers slide: `sliding`, whether the rotation is Phi-3's: `phi3_rope`) -> the
+# transformers class and model_type that computes it (training/hf_import.py reads checkpoints of these
+# classes by the same table)
+HF_CLASSES = {(False, "none", "pre", LLAMA_MLP, False, "none", False): ("LlamaForCausalLM", "llama"),
+              (True, "none", "pre", LLAMA_MLP, False, "none", False): ("Qwen2ForCausalLM", "qwen2"),  # q, k, v biases
+              (False, "head", "pre", LLAMA_MLP, False, "none", False): ("Qwen3ForCausalLM", "qwen3"),  # q/k norms
+              (False, "projection", "post", LLAMA_MLP, False, "none", False): ("Olmo2ForCausalLM", "olmo2"),  # post
+              (False, "none", "pre", LLAMA_MLP, False, "every layer", False): ("MistralForCausalLM", "mistral"),
+              **{(False, "projection", "post", LLAMA_MLP, False, slide, False): ("Olmo3ForCausalLM", "olmo3")
+                 for slide in ("every layer", "some layers")},  # OLMo 2 with sliding layers
+              (False, "none", "pre", LLAMA_MLP, True, "none", False): ("SmolLM3ForCausalLM", "smollm3"),  # NoPE
+              **{(False, "none", "pre", LLAMA_MLP, False, slide, True): ("Phi3ForCausalLM", "phi3")  # partial, LongRoPE
+                 for slide in ("none", "every layer")},
+              **{(False, "none", "both", GEMMA, False, slide, False): ("Gemma2ForCausalLM", "gemma2")  # Gemma 2
                  for slide in ("none", "every layer", "some layers")},
-              **{(False, "head", "both", GEMMA, False, slide): ("Gemma3ForCausalLM", "gemma3_text")  # Gemma 3's text
+              **{(False, "head", "both", GEMMA, False, slide, False): ("Gemma3ForCausalLM", "gemma3_text")  # Gemma 3
                  for slide in ("none", "every layer", "some layers")}}
 # Classes whose RMSNorm multiplies by 1 + weight (Gemma's): their checkpoints store kiln's weight - 1
 OFFSET_NORMS = {"gemma2", "gemma3_text"}
@@ -83,6 +88,27 @@ ONLY_IN = {"query_pre_attn_scalar": OFFSET_NORMS, "attn_logit_softcapping": OFFS
 def nope(cfg: ModelConfig) -> bool:
     """Whether some layer of the model attends without rotary positions (`rotary_layers`)."""
     return not all(cfg.layer_rotates(i) for i in range(cfg.n_layers))
+
+
+def phi3_rope(cfg: ModelConfig) -> bool:
+    """Whether the model rotates as only Phi-3's class does among the exported ones: part of each head
+    (`rotary_width`, Phi-4-mini's) or with LongRoPE's frequencies."""
+    return cfg.rotary_width is not None or isinstance(cfg.rope_scaling, LongRopeScaling)
+
+
+# Phi-3's fused projections: the tensor -> the kiln projections side by side in it, in that order
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def fused(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A state dict under Llama's names with each layer's q, k and v weights stacked as Phi-3's
+    `qkv_proj` and gate and up as its `gate_up_proj` (gate first, as Phi3MLP chunks it); the inverse
+    of training/hf_import.py's `unfused`."""
+    for name in [n for n in state if n.endswith(".self_attn.q_proj.weight") or n.endswith(".mlp.gate_proj.weight")]:
+        prefix = name.rsplit(".", 2)[0]
+        tensor, parts = next((t, p) for t, p in FUSED.items() if name.endswith(f".{p[0]}.weight"))
+        state[f"{prefix}.{tensor}.weight"] = np.concatenate([state.pop(f"{prefix}.{part}.weight") for part in parts])
+    return state
 
 
 def sliding(cfg: ModelConfig) -> str:
@@ -113,15 +139,17 @@ def hf_names(cfg: ModelConfig) -> dict[tuple[str, ...], str]:
 
 
 def hf_state_dict(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
-    """kiln's parameter tree as a flat {HF name: float32 array} dict (Linear weights are [out, in];
-    a Gemma norm's weight as its class stores it, kiln's weight - 1: `norm_offset`)."""
-    offset = norm_offset(architecture(cfg)[1])
+    """kiln's parameter tree as a flat {HF name: float32 array} dict in the export class's layout
+    (Linear weights are [out, in]; a Gemma norm's weight as its class stores it, kiln's weight - 1:
+    `norm_offset`; Phi-3's projections fused: `fused`)."""
+    model_type = architecture(cfg)[1]
+    offset = norm_offset(model_type)
     out = {}
     for path, name in hf_names(cfg).items():
         leaf = np.asarray(leaf_at(params, path), dtype=np.float32)
         out[name] = np.ascontiguousarray(leaf.T if path[-1] == "kernel" else leaf - offset if path[-1] == "weight"
                                          else leaf)
-    return out
+    return fused(out) if model_type == "phi3" else out
 
 
 def norm_offset(model_type: str) -> float:
@@ -137,6 +165,10 @@ def export_adapter(cfg: ModelConfig, lora, adapters: dict[str, np.ndarray], out_
     `peft.PeftModel.from_pretrained(base, folder)` loads onto the export of the base model. kiln's
     update W + (alpha/rank) A B of a kernel [in, out] is peft's W + (lora_alpha/r) B' A' of the
     Linear weight [out, in], with lora_A' = A.T [r, in] and lora_B' = B.T [out, r]."""
+    if architecture(cfg)[1] == "phi3":
+        raise ValueError("a LoRA adapter of a model exported as Phi3ForCausalLM: its q, k and v (and gate and up) are "
+                         "one fused Linear each, which takes no adapter per projection; export it merged (export.lora: "
+                         "merged)")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = {}
@@ -165,22 +197,23 @@ def leaf_at(tree: dict, path: tuple[str, ...]):
 
 def architecture(cfg: ModelConfig) -> tuple[str, str]:
     """The transformers class and model_type of the export (`HF_CLASSES`). Another combination
-    of attention_bias, qk_norm, norm_position, activation, scale_embeddings, NoPE and sliding layers (say
+    of attention_bias, qk_norm, norm_position, activation, scale_embeddings, NoPE, sliding layers and
+    Phi-3's rotation (partial, LongRoPE: `phi3_rope`) (say
     Qwen3's norms with Qwen2's biases: Qwen3's own attention_bias also biases o_proj), or a field
     `ONLY_IN` keeps to Gemma's classes (a sliding layers' RoPE base, query_pre_attn_scalar, soft
     caps) set in another, is a model kiln trains and serves but no class computes."""
     key = (cfg.attention_bias, cfg.qk_norm, cfg.norm_position, (cfg.activation, cfg.scale_embeddings), nope(cfg),
-           sliding(cfg))
+           sliding(cfg), phi3_rope(cfg))
     model_type = HF_CLASSES.get(key, (None, None))[1]
     misplaced = [f"{name} {getattr(cfg, name)}" for name, classes in ONLY_IN.items()
                  if getattr(cfg, name) is not None and model_type not in classes]
     if model_type is None or misplaced:
         known = "; ".join(f"{arch}: attention_bias {b}, qk_norm {q}, norm_position {n}, activation {a}, "
-                          f"scale_embeddings {e}, NoPE layers {p}, sliding {w}"
-                          for (b, q, n, (a, e), p, w), (arch, _) in HF_CLASSES.items())
+                          f"scale_embeddings {e}, NoPE layers {p}, sliding {w}, partial rotary or LongRoPE {r}"
+                          for (b, q, n, (a, e), p, w, r), (arch, _) in HF_CLASSES.items())
         raise ValueError(f"no Hugging Face class computes attention_bias {key[0]}, qk_norm {key[1]}, norm_position "
                          f"{key[2]}, activation {key[3][0]}, scale_embeddings {key[3][1]}, NoPE layers {key[4]}, "
-                         f"sliding {key[5]}"
+                         f"sliding {key[5]}, partial rotary or LongRoPE {key[6]}"
                          + "".join(f", {item}" for item in misplaced) + ": kiln can train and serve this model, "
                          f"but not export it ({known}; sliding_rope_theta: Gemma3ForCausalLM only; "
                          "query_pre_attn_scalar and the soft caps: Gemma2ForCausalLM and Gemma3ForCausalLM only)")
@@ -188,11 +221,11 @@ def architecture(cfg: ModelConfig) -> tuple[str, str]:
 
 
 def rope_scaling(cfg: ModelConfig) -> dict | None:
-    """config.json's `rope_scaling`: Llama 3.1's (`rope_type: llama3`), YaRN's or linear, as transformers reads
-    them."""
+    """config.json's `rope_scaling`: Llama 3.1's (`rope_type: llama3`), YaRN's, linear or LongRoPE's, as
+    transformers reads them."""
     if cfg.rope_scaling is None:
         return None
-    if isinstance(cfg.rope_scaling, (YarnScaling, LinearScaling)):
+    if isinstance(cfg.rope_scaling, (YarnScaling, LinearScaling, LongRopeScaling)):
         return cfg.rope_scaling.model_dump(exclude_none=True)
     return {"rope_type": "llama3", **cfg.rope_scaling.model_dump()}
 
@@ -201,7 +234,7 @@ def hf_config(cfg: ModelConfig, bos_id: int, eos_id: int) -> dict:
     """config.json for the export's class (`architecture`): Llama's keys, less what the other classes
     do not have, plus each one's own: the sliding windows (Mistral's; OLMo 3's and Gemma's with each
     layer's type) or the Qwens' switches for them (off), Gemma's score scale, soft caps and local
-    RoPE base, SmolLM3's layers without positions."""
+    RoPE base, SmolLM3's layers without positions, Phi-3's partial rotary and original context."""
     arch, model_type = architecture(cfg)
     layer_types = ["full_attention" if cfg.layer_window(i) is None else "sliding_attention"
                    for i in range(cfg.n_layers)]
@@ -249,6 +282,16 @@ def hf_config(cfg: ModelConfig, bos_id: int, eos_id: int) -> dict:
                       layer_types=layer_types)
     if model_type == "gemma3_text":
         config["rope_local_base_freq"] = cfg.sliding_rope_theta or cfg.rope_theta
+    if model_type == "phi3":  # its rotated fraction of each head, and (where LongRoPE) the original context at the
+        # top level, which Phi3Config reads before the one in rope_scaling; no attention_bias key
+        factor = cfg.rotary_dim / cfg.head_dim
+        if int(cfg.head_dim * factor) != cfg.rotary_dim:
+            raise ValueError(f"rotary_width {cfg.rotary_width} of head_dim {cfg.head_dim}: no partial_rotary_factor "
+                             "gives it back in Phi3's int(head_dim * factor)")
+        config.update(partial_rotary_factor=factor, sliding_window=cfg.sliding_window)
+        if isinstance(cfg.rope_scaling, LongRopeScaling):
+            config["original_max_position_embeddings"] = cfg.rope_scaling.original_max_position_embeddings
+        del config["attention_bias"]
     if model_type == "smollm3":  # which layers rotate (1) and which have no positions (0); no sliding window
         config.update(no_rope_layers=[int(cfg.layer_rotates(i)) for i in range(cfg.n_layers)],
                       use_sliding_window=False, sliding_window=None, layer_types=["full_attention"] * cfg.n_layers)
@@ -333,7 +376,7 @@ def lineage_lines(node: dict, indent: str = "") -> list[str]:
 
 
 ROPE_NAMES = {type(None): "", RopeScaling: ", Llama 3.1 scaling", YarnScaling: ", YaRN scaling",
-              LinearScaling: ", linear scaling"}
+              LinearScaling: ", linear scaling", LongRopeScaling: ", LongRoPE scaling"}
 NORM_PLACES = {"post": "after each sublayer (post-norm)", "both": "before and after each sublayer"}
 MLP_NAMES = {"silu": "SwiGLU", "gelu_tanh": "GeGLU, tanh GELU"}
 MADE_BY = {"sft": "trained, then fine-tuned on conversations (SFT),", "dpo": "trained, then post-trained (SFT, DPO),"}
@@ -367,6 +410,7 @@ def model_card(cfg: ModelConfig, n_params: int, name: str, license_id: str | Non
         + [("q/k norms", f"RMSNorm over each {cfg.qk_norm}")] * (cfg.qk_norm != "none") \
         + [("norm position", NORM_PLACES.get(cfg.norm_position))] * (cfg.norm_position != "pre") \
         + [("embeddings", "scaled by sqrt(d_model)")] * cfg.scale_embeddings \
+        + [("rotated dimensions", f"{cfg.rotary_dim} of {cfg.head_dim} per head")] * (cfg.rotary_width is not None) \
         + [("layers without positions (NoPE)", ", ".join(str(i) for i in range(cfg.n_layers)
                                                           if not cfg.layer_rotates(i)))] * nope(cfg) \
         + [("attention scores", f"q.k / sqrt({cfg.query_pre_attn_scalar})")] * bool(cfg.query_pre_attn_scalar) \

@@ -19,21 +19,24 @@ and those at a RoPE base of their own, `sliding_rope_theta`); a `SmolLM3ForCausa
 layers that attend without positions, `rotary_layers`, as its `no_rope_layers` says; Llama where
 every layer rotates); a `Phi3ForCausalLM` (Phi-3, Phi-4: Llama with q, k and v fused in one tensor
 and gate and up in another, split as they are read, `unfused`; Mistral with its sliding window
-where that bites; exported as Llama or Mistral, `READ_AS`). A config's `head_dim` other than
+where that bites; LongRoPE, `rope_type: longrope`, as Phi-3.5 and the 128k models scale their
+context, and part of each head rotated, Phi-4-mini's `partial_rotary_factor`, `rotary_width`;
+exported as Llama or Mistral, `READ_AS`, or as Phi3ForCausalLM where it rotates so). A config's `head_dim` other than
 hidden_size / num_attention_heads (Qwen3, Mistral Nemo) is kiln's `head_width`. Tensors are
 renamed by the export's own table (`training.export.hf_names`) and Linear weights [out, in]
 transposed back to Dense kernels [in, out]; nothing is permuted, since kiln's RoPE is HF's
 `rotate_half` layout. Every tensor becomes float32 (bfloat16 exactly), as kiln's parameters are,
 unless the caller asks for another dtype (`kiln serve-model` holds weights in its compute dtype).
 
-Llama 3.1's, YaRN's and linear RoPE scaling (`rope_type: llama3`, `yarn`, `linear`) become
-`model.rope_scaling`. What kiln's model cannot compute is refused with the reason, before any
-weight is read: other RoPE scaling (dynamic, longrope, YaRN with DeepSeek's mscale, ...), sliding
-layers with a scaled RoPE, Qwen's sliding window, biases other than Qwen2's q/k/v, an activation
-other than the class's (SiLU; Gemma's tanh GELU), soft caps outside Gemma's classes, quantized
-weights, and other architectures (Qwen3's mixture of experts among them). A tensor the config
-does not account for is refused too. A vision-language Gemma 3 (4B and up) is read as its
-language model, a Gemma3ForCausalLM (`read_config`, `text_tensor`).
+Llama 3.1's, YaRN's, linear and (Phi-3's) LongRoPE scaling (`rope_type: llama3`, `yarn`, `linear`,
+`longrope`) become `model.rope_scaling`. What kiln's model cannot compute is refused with the
+reason, before any weight is read: other RoPE scaling (dynamic, YaRN with DeepSeek's mscale, ...),
+LongRoPE and partial rotary outside Phi-3's class, sliding layers with a scaled RoPE, Qwen's
+sliding window, biases other than Qwen2's q/k/v, an activation other than the class's (SiLU;
+Gemma's tanh GELU), soft caps outside Gemma's classes, quantized weights, and other architectures
+(Qwen3's mixture of experts among them). A tensor the config does not account for is refused too.
+A vision-language Gemma 3 (4B and up) is read as its language model, a Gemma3ForCausalLM
+(`read_config`, `text_tensor`).
 
 Plain numpy and `safetensors`: no JAX device work, no torch, no Prefect.
 """
@@ -47,15 +50,22 @@ import jax
 import numpy as np
 from safetensors import safe_open
 
-from training.config import LinearScaling, ModelConfig, RopeScaling, YarnScaling
-from training.export import HF_ACTIVATIONS, HF_CLASSES, ONLY_IN, activation_key, hf_names, leaf_at, norm_offset
+from training.config import LinearScaling, LongRopeScaling, ModelConfig, RopeScaling, YarnScaling
+from training.export import (FUSED, HF_ACTIVATIONS, HF_CLASSES, ONLY_IN, activation_key, hf_names, leaf_at,
+                             norm_offset)
 from training.model import init_params
 
 # Gemma 3 4B and up: a language model (Gemma3ForCausalLM's) beside a vision tower, read as the former
 VISION_LANGUAGE = "Gemma3ForConditionalGeneration"
-# Classes kiln reads but writes as another: Phi-3's (Phi-3's and Phi-4's) is Llama with q, k and v in one
-# tensor and gate and up in another (`unfused`), and with its window Mistral; exported as those
+# Classes kiln reads as another: Phi-3's (Phi-3's and Phi-4's) is Llama with q, k and v in one tensor and
+# gate and up in another (`unfused`), and with its window Mistral; exported as those, unless it rotates
+# as only Phi-3's class does (part of each head, LongRoPE: training.export.phi3_rope)
 READ_AS = {"Phi3ForCausalLM": ("phi3", "llama")}
+# classes whose RoPE may be LongRoPE and rotate part of each head (Phi3's `partial_rotary_factor`)
+PHI3_ROPE = {"phi3"}
+# Phi3Config's original context where its config.json names none: transformers reads the top level's (this
+# default) before rope_scaling's
+PHI3_ORIGINAL_CONTEXT = 4096
 # the classes kiln exports (training.export.HF_CLASSES), and those it reads as one of them
 ARCHITECTURES = {**{arch: model_type for arch, model_type in HF_CLASSES.values()},
                  **{arch: model_type for arch, (model_type, _) in READ_AS.items()}}
@@ -155,19 +165,27 @@ def rope_parameters(hf: dict) -> tuple[dict, dict | None]:
     scaling = hf.get("rope_scaling") if isinstance(hf.get("rope_scaling"), dict) else {}
     full = {"rope_theta": hf.get("rope_theta", 10000.0), **nested, **scaling}
     full["rope_type"] = full.get("rope_type", full.get("type", "default"))
+    if hf.get("model_type") == "phi3" and full["rope_type"] in ("su", "yarn"):  # Phi3Config's old names for it
+        full["rope_type"] = "longrope"
     if sliding is not None:
         sliding["rope_type"] = sliding.get("rope_type", sliding.get("type", "default"))
     return full, sliding
 
 
-def rope_scaling(hf: dict) -> RopeScaling | YarnScaling | LinearScaling | None:
-    """Llama 3.1's, YaRN's or linear RoPE scaling of the full-attention layers (`rope_parameters`),
+def rope_scaling(hf: dict) -> RopeScaling | YarnScaling | LinearScaling | LongRopeScaling | None:
+    """Llama 3.1's, YaRN's, linear or LongRoPE scaling of the full-attention layers (`rope_parameters`),
     or None. As transformers reads them, a missing original context is the config's
-    `original_max_position_embeddings` or else its `max_position_embeddings`, and YaRN's missing
-    factor their ratio."""
+    `original_max_position_embeddings` or else its `max_position_embeddings` (LongRoPE's: Phi3Config's
+    top-level one first), and YaRN's and LongRoPE's missing factor their ratio."""
     rope, _ = rope_parameters(hf)
     if rope["rope_type"] == "linear":
         return LinearScaling(rope_type="linear", factor=rope["factor"])
+    if rope["rope_type"] == "longrope":
+        original = hf.get("original_max_position_embeddings", PHI3_ORIGINAL_CONTEXT)
+        return LongRopeScaling(rope_type="longrope", short_factor=rope["short_factor"], long_factor=rope["long_factor"],
+                               original_max_position_embeddings=original,
+                               factor=rope.get("factor") or hf["max_position_embeddings"] / original,
+                               attention_factor=rope.get("attention_factor"))
     if rope["rope_type"] not in ("llama3", "yarn"):
         return None
     rope.setdefault("original_max_position_embeddings",
@@ -242,9 +260,9 @@ def unsupported(hf: dict, model_type: str) -> list[str]:
     if hf.get("use_bidirectional_attention"):
         reasons.append("use_bidirectional_attention true (kiln's attention is causal)")
     rope, sliding_rope = rope_parameters(hf)
-    if rope["rope_type"] not in ("default", "llama3", "yarn", "linear"):
+    if rope["rope_type"] not in ("default", "llama3", "yarn", "linear", *(("longrope",) * (model_type in PHI3_ROPE))):
         reasons.append(f"RoPE {rope} (kiln's RoPE is plain, Llama 3.1's, YaRN's or linear: rope_type default, "
-                       "llama3, yarn or linear)")
+                       "llama3, yarn or linear; and Phi-3's LongRoPE)")
     elif rope["rope_type"] == "yarn" and rope.get("mscale") and rope.get("mscale_all_dim") \
             and not rope.get("attention_factor"):
         reasons.append(f"RoPE {rope} (YaRN's mscale and mscale_all_dim, DeepSeek's attention factor: kiln's "
@@ -255,8 +273,13 @@ def unsupported(hf: dict, model_type: str) -> list[str]:
         reasons.append(f"the sliding layers' RoPE {sliding_rope} (kiln's sliding layers rotate with plain RoPE, at the "
                        f"full layers' rope_theta {rope['rope_theta']}, or at a base of their own in Gemma 3)")
     partial = hf.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
-        reasons.append(f"partial_rotary_factor {partial} (kiln rotates every head dimension)")
+    width = hf.get("head_dim") or (hf.get("hidden_size") or 0) // (hf.get("num_attention_heads") or 1)
+    if partial != 1.0 and model_type not in PHI3_ROPE:
+        reasons.append(f"partial_rotary_factor {partial} ({model_type}'s; kiln rotates part of each head as Phi-3's "
+                       "class does, and no other)")
+    elif partial != 1.0 and (int(width * partial) % 2 or not 0 < partial < 1):
+        reasons.append(f"partial_rotary_factor {partial} of head_dim {width} (kiln rotates an even number of each "
+                       "head's dimensions, fewer than all)")
     hidden, heads = hf.get("hidden_size") or 0, hf.get("num_attention_heads") or 1
     if hidden % heads and not hf.get("head_dim"):
         reasons.append(f"hidden_size {hidden} does not divide by its {heads} heads, and no head_dim says how "
@@ -278,6 +301,15 @@ def unsupported(hf: dict, model_type: str) -> list[str]:
     if hf.get("quantization_config"):
         reasons.append("quantization_config (kiln imports float weights: float32, float16 or bfloat16)")
     return reasons
+
+
+def rotary_width(hf: dict) -> int | None:
+    """How many of each head's first dimensions rotate, as Phi3's int(head_dim * partial_rotary_factor),
+    where it is not all of them (else None)."""
+    rope, _ = rope_parameters(hf)
+    partial = hf.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
+    width = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    return None if partial == 1.0 else int(width * partial)
 
 
 def query_pre_attn_scalar(hf: dict) -> int | None:
@@ -316,7 +348,7 @@ def model_config(hf: dict, seq_len: int | None, folder: Path) -> ModelConfig:
                            init_std=hf.get("initializer_range", 0.02), head_width=head_width(hf),
                            sliding_window=sliding_window, layer_types=layer_types,
                            sliding_rope_theta=sliding_rope_theta(hf, layer_types),
-                           rotary_layers=rotary_layers(hf, model_type),
+                           rotary_layers=rotary_layers(hf, model_type), rotary_width=rotary_width(hf),
                            query_pre_attn_scalar=query_pre_attn_scalar(hf),
                            attn_logit_softcapping=hf.get("attn_logit_softcapping"),
                            final_logit_softcapping=hf.get("final_logit_softcapping"), **features(model_type))
@@ -352,18 +384,17 @@ def read_tensors(folder: Path, dtype=np.float32, rename=None) -> dict[str, np.nd
 
 
 def unfused(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.ndarray]:
-    """Phi-3's fused projections under Llama's names: each layer's `qkv_proj` [(H + 2K) Q, D] as
-    q_proj, k_proj and v_proj, its `gate_up_proj` [2F, D] as gate_proj and up_proj (gate first, as
-    Phi3MLP chunks it). A tensor of another width is split anyway; `kiln_params` then refuses the
-    parts, naming the shapes the config gives them."""
+    """Phi-3's fused projections under Llama's names (`training.export.FUSED`, whose `fused` is the
+    inverse): each layer's `qkv_proj` [(H + 2K) Q, D] as q_proj, k_proj and v_proj, its
+    `gate_up_proj` [2F, D] as gate_proj and up_proj (gate first, as Phi3MLP chunks it). A tensor of
+    another width is split anyway; `kiln_params` then refuses the parts, naming the shapes the
+    config gives them."""
     q_width, kv_width = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    for name in [n for n in tensors if n.endswith((".qkv_proj.weight", ".gate_up_proj.weight"))]:
-        prefix, fused = name.rsplit(".", 2)[0], tensors.pop(name)
-        if name.endswith(".qkv_proj.weight"):
-            parts = zip(("q_proj", "k_proj", "v_proj"), np.split(fused, [q_width, q_width + kv_width]))
-        else:
-            parts = zip(("gate_proj", "up_proj"), np.split(fused, [cfg.d_ff]))
-        tensors.update({f"{prefix}.{part}.weight": tensor for part, tensor in parts})
+    splits = {"qkv_proj": [q_width, q_width + kv_width], "gate_up_proj": [cfg.d_ff]}
+    for name in [n for n in tensors if n.endswith(".weight") and n.rsplit(".", 2)[1] in FUSED]:
+        prefix, tensor, _ = name.rsplit(".", 2)
+        parts = np.split(tensors.pop(name), splits[tensor])
+        tensors.update({f"{prefix}.{part}.weight": weight for part, weight in zip(FUSED[tensor], parts)})
     return tensors
 
 

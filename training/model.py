@@ -16,7 +16,9 @@ rotate with plain RoPE where `rope_scaling` scales the full-attention layers' (O
 `norm_position: both` (norms on the inputs and the outputs of attention and the MLP),
 `activation: gelu_tanh` (GeGLU), `scale_embeddings` (the input embeddings times sqrt(d_model)) and
 `query_pre_attn_scalar` (scores over sqrt of it instead of sqrt(head_dim)); SmolLM3's
-`rotary_layers` (the layers it names False attend without rotary positions); Gemma 2's soft caps
+`rotary_layers` (the layers it names False attend without rotary positions); Phi-3's
+`rotary_width` (the first dimensions of each head rotate, the rest pass through) and LongRoPE
+(`longrope_frequencies`: a divisor per frequency, its set picked per row); Gemma 2's soft caps
 `attn_logit_softcapping` and `final_logit_softcapping` (`soft_cap`); Gemma's norms multiply by
 1 + weight, which the export and import convert to and from kiln's weight (training/export.py).
 
@@ -73,7 +75,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
-from training.config import LinearScaling, ModelConfig, YarnScaling
+from training.config import LinearScaling, LongRopeScaling, ModelConfig, YarnScaling
 
 _MASKED = -1e30  # finite, so a row with nothing visible (padding) gives no NaN
 
@@ -133,10 +135,23 @@ def yarn_frequencies(inv_freq, head_dim: int, theta: float, scaling: YarnScaling
     return inv_freq / scaling.factor * ramp + inv_freq * (1 - ramp)
 
 
-def rope_tables(positions, head_dim: int, theta: float, dtype, scaling=None):
-    """HF's RoPE angles position * theta^(-2i/Q) (`rope_frequencies`, scaled with `scaling`)
-    as (cos [B, T, 1, 1, Q/2], signed_sin [B, T, 1, 2, Q/2]: [-sin, sin]) for positions [B, T] (B
-    may be 1, for rows that share their positions); YaRN's multiplied by its attention scale.
+def longrope_frequencies(positions, rotary_dim: int, theta: float, scaling: LongRopeScaling):
+    """LongRoPE's frequencies for positions [B, T]: theta^(-2i/R) divided by `short_factor[i]`, or by
+    `long_factor[i]` in a row whose largest position lies past the original context ([B, 1, R/2]).
+    transformers picks one set per call, by the largest position of the whole batch; kiln picks per
+    row, so that a request is computed alike whatever else shares its batch (the same for one row)."""
+    plain = rope_frequencies(rotary_dim, theta)
+    short = plain / jnp.asarray(scaling.short_factor, jnp.float32)
+    long = plain / jnp.asarray(scaling.long_factor, jnp.float32)
+    beyond = jnp.max(positions, axis=-1) >= scaling.original_max_position_embeddings  # [B]
+    return jnp.where(beyond[:, None, None], long, short)
+
+
+def rope_tables(positions, rotary_dim: int, theta: float, dtype, scaling=None):
+    """HF's RoPE angles position * theta^(-2i/R) (`rope_frequencies`, scaled with `scaling`; R the
+    rotated width, `ModelConfig.rotary_dim`) as (cos [B, T, 1, 1, R/2], signed_sin [B, T, 1, 2, R/2]:
+    [-sin, sin]) for positions [B, T] (B may be 1, for rows that share their positions); YaRN's and
+    LongRoPE's multiplied by their attention scale.
 
     Computed once per forward, for every layer. Positions known while tracing (training's 0..T-1,
     a numpy array: `forward`) give constant tables, computed eagerly by the same XLA cos and sin
@@ -144,22 +159,32 @@ def rope_tables(positions, head_dim: int, theta: float, dtype, scaling=None):
     them, in each layer's rotary forward and backward (3-6% of nanoGPT's CPU step,
     benchmarks/RESULTS.md). Traced positions (documents, decoding) are computed in the program."""
     with jax.ensure_compile_time_eval():
-        angles = jnp.asarray(positions).astype(jnp.float32)[..., None] * rope_frequencies(head_dim, theta, scaling)
+        positions = jnp.asarray(positions)
+        if isinstance(scaling, LongRopeScaling):
+            frequencies = longrope_frequencies(positions, rotary_dim, theta, scaling)
+        else:
+            frequencies = rope_frequencies(rotary_dim, theta, scaling)
+        angles = positions.astype(jnp.float32)[..., None] * frequencies
         cos, sin = jnp.cos(angles), jnp.sin(angles)
-        if isinstance(scaling, YarnScaling):
+        if isinstance(scaling, (YarnScaling, LongRopeScaling)):
             cos, sin = cos * scaling.attention_scale, sin * scaling.attention_scale
         cos, sin = cos[:, :, None, None, :].astype(dtype), sin[:, :, None, None, :].astype(dtype)
         return cos, jnp.concatenate([-sin, sin], axis=3)
 
 
 def rotary(x, rope):
-    """HF's RoPE: x [B, T, heads, Q] rotated by `rope_tables`' angles, halves layout.
+    """HF's RoPE: x [B, T, heads, Q] rotated by `rope_tables`' angles, halves layout; where the
+    tables rotate fewer than Q dimensions (`rotary_width`, Phi-4-mini's partial rotary), the first
+    ones, the rest passed through as Phi3's `apply_rotary_pos_emb` does.
 
     x * cat(cos, cos) + rotate_half(x) * cat(sin, sin), with rotate_half(x) = cat(-x2, x1), is
     computed on x seen as two halves [..., 2, Q/2]: the halves swapped (a reversal of that axis
     of two) times [-sin, sin], so XLA fuses it into one elementwise pass over x instead of
     writing both halves and concatenating them (3-6% of a CPU step, benchmarks/RESULTS.md)."""
     cos, signed_sin = rope
+    width = 2 * cos.shape[-1]
+    if width < x.shape[-1]:
+        return jnp.concatenate([rotary(x[..., :width], rope), x[..., width:]], axis=-1)
     halves = x.reshape(*x.shape[:-1], 2, x.shape[-1] // 2)  # [x1, x2]
     return (halves * cos + jnp.flip(halves, axis=-2) * signed_sin).reshape(x.shape)
 
@@ -464,11 +489,11 @@ class Llama(nn.Module):
         x = embed(tokens)
         if cfg.scale_embeddings:  # Gemma's, in the compute dtype as transformers casts it
             x = x * jnp.asarray(math.sqrt(cfg.d_model), jnp.float32).astype(dt)
-        rope = rope_tables(positions, cfg.head_dim, cfg.rope_theta, dt, cfg.rope_scaling)
+        rope = rope_tables(positions, cfg.rotary_dim, cfg.rope_theta, dt, cfg.rope_scaling)
         windows = [cfg.layer_window(i) for i in range(cfg.n_layers)]
         sliding_rope = rope  # sliding layers rotate plainly (OLMo 3's), at their own base if they have one (Gemma 3's)
         if any(windows) and (cfg.rope_scaling is not None or cfg.sliding_rope_theta is not None):
-            sliding_rope = rope_tables(positions, cfg.head_dim, cfg.sliding_rope_theta or cfg.rope_theta, dt)
+            sliding_rope = rope_tables(positions, cfg.rotary_dim, cfg.sliding_rope_theta or cfg.rope_theta, dt)
         # Remat wraps the block, so the parameter tree keeps its names (layers_{i}/...).
         block = Block if self.remat == "none" else nn.remat(Block, policy=remat_policy(self.remat))
         new_layers = []
