@@ -17,7 +17,7 @@ decoding; the batch's tokens are the same either way.
 Models: a train, SFT or DPO output folder (`model.json`, `params.safetensors`; the tokenizer is
 found through its lineage, or given), or a Hugging Face folder (`config.json`, safetensors weights,
 `tokenizer.json`): kiln's export, or a checkpoint of a class training/hf_import.py reads (Llama,
-Qwen2, Qwen3, OLMo 2, OLMo 3, Mistral, Gemma 2, Gemma 3, SmolLM3, Phi-3). No Prefect here.
+Qwen2, Qwen3, OLMo 2, OLMo 3, Mistral, Gemma, Gemma 2, Gemma 3, SmolLM3, Phi-3, Granite). No Prefect here.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ import numpy as np
 
 from training import compile_cache
 from training.config import ModelConfig
-from training.model import Llama, soft_cap
+from training.model import Llama, output_scale
 
 MIN_BUCKET = 16
 WINDOW = 32  # positions scored per row when every continuation in the batch fits
@@ -62,11 +62,11 @@ def trunk(params, tokens, positions, cfg: ModelConfig, cache: dict | None = None
 
 
 def output_logits(params, hidden, cfg: ModelConfig):
-    """The model's output layer on hidden states [..., D] -> float32 logits [..., V] (soft-capped
-    where the model caps them, as its forward does)."""
+    """The model's output layer on hidden states [..., D] -> float32 logits [..., V] (scaled and
+    soft-capped where the model does, as its forward does: `output_scale`)."""
     dt = jnp.dtype(cfg.compute_dtype)
     weight = params["embed_tokens"]["embedding"].T if cfg.tie_embeddings else params["lm_head"]["kernel"]
-    return soft_cap(jnp.dot(hidden.astype(dt), weight.astype(dt)).astype(jnp.float32), cfg.final_logit_softcapping)
+    return output_scale(jnp.dot(hidden.astype(dt), weight.astype(dt)).astype(jnp.float32), cfg)
 
 
 def window_logprobs(params, inputs, targets, starts, window: int, cfg: ModelConfig):

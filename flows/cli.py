@@ -128,7 +128,8 @@ def parser() -> argparse.ArgumentParser:
                   "decoding; the same seed gives the same text; temperature 0 is greedy).",
                   'kiln generate kiln_store/train/<version> --prompt "In the beginning" --max-tokens 40 --seed 1')
     gen.add_argument("path", help="a train, sft or dpo output folder, or a Hugging Face folder (an export, or "
-                     "a Llama, Qwen2, Qwen3, OLMo 2, OLMo 3, Mistral, Gemma 2, Gemma 3, SmolLM3 or Phi-3 checkpoint)")
+                     "a Llama, Qwen2, Qwen3, OLMo 2, OLMo 3, Mistral, Gemma, Gemma 2, Gemma 3, SmolLM3, Phi-3 or "
+                     "Granite checkpoint)")
     gen.add_argument("--prompt", required=True, help="the text to continue (with --chat: the user's message)")
     gen.add_argument("--max-tokens", type=int, default=64, help="new tokens at most (default 64)")
     gen.add_argument("--temperature", type=float, default=0.8, help="0: greedy (default 0.8)")
@@ -148,7 +149,8 @@ def parser() -> argparse.ArgumentParser:
                  "as they are generated.",
                  "kiln serve-model kiln_store/export/<version> --port 8000 --name my-model")
     sm.add_argument("path", help="a train, sft or dpo output folder, or a Hugging Face folder (an export, or "
-                    "a Llama, Qwen2, Qwen3, OLMo 2, OLMo 3, Mistral, Gemma 2, Gemma 3, SmolLM3 or Phi-3 checkpoint)")
+                    "a Llama, Qwen2, Qwen3, OLMo 2, OLMo 3, Mistral, Gemma, Gemma 2, Gemma 3, SmolLM3, Phi-3 or "
+                    "Granite checkpoint)")
     sm.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine "
                     "only; on a shared network, give --api-key too)")
     sm.add_argument("--port", type=int, default=8000, help="port (default 8000)")

@@ -98,8 +98,10 @@ def transformers_model(hf, arch: str, **config):
     config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
                     "qwen3": transformers.Qwen3Config, "olmo2": transformers.Olmo2Config,
                     "olmo3": transformers.Olmo3Config, "mistral": transformers.MistralConfig,
-                    "gemma2": transformers.Gemma2Config, "gemma3": transformers.Gemma3TextConfig,
-                    "smollm3": transformers.SmolLM3Config, "phi3": transformers.Phi3Config}[arch]
+                    "gemma": transformers.GemmaConfig, "gemma2": transformers.Gemma2Config,
+                    "gemma3": transformers.Gemma3TextConfig,
+                    "smollm3": transformers.SmolLM3Config, "phi3": transformers.Phi3Config,
+                    "granite": transformers.GraniteConfig}[arch]
     cfg = config_class(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
                        num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6,
                        bos_token_id=1, eos_token_id=2, **config)
@@ -186,6 +188,13 @@ CASES = {
                                                 "long_factor": [1.2, 4.0, 9.0]}}),
     # SmolLM3: Llama with layers that attend without positions (NoPE; every 4th by default, the first here)
     "smollm3": ("smollm3", {"tie_word_embeddings": True, "no_rope_layers": [0, 1], "pad_token_id": 0}),
+    # Granite 3: Llama with its embeddings, residual branches, scores and logits scaled by constants (Granite
+    # 3's are 12, 0.22, 1/128 and 8 or 16; these keep this small model's logits above 1)
+    "granite": ("granite", {"tie_word_embeddings": True, "embedding_multiplier": 4.0, "residual_multiplier": 0.5,
+                            "attention_multiplier": 0.2, "logits_scaling": 2.0}),
+    # Gemma (1) and CodeGemma: Llama with GeGLU, scaled embeddings and 1 + weight norms (Gemma 7B's heads of
+    # 256 over 3072 / 16: wider than hidden / heads)
+    "gemma": ("gemma", {"tie_word_embeddings": True, "head_dim": 16}),
     # Gemma 2: Gemma 3's norms, GeGLU and scaled embeddings without q/k norms, every other layer sliding
     # at one RoPE base, and soft caps on the attention scores and the logits (2 and 3: they bite here)
     "gemma2": ("gemma2", {"tie_word_embeddings": True, "head_dim": 16, "query_pre_attn_scalar": 12,
@@ -237,6 +246,8 @@ def test_imported_checkpoint_gives_transformers_logits_and_round_trips(case, hf,
     assert (cfg.rope_scaling is not None) == ("rope_scaling" in config)
     assert cfg.rotary_layers == (tuple(map(bool, config["no_rope_layers"])) if arch == "smollm3" else None)
     assert cfg.rotary_width == (6 if "partial_rotary_factor" in config else None)
+    scales = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
+    assert [getattr(cfg, name) for name in scales] == [config.get(name) for name in scales]
     fresh = init_state(cfg, optax.sgd(0.1), jax.random.PRNGKey(0))["params"]  # what training starts from
     assert jax.tree_util.tree_structure(params) == jax.tree_util.tree_structure(fresh)
     assert jax.tree_util.tree_map(lambda a: (a.shape, a.dtype), params) == \
@@ -381,6 +392,7 @@ EXPORTED_AS = {  # kiln's model -> the transformers class it exports as
                 "sliding_rope_theta": 1e4, "query_pre_attn_scalar": 10}, "Gemma3ForCausalLM"),
     "gemma3-no-window": ({"qk_norm": "head", "norm_position": "both", "activation": "gelu_tanh",
                           "scale_embeddings": True}, "Gemma3ForCausalLM"),
+    "gemma": ({"activation": "gelu_tanh", "scale_embeddings": True, "head_width": 12}, "GemmaForCausalLM"),
     "smollm3": ({"rotary_layers": (False, True)}, "SmolLM3ForCausalLM"),
     "gemma2": ({"norm_position": "both", "activation": "gelu_tanh", "scale_embeddings": True, "sliding_window": 8,
                 "layer_types": ("sliding_attention", "full_attention"), "attn_logit_softcapping": 50.0,
@@ -389,6 +401,9 @@ EXPORTED_AS = {  # kiln's model -> the transformers class it exports as
         rope_type="longrope", short_factor=(1.0, 2.0, 3.0), long_factor=(4.0, 5.0, 6.0),
         original_max_position_embeddings=16, factor=2.0)}, "Phi3ForCausalLM"),
     "phi3-window-partial-rotary": ({"rotary_width": 4, "sliding_window": 8}, "Phi3ForCausalLM"),
+    "granite": ({"embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.0078125,
+                 "logits_scaling": 8.0}, "GraniteForCausalLM"),
+    "granite-residual-only": ({"residual_multiplier": 0.5}, "GraniteForCausalLM"),
 }
 
 
@@ -478,6 +493,8 @@ def test_a_windowed_model_decodes_in_the_servers_slots_as_its_forward_computes(s
                                     {"final_logit_softcapping": 30.0}, {"activation": "gelu_tanh"},
                                     {"rotary_layers": (False, True), "qk_norm": "head"},
                                     {"rotary_width": 4, "qk_norm": "head"}, {"rotary_width": 4, "attention_bias": True},
+                                    {"residual_multiplier": 0.5, "qk_norm": "head"},
+                                    {"attention_multiplier": 0.1, "rotary_width": 4},  # Granite's and Phi-3's
                                     {"norm_position": "both", "activation": "gelu_tanh", "scale_embeddings": True,
                                      "sliding_window": 8, "layer_types": ("sliding_attention", "full_attention"),
                                      "sliding_rope_theta": 100.0}])  # Gemma 2's shape, with Gemma 3's local base
@@ -768,7 +785,10 @@ REFUSED = {
                              "qwen3's puts biases on q, k, v and o_proj"),
     "olmo2-attention-bias": ({"architectures": ["Olmo2ForCausalLM"], "model_type": "olmo2", "attention_bias": True},
                              "olmo2's puts biases on q, k, v and o_proj"),
-    "gemma": ({"architectures": ["GemmaForCausalLM"], "model_type": "gemma"}, "architectures .*Gemma"),
+    "gemma-relu": ({"architectures": ["GemmaForCausalLM"], "model_type": "gemma", "hidden_act": "relu"},
+                   "hidden_act 'relu' .*gelu_pytorch_tanh"),
+    "recurrent-gemma": ({"architectures": ["RecurrentGemmaForCausalLM"], "model_type": "recurrent_gemma"},
+                        "architectures .*RecurrentGemma"),
     "olmo3-sliding-layers-own-rope": ({"architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3",
                                        "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
                                        "rope_parameters": {"sliding_attention": {"rope_type": "default",
@@ -794,6 +814,13 @@ def test_configs_kiln_cannot_compute_are_refused_saying_why(case, tokenizer_dir,
     with pytest.raises(ValueError, match="kiln's model cannot represent|kiln imports") as e:
         load_hf(edited(tokenizer_dir, tmp_path, config))
     assert e.match(reason)
+
+
+def test_gemma_releases_hidden_act_gelu_is_the_tanh_gelu(tokenizer_dir, tmp_path):
+    """Gemma 1's config.json files say `hidden_act: gelu`, meant as (and read by GemmaConfig as) the tanh
+    approximation: kiln reads them so (another class's `gelu` is refused: REFUSED["gelu"])."""
+    cfg = SMALL.model_copy(update=EXPORTED_AS["gemma"][0])
+    assert load_hf(edited(tokenizer_dir, tmp_path, {"hidden_act": "gelu"}, cfg=cfg))[0] == cfg
 
 
 def test_tensors_that_do_not_fit_are_refused(tokenizer_dir, tmp_path):
@@ -905,6 +932,8 @@ def test_the_model_card_names_the_architecture_an_export_has():
     assert "| attention scores | q.k / sqrt(10) |" in card and "soft caps" not in card
     smol = model_card(SMALL.model_copy(update=EXPORTED_AS["smollm3"][0]), 1000, "s", None, None, None)
     assert "| layers without positions (NoPE) | 0 |" in smol and "| MLP (SwiGLU) width | 48 |" in smol
+    granite = model_card(SMALL.model_copy(update=EXPORTED_AS["granite"][0]), 1000, "g", None, None, None)
+    assert "| Granite's residual_multiplier | 0.22 |" in granite and "| Granite's logits_scaling | 8.0 |" in granite
     phi = model_card(SMALL.model_copy(update=EXPORTED_AS["phi4-mini"][0]), 1000, "p", None, None, None)
     assert "| rotated dimensions | 6 of 8 per head |" in phi
     assert "| positions | RoPE, theta 2000, LongRoPE scaling |" in phi

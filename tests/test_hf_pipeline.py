@@ -26,6 +26,9 @@ SHAPES = {"llama": {"tie_word_embeddings": False}, "qwen2": {"tie_word_embedding
           "olmo2": {"tie_word_embeddings": False},  # post-norm blocks
           "olmo3": {"tie_word_embeddings": False, "sliding_window": 16,  # windows within seq_len
                     "layer_types": ["sliding_attention", "full_attention"]},
+          "gemma": {"tie_word_embeddings": True, "head_dim": 8},  # Gemma 1: GeGLU, scaled embeddings, 1 + w norms
+          "granite": {"tie_word_embeddings": True, "embedding_multiplier": 4.0, "residual_multiplier": 0.5,
+                      "attention_multiplier": 0.2, "logits_scaling": 2.0},  # Granite 3's multipliers
           "gemma2": {"tie_word_embeddings": False, "head_dim": 8, "query_pre_attn_scalar": 8,
                      "sliding_window": 16},  # soft caps at Gemma2Config's 50 and 30
           "smollm3": {"tie_word_embeddings": False, "no_rope_layers": [1, 0], "pad_token_id": 0},
@@ -39,11 +42,12 @@ SHAPES = {"llama": {"tie_word_embeddings": False}, "qwen2": {"tie_word_embedding
 
 # CI runs the first four (every kind of parameter tree and export: Llama's; OLMo 3's post-norms, q/k
 # projection norms and windows; Gemma 2's sandwich norms, caps and offset norm weights; Phi-3's fused
-# export); `-m slow` runs the others too (all nine took 90 s alone, 146 s in CI beside another test)
+# export); `-m slow` runs the others too (nine took 90 s alone in one run, 146 s in CI beside another test)
 @pytest.mark.slow  # out of the fast suite (29 s alone, 75-82 s in it); CI runs the first group after it
 @pytest.mark.ray  # its training starts a local Ray: tests/conftest.py ray_lock
 @pytest.mark.parametrize("archs", [pytest.param(("llama", "olmo3", "gemma2", "phi3"), marks=pytest.mark.ci),
-                                   ("qwen2", "qwen3", "olmo2", "gemma3", "smollm3")], ids=["ci", "others"])
+                                   ("qwen2", "qwen3", "olmo2", "gemma", "gemma3", "smollm3", "granite")],
+                         ids=["ci", "others"])
 def test_continued_pretraining_from_each_architecture_exports_what_transformers_loads(archs, hf,  # noqa: F811
                                                                                       tmp_path):
     torch, transformers = hf

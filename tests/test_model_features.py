@@ -162,9 +162,11 @@ def test_two_packed_documents_give_the_losses_of_each_alone(attention):
     second = rng.integers(4, 97, CFG.seq_len + 1 - len(first))
     packed = np.concatenate([first, second])[None].astype(np.int32)
 
+    params = shared_params()  # made here, not first inside the trace below (the cache would keep a tracer)
+
     @jax.jit
     def losses(tokens, segments):
-        logits = forward(shared_params(), tokens[:, :-1], CFG, attention=attention, segments=segments)
+        logits = forward(params, tokens[:, :-1], CFG, attention=attention, segments=segments)
         return -jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1)[..., 0]
 
     def per_token(tokens, segments=None):
@@ -205,7 +207,8 @@ def test_new_fields_leave_default_versions_as_they_were(monkeypatch):
                   {"norm_position": "both"}, {"activation": "gelu_tanh"}, {"scale_embeddings": True},
                   {"query_pre_attn_scalar": 64}, {"rotary_layers": (True, True, True, False)},
                   {"sliding_window": 64, "sliding_rope_theta": 1e3}, {"attn_logit_softcapping": 50.0},
-                  {"final_logit_softcapping": 30.0}, {"rotary_width": 16}):  # the model's, identity when set
+                  {"final_logit_softcapping": 30.0}, {"rotary_width": 16}, {"embedding_multiplier": 12.0},
+                  {"residual_multiplier": 0.22}, {"attention_multiplier": 0.01}, {"logits_scaling": 8.0}):
         assert version(ModelConfig(**shape)) != version(), shape
     assert version(ModelConfig(sliding_window=64, sliding_rope_theta=1e3)) != version(ModelConfig(sliding_window=64))
     # rope_scaling: a dict with rope_type yarn is YaRN's, one without Llama 3.1's (whose versions stay)
@@ -279,6 +282,13 @@ def test_sliding_window_layers_are_checked():
         ModelConfig(n_layers=4, rotary_layers=(True, False))
     with pytest.raises(ValueError, match="sliding_rope_theta is the sliding layers' RoPE base, and no layer slides"):
         ModelConfig(n_layers=2, sliding_rope_theta=1e4)
+    with pytest.raises(ValueError, match="attention_multiplier and query_pre_attn_scalar both scale the scores"):
+        ModelConfig(attention_multiplier=0.1, query_pre_attn_scalar=64)
+    with pytest.raises(ValueError, match="embedding_multiplier and scale_embeddings both scale the embeddings"):
+        ModelConfig(embedding_multiplier=12.0, scale_embeddings=True)
+    with pytest.raises(ValueError, match="residual_multiplier scales the sublayers of pre-norm blocks .*'post'"):
+        ModelConfig(residual_multiplier=0.5, norm_position="post")
+    assert ModelConfig(attention_multiplier=0.125).score_width == 64.0  # q.k / sqrt(64) = q.k * 0.125
 
 
 # --- Phi-3's rotation: part of each head, LongRoPE ----------------------------------------------
@@ -347,3 +357,9 @@ def test_soft_capped_models_attend_in_query_blocks_and_every_logit_path_caps():
     assert np.abs(np.asarray(forward(params, tokens, CFG))).max() > 0.7
     np.testing.assert_allclose(np.asarray(output_logits(params, final_hidden(params, tokens, capped), capped)),
                                logits, rtol=1e-6, atol=1e-6)
+    granite = CFG.model_copy(update={"logits_scaling": 8.0, "residual_multiplier": 0.5})  # and scales as it does
+    scaled = np.asarray(forward(params, tokens, granite))
+    np.testing.assert_allclose(np.asarray(output_logits(params, final_hidden(params, tokens, granite), granite)),
+                               scaled, rtol=1e-6, atol=1e-6)
+    unscaled = np.asarray(forward(params, tokens, granite.model_copy(update={"logits_scaling": None})))
+    assert not np.allclose(scaled, unscaled, rtol=1e-3)

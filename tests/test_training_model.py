@@ -59,6 +59,8 @@ def reference_llama(p: dict, tokens: np.ndarray, cfg: ModelConfig) -> np.ndarray
         return np.concatenate([part * cos + rotated * sin, rest], -1)
 
     x = p["embed_tokens"]["embedding"][tokens] * (np.sqrt(cfg.d_model) if cfg.scale_embeddings else 1.0)
+    x = x * (cfg.embedding_multiplier or 1.0)  # Granite's
+    residual = cfg.residual_multiplier or 1.0
     for i in range(cfg.n_layers):
         lp = p[f"layers_{i}"]
         a = lp["self_attn"]
@@ -78,12 +80,13 @@ def reference_llama(p: dict, tokens: np.ndarray, cfg: ModelConfig) -> np.ndarray
             q, k = rope(q, theta), rope(k, theta)
         k, v = np.repeat(k, H // K, axis=1), np.repeat(v, H // K, axis=1)  # HF repeat_kv
         visible = np.tril(np.ones((T, T), bool)) & (np.arange(T)[None] > np.arange(T)[:, None] - (window or T + 1))
-        s = cap(q @ k.transpose(0, 1, 3, 2) / np.sqrt(cfg.query_pre_attn_scalar or Q), cfg.attn_logit_softcapping)
+        scale = cfg.attention_multiplier or 1 / np.sqrt(cfg.query_pre_attn_scalar or Q)  # Granite's, Gemma's, 1/sqrt(Q)
+        s = cap(q @ k.transpose(0, 1, 3, 2) * scale, cfg.attn_logit_softcapping)
         s = np.where(visible, s, -np.inf)
         w = np.exp(s - s.max(-1, keepdims=True))
         o = (w / w.sum(-1, keepdims=True)) @ v
         o = o.transpose(0, 2, 1, 3).reshape(B, T, H * Q) @ a["o_proj"]["kernel"]
-        x = x + (rms(o, lp["post_attention_layernorm"]["weight"]) if after else o)
+        x = x + (rms(o, lp["post_attention_layernorm"]["weight"]) if after else o * residual)
         m = lp["mlp"]
         mlp_norm = {"pre": "post_attention_layernorm", "both": "pre_feedforward_layernorm"}.get(cfg.norm_position)
         h = rms(x, lp[mlp_norm]["weight"]) if mlp_norm else x
@@ -93,10 +96,10 @@ def reference_llama(p: dict, tokens: np.ndarray, cfg: ModelConfig) -> np.ndarray
         else:  # GELU's tanh approximation
             g = 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g**3)))
         f = (g * (h @ m["up_proj"]["kernel"])) @ m["down_proj"]["kernel"]
-        x = x + (rms(f, lp["post_feedforward_layernorm"]["weight"]) if after else f)
+        x = x + (rms(f, lp["post_feedforward_layernorm"]["weight"]) if after else f * residual)
     x = rms(x, p["norm"]["weight"])
     head = p["embed_tokens"]["embedding"].T if cfg.tie_embeddings else p["lm_head"]["kernel"]
-    return cap(x @ head, cfg.final_logit_softcapping)
+    return cap(x @ head / (cfg.logits_scaling or 1.0), cfg.final_logit_softcapping)
 
 
 @pytest.mark.parametrize("tie,T,shape", [(True, 11, {}), (False, 11, {}), (True, 150, {}),
@@ -112,6 +115,8 @@ def reference_llama(p: dict, tokens: np.ndarray, cfg: ModelConfig) -> np.ndarray
                                                        "sliding_window": 40, "sliding_rope_theta": 30.0,
                                                        "layer_types": ("full_attention", "sliding_attention")}),
                                          (True, 150, {"rotary_layers": (False, True)}),  # SmolLM3's NoPE
+                                         (False, 150, {"embedding_multiplier": 12.0, "residual_multiplier": 0.22,
+                                                       "attention_multiplier": 0.03, "logits_scaling": 8.0}),  # Granite
                                          *[(True, T, {"rotary_width": 12, "rope_scaling": LongRopeScaling(  # Phi-4-mini
                                              rope_type="longrope", short_factor=(1.0, 1.5, 3.0, 6.0, 10.0, 20.0),
                                              long_factor=(1.3, 4.0, 9.0, 20.0, 40.0, 90.0), factor=8.0,

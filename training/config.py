@@ -175,6 +175,17 @@ class ModelConfig(ConfigModel):
     rotary_width: Count | None = identity_when_set(
         None, description="How many of each head's first dimensions rotate, where not all of them do (Phi-4-mini's "
         "`partial_rotary_factor` 0.75: 96 of 128); the rest pass through unrotated. None: the whole head.")
+    embedding_multiplier: Positive | None = identity_when_set(
+        None, description="The input embeddings times this (Granite's `embedding_multiplier`, 12 in Granite 3); "
+        "the tied output projection is not scaled. None: 1.")
+    residual_multiplier: Positive | None = identity_when_set(
+        None, description="Each sublayer's output (attention's, the MLP's) times this before the residual add "
+        "(Granite's `residual_multiplier`). None: 1.")
+    attention_multiplier: Positive | None = identity_when_set(
+        None, description="Attention scores are q.k times this (Granite's `attention_multiplier`) instead of "
+        "q.k / sqrt(head_dim).")
+    logits_scaling: Positive | None = identity_when_set(
+        None, description="The output logits divided by this (Granite's `logits_scaling`). None: 1.")
     sliding_rope_theta: Positive | None = identity_when_set(
         None, description="The sliding-window layers' RoPE base where it is not rope_theta (Gemma 3's "
         "`rope_local_base_freq`, 10000 beside its full layers' 1000000). None: rope_theta.")
@@ -193,6 +204,14 @@ class ModelConfig(ConfigModel):
     def head_dim(self) -> int:
         """Each attention head's width: `head_width`, or d_model / n_heads."""
         return self.head_width or self.d_model // self.n_heads
+
+    @property
+    def score_width(self) -> float | None:
+        """What attention scores are divided by the square root of, where it is not head_dim:
+        `query_pre_attn_scalar`, or 1 / attention_multiplier^2."""
+        if self.attention_multiplier is not None:
+            return 1.0 / self.attention_multiplier ** 2
+        return self.query_pre_attn_scalar
 
     @property
     def rotary_dim(self) -> int:
@@ -227,6 +246,13 @@ class ModelConfig(ConfigModel):
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary positions; change d_model, n_heads or "
                              "head_width")
+        if self.attention_multiplier is not None and self.query_pre_attn_scalar is not None:
+            raise ValueError("attention_multiplier and query_pre_attn_scalar both scale the scores: set one")
+        if self.residual_multiplier is not None and self.norm_position != "pre":
+            raise ValueError("residual_multiplier scales the sublayers of pre-norm blocks (Granite's); "
+                             f"norm_position is {self.norm_position!r}")
+        if self.embedding_multiplier is not None and self.scale_embeddings:
+            raise ValueError("embedding_multiplier and scale_embeddings both scale the embeddings: set one")
         if self.rotary_width is not None and (self.rotary_width % 2 or self.rotary_width >= self.head_dim):
             raise ValueError(f"rotary_width={self.rotary_width} must be even and below head_dim={self.head_dim} (None "
                              "rotates the whole head)")

@@ -7,10 +7,12 @@ float32. Which class the folder names follows the model's features (`HF_CLASSES`
 biases; per-head q/k norms (`qk_norm: head`, Qwen3) `Qwen3ForCausalLM`; norms after each sublayer
 and over whole q/k projections (`norm_position: post`, `qk_norm: projection`, OLMo 2)
 `Olmo2ForCausalLM`, or `Olmo3ForCausalLM` with sliding-window layers; Llama with a sliding window
-in every layer `MistralForCausalLM`; Gemma's norms, GeGLU and scaled embeddings `Gemma2ForCausalLM`
-(with soft caps) or `Gemma3ForCausalLM` (with per-head q/k norms); Llama with NoPE layers
+in every layer `MistralForCausalLM`; Gemma's norms, GeGLU and scaled embeddings `GemmaForCausalLM`
+(before each sublayer), `Gemma2ForCausalLM` (before and after, with soft caps) or
+`Gemma3ForCausalLM` (before and after, with per-head q/k norms); Llama with NoPE layers
 `SmolLM3ForCausalLM`; Llama or Mistral rotating part of each head or with LongRoPE
-`Phi3ForCausalLM` (q, k and v fused in one Linear, gate and up in another: `fused`).
+`Phi3ForCausalLM` (q, k and v fused in one Linear, gate and up in another: `fused`); Llama with
+Granite's multipliers (embeddings, residual branches, scores, logits) `GraniteForCausalLM`.
 training/hf_import.py is the inverse. The folder holds what `AutoModelForCausalLM.from_pretrained`
 and `AutoTokenizer.from_pretrained` read:
 
@@ -52,37 +54,42 @@ BLOCK_NORMS = {"pre": ("input_layernorm", "post_attention_layernorm"),  # Llama'
 LLAMA_MLP = ("silu", False)  # (activation, scale_embeddings) of every class but Gemma's
 GEMMA = ("gelu_tanh", True)
 # (attention_bias, qk_norm, norm_position, (activation, scale_embeddings), whether some layers have no
-# positions: `nope`, which layers slide: `sliding`, whether the rotation is Phi-3's: `phi3_rope`) -> the
+# positions: `nope`, which layers slide: `sliding`, what only one class computes: `one_class_only`) -> the
 # transformers class and model_type that computes it (training/hf_import.py reads checkpoints of these
 # classes by the same table)
-HF_CLASSES = {(False, "none", "pre", LLAMA_MLP, False, "none", False): ("LlamaForCausalLM", "llama"),
-              (True, "none", "pre", LLAMA_MLP, False, "none", False): ("Qwen2ForCausalLM", "qwen2"),  # q, k, v biases
-              (False, "head", "pre", LLAMA_MLP, False, "none", False): ("Qwen3ForCausalLM", "qwen3"),  # q/k norms
-              (False, "projection", "post", LLAMA_MLP, False, "none", False): ("Olmo2ForCausalLM", "olmo2"),  # post
-              (False, "none", "pre", LLAMA_MLP, False, "every layer", False): ("MistralForCausalLM", "mistral"),
-              **{(False, "projection", "post", LLAMA_MLP, False, slide, False): ("Olmo3ForCausalLM", "olmo3")
+HF_CLASSES = {(False, "none", "pre", LLAMA_MLP, False, "none", "none"): ("LlamaForCausalLM", "llama"),
+              (True, "none", "pre", LLAMA_MLP, False, "none", "none"): ("Qwen2ForCausalLM", "qwen2"),  # q, k, v biases
+              (False, "head", "pre", LLAMA_MLP, False, "none", "none"): ("Qwen3ForCausalLM", "qwen3"),  # q/k norms
+              (False, "projection", "post", LLAMA_MLP, False, "none", "none"): ("Olmo2ForCausalLM", "olmo2"),  # post
+              (False, "none", "pre", LLAMA_MLP, False, "every layer", "none"): ("MistralForCausalLM", "mistral"),
+              **{(False, "projection", "post", LLAMA_MLP, False, slide, "none"): ("Olmo3ForCausalLM", "olmo3")
                  for slide in ("every layer", "some layers")},  # OLMo 2 with sliding layers
-              (False, "none", "pre", LLAMA_MLP, True, "none", False): ("SmolLM3ForCausalLM", "smollm3"),  # NoPE
-              **{(False, "none", "pre", LLAMA_MLP, False, slide, True): ("Phi3ForCausalLM", "phi3")  # partial, LongRoPE
+              (False, "none", "pre", LLAMA_MLP, True, "none", "none"): ("SmolLM3ForCausalLM", "smollm3"),  # NoPE
+              **{(False, "none", "pre", LLAMA_MLP, False, slide, "phi3"): ("Phi3ForCausalLM", "phi3")  # LongRoPE...
                  for slide in ("none", "every layer")},
-              **{(False, "none", "both", GEMMA, False, slide, False): ("Gemma2ForCausalLM", "gemma2")  # Gemma 2
+              (False, "none", "pre", LLAMA_MLP, False, "none", "granite"): ("GraniteForCausalLM", "granite"),  # scales
+              (False, "none", "pre", GEMMA, False, "none", "none"): ("GemmaForCausalLM", "gemma"),  # Gemma (1)
+              **{(False, "none", "both", GEMMA, False, slide, "none"): ("Gemma2ForCausalLM", "gemma2")  # Gemma 2
                  for slide in ("none", "every layer", "some layers")},
-              **{(False, "head", "both", GEMMA, False, slide, False): ("Gemma3ForCausalLM", "gemma3_text")  # Gemma 3
+              **{(False, "head", "both", GEMMA, False, slide, "none"): ("Gemma3ForCausalLM", "gemma3_text")  # Gemma 3
                  for slide in ("none", "every layer", "some layers")}}
 # Classes whose RMSNorm multiplies by 1 + weight (Gemma's): their checkpoints store kiln's weight - 1
-OFFSET_NORMS = {"gemma2", "gemma3_text"}
+OFFSET_NORMS = {"gemma", "gemma2", "gemma3_text"}
+# Gemma 2's and 3's classes: sandwich norms, and the config keys only they have
+GEMMA_2_3 = {"gemma2", "gemma3_text"}
 # kiln's `activation` as transformers names it, under the key each class's config reads it from
 HF_ACTIVATIONS = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}
 
 
 def activation_key(model_type: str) -> str:
-    """config.json's key for the MLP's activation: Gemma's `hidden_activation`, the others' `hidden_act`."""
-    return "hidden_activation" if model_type in OFFSET_NORMS else "hidden_act"
+    """config.json's key for the MLP's activation: Gemma 2's and 3's `hidden_activation`, the others'
+    (Gemma 1's too) `hidden_act`."""
+    return "hidden_activation" if model_type in GEMMA_2_3 else "hidden_act"
 
 
 # model fields only some classes' configs carry (set, the export is refused for the others)
-ONLY_IN = {"query_pre_attn_scalar": OFFSET_NORMS, "attn_logit_softcapping": OFFSET_NORMS,
-           "final_logit_softcapping": OFFSET_NORMS, "sliding_rope_theta": {"gemma3_text"}}
+ONLY_IN = {"query_pre_attn_scalar": GEMMA_2_3, "attn_logit_softcapping": GEMMA_2_3,
+           "final_logit_softcapping": GEMMA_2_3, "sliding_rope_theta": {"gemma3_text"}}
 
 
 def nope(cfg: ModelConfig) -> bool:
@@ -94,6 +101,18 @@ def phi3_rope(cfg: ModelConfig) -> bool:
     """Whether the model rotates as only Phi-3's class does among the exported ones: part of each head
     (`rotary_width`, Phi-4-mini's) or with LongRoPE's frequencies."""
     return cfg.rotary_width is not None or isinstance(cfg.rope_scaling, LongRopeScaling)
+
+
+# Granite's multipliers, as its config names them (kiln's fields of the same names)
+GRANITE_SCALES = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
+
+
+def one_class_only(cfg: ModelConfig) -> str:
+    """What of the model only one class computes among the exported ones: Phi-3's rotation (`phi3_rope`:
+    `phi3`), Granite's multipliers (`granite`), neither (`none`), or both (`phi3+granite`: no class)."""
+    marks = [name for name, has in (("phi3", phi3_rope(cfg)),
+                                    ("granite", any(getattr(cfg, f) is not None for f in GRANITE_SCALES))) if has]
+    return "+".join(marks) or "none"
 
 
 # Phi-3's fused projections: the tensor -> the kiln projections side by side in it, in that order
@@ -231,23 +250,24 @@ def leaf_at(tree: dict, path: tuple[str, ...]):
 
 def architecture(cfg: ModelConfig) -> tuple[str, str]:
     """The transformers class and model_type of the export (`HF_CLASSES`). Another combination
-    of attention_bias, qk_norm, norm_position, activation, scale_embeddings, NoPE, sliding layers and
-    Phi-3's rotation (partial, LongRoPE: `phi3_rope`) (say
+    of attention_bias, qk_norm, norm_position, activation, scale_embeddings, NoPE, sliding layers,
+    Phi-3's rotation (partial, LongRoPE) and Granite's multipliers (`one_class_only`) (say
     Qwen3's norms with Qwen2's biases: Qwen3's own attention_bias also biases o_proj), or a field
     `ONLY_IN` keeps to Gemma's classes (a sliding layers' RoPE base, query_pre_attn_scalar, soft
     caps) set in another, is a model kiln trains and serves but no class computes."""
     key = (cfg.attention_bias, cfg.qk_norm, cfg.norm_position, (cfg.activation, cfg.scale_embeddings), nope(cfg),
-           sliding(cfg), phi3_rope(cfg))
+           sliding(cfg), one_class_only(cfg))
     model_type = HF_CLASSES.get(key, (None, None))[1]
     misplaced = [f"{name} {getattr(cfg, name)}" for name, classes in ONLY_IN.items()
                  if getattr(cfg, name) is not None and model_type not in classes]
     if model_type is None or misplaced:
         known = "; ".join(f"{arch}: attention_bias {b}, qk_norm {q}, norm_position {n}, activation {a}, "
-                          f"scale_embeddings {e}, NoPE layers {p}, sliding {w}, partial rotary or LongRoPE {r}"
+                          f"scale_embeddings {e}, NoPE layers {p}, sliding {w}, one class's features {r}"
                           for (b, q, n, (a, e), p, w, r), (arch, _) in HF_CLASSES.items())
         raise ValueError(f"no Hugging Face class computes attention_bias {key[0]}, qk_norm {key[1]}, norm_position "
                          f"{key[2]}, activation {key[3][0]}, scale_embeddings {key[3][1]}, NoPE layers {key[4]}, "
-                         f"sliding {key[5]}, partial rotary or LongRoPE {key[6]}"
+                         f"sliding {key[5]}, one class's features {key[6]} (phi3: partial rotary or LongRoPE; "
+                         "granite: its multipliers)"
                          + "".join(f", {item}" for item in misplaced) + ": kiln can train and serve this model, "
                          f"but not export it ({known}; sliding_rope_theta: Gemma3ForCausalLM only; "
                          "query_pre_attn_scalar and the soft caps: Gemma2ForCausalLM and Gemma3ForCausalLM only)")
@@ -308,7 +328,7 @@ def hf_config(cfg: ModelConfig, bos_id: int, eos_id: int) -> dict:
         config.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers)
     if model_type == "qwen2":  # nor Qwen2's an attention_bias: its q, k, v always have biases
         del config["attention_bias"]
-    if model_type in OFFSET_NORMS:  # Gemma 2's and 3's names, flat as transformers 4 and 5 read them
+    if model_type in GEMMA_2_3:  # Gemma 2's and 3's names, flat as transformers 4 and 5 read them
         config.update(query_pre_attn_scalar=cfg.query_pre_attn_scalar or cfg.head_dim,
                       sliding_window=cfg.sliding_window or cfg.seq_len,
                       final_logit_softcapping=cfg.final_logit_softcapping,
@@ -326,6 +346,9 @@ def hf_config(cfg: ModelConfig, bos_id: int, eos_id: int) -> dict:
         if isinstance(cfg.rope_scaling, LongRopeScaling):
             config["original_max_position_embeddings"] = cfg.rope_scaling.original_max_position_embeddings
         del config["attention_bias"]
+    if model_type == "granite":  # its multipliers, each 1 where kiln's is unset (attention's: 1 / sqrt(head_dim))
+        config.update({name: getattr(cfg, name) or 1.0 for name in GRANITE_SCALES},
+                      attention_multiplier=cfg.attention_multiplier or cfg.head_dim ** -0.5)
     if model_type == "smollm3":  # which layers rotate (1) and which have no positions (0); no sliding window
         config.update(no_rope_layers=[int(cfg.layer_rotates(i)) for i in range(cfg.n_layers)],
                       use_sliding_window=False, sliding_window=None, layer_types=["full_attention"] * cfg.n_layers)
@@ -445,6 +468,7 @@ def model_card(cfg: ModelConfig, n_params: int, name: str, license_id: str | Non
         + [("norm position", NORM_PLACES.get(cfg.norm_position))] * (cfg.norm_position != "pre") \
         + [("embeddings", "scaled by sqrt(d_model)")] * cfg.scale_embeddings \
         + [("rotated dimensions", f"{cfg.rotary_dim} of {cfg.head_dim} per head")] * (cfg.rotary_width is not None) \
+        + [(f"Granite's {name}", getattr(cfg, name)) for name in GRANITE_SCALES if getattr(cfg, name) is not None] \
         + [("layers without positions (NoPE)", ", ".join(str(i) for i in range(cfg.n_layers)
                                                           if not cfg.layer_rotates(i)))] * nope(cfg) \
         + [("attention scores", f"q.k / sqrt({cfg.query_pre_attn_scalar})")] * bool(cfg.query_pre_attn_scalar) \

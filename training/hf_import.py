@@ -9,7 +9,10 @@ instead of before, and over the whole q and k projections: `norm_position: post`
 projection`); an `Olmo3ForCausalLM` (OLMo 2 with sliding-window layers: `sliding_window`,
 `layer_types`); a `MistralForCausalLM` (Llama with a sliding window in every layer, left out
 where it does not bite: none, as from Mistral 7B v0.2 on, or one at least the context kiln uses,
-when it is Llama and exports as `LlamaForCausalLM`); a `Gemma2ForCausalLM` (norms before and
+when it is Llama and exports as `LlamaForCausalLM`); a `GemmaForCausalLM` (Gemma 1 and CodeGemma:
+Llama with GeGLU, `activation: gelu_tanh`, embeddings times sqrt(d_model), `scale_embeddings`, and
+norm weights stored as kiln's - 1, `training.export.norm_offset`; its releases' `hidden_act: gelu`
+read as the tanh GELU, as GemmaConfig reads it); a `Gemma2ForCausalLM` (norms before and
 after each sublayer, `norm_position: both`; GeGLU, `activation: gelu_tanh`; embeddings times
 sqrt(d_model), `scale_embeddings`; every other layer sliding; soft-capped attention scores and
 logits, `attn_logit_softcapping`, `final_logit_softcapping`; its norms' weights stored as kiln's
@@ -21,11 +24,14 @@ every layer rotates); a `Phi3ForCausalLM` (Phi-3, Phi-4: Llama with q, k and v f
 and gate and up in another, split as they are read, `unfused`; Mistral with its sliding window
 where that bites; LongRoPE, `rope_type: longrope`, as Phi-3.5 and the 128k models scale their
 context, and part of each head rotated, Phi-4-mini's `partial_rotary_factor`, `rotary_width`;
-exported as Llama or Mistral, `READ_AS`, or as Phi3ForCausalLM where it rotates so). A config's `head_dim` other than
-hidden_size / num_attention_heads (Qwen3, Mistral Nemo) is kiln's `head_width`. Tensors are
-renamed by the export's own table (`training.export.hf_names`) and Linear weights [out, in]
-transposed back to Dense kernels [in, out]; nothing is permuted, since kiln's RoPE is HF's
-`rotate_half` layout. Every tensor becomes float32 (bfloat16 exactly), as kiln's parameters are,
+exported as Llama or Mistral, `READ_AS`, or as Phi3ForCausalLM where it rotates so); a
+`GraniteForCausalLM` (IBM's Granite 3: Llama with its embeddings, each sublayer's output, the
+attention scores and the logits scaled by constants, `granite_scales`; Llama where none is set).
+A config's
+`head_dim` other than hidden_size / num_attention_heads (Qwen3, Mistral Nemo) is kiln's
+`head_width`. Tensors are renamed by the export's own table (`training.export.hf_names`) and
+Linear weights [out, in] transposed back to Dense kernels [in, out]; nothing is permuted, since
+kiln's RoPE is HF's `rotate_half` layout. Every tensor becomes float32 (bfloat16 exactly), as kiln's parameters are,
 unless the caller asks for another dtype (`kiln serve-model` holds weights in its compute dtype).
 
 Llama 3.1's, YaRN's, linear and (Phi-3's) LongRoPE scaling (`rope_type: llama3`, `yarn`, `linear`,
@@ -51,8 +57,8 @@ import numpy as np
 from safetensors import safe_open
 
 from training.config import LinearScaling, LongRopeScaling, ModelConfig, RopeScaling, YarnScaling
-from training.export import (FUSED, HF_ACTIVATIONS, HF_CLASSES, ONLY_IN, activation_key, hf_names, leaf_at,
-                             norm_offset)
+from training.export import (FUSED, GRANITE_SCALES, HF_ACTIVATIONS, HF_CLASSES, ONLY_IN, activation_key, hf_names,
+                             leaf_at, norm_offset)
 from training.model import init_params
 
 # Gemma 3 4B and up: a language model (Gemma3ForCausalLM's) beside a vision tower, read as the former
@@ -146,7 +152,7 @@ def architecture(hf: dict, folder: Path) -> str:
     model_type = ARCHITECTURES[known[0]] if known else hf.get("model_type")
     if model_type not in ARCHITECTURES.values() or hf.get("model_type", model_type) != model_type:
         raise ValueError(f"{folder}: model_type {hf.get('model_type')!r}: kiln imports Llama, Qwen2, Qwen3, "
-                         "OLMo 2, OLMo 3, Mistral, Gemma 2, Gemma 3, SmolLM3 and Phi-3 decoders "
+                         "OLMo 2, OLMo 3, Mistral, Gemma, Gemma 2, Gemma 3, SmolLM3, Phi-3 and Granite decoders "
                          f"({', '.join(sorted(ARCHITECTURES))})")
     return model_type
 
@@ -252,6 +258,8 @@ def unsupported(hf: dict, model_type: str) -> list[str]:
     reasons = []
     key, expected = activation_key(model_type), HF_ACTIVATIONS[FEATURES[model_type][3][0]]
     act = hf.get(key, expected)
+    if model_type == "gemma" and act == "gelu":  # Gemma 1's releases: meant as the tanh GELU, as GemmaConfig reads it
+        act = expected
     if act != expected:
         reasons.append(f"{key} {act!r} (kiln computes {model_type}'s MLP with {expected})")
     for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
@@ -312,6 +320,19 @@ def rotary_width(hf: dict) -> int | None:
     return None if partial == 1.0 else int(width * partial)
 
 
+def granite_scales(hf: dict, model_type: str) -> dict:
+    """A Granite's multipliers (`training.export.GRANITE_SCALES`), each left unset where it changes
+    nothing (1; the attention's 1 / sqrt(head_dim)): a Granite with none is Llama, with a Llama's
+    version. Other classes have none (transformers ignores such keys there, and so does kiln)."""
+    if model_type != "granite":
+        return {}
+    width = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    plain = {"embedding_multiplier": 1.0, "residual_multiplier": 1.0, "logits_scaling": 1.0,
+             "attention_multiplier": width ** -0.5}
+    values = {name: float(hf.get(name, 1.0)) for name in GRANITE_SCALES}  # GraniteConfig's defaults: 1
+    return {name: value for name, value in values.items() if value != plain[name]}
+
+
 def query_pre_attn_scalar(hf: dict) -> int | None:
     """Gemma's `query_pre_attn_scalar` where it is not the head width (else None: kiln's default
     scale, 1 / sqrt(head_dim), the same number)."""
@@ -351,7 +372,8 @@ def model_config(hf: dict, seq_len: int | None, folder: Path) -> ModelConfig:
                            rotary_layers=rotary_layers(hf, model_type), rotary_width=rotary_width(hf),
                            query_pre_attn_scalar=query_pre_attn_scalar(hf),
                            attn_logit_softcapping=hf.get("attn_logit_softcapping"),
-                           final_logit_softcapping=hf.get("final_logit_softcapping"), **features(model_type))
+                           final_logit_softcapping=hf.get("final_logit_softcapping"), **granite_scales(hf, model_type),
+                           **features(model_type))
     except KeyError as e:
         raise ValueError(f"{folder}: config.json has no {e.args[0]}") from None
 

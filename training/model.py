@@ -18,7 +18,9 @@ rotate with plain RoPE where `rope_scaling` scales the full-attention layers' (O
 `query_pre_attn_scalar` (scores over sqrt of it instead of sqrt(head_dim)); SmolLM3's
 `rotary_layers` (the layers it names False attend without rotary positions); Phi-3's
 `rotary_width` (the first dimensions of each head rotate, the rest pass through) and LongRoPE
-(`longrope_frequencies`: a divisor per frequency, its set picked per row); Gemma 2's soft caps
+(`longrope_frequencies`: a divisor per frequency, its set picked per row); Granite's constants
+`embedding_multiplier`, `residual_multiplier` (each sublayer's output before the residual add),
+`attention_multiplier` (scores q.k times it) and `logits_scaling` (`output_scale`); Gemma 2's soft caps
 `attn_logit_softcapping` and `final_logit_softcapping` (`soft_cap`); Gemma's norms multiply by
 1 + weight, which the export and import convert to and from kiln's weight (training/export.py).
 
@@ -288,6 +290,14 @@ def fused_attention(q, k, v, segments=None, implementation: str | None = None, w
     return out.reshape(B, T, H * Q)
 
 
+def output_scale(logits, cfg: ModelConfig):
+    """The output logits (float32) as the model gives them: divided by Granite's `logits_scaling`,
+    soft-capped at Gemma 2's `final_logit_softcapping`, where the model has them."""
+    if cfg.logits_scaling is not None:
+        logits = logits / cfg.logits_scaling
+    return soft_cap(logits, cfg.final_logit_softcapping)
+
+
 def soft_cap(x, cap: float | None):
     """Gemma 2's soft cap: cap * tanh(x / cap), which keeps x inside (-cap, cap) and is ~x near 0;
     x itself where `cap` is None."""
@@ -367,14 +377,14 @@ class Attention(nn.Module):
                              "attends in query blocks (train.attention auto or query_blocks)")
         if layer_cache is None and self.attention != "query_blocks":  # training / full forward, fused
             out = fused_attention(q, k, v, segments, self.attention.removeprefix("fused_"), self.window,
-                                  cfg.query_pre_attn_scalar)
+                                  cfg.score_width)
         elif layer_cache is None:  # training / full forward: one causal run, position i sees 0..i
-            out = causal_attention(q, k, v, segments, self.window, cfg.query_pre_attn_scalar,
+            out = causal_attention(q, k, v, segments, self.window, cfg.score_width,
                                    cfg.attn_logit_softcapping)
         else:  # decoding: write this chunk at slot `index` (row b's at index[b]), attend over the whole cache
             layer_cache = {"k": write_cache(layer_cache["k"], k, index), "v": write_cache(layer_cache["v"], v, index)}
             k, v = layer_cache["k"], layer_cache["v"]
-            out = cached_attention(q, k, v, positions, cache_pos, self.window, cfg.query_pre_attn_scalar,
+            out = cached_attention(q, k, v, positions, cache_pos, self.window, cfg.score_width,
                                    cfg.attn_logit_softcapping)
         return project(out, Kernel((H * Q, D), out_std, name="o_proj")().astype(dt)), layer_cache
 
@@ -451,6 +461,10 @@ class Block(nn.Module):
             return x + RMSNorm(cfg.norm_eps, dt, name="post_feedforward_layernorm")(h), layer_cache
         h, layer_cache = attention(RMSNorm(cfg.norm_eps, dt, name="input_layernorm")(x), positions, rope, layer_cache,
                                    cache_pos, index, segments)
+        if cfg.residual_multiplier is not None:  # Granite's: each sublayer's output scaled before it is added
+            scale = jnp.asarray(cfg.residual_multiplier, dt)
+            x = x + h * scale
+            return x + mlp(RMSNorm(cfg.norm_eps, dt, name="post_attention_layernorm")(x), decoding) * scale, layer_cache
         x = x + h
         x = x + mlp(RMSNorm(cfg.norm_eps, dt, name="post_attention_layernorm")(x), decoding)
         return x, layer_cache
@@ -489,6 +503,8 @@ class Llama(nn.Module):
         x = embed(tokens)
         if cfg.scale_embeddings:  # Gemma's, in the compute dtype as transformers casts it
             x = x * jnp.asarray(math.sqrt(cfg.d_model), jnp.float32).astype(dt)
+        if cfg.embedding_multiplier is not None:  # Granite's
+            x = x * jnp.asarray(cfg.embedding_multiplier, dt)
         rope = rope_tables(positions, cfg.rotary_dim, cfg.rope_theta, dt, cfg.rope_scaling)
         windows = [cfg.layer_window(i) for i in range(cfg.n_layers)]
         sliding_rope = rope  # sliding layers rotate plainly (OLMo 3's), at their own base if they have one (Gemma 3's)
@@ -509,7 +525,7 @@ class Llama(nn.Module):
         else:
             head = Kernel((cfg.d_model, cfg.vocab_size), cfg.init_std, name="lm_head")()
         logits = project(x, head.astype(dt))
-        return soft_cap(logits.astype(jnp.float32), cfg.final_logit_softcapping), new_layers
+        return output_scale(logits.astype(jnp.float32), cfg), new_layers
 
 
 # --- functions the rest of kiln calls ------------------------------------------------------------
