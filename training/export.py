@@ -119,14 +119,21 @@ def one_class_only(cfg: ModelConfig) -> str:
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
+def fused_widths(cfg: ModelConfig) -> dict[str, int]:
+    """Each part's rows in its fused Linear (`FUSED`): q's H Q, k's and v's K Q, gate's and up's F."""
+    kv = cfg.n_kv_heads * cfg.head_dim
+    return {"q_proj": cfg.n_heads * cfg.head_dim, "k_proj": kv, "v_proj": kv, "gate_proj": cfg.d_ff,
+            "up_proj": cfg.d_ff}
+
+
 def fused(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """A state dict under Llama's names with each layer's q, k and v weights stacked as Phi-3's
     `qkv_proj` and gate and up as its `gate_up_proj` (gate first, as Phi3MLP chunks it); the inverse
     of training/hf_import.py's `unfused`."""
-    for name in [n for n in state if n.endswith(".self_attn.q_proj.weight") or n.endswith(".mlp.gate_proj.weight")]:
-        prefix = name.rsplit(".", 2)[0]
-        tensor, parts = next((t, p) for t, p in FUSED.items() if name.endswith(f".{p[0]}.weight"))
-        state[f"{prefix}.{tensor}.weight"] = np.concatenate([state.pop(f"{prefix}.{part}.weight") for part in parts])
+    for tensor, parts in FUSED.items():
+        for name in [n for n in state if n.endswith(f".{parts[0]}.weight")]:
+            prefix = name.rsplit(".", 2)[0]
+            state[f"{prefix}.{tensor}.weight"] = np.concatenate([state.pop(f"{prefix}.{p}.weight") for p in parts])
     return state
 
 
@@ -220,8 +227,7 @@ def fused_adapters(pairs: dict[str, tuple[np.ndarray, np.ndarray]], cfg: ModelCo
     (an untargeted part's rows zero), so that B' A' holds each part's update in its rows. peft scales
     by lora_alpha / r: the fused ones' rank and alpha are n times kiln's (returned as the rank
     pattern, by fused name), which keeps the scale alpha / rank."""
-    widths = {"q_proj": cfg.n_heads * cfg.head_dim, "k_proj": cfg.n_kv_heads * cfg.head_dim,
-              "v_proj": cfg.n_kv_heads * cfg.head_dim, "gate_proj": cfg.d_ff, "up_proj": cfg.d_ff}
+    widths = fused_widths(cfg)
     out, ranks = {}, {}
     for name, pair in pairs.items():
         prefix, proj = name.rsplit(".", 1)

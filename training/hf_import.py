@@ -27,12 +27,12 @@ context, and part of each head rotated, Phi-4-mini's `partial_rotary_factor`, `r
 exported as Llama or Mistral, `READ_AS`, or as Phi3ForCausalLM where it rotates so); a
 `GraniteForCausalLM` (IBM's Granite 3: Llama with its embeddings, each sublayer's output, the
 attention scores and the logits scaled by constants, `granite_scales`; Llama where none is set).
-A config's
-`head_dim` other than hidden_size / num_attention_heads (Qwen3, Mistral Nemo) is kiln's
+A config's `head_dim` other than hidden_size / num_attention_heads (Qwen3, Mistral Nemo) is kiln's
 `head_width`. Tensors are renamed by the export's own table (`training.export.hf_names`) and
 Linear weights [out, in] transposed back to Dense kernels [in, out]; nothing is permuted, since
-kiln's RoPE is HF's `rotate_half` layout. Every tensor becomes float32 (bfloat16 exactly), as kiln's parameters are,
-unless the caller asks for another dtype (`kiln serve-model` holds weights in its compute dtype).
+kiln's RoPE is HF's `rotate_half` layout. Every tensor becomes float32 (bfloat16 exactly), as
+kiln's parameters are, unless the caller asks for another dtype (`kiln serve-model` holds weights
+in its compute dtype).
 
 Llama 3.1's, YaRN's, linear and (Phi-3's) LongRoPE scaling (`rope_type: llama3`, `yarn`, `linear`,
 `longrope`) become `model.rope_scaling`. What kiln's model cannot compute is refused with the
@@ -57,8 +57,8 @@ import numpy as np
 from safetensors import safe_open
 
 from training.config import LinearScaling, LongRopeScaling, ModelConfig, RopeScaling, YarnScaling
-from training.export import (FUSED, GRANITE_SCALES, HF_ACTIVATIONS, HF_CLASSES, ONLY_IN, activation_key, hf_names,
-                             leaf_at, norm_offset)
+from training.export import (FUSED, GRANITE_SCALES, HF_ACTIVATIONS, HF_CLASSES, ONLY_IN, activation_key,
+                             fused_widths, hf_names, leaf_at, norm_offset)
 from training.model import init_params
 
 # Gemma 3 4B and up: a language model (Gemma3ForCausalLM's) beside a vision tower, read as the former
@@ -411,11 +411,10 @@ def unfused(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.nd
     `gate_up_proj` [2F, D] as gate_proj and up_proj (gate first, as Phi3MLP chunks it). A tensor of
     another width is split anyway; `kiln_params` then refuses the parts, naming the shapes the
     config gives them."""
-    q_width, kv_width = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    splits = {"qkv_proj": [q_width, q_width + kv_width], "gate_up_proj": [cfg.d_ff]}
+    widths = fused_widths(cfg)
     for name in [n for n in tensors if n.endswith(".weight") and n.rsplit(".", 2)[1] in FUSED]:
         prefix, tensor, _ = name.rsplit(".", 2)
-        parts = np.split(tensors.pop(name), splits[tensor])
+        parts = np.split(tensors.pop(name), np.cumsum([widths[part] for part in FUSED[tensor][:-1]]))
         tensors.update({f"{prefix}.{part}.weight": weight for part, weight in zip(FUSED[tensor], parts)})
     return tensors
 
