@@ -46,8 +46,9 @@ if TYPE_CHECKING:  # JAX, orbax and Ray load when the step runs, not for `kiln p
 
 # 2: rejected answers may be generated; 3: the shared training step's attention in query blocks changes the
 # last bits of the parameters; 4: so does its rotary in one fused pass; 5: and its rotary tables computed once
-# per forward, and SwiGLU's hand-written backward
-STAGE_VERSION = 5
+# per forward, and SwiGLU's hand-written backward; 6: and a sliding-window layer's query blocks skipping the keys
+# outside the window
+STAGE_VERSION = 6
 
 
 class DPOConfig(ConfigModel):

@@ -35,8 +35,8 @@ if TYPE_CHECKING:  # JAX, orbax and Ray load when the step runs, not for `kiln p
 
 # 2: the shared training step's attention in query blocks changes the last bits of the parameters;
 # 3: so does its rotary in one fused pass; 4: and its rotary tables computed once per forward, and SwiGLU's
-# hand-written backward
-STAGE_VERSION = 4
+# hand-written backward; 5: and a sliding-window layer's query blocks skipping the keys outside the window
+STAGE_VERSION = 5
 EVAL_DIR = "chat_eval"
 
 

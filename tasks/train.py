@@ -26,8 +26,10 @@ if TYPE_CHECKING:  # tasks.engine.step imports Prefect; Ray workers that import 
 # last bits of every trained parameter (training/model.py, training/step.py); 3: attention in query blocks, the same
 # again (training/model.py `causal_attention`); 4: rotary positions in one fused pass, the same again
 # (training/model.py `rotary`); 5: its cos and sin tables computed once per forward, constants while
-# tracing (training/model.py `rope_tables`), and SwiGLU's hand-written backward (`swiglu`), the same again
-STAGE_VERSION = 5
+# tracing (training/model.py `rope_tables`), and SwiGLU's hand-written backward (`swiglu`), the same again;
+# 6: a sliding-window layer's query blocks skip the keys outside their rows' windows (`causal_attention`): the
+# last bits of a model with a window shorter than seq_len move (a model without one computes the same bits)
+STAGE_VERSION = 6
 EVAL_TOKENIZER, EVAL_DOCUMENTS = "evals/tokenizer", "evals/documents"  # train.evals' unversioned inputs
 INIT = "init"  # train.init's parent step (its version enters this step's)
 HF_INIT = "hf_init"  # in the work folder: train.init.hf imported as a kiln model for the hosts

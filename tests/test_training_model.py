@@ -161,25 +161,28 @@ def test_project_swiglu_and_cross_entropy_give_autodiffs_numbers():
     np.testing.assert_allclose(grad, ref_grad, atol=1e-7)
 
 
-@pytest.mark.parametrize("T", [150, 256])
-def test_blocked_causal_attention_gives_the_dense_masked_numbers(T):
-    """Training's causal attention (query blocks, each against its key prefix) against the
-    decoding path's dense masked form over the same keys: outputs and all three gradients."""
-    blocks = query_blocks(T)
+@pytest.mark.parametrize("T,window", [(150, None), (256, None), (512, 70)])
+def test_blocked_causal_attention_gives_the_dense_masked_numbers(T, window):
+    """Training's causal attention (query blocks, each against its key prefix, or with a sliding
+    window the keys its rows' windows reach) against the decoding path's dense masked form over
+    the same keys: outputs and all three gradients."""
+    blocks = query_blocks(T, window)
     assert blocks[0][0] == 0 and blocks[-1][1] == T and all(a[1] == b[0] for a, b in zip(blocks, blocks[1:]))
-    assert len(blocks) == {150: 2, 256: 4}[T]
+    assert len(blocks) == {150: 2, 256: 4, 512: 7}[T]  # a window of 70 in 512: blocks of 73
+    assert query_blocks(150, 70) == query_blocks(150) and len(query_blocks(8192, 128)) == 16
     kq, kk, kv, kc = jax.random.split(jax.random.PRNGKey(T), 4)
     B, H, K, Q = 2, 6, 2, 8
     q, k, v = (jax.random.normal(key, (B, T, n, Q)) for key, n in ((kq, H), (kk, K), (kv, K)))
     cot = jax.random.normal(kc, (B, T, H * Q))
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    ours, ours_vjp = jax.vjp(jax.jit(causal_attention), q, k, v)
-    dense, dense_vjp = jax.vjp(jax.jit(lambda q, k, v: cached_attention(q, k, v, pos, pos)), q, k, v)
+    attention = jax.jit(lambda q, k, v: causal_attention(q, k, v, window=window))
+    ours, ours_vjp = jax.vjp(attention, q, k, v)
+    dense, dense_vjp = jax.vjp(jax.jit(lambda q, k, v: cached_attention(q, k, v, pos, pos, window)), q, k, v)
     np.testing.assert_allclose(ours, dense, atol=2e-6)
     for a, b in zip(ours_vjp(cot), dense_vjp(cot)):
         np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-5)
     # causality: changing the last position's key and value moves only the last output
-    moved = jax.jit(causal_attention)(q, k.at[:, -1].add(1.0), v.at[:, -1].add(1.0))
+    moved = attention(q, k.at[:, -1].add(1.0), v.at[:, -1].add(1.0))
     np.testing.assert_array_equal(moved[:, :-1], ours[:, :-1])
     assert not np.allclose(moved[:, -1], ours[:, -1])
 
@@ -207,6 +210,12 @@ def test_flops_per_token_formula_and_preset_sizes():
     D, L, H, Q, T, F, V = 64, 2, 4, 16, 16, 96, 97
     n_matmul = L * (D * H * Q * 2 + D * 2 * Q * 2 + 3 * D * F) + D * V
     assert flops_per_token(CFG) == 6 * n_matmul + 12 * L * H * Q * T
+    # a sliding layer counts the keys its window reaches: Gemma 3's one full and one window of 40 at T = 150
+    gemma3 = CFG.model_copy(update={"seq_len": 150, "sliding_window": 40,
+                                    "layer_types": ("full_attention", "sliding_attention")})
+    assert flops_per_token(gemma3) == 6 * n_matmul + 12 * H * Q * (150 + 40)
+    wide = CFG.model_copy(update={"sliding_window": 64})  # a window past seq_len is no window: Mistral's at T = 16
+    assert flops_per_token(wide) == flops_per_token(CFG)
     gpu = {name: model_and_train(str(CONFIGS / f"{name}.yaml"))[0] for name in ("small_gpu", "medium_gpu")}
     sizes = {name: param_count(jax.eval_shape(lambda m=m: init_params(m, jax.random.PRNGKey(0))))
              for name, m in gpu.items()}

@@ -272,9 +272,13 @@ def flops_per_token(cfg: ModelConfig) -> float:
 
     N is `matmul_params`. The second term is attention's QK^T and AV (2 * 2 * T * H * Q per token
     per layer forward, x3 for forward + backward), with L layers, H query heads, Q head dim and
-    T = seq_len; it is not halved for the causal mask.
+    T = seq_len; it is not halved for the causal mask. A sliding-window layer counts the keys its
+    window reaches, min(window, T), in place of T: the work a windowed kernel must do (query blocks
+    skip the keys before their rows' windows, `training.model.causal_attention`; cuDNN's local
+    window skips them too).
     """
-    return 6.0 * matmul_params(cfg) + 12.0 * cfg.n_layers * cfg.n_heads * cfg.head_dim * cfg.seq_len
+    keys = sum(min(cfg.layer_window(i) or cfg.seq_len, cfg.seq_len) for i in range(cfg.n_layers))
+    return 6.0 * matmul_params(cfg) + 12.0 * cfg.n_heads * cfg.head_dim * keys
 
 
 def matmul_params(cfg: ModelConfig) -> int:

@@ -231,12 +231,17 @@ def _project_bwd(saved, dy):
 project.defvjp(_project_fwd, _project_bwd)
 
 
-def query_blocks(T: int) -> list[tuple[int, int]]:
+def query_blocks(T: int, window: int | None = None) -> list[tuple[int, int]]:
     """Causal attention's query blocks [t0, t1): at most 4, of at least 64 positions each. Block
     [t0, t1) attends to keys 0..t1-1 only, so 4 blocks skip 3/8 of the masked half; on this CPU
     the smaller score blocks also stay in cache (benchmarks/RESULTS.md: 4 blocks at T = 256 ran
-    attention's forward and backward ~3-4x faster than one [T, T] block)."""
+    attention's forward and backward ~3-4x faster than one [T, T] block). With a sliding `window`
+    under a quarter of T: blocks about the window's width (at most 16, of at least 64 positions),
+    since each multiplies only the keys its rows' windows reach, about two windows' worth
+    (`causal_attention`; RESULTS.md: 0.22 of a full layer's time at T = 2048, window 128)."""
     n = max(1, min(4, T // 64))
+    if window is not None:
+        n = max(n, min(16, T // max(window, 64)))
     edges = [round(i * T / n) for i in range(n + 1)]
     return list(zip(edges[:-1], edges[1:]))
 
@@ -246,8 +251,9 @@ def causal_attention(q, k, v, segments=None, window: int | None = None, score_wi
     """Grouped-query causal attention of one sequence per row, position i seeing keys 0..i:
     q [B, T, H, Q], k and v [B, T, K, Q] -> [B, T, H*Q]. With `segments` [B, T] (each position's
     document, `segment_ids`) only the keys 0..i of its own document; with `window`, only the keys
-    after i - window (a sliding-window layer's). Scores are q.k / sqrt(score_width or Q), soft-capped
-    at `cap` where it is set (`soft_cap`).
+    after i - window (a sliding-window layer's), and a query block multiplies only the keys its
+    rows' windows reach (`query_blocks`), so a window shorter than the sequence saves work. Scores
+    are q.k / sqrt(score_width or Q), soft-capped at `cap` where it is set (`soft_cap`).
 
     Laid out for XLA's batched matmuls: heads first, and the H/K query heads that share a key
     head stacked as rows in (position, head) order, [B, K, T*H/K, Q], so each query block is a
@@ -259,17 +265,19 @@ def causal_attention(q, k, v, segments=None, window: int | None = None, score_wi
     rows = q.reshape(B, T, K, G * Q).transpose(0, 2, 1, 3).reshape(B, K, T * G, Q)
     keys_t, values = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)  # [B, K, Q, T], [B, K, T, Q]
     outs = []
-    for t0, t1 in query_blocks(T):
-        scores = soft_cap((rows[:, :, t0 * G:t1 * G] @ keys_t[..., :t1]).astype(jnp.float32)
+    for t0, t1 in query_blocks(T, window):
+        k0 = 0 if window is None else max(0, t0 - window + 1)  # keys before the block's first window: skipped
+        scores = soft_cap((rows[:, :, t0 * G:t1 * G] @ keys_t[..., k0:t1]).astype(jnp.float32)
                           / math.sqrt(score_width or Q), cap)
         row_pos = t0 + jnp.arange((t1 - t0) * G) // G  # [(t1 - t0) G]
-        visible = jnp.arange(t1) <= row_pos[:, None]  # [(t1 - t0) G, t1]
+        key_pos = jnp.arange(k0, t1)
+        visible = key_pos <= row_pos[:, None]  # [(t1 - t0) G, t1 - k0]
         if window is not None:
-            visible = visible & (jnp.arange(t1) > row_pos[:, None] - window)
+            visible = visible & (key_pos > row_pos[:, None] - window)
         if segments is not None:
-            visible = visible & (segments[:, row_pos, None] == segments[:, None, :t1])[:, None]  # [B, 1, rows, t1]
+            visible = visible & (segments[:, row_pos, None] == segments[:, None, k0:t1])[:, None]  # [B, 1, rows, keys]
         scores = jnp.where(visible, scores, _MASKED)
-        outs.append(jax.nn.softmax(scores, axis=-1).astype(q.dtype) @ values[:, :, :t1])
+        outs.append(jax.nn.softmax(scores, axis=-1).astype(q.dtype) @ values[:, :, k0:t1])
     out = jnp.concatenate(outs, axis=2) if len(outs) > 1 else outs[0]  # [B, K, T*G, Q]
     return out.reshape(B, K, T, G * Q).transpose(0, 2, 1, 3).reshape(B, T, H * Q)
 
