@@ -31,7 +31,7 @@ import numpy as np
 from evaluation.generate import MAX_LOGPROBS, Request, penalised, pick, seed_key
 from evaluation.scoring import output_logits, trunk
 from training.config import ModelConfig
-from training.model import decode_step, init_cache
+from training.model import cache_width, decode_step, init_cache, ring_columns
 
 STEPS = 8  # decoding steps per chunk: how long a waiting prompt waits for a slot to open, at most
 # While an answer streams, a chunk is as many steps as take this long at the last chunk's pace (one
@@ -138,14 +138,14 @@ def admit(params, state: dict, slots, tokens, lengths, settings: dict, source=No
     n = source.shape[0]
     columns = jnp.arange(P, dtype=jnp.int32)[None]
     positions = jnp.where(columns < lengths[:, None], columns, -1)
-    cache = init_cache(cfg, m, P)  # the prompts attend over their own P columns, then move into the context's
+    cache = init_cache(cfg, m, P, rings=False)  # the prompts over their own P columns, then moved into slots
     hidden, layers = trunk(params, tokens, positions, cfg, {"index": 0, "pos": positions, "layers": cache["layers"]})
     last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0][source]
     tokens, lengths, positions = tokens[source], lengths[source], positions[source]
     rest = cfg.seq_len - P
     pos = jnp.pad(positions, ((0, 0), (0, rest)), constant_values=-1)
-    layers = [{name: jnp.pad(a[source], ((0, 0), (0, rest), (0, 0), (0, 0))) for name, a in layer.items()}
-              for layer in layers]
+    layers = [{name: into_slot(a[source], lengths, cache_width(cfg, i, cfg.seq_len)) for name, a in layer.items()}
+              for i, layer in enumerate(layers)]
     fresh = {"pos": pos, "layers": layers, "at": lengths, "token": jnp.zeros(n, jnp.int32),
              "drawn": jnp.zeros(n, jnp.int32), "done": jnp.zeros(n, bool),
              "counts": jnp.zeros((n, cfg.vocab_size), jnp.int32),
@@ -154,6 +154,19 @@ def admit(params, state: dict, slots, tokens, lengths, settings: dict, source=No
     fresh, first = emit(output_logits(params, last, cfg), fresh, MAX_LOGPROBS)
     state = jax.tree_util.tree_map(lambda whole, part: whole.at[slots].set(part, mode="drop"), state, fresh)
     return state, first
+
+
+def into_slot(prefilled, lengths, width: int):
+    """A layer's keys or values of right-padded prompts, prefilled [n, P, K, Q] (prompt b's first
+    lengths[b] columns), as a slot's row holds them: padded to the context's `width` columns, or for
+    a sliding layer's ring (`training.model.init_cache`) the columns each ring slot holds once
+    lengths[b] are written (`ring_columns`: the prompt's last ones; a slot past its start holds a
+    column its position marks empty)."""
+    n, P = prefilled.shape[:2]
+    if width >= P:  # a full layer, or a ring no shorter than the prompts: column c at slot c (mod width)
+        return jnp.pad(prefilled, ((0, 0), (0, width - P), (0, 0), (0, 0)))
+    held = jnp.maximum(ring_columns(lengths, width), 0)  # [n, width]
+    return jnp.take_along_axis(prefilled, held[:, :, None, None], axis=1)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "steps", "alternatives", "width"), donate_argnums=(1,))

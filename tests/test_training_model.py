@@ -15,7 +15,7 @@ import pytest
 
 from training.config import LongRopeScaling, ModelConfig, TrainConfig, flops_per_token, model_and_train
 from training.model import (cached_attention, causal_attention, decode_step, forward, init_cache,
-                            init_params, param_count, project, query_blocks, swiglu)
+                            init_params, param_count, project, query_blocks, ring_columns, swiglu, write_cache)
 from training.optim import lr_schedule, make_optimizer, matrices_only
 from training.posttrain import SFTObjective
 from training.step import cross_entropy, init_state, loss_fn, make_train_step
@@ -224,12 +224,15 @@ def test_flops_per_token_formula_and_preset_sizes():
     assert {m.compute_dtype for m in gpu.values()} == {"bfloat16"}
 
 
-@pytest.mark.parametrize("attention_bias", [False, True])
-def test_kv_cache_decoding_matches_forward_with_left_padding(attention_bias):
+@pytest.mark.parametrize("update", [{}, {"attention_bias": True},
+                                    {"sliding_window": 5, "layer_types": ("sliding_attention", "full_attention")}],
+                         ids=["llama", "qwen2-biases", "window-ring"])
+def test_kv_cache_decoding_matches_forward_with_left_padding(update):
     """Decoding (a matmul per projection) gives the logits of the forward (one matmul of the kernels
     side by side), with Qwen2's q, k and v biases too: drawn at random, so each must reach its own
-    projection."""
-    cfg = CFG.model_copy(update={"attention_bias": attention_bias})
+    projection; and with a sliding layer whose cache is a ring of its window (5 of 16 columns),
+    written by a prefill longer than the ring and then a token at a time."""
+    cfg = CFG.model_copy(update=update)
     params = jax.tree_util.tree_map_with_path(
         lambda path, a: jax.random.normal(jax.random.PRNGKey(zlib.crc32(str(path).encode())), a.shape)
         if path[-1].key == "bias" else a, init_params(cfg, jax.random.PRNGKey(0)))
@@ -251,6 +254,31 @@ def test_kv_cache_decoding_matches_forward_with_left_padding(attention_bias):
     logits, _ = step(params, cfg, padded, init_cache(cfg, 2, 16), pad_pos)
     np.testing.assert_allclose(logits[1, 3:], forward(params, tokens[1:, 3:], cfg)[0], atol=1e-5)
     np.testing.assert_allclose(logits[0], full[0], atol=1e-5)
+
+
+def test_a_sliding_layers_cache_keeps_its_window_only():
+    """A sliding layer's keys and values are a ring of its window's columns (column c at slot c mod
+    window): its memory falls to window / context, a chunk longer than the ring keeps its last
+    columns, rows decoding at columns of their own each write theirs, and what a slot holds
+    (`ring_columns`) is the last column written there."""
+    from evaluation.slots import state_bytes
+
+    cfg = CFG.model_copy(update={"seq_len": 64, "sliding_window": 8,
+                                 "layer_types": ("sliding_attention", "full_attention")})
+    cache = init_cache(cfg, 3, 64)
+    assert [layer["k"].shape[1] for layer in cache["layers"]] == [8, 64] and cache["pos"].shape == (3, 64)
+    assert [layer["v"].shape[1] for layer in init_cache(cfg, 3, 64, rings=False)["layers"]] == [64, 64]
+    assert [layer["k"].shape[1] for layer in init_cache(cfg, 3, 8)["layers"]] == [8, 8]  # no shorter: no ring
+    kv = 2 * cfg.n_kv_heads * cfg.head_dim * 4  # a column's key and value bytes, float32, per layer
+    assert state_bytes(CFG.model_copy(update={"seq_len": 64}), 3) - state_bytes(cfg, 3) == 3 * (64 - 8) * kv
+
+    np.testing.assert_array_equal(ring_columns(11, 4), [8, 9, 10, 7])
+    np.testing.assert_array_equal(ring_columns(jnp.array([0, 2]), 3), [[-3, -2, -1], [0, 1, -1]])
+    chunk = jnp.arange(2 * 11, dtype=jnp.float32).reshape(2, 11, 1)  # columns 0..10 of two rows
+    ring = write_cache(jnp.zeros((2, 4, 1)), chunk, jnp.int32(0), ring=True)
+    np.testing.assert_array_equal(ring[:, :, 0], chunk[:, ring_columns(11, 4), 0])  # the last 4, by slot
+    ring = write_cache(ring, jnp.full((2, 1, 1), -1.0), jnp.array([11, 13]), ring=True)  # a column per row
+    np.testing.assert_array_equal(ring[:, :, 0], [[8, 9, 10, -1], [19, -1, 21, 18]])
 
 
 def test_schedules():

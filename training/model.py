@@ -332,8 +332,8 @@ def cached_attention(q, k, v, positions, kv_pos, window: int | None = None, scor
     """Attention over a key/value cache while decoding: q [B, T, H, Q] at `positions` [B, T],
     k and v [B, S, K, Q] at `kv_pos` [B, S]. A key is visible to a query if it is not later
     (causal) and not padding or an empty slot (position -1), and, with `window`, not `window` or
-    more positions earlier. (The cache keeps every position: a sliding window saves no memory.)
-    Scores are q.k / sqrt(score_width or Q), soft-capped at `cap` where it is set."""
+    more positions earlier. Scores are q.k / sqrt(score_width or Q), soft-capped at `cap` where it
+    is set."""
     B, T, H, Q = q.shape
     K = k.shape[2]
     visible = (kv_pos[:, None, :] <= positions[:, :, None]) & (kv_pos[:, None, :] >= 0)  # [B, T, S]
@@ -389,6 +389,16 @@ class Attention(nn.Module):
         elif layer_cache is None:  # training / full forward: one causal run, position i sees 0..i
             out = causal_attention(q, k, v, segments, self.window, cfg.score_width,
                                    cfg.attn_logit_softcapping)
+        elif layer_cache["k"].shape[1] < cache_pos.shape[1]:  # decoding, a sliding layer's ring (`init_cache`)
+            width = layer_cache["k"].shape[1]  # attend over the ring's columns before this chunk and the chunk,
+            held = jnp.broadcast_to(ring_columns(index, width), (B, width))  # then keep the chunk's last in it
+            held_pos = jnp.where(held >= 0, jnp.take_along_axis(cache_pos, jnp.maximum(held, 0), axis=1), -1)
+            keys, values = (jnp.concatenate([layer_cache[n], new.astype(layer_cache[n].dtype)], axis=1)
+                            for n, new in (("k", k), ("v", v)))
+            out = cached_attention(q, keys, values, positions, jnp.concatenate([held_pos, positions], axis=1),
+                                   self.window, cfg.score_width, cfg.attn_logit_softcapping)
+            layer_cache = {"k": write_cache(layer_cache["k"], k, index, ring=True),
+                           "v": write_cache(layer_cache["v"], v, index, ring=True)}
         else:  # decoding: write this chunk at slot `index` (row b's at index[b]), attend over the whole cache
             layer_cache = {"k": write_cache(layer_cache["k"], k, index), "v": write_cache(layer_cache["v"], v, index)}
             k, v = layer_cache["k"], layer_cache["v"]
@@ -564,31 +574,57 @@ def forward(params, tokens, cfg: ModelConfig, *, attention: str = "query_blocks"
     return logits
 
 
-def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> dict:
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, rings: bool = True) -> dict:
     """An empty key/value cache for `batch` sequences of up to `max_len` tokens.
 
-    `index` is the next slot to write; `pos` holds each slot's position, -1 while empty, so the
-    mask needs no other state. Keys and values are stored in the compute dtype.
+    `index` is the next column to write; `pos` holds each column's position, -1 while empty, so
+    the mask needs no other state. Keys and values are stored in the compute dtype. A sliding
+    layer whose window is shorter than `max_len` keeps only its window's last columns, a ring of
+    that width (column c at slot c mod window, `ring_columns`), so its keys and values take
+    window / max_len of a full layer's memory; `rings` False keeps every column in every layer
+    (a prompt's prefill that evaluation/slots.py then moves into its slots' rings).
     """
-    shape = (batch, max_len, cfg.n_kv_heads, cfg.head_dim)
     dt = _dtype(cfg)
+    widths = [cache_width(cfg, i, max_len) if rings else max_len for i in range(cfg.n_layers)]
     return {
         "index": jnp.zeros((), jnp.int32),
         "pos": jnp.full((batch, max_len), -1, jnp.int32),
-        "layers": [{"k": jnp.zeros(shape, dt), "v": jnp.zeros(shape, dt)} for _ in range(cfg.n_layers)],
+        "layers": [{name: jnp.zeros((batch, width, cfg.n_kv_heads, cfg.head_dim), dt) for name in ("k", "v")}
+                   for width in widths],
     }
 
 
-def write_cache(cache, new, index):
-    """`new` [B, t, ...] written into `cache` [B, S, ...] from slot `index` on: the same slot for
-    every row (a scalar), or row b's at index[b] (an int32 [B], with t = 1: rows that decode at
-    positions of their own, evaluation/slots.py's continuous batching)."""
+def cache_width(cfg: ModelConfig, layer: int, max_len: int) -> int:
+    """Columns layer `layer` keeps in a cache of `max_len`: a sliding layer's window where it is
+    shorter (the ring `init_cache` makes), else max_len."""
+    window = cfg.layer_window(layer)
+    return window if window is not None and window < max_len else max_len
+
+
+def ring_columns(written, width: int):
+    """The column each slot of a ring of `width` holds once columns 0..written-1 are written
+    (slot = column mod width): written a scalar -> [width], an int32 [B] -> [B, width]; negative
+    for a slot nothing was written to yet."""
+    last = jnp.asarray(written, jnp.int32)[..., None] - 1
+    return last - jnp.mod(last - jnp.arange(width, dtype=jnp.int32), width)
+
+
+def write_cache(cache, new, index, ring: bool = False):
+    """`new` [B, t, ...] written into `cache` [B, S, ...] from column `index` on: the same column
+    for every row (a scalar), or row b's at index[b] (an int32 [B], with t = 1: rows that decode
+    at positions of their own, evaluation/slots.py's continuous batching). With `ring` (a sliding
+    layer's, `init_cache`) column c goes to slot c mod S, and of a chunk longer than S only its
+    last S columns are kept."""
     new = new.astype(cache.dtype)
+    S, t = cache.shape[1], new.shape[1]
+    if jnp.ndim(index) != 0 and t != 1:
+        raise ValueError(f"a cache index per row writes one token per row, not {t}")
+    if ring and jnp.ndim(index) == 0:
+        kept = min(t, S)
+        return cache.at[:, jnp.mod(index + t - kept + jnp.arange(kept), S)].set(new[:, t - kept:])
     if jnp.ndim(index) == 0:
         return jax.lax.dynamic_update_slice(cache, new, (0, index) + (0,) * (cache.ndim - 2))
-    if new.shape[1] != 1:
-        raise ValueError(f"a cache index per row writes one token per row, not {new.shape[1]}")
-    return cache.at[jnp.arange(cache.shape[0]), index].set(new[:, 0])
+    return cache.at[jnp.arange(cache.shape[0]), jnp.mod(index, S) if ring else index].set(new[:, 0])
 
 
 def decode_step(params, cfg: ModelConfig, tokens, cache: dict, positions):
@@ -596,9 +632,10 @@ def decode_step(params, cfg: ModelConfig, tokens, cache: dict, positions):
     [B, t, V] and the new cache. Prefill with t > 1, then call with t = 1.
 
     `positions` [B, t] are the tokens' positions within their own sequence (for RoPE and the
-    causal mask). Left-padded prompts pass position -1 for padding: padded slots are never
+    causal mask). Left-padded prompts pass position -1 for padding: padded columns are never
     attended to, so a batch of prompts of different lengths decodes as each would alone.
-    `cache["index"]` is the slot every row writes at, or an int32 [B] of each row's (t = 1).
+    `cache["index"]` is the column every row writes at, or an int32 [B] of each row's (t = 1); a
+    sliding layer's ring (`init_cache`) takes the column's slot in it.
     """
     t = tokens.shape[1]
     index = cache["index"]
