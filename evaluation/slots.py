@@ -157,11 +157,12 @@ def admit(params, state: dict, slots, tokens, lengths, settings: dict, source=No
 
 
 def into_slot(prefilled, lengths, width: int):
-    """A layer's keys or values of right-padded prompts, prefilled [n, P, K, Q] (prompt b's first
-    lengths[b] columns), as a slot's row holds them: padded to the context's `width` columns, or for
-    a sliding layer's ring (`training.model.init_cache`) the columns each ring slot holds once
-    lengths[b] are written (`ring_columns`: the prompt's last ones; a slot past its start holds a
-    column its position marks empty)."""
+    """A layer's keys or values of prefilled right-padded prompts [n, P, K, Q] (prompt b in its
+    first lengths[b] columns) laid out as a slot's row holds them, as decoding would have left
+    them: a full layer's padded to the context's `width` columns; a sliding layer's ring of `width`
+    (`training.model.init_cache`) holding each prompt's last `width` columns, column c at slot
+    c mod width (`ring_columns`; a slot no column reached yet holds column 0's, which decoding
+    masks as empty). Where width >= P, padding lays out the same (column c at slot c)."""
     n, P = prefilled.shape[:2]
     if width >= P:  # a full layer, or a ring no shorter than the prompts: column c at slot c (mod width)
         return jnp.pad(prefilled, ((0, 0), (0, width - P), (0, 0), (0, 0)))
