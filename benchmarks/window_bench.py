@@ -124,7 +124,7 @@ def main() -> None:
         return decode(args)
     print(f"batch {args.batch}, heads {args.heads} (kv {args.kv_heads}) of {args.head_dim}, float32; "
           f"best of {args.rounds} rounds of {args.calls} calls")
-    print("| T | window | keys multiplied / full's | ms, full layer | ms, sliding layer | sliding / full | "
+    print("| T | window | row-keys multiplied / full's | ms, full layer | ms, sliding layer | sliding / full | "
           "max abs diff vs dense |\n| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for T in args.seq_lens:
         kq, kk, kv, kc = jax.random.split(jax.random.PRNGKey(T), 4)
