@@ -31,7 +31,7 @@ import numpy as np
 from evaluation.generate import MAX_LOGPROBS, Request, penalised, pick, seed_key
 from evaluation.scoring import output_logits, trunk
 from training.config import ModelConfig
-from training.model import cache_width, decode_step, init_cache, ring_columns
+from training.model import decode_step, init_cache, ring_columns
 
 STEPS = 8  # decoding steps per chunk: how long a waiting prompt waits for a slot to open, at most
 # While an answer streams, a chunk is as many steps as take this long at the last chunk's pace (one
@@ -144,7 +144,7 @@ def admit(params, state: dict, slots, tokens, lengths, settings: dict, source=No
     tokens, lengths, positions = tokens[source], lengths[source], positions[source]
     rest = cfg.seq_len - P
     pos = jnp.pad(positions, ((0, 0), (0, rest)), constant_values=-1)
-    layers = [{name: into_slot(a[source], lengths, cache_width(cfg, i, cfg.seq_len)) for name, a in layer.items()}
+    layers = [{name: into_slot(a[source], lengths, cfg.layer_reach(i, cfg.seq_len)) for name, a in layer.items()}
               for i, layer in enumerate(layers)]
     fresh = {"pos": pos, "layers": layers, "at": lengths, "token": jnp.zeros(n, jnp.int32),
              "drawn": jnp.zeros(n, jnp.int32), "done": jnp.zeros(n, bool),

@@ -200,6 +200,12 @@ class ModelConfig(ConfigModel):
             return None
         return self.sliding_window
 
+    def layer_reach(self, layer: int, length: int) -> int:
+        """How many positions a query of layer `layer` sees at most in a sequence of `length`: its
+        sliding window where that is shorter, else `length` (the keys per query `flops_per_token`
+        counts; the columns a decoding cache keeps for the layer, `training.model.init_cache`)."""
+        return min(self.layer_window(layer) or length, length)
+
     @property
     def head_dim(self) -> int:
         """Each attention head's width: `head_width`, or d_model / n_heads."""
@@ -277,7 +283,7 @@ def flops_per_token(cfg: ModelConfig) -> float:
     skip the keys before their rows' windows, `training.model.causal_attention`; cuDNN's local
     window skips them too).
     """
-    keys = sum(min(cfg.layer_window(i) or cfg.seq_len, cfg.seq_len) for i in range(cfg.n_layers))
+    keys = sum(cfg.layer_reach(i, cfg.seq_len) for i in range(cfg.n_layers))
     return 6.0 * matmul_params(cfg) + 12.0 * cfg.n_heads * cfg.head_dim * keys
 
 

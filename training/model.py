@@ -585,20 +585,13 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, rings: bool = True) -
     (a prompt's prefill that evaluation/slots.py then moves into its slots' rings).
     """
     dt = _dtype(cfg)
-    widths = [cache_width(cfg, i, max_len) if rings else max_len for i in range(cfg.n_layers)]
+    widths = [cfg.layer_reach(i, max_len) if rings else max_len for i in range(cfg.n_layers)]
     return {
         "index": jnp.zeros((), jnp.int32),
         "pos": jnp.full((batch, max_len), -1, jnp.int32),
         "layers": [{name: jnp.zeros((batch, width, cfg.n_kv_heads, cfg.head_dim), dt) for name in ("k", "v")}
                    for width in widths],
     }
-
-
-def cache_width(cfg: ModelConfig, layer: int, max_len: int) -> int:
-    """Columns layer `layer` keeps in a cache of `max_len`: a sliding layer's window where it is
-    shorter (the ring `init_cache` makes), else max_len."""
-    window = cfg.layer_window(layer)
-    return window if window is not None and window < max_len else max_len
 
 
 def ring_columns(written, width: int):
