@@ -27,8 +27,11 @@ waits for a free slot, not for a whole batch to end. Each row's tokens are drawn
 `evaluation.generate.sample_batch` would draw them alone (its seed, settings and stops); an
 echoed prompt's log-probabilities come from `evaluation.scoring.make_prompt_scorer` (the
 lm-eval adapter's computation). If a batch fails, its requests run again one by one, so an
-error fails only the request that causes it. With `stream`, each token (with its
-log-probabilities, when asked for) is sent as server-sent events as its chunk ends. A bad
+error fails only the request that causes it. A prompt that starts as an earlier one did (the
+same few-shot context, system prompt or conversation) prefills only what follows the part
+whose keys and values the prefix cache kept (evaluation/prefix_cache.py). With `stream`, each
+token (with its log-probabilities, when asked for) is sent as server-sent events as its chunk
+ends. A bad
 request gets a 4xx with an OpenAI-style body, `{"error": {"message", "type", "param", "code"}}`,
 whose message says what to change; the server goes on answering.
 
@@ -69,6 +72,7 @@ from evaluation import slots
 from evaluation.chat_prompt import chat_for
 from evaluation.generate import (MAX_LOGPROBS, Model, Request, Sampled, Stream, TextStream, check_rows, sample_batch,
                                  stop_end, top_k_size)
+from evaluation.prefix_cache import PrefixCache, default_prefix_tokens
 from evaluation.scoring import bucket_for, buckets, make_prompt_scorer, pad_rows
 from evaluation.serving_metrics import CountRequests, ServingMetrics
 
@@ -284,7 +288,9 @@ class Scheduler:
     `stream_interval_s` at the last chunk's pace, one at least, so that its text goes out that
     often); after each chunk, finished answers go out and waiting prompts take the free slots,
     so a request waits for a free slot, not for a batch to end. When idle, the first job waits
-    `window_s` for company, so that a burst is prefilled together.
+    `window_s` for company, so that a burst is prefilled together. Admitted prompts reuse the
+    keys and values of their leading blocks that the prefix cache holds (`prefix_tokens` of them
+    at most: None, `default_prefix_tokens`; 0, none), and leave theirs there.
     A prompt to echo with logprobs is scored when it is taken (with the others taken then, by
     `evaluation.scoring.make_prompt_scorer`: the lm-eval adapter's computation).
 
@@ -296,11 +302,15 @@ class Scheduler:
 
     def __init__(self, model: Model, max_batch: int = 8, window_s: float = WINDOW_S, steps: int = slots.STEPS,
                  on_chunk: Callable[[int, float], None] | None = None,
-                 stream_interval_s: float = slots.STREAM_INTERVAL_S):
+                 stream_interval_s: float = slots.STREAM_INTERVAL_S, prefix_tokens: int | None = None,
+                 on_prefix: Callable[[int, int], None] | None = None):
         self.model, self.max_batch, self.window_s, self.steps = model, max_batch, window_s, steps
         self.stream_interval_s = stream_interval_s
         self.step_s = 0.0  # seconds per decoding step in the last chunk (0: none run yet)
         self.on_chunk = on_chunk  # told each chunk's rows and seconds (the server's metrics)
+        prefix_tokens = default_prefix_tokens(model.cfg, max_batch) if prefix_tokens is None else prefix_tokens
+        self.prefixes = PrefixCache(model.cfg, prefix_tokens) if prefix_tokens else None
+        self.on_prefix = on_prefix  # told each admission's prompt tokens, and those the prefix cache held
         self.scorer = make_prompt_scorer(model.cfg)
         self.buckets = buckets(model.cfg.seq_len)
         self.jobs: queue.Queue = queue.Queue()
@@ -410,6 +420,8 @@ class Scheduler:
             rows = [row for row in self.live if row is not None]
             rows += [row for row in admitted if row not in rows and not row.future.done()]
             self.live, self.state = [None] * self.max_batch, None
+            if self.prefixes is not None:  # its pool may have gone with the failed call
+                self.prefixes.forget()
             for row in rows:
                 self._alone_on_error(self._sample_alone, [row])
 
@@ -430,19 +442,26 @@ class Scheduler:
         prompts = [row.job.row.prompt for row in rows]
         shared = all(p == prompts[0] for p in prompts)
         distinct = prompts[:1] if shared else prompts
-        P = bucket_for(max(len(p) for p in distinct), self.buckets)
         m = 1 if shared else n
+        plan = None if self.prefixes is None else self.prefixes.plan(distinct)
+        done = np.zeros(len(distinct), np.int32) if plan is None else plan.done
+        P = bucket_for(max(len(p) for p in distinct), self.buckets) if plan is None else plan.width
         tokens, lengths = np.zeros((m, P), np.int32), np.ones(m, np.int32)
         for i, prompt in enumerate(distinct):
-            tokens[i, :len(prompt)] = prompt
-            lengths[i] = len(prompt)
+            tokens[i, :len(prompt) - done[i]] = prompt[done[i]:]
+            lengths[i] = len(prompt) - done[i]
         source = np.zeros(n, np.int32) if shared else np.arange(n, dtype=np.int32)
         free = [slot for slot, live in enumerate(self.live) if live is None][:len(rows)]
         where = np.full(n, self.max_batch, np.int32)  # padding rows go to no slot
         where[:len(rows)] = free
-        self.state, first = slots.admit(self.model.params, self.state, where, tokens, lengths,
-                                        slots.settings_of([row.job.row for row in rows], cfg.vocab_size, n), source,
-                                        cfg=cfg)
+        self.state, first, pool = slots.admit(
+            self.model.params, self.state, where, tokens, lengths,
+            slots.settings_of([row.job.row for row in rows], cfg.vocab_size, n), source,
+            None if plan is None else self.prefixes.pool, None if plan is None else plan.arrays(m), cfg=cfg)
+        if plan is not None:
+            self.prefixes.pool = pool
+            if self.on_prefix is not None:
+                self.on_prefix(sum(len(p) for p in distinct), int(done.sum()))
         token, logprob, top_ids, top_lps = jax.device_get(first)
         self.rows_run.append(len(rows))
         self.admitted.append((len(distinct), len(rows)))
@@ -538,12 +557,13 @@ class Scheduler:
 class Service:
     """The served model under its name: validation, tokenization and answers around the scheduler."""
 
-    def __init__(self, model: Model, name: str, max_batch: int = 8):
+    def __init__(self, model: Model, name: str, max_batch: int = 8, prefix_tokens: int | None = None):
         self.model, self.name = model, name
         self.created = int(time.time())
         self.metrics = ServingMetrics(name, lambda: self.scheduler.waiting_count(),
                                       lambda: self.scheduler.running_count())
-        self.scheduler = Scheduler(model, max_batch, on_chunk=self.metrics.ran_chunk)
+        self.scheduler = Scheduler(model, max_batch, on_chunk=self.metrics.ran_chunk, prefix_tokens=prefix_tokens,
+                                   on_prefix=self.metrics.looked_up)
         self.tok = Tokenizer.from_str(model.tokenizer.to_str())
         self.tok.encode_special_tokens = False  # text prompts: special-token strings become their tokens, as in HF
         try:
@@ -1060,10 +1080,11 @@ def weights_bytes(model: Model) -> int:
 
 def serve_model(path: Path, host: str = "127.0.0.1", port: int = 8000, tokenizer_dir: Path | None = None,
                 name: str | None = None, max_batch: int = 8, api_key: str | None = None, dtype: str | None = None,
-                max_model_len: int | None = None) -> None:
+                max_model_len: int | None = None, prefix_tokens: int | None = None) -> None:
     """Load the model at `path` (computing in `dtype`, its context capped at `max_model_len`:
     `evaluation.generate.load`) and serve it until SIGTERM or SIGINT: then stop taking connections,
-    answer the requests in flight, and return. With `api_key`, /v1 requests must carry it."""
+    answer the requests in flight, and return. With `api_key`, /v1 requests must carry it. The
+    prefix cache keeps `prefix_tokens` prompt tokens (None: `default_prefix_tokens`; 0: none)."""
     import uvicorn
 
     from evaluation.generate import load
@@ -1072,13 +1093,18 @@ def serve_model(path: Path, host: str = "127.0.0.1", port: int = 8000, tokenizer
 
     if max_batch < 1:
         raise ValueError(f"--max-batch {max_batch}: give at least 1")
+    if prefix_tokens is not None and prefix_tokens < 0:
+        raise ValueError(f"--prefix-cache-tokens {prefix_tokens}: give 0 (no prefix cache) or more")
     model = load(Path(path), tokenizer_dir, dtype, max_model_len)
+    prefix_tokens = default_prefix_tokens(model.cfg, max_batch) if prefix_tokens is None else prefix_tokens
+    kept = PrefixCache(model.cfg, prefix_tokens).bytes() if prefix_tokens else 0
     needed, free, weights = state_bytes(model.cfg, max_batch), free_bytes(), weights_bytes(model)
-    if free is not None and needed > free:  # say so now, not as an out-of-memory error at the first request
-        raise ValueError(f"{max_batch} slots of {model.cfg.seq_len} tokens need {gib(needed)} of key/value cache, and "
-                         f"{gib(free)} is free beside the weights ({gib(weights)}): give a smaller "
-                         "--max-model-len or --max-batch")
-    service = Service(model, name or default_name(path), max_batch)
+    if free is not None and needed + kept > free:  # say so now, not as an out-of-memory error at the first request
+        raise ValueError(f"{max_batch} slots of {model.cfg.seq_len} tokens need {gib(needed)} of key/value cache and "
+                         f"the prefix cache of {prefix_tokens} tokens {gib(kept)}, and {gib(free)} is free beside the "
+                         f"weights ({gib(weights)}): give a smaller --max-model-len, --max-batch or "
+                         "--prefix-cache-tokens")
+    service = Service(model, name or default_name(path), max_batch, prefix_tokens)
     url = f"http://{host}:{port}/v1"
 
     class Server(uvicorn.Server):
@@ -1087,7 +1113,7 @@ def serve_model(path: Path, host: str = "127.0.0.1", port: int = 8000, tokenizer
             if self.started:
                 print(f"kiln serve-model: {service.name} at {url} (context {model.cfg.seq_len} tokens, "
                       f"up to {max_batch} prompts decoding at once; {model.cfg.compute_dtype}, weights "
-                      f"{gib(weights)}, slots {gib(needed)}; "
+                      f"{gib(weights)}, slots {gib(needed)}, prefix cache {gib(kept)}; "
                       f"{'an API key' if api_key else 'no API key'} required); SIGTERM or Ctrl-C stops it", flush=True)
 
     config = uvicorn.Config(create_app(service, api_key), host=host, port=port, log_level="warning", access_log=False,

@@ -9,6 +9,8 @@ so a dashboard built for vLLM needs its prefix changed only:
     kiln_batch_jobs, kiln_batch_seconds              rows decoding in each chunk of steps the engine ran,
                                                      and what the chunk took
     kiln_num_requests_waiting, kiln_num_requests_running   jobs queued for a slot, and decoding, now
+    kiln_prefix_cache_queries_total, kiln_prefix_cache_hits_total   prompt tokens admitted, and those
+                                                     whose keys and values the prefix cache held
 
 Each server has a registry of its own (two in one process do not mix). No Prefect here.
 """
@@ -46,6 +48,10 @@ class ServingMetrics:
               registry=r).labels(model_name).set_function(waiting)
         Gauge("kiln_num_requests_running", "jobs decoding in a slot", ["model_name"],
               registry=r).labels(model_name).set_function(running)
+        self.prefix_queries = Counter("kiln_prefix_cache_queries", "prompt tokens admitted to a slot",
+                                      ["model_name"], registry=r).labels(model_name)
+        self.prefix_hits = Counter("kiln_prefix_cache_hits", "admitted prompt tokens whose keys and values the "
+                                   "prefix cache held", ["model_name"], registry=r).labels(model_name)
         self.model_name = model_name
 
     def answered(self, endpoint: str, prompt_tokens: int, generation_tokens: int, seconds: float) -> None:
@@ -57,6 +63,11 @@ class ServingMetrics:
     def ran_chunk(self, rows: int, seconds: float) -> None:
         self.batch_jobs.observe(rows)
         self.batch_seconds.observe(seconds)
+
+    def looked_up(self, tokens: int, cached: int) -> None:
+        """Prompts of `tokens` tokens were admitted, `cached` of them from the prefix cache."""
+        self.prefix_queries.inc(tokens)
+        self.prefix_hits.inc(cached)
 
     def exposition(self) -> tuple[bytes, str]:
         """The text a scrape gets, and its content type."""

@@ -123,37 +123,77 @@ def emit(logits, s: dict, alternatives: int | None):
     return s, (token, lp, best_ids, best)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnums=(1,))
-def admit(params, state: dict, slots, tokens, lengths, settings: dict, source=None, *, cfg: ModelConfig):
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnums=(1, 7))
+def admit(params, state: dict, slots, tokens, lengths, settings: dict, source=None, pool=None, plan: dict | None = None,
+          *, cfg: ModelConfig):
     """Prefill prompts tokens [m, P] (prompt i's first lengths[i] tokens, the rest padding) into
     `state` and draw each row's first token: row b (of n, as many as `slots` and `settings` have)
     takes prompt source[b] (None: prompt b) into slot slots[b] (a slot number past the last: a
     padding row, written nowhere). A prompt that several rows share (the `n` choices of one
-    request) is prefilled once and its keys and values copied to each. -> the new state, and
-    the first tokens [n] with their log-probabilities [n] and MAX_LOGPROBS alternatives
-    [n, MAX_LOGPROBS] (once per prompt, so always computed: one admission program per prompt
-    length and row counts)."""
+    request) is prefilled once and its keys and values copied to each.
+
+    With a prefix cache's `pool` and `plan` (evaluation/prefix_cache.py: a `Plan`'s done, read,
+    tokens and write), prompt i's first done[i] tokens are the pool's blocks read[i] and `tokens`
+    holds the rest of it (from position done[i] on); its whole blocks are written to the pool's
+    rows write[i]. -> the new state, the first tokens [n] with their log-probabilities [n] and
+    MAX_LOGPROBS alternatives [n, MAX_LOGPROBS] (once per prompt, so always computed: one
+    admission program per prompt length, cached length and row counts), and the new pool (None
+    without one)."""
     m, P = tokens.shape
     source = jnp.arange(m, dtype=jnp.int32) if source is None else source
     n = source.shape[0]
+    done = jnp.zeros(m, jnp.int32) if plan is None else plan["done"]
+    read = None if plan is None else plan.get("read")
     columns = jnp.arange(P, dtype=jnp.int32)[None]
-    positions = jnp.where(columns < lengths[:, None], columns, -1)
+    positions = jnp.where(columns < lengths[:, None], done[:, None] + columns, -1)
     cache = init_cache(cfg, m, P, rings=False)  # the prompts over their own P columns, then moved into slots
-    hidden, layers = trunk(params, tokens, positions, cfg, {"index": 0, "pos": positions, "layers": cache["layers"]})
+    every, pos, layers, at = tokens, positions, cache["layers"], 0
+    if read is not None:  # the cached blocks' columns first, then the rest's
+        L = read.shape[1] * pool.shape[3]
+        held = pool[read]  # [m, blocks, layers, 2, block, kv heads, head width]
+        held = jnp.moveaxis(held, (2, 3), (0, 1)).reshape(cfg.n_layers, 2, m, L, *held.shape[-2:])
+        every = jnp.concatenate([plan["tokens"], tokens], axis=1)
+        pos = jnp.concatenate([jnp.where(jnp.arange(L)[None] < done[:, None], jnp.arange(L)[None], -1), positions], 1)
+        layers = [{name: jnp.concatenate([held[i, j], layer[name]], axis=1) for j, name in enumerate(("k", "v"))}
+                  for i, layer in enumerate(layers)]
+        at = L
+    hidden, layers = trunk(params, tokens, positions, cfg, {"index": at, "pos": pos, "layers": layers})
     last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0][source]
-    tokens, lengths, positions = tokens[source], lengths[source], positions[source]
+    in_prompt = jnp.zeros((n, cfg.vocab_size), bool).at[jnp.arange(n)[:, None], every[source]].max(pos[source] >= 0)
+    lengths = done + lengths
+    if read is not None:  # each prompt's columns in position order, up to the context's length
+        C = min(at + P, cfg.seq_len)
+        c = jnp.arange(C, dtype=jnp.int32)[None]
+        order = jnp.minimum(jnp.where(c < done[:, None], c, at + c - done[:, None]), at + P - 1)
+        layers = [{name: jnp.take_along_axis(a, order[:, :, None, None], axis=1) for name, a in layer.items()}
+                  for layer in layers]
+        P = C
+    pool = None if pool is None else write_blocks(pool, layers, plan["write"])
+    positions = jnp.where(jnp.arange(P, dtype=jnp.int32)[None] < lengths[:, None], jnp.arange(P, dtype=jnp.int32), -1)
+    lengths, positions = lengths[source], positions[source]
     rest = cfg.seq_len - P
     pos = jnp.pad(positions, ((0, 0), (0, rest)), constant_values=-1)
     layers = [{name: into_slot(a[source], lengths, cfg.layer_reach(i, cfg.seq_len)) for name, a in layer.items()}
               for i, layer in enumerate(layers)]
     fresh = {"pos": pos, "layers": layers, "at": lengths, "token": jnp.zeros(n, jnp.int32),
              "drawn": jnp.zeros(n, jnp.int32), "done": jnp.zeros(n, bool),
-             "counts": jnp.zeros((n, cfg.vocab_size), jnp.int32),
-             "in_prompt": jnp.zeros((n, cfg.vocab_size), bool).at[jnp.arange(n)[:, None], tokens].max(positions >= 0),
-             **settings}
+             "counts": jnp.zeros((n, cfg.vocab_size), jnp.int32), "in_prompt": in_prompt, **settings}
     fresh, first = emit(output_logits(params, last, cfg), fresh, MAX_LOGPROBS)
     state = jax.tree_util.tree_map(lambda whole, part: whole.at[slots].set(part, mode="drop"), state, fresh)
-    return state, first
+    return state, first, pool
+
+
+def write_blocks(pool, layers: list[dict], write):
+    """`pool` with whole blocks of prompts' keys and values (each layer's [m, P, K, Q], in position
+    order) written to rows write [m, blocks] (block j of prompt i, its columns j*B .. j*B + B - 1,
+    to row write[i, j]; a row past the pool's last: written nowhere)."""
+    m, P = layers[0]["k"].shape[:2]
+    B, W = pool.shape[3], write.shape[1]
+    blocks = jnp.stack([jnp.stack([layer["k"], layer["v"]], axis=1) for layer in layers], axis=1)  # [m, L, 2, P, K, Q]
+    blocks = jnp.pad(blocks, ((0, 0),) * 3 + ((0, W * B - P),) + ((0, 0),) * 2)
+    blocks = blocks.reshape(*blocks.shape[:3], W, B, *blocks.shape[-2:])
+    blocks = jnp.moveaxis(blocks, 3, 1).reshape(m * W, *pool.shape[1:])
+    return pool.at[write.reshape(-1)].set(blocks.astype(pool.dtype), mode="drop")
 
 
 def into_slot(prefilled, lengths, width: int):

@@ -161,6 +161,9 @@ def parser() -> argparse.ArgumentParser:
     sm.add_argument("--dtype", choices=["float32", "bfloat16"], help=DTYPE_HELP)
     sm.add_argument("--max-model-len", type=int, help="the context at most, prompt and answer (default: the "
                     "model's): each slot holds a key/value cache this long")
+    sm.add_argument("--prefix-cache-tokens", type=int, help="prompt tokens whose keys and values are kept, so "
+                    "that a prompt starting as an earlier one did (a few-shot context, a system prompt) prefills "
+                    "only the rest (default: --max-batch times the context; 0: keep none)")
     sm.add_argument("--api-key", default=os.environ.get("KILN_API_KEY"),
                     help="require `Authorization: Bearer KEY` on /v1 requests, an OpenAI client's api_key "
                     "(default: $KILN_API_KEY; unset: no key)")
@@ -492,7 +495,7 @@ def cmd_serve_model(args) -> int:
 
     try:
         serve_model(Path(args.path), args.host, args.port, None if args.tokenizer is None else Path(args.tokenizer),
-                    args.name, args.max_batch, args.api_key, args.dtype, args.max_model_len)
+                    args.name, args.max_batch, args.api_key, args.dtype, args.max_model_len, args.prefix_cache_tokens)
     except (ValueError, FileNotFoundError) as e:
         raise KilnUserError(str(e)) from None
     return 0

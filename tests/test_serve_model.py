@@ -356,7 +356,9 @@ def test_an_api_key_guards_the_v1_endpoints(model):
 def test_metrics_count_what_the_server_answered(served):
     """GET /metrics (Prometheus' text format): between two scrapes, the requests by endpoint and
     status, the prompt and generation tokens the answers' usage reported, one latency per answer,
-    a time to first token per streamed answer and the batches the engine ran."""
+    a time to first token per streamed answer, the batches the engine ran, and the prompt tokens
+    admitted and found in the prefix cache (a prompt of 40 token ids, sent twice: its first block
+    of 32 is found the second time)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     url, _ = served
@@ -374,6 +376,9 @@ def test_metrics_count_what_the_server_answered(served):
                       json={**ask, "stream": True, "stream_options": {"include_usage": True}}) as response:
         events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
     streamed = events[-1]["usage"]
+    ids = [int(i) for i in np.random.default_rng(356).integers(10, 200, 40)]  # a prompt no other test sends
+    twice = [httpx.post(f"{url}/v1/completions", json={"prompt": ids, "max_tokens": 1}, timeout=60).json()["usage"]
+             for _ in range(2)]
     assert httpx.post(f"{url}/v1/completions", json={"prompt": "x", "top_p": 0}, timeout=60).status_code == 400
     assert httpx.get(f"{url}/nothing/here", timeout=60).status_code == 404
     after = scrape()
@@ -382,12 +387,16 @@ def test_metrics_count_what_the_server_answered(served):
         key = (name, tuple(sorted(labels.items())))
         return after.get(key, 0.0) - before.get(key, 0.0)
 
-    assert delta("kiln_requests_total", endpoint="/v1/completions", status="200") == 2
+    assert delta("kiln_requests_total", endpoint="/v1/completions", status="200") == 4
     assert delta("kiln_requests_total", endpoint="/v1/completions", status="400") == 1
     assert delta("kiln_requests_total", endpoint="other", status="404") == 1
-    assert delta("kiln_prompt_tokens_total") == plain["usage"]["prompt_tokens"] + streamed["prompt_tokens"]
-    assert delta("kiln_generation_tokens_total") == plain["usage"]["completion_tokens"] + streamed["completion_tokens"]
-    assert delta("kiln_e2e_request_latency_seconds_count", endpoint="/v1/completions") == 2
+    prompts = plain["usage"]["prompt_tokens"] + streamed["prompt_tokens"]
+    assert delta("kiln_prompt_tokens_total") == prompts + 2 * len(ids)
+    assert delta("kiln_prefix_cache_queries_total") == prompts + 2 * len(ids) and prompts < 32
+    assert delta("kiln_prefix_cache_hits_total") == 32
+    assert delta("kiln_generation_tokens_total") == (plain["usage"]["completion_tokens"] + streamed["completion_tokens"]
+                                                     + sum(u["completion_tokens"] for u in twice))
+    assert delta("kiln_e2e_request_latency_seconds_count", endpoint="/v1/completions") == 4
     assert delta("kiln_time_to_first_token_seconds_count") == 1
     assert delta("kiln_batch_jobs_count") >= 2 and delta("kiln_batch_seconds_sum") > 0
     assert after[("kiln_num_requests_waiting", ())] == after[("kiln_num_requests_running", ())] == 0
@@ -824,17 +833,28 @@ def test_kiln_serve_model_prints_its_url_and_exits_0_on_sigterm(store, tmp_path)
 
 
 def test_slots_that_do_not_fit_in_memory_are_refused_before_serving(store):  # noqa: F811
-    """The key/value cache of the slots is counted (nothing allocated) against the free memory at the
-    start: too many slots of the whole context are refused saying how much they need and what to lower."""
+    """The key/value cache of the slots and the prefix cache are counted (nothing allocated) against
+    the free memory at the start: too many slots of the whole context, or too large a prefix cache,
+    are refused saying how much they need and what to lower; so is a prefix cache too small for a
+    block."""
     from evaluation.server import serve_model
     from evaluation.slots import free_bytes
 
     free = free_bytes()
     assert free is not None and free > 0  # on this CPU: the machine's available memory
-    slots = int(free // (2 * 2 * 4 * 64 * 2 * 8)) + 1  # 2 layers x (k, v) x 4 bytes x 64 tokens x 2 kv heads x 8
-    with pytest.raises(ValueError, match=rf"{slots} slots of 64 tokens need .* of key/value cache, and .* is free "
-                                         r"beside the weights .*: give a smaller --max-model-len or --max-batch"):
-        serve_model(store / "train" / "m0", port=free_port(), max_batch=slots)
+    column = 2 * 2 * 4 * 2 * 8  # a token's keys and values: 2 layers x (k, v) x 4 bytes x 2 kv heads x 8
+    slots = int(2 * free // (column * 64))  # twice the memory free now: never free, however other tests run
+    with pytest.raises(ValueError, match=rf"{slots} slots of 64 tokens need .* of key/value cache and the prefix "
+                                         r"cache of 0 tokens 0.0 MiB, and .* is free beside the weights .*: give a "
+                                         r"smaller --max-model-len, --max-batch or --prefix-cache-tokens"):
+        serve_model(store / "train" / "m0", port=free_port(), max_batch=slots, prefix_tokens=0)
+    tokens = int(2 * free // column)
+    with pytest.raises(ValueError, match=rf"2 slots of 64 tokens need 0.0 MiB of key/value cache and the prefix "
+                                         rf"cache of {tokens} tokens .* GiB, and"):
+        serve_model(store / "train" / "m0", port=free_port(), max_batch=2, prefix_tokens=tokens)
+    with pytest.raises(ValueError, match="a prefix cache of 31 tokens holds no block of 32: give at least 32 tokens, "
+                                         "or 0 for none"):
+        serve_model(store / "train" / "m0", port=free_port(), max_batch=2, prefix_tokens=31)
 
 
 def test_kiln_serve_model_says_what_is_wrong_with_a_path(tmp_path):
