@@ -187,6 +187,31 @@ def test_blocked_causal_attention_gives_the_dense_masked_numbers(T, window):
     assert not np.allclose(moved[:, -1], ours[:, -1])
 
 
+def test_a_long_prefill_attends_in_chunks_of_bounded_scores(monkeypatch):
+    """`cached_attention`'s queries in chunks (SCORE_BYTES made small here: 5 chunks of 64 for 300
+    queries over 340 keys, a window, a soft cap, empty columns) give what all at once gives, and
+    the compiled call holds under half the temporaries."""
+    import training.model as model_module
+
+    B, T, S, H, K, Q = 2, 300, 340, 4, 2, 16
+    q, k, v = (jax.random.normal(key, (B, n, h, Q)) for key, n, h in zip(jax.random.split(jax.random.PRNGKey(3), 3),
+                                                                         (T, S, S), (H, K, K)))
+    kv_pos = jnp.broadcast_to(jnp.where(jnp.arange(S) < 330, jnp.arange(S), -1), (B, S)).astype(jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32) + 30, (B, T))
+
+    def attend(q):
+        return cached_attention(q, k, v, pos, kv_pos, 50, None, 20.0)
+
+    def compiled():  # traced afresh, under the SCORE_BYTES of now
+        return jax.jit(lambda q: attend(q)).lower(q).compile()
+
+    whole, whole_bytes = compiled()(q), compiled().memory_analysis().temp_size_in_bytes
+    monkeypatch.setattr(model_module, "SCORE_BYTES", B * H * S * 4 * 100)  # 100 rows of scores: chunks of 64
+    chunked, chunked_bytes = compiled()(q), compiled().memory_analysis().temp_size_in_bytes
+    np.testing.assert_allclose(chunked, whole, atol=2e-6)
+    assert chunked_bytes < 0.5 * whole_bytes, (chunked_bytes, whole_bytes)
+
+
 def test_param_tree_count_and_init():
     params = init_params(CFG, jax.random.PRNGKey(0))
     D, F, V, KQ = 64, 96, 97, 2 * 16

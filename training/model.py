@@ -80,6 +80,7 @@ from flax import linen as nn
 from training.config import LinearScaling, LongRopeScaling, ModelConfig, YarnScaling
 
 _MASKED = -1e30  # finite, so a row with nothing visible (padding) gives no NaN
+SCORE_BYTES = 1 << 28  # a prefill's attention scores in one layer at most (`cached_attention`'s chunks)
 
 
 def _dtype(cfg: ModelConfig):
@@ -333,9 +334,22 @@ def cached_attention(q, k, v, positions, kv_pos, window: int | None = None, scor
     k and v [B, S, K, Q] at `kv_pos` [B, S]. A key is visible to a query if it is not later
     (causal) and not padding or an empty slot (position -1), and, with `window`, not `window` or
     more positions earlier. Scores are q.k / sqrt(score_width or Q), soft-capped at `cap` where it
-    is set."""
+    is set.
+
+    A long prefill's queries go through in chunks (a power of two of them, one after another)
+    whose float32 scores take SCORE_BYTES at most: all T at once would hold B x H x T x S of
+    them, 8 GiB for one 8192-token prompt of 32 heads, in every layer's temporaries."""
     B, T, H, Q = q.shape
-    K = k.shape[2]
+    K, S = k.shape[2], k.shape[1]
+    rows = max(1, SCORE_BYTES // (B * H * S * 4))
+    if T > rows:
+        chunk = 1 << (rows.bit_length() - 1)
+        n = -(-T // chunk)
+        pad = n * chunk - T  # padding queries at position -1 see nothing, and are dropped
+        chunks = (jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(B, n, chunk, H, Q).swapaxes(0, 1),
+                  jnp.pad(positions, ((0, 0), (0, pad)), constant_values=-1).reshape(B, n, chunk).swapaxes(0, 1))
+        out = jax.lax.map(lambda c: cached_attention(c[0], k, v, c[1], kv_pos, window, score_width, cap), chunks)
+        return out.swapaxes(0, 1).reshape(B, n * chunk, H * Q)[:, :T]
     visible = (kv_pos[:, None, :] <= positions[:, :, None]) & (kv_pos[:, None, :] >= 0)  # [B, T, S]
     if window is not None:
         visible = visible & (kv_pos[:, None, :] > positions[:, :, None] - window)
