@@ -40,8 +40,9 @@ NOWHERE = np.iinfo(np.int32).max  # a pool row written nowhere (past the last: `
 
 def default_prefix_tokens(cfg: ModelConfig, slots: int) -> int:
     """The prefix cache's default size: as many tokens as `slots` whole contexts, so that what is
-    kept for reuse takes about what the slots' own cache does (less, for sliding layers' rings)."""
-    return slots * cfg.seq_len
+    kept for reuse takes about what the slots' own cache does (less, for sliding layers' rings);
+    none where a context is too short for a prompt to reuse a block."""
+    return slots * cfg.seq_len if cfg.seq_len > BLOCK + 1 else 0
 
 
 def block_bytes(cfg: ModelConfig) -> int:

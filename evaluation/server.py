@@ -31,9 +31,8 @@ error fails only the request that causes it. A prompt that starts as an earlier 
 same few-shot context, system prompt or conversation) prefills only what follows the part
 whose keys and values the prefix cache kept (evaluation/prefix_cache.py). With `stream`, each
 token (with its log-probabilities, when asked for) is sent as server-sent events as its chunk
-ends. A bad
-request gets a 4xx with an OpenAI-style body, `{"error": {"message", "type", "param", "code"}}`,
-whose message says what to change; the server goes on answering.
+ends. A bad request gets a 4xx with an OpenAI-style body, `{"error": {"message", "type",
+"param", "code"}}`, whose message says what to change; the server goes on answering.
 
 No Prefect and no Ray here.
 """

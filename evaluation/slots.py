@@ -149,14 +149,14 @@ def admit(params, state: dict, slots, tokens, lengths, settings: dict, source=No
     cache = init_cache(cfg, m, P, rings=False)  # the prompts over their own P columns, then moved into slots
     every, pos, layers, at = tokens, positions, cache["layers"], 0
     if read is not None:  # the cached blocks' columns first, then the rest's
-        L = read.shape[1] * pool.shape[3]
+        at = read.shape[1] * pool.shape[3]  # the cached blocks' columns, the rest written after them
         held = pool[read]  # [m, blocks, layers, 2, block, kv heads, head width]
-        held = jnp.moveaxis(held, (2, 3), (0, 1)).reshape(cfg.n_layers, 2, m, L, *held.shape[-2:])
+        held = jnp.moveaxis(held, (2, 3), (0, 1)).reshape(cfg.n_layers, 2, m, at, *held.shape[-2:])
         every = jnp.concatenate([plan["tokens"], tokens], axis=1)
-        pos = jnp.concatenate([jnp.where(jnp.arange(L)[None] < done[:, None], jnp.arange(L)[None], -1), positions], 1)
+        cached = jnp.arange(at, dtype=jnp.int32)[None]
+        pos = jnp.concatenate([jnp.where(cached < done[:, None], cached, -1), positions], axis=1)
         layers = [{name: jnp.concatenate([held[i, j], layer[name]], axis=1) for j, name in enumerate(("k", "v"))}
                   for i, layer in enumerate(layers)]
-        at = L
     hidden, layers = trunk(params, tokens, positions, cfg, {"index": at, "pos": pos, "layers": layers})
     last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0][source]
     in_prompt = jnp.zeros((n, cfg.vocab_size), bool).at[jnp.arange(n)[:, None], every[source]].max(pos[source] >= 0)

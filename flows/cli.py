@@ -163,7 +163,8 @@ def parser() -> argparse.ArgumentParser:
                     "model's): each slot holds a key/value cache this long")
     sm.add_argument("--prefix-cache-tokens", type=int, help="prompt tokens whose keys and values are kept, so "
                     "that a prompt starting as an earlier one did (a few-shot context, a system prompt) prefills "
-                    "only the rest (default: --max-batch times the context; 0: keep none)")
+                    "only the rest (default: --max-batch times the context, none for a context of 33 tokens or fewer; "
+                    "0: keep none)")
     sm.add_argument("--api-key", default=os.environ.get("KILN_API_KEY"),
                     help="require `Authorization: Bearer KEY` on /v1 requests, an OpenAI client's api_key "
                     "(default: $KILN_API_KEY; unset: no key)")

@@ -13,7 +13,7 @@ import pytest
 from tokenizers import Tokenizer, models
 
 from evaluation.generate import Model, Request, sample_batch
-from evaluation.prefix_cache import BLOCK, PrefixCache
+from evaluation.prefix_cache import BLOCK, PrefixCache, default_prefix_tokens
 from evaluation.server import Job, Scheduler
 from training.config import ModelConfig
 from training.model import init_params
@@ -76,6 +76,9 @@ def test_the_least_recently_used_blocks_go_first_a_prefixs_tail_before_its_head(
     assert cache.plan([b + [9]]).done.tolist() == [0]  # b being the least recently used
     cache.forget()
     assert cache.plan([a]).done.tolist() == [0] and cache.pool is not None
+    # by default as many tokens as the slots' contexts; none where no prompt could reuse a block
+    assert default_prefix_tokens(CFG, 8) == 8 * 256
+    assert default_prefix_tokens(CFG.model_copy(update={"seq_len": BLOCK + 1}), 8) == 0
 
 
 def test_a_failed_admission_forgets_the_cached_blocks():
