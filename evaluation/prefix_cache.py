@@ -45,9 +45,10 @@ def default_prefix_tokens(cfg: ModelConfig, slots: int) -> int:
     return slots * cfg.seq_len if cfg.seq_len > BLOCK + 1 else 0
 
 
-def block_bytes(cfg: ModelConfig) -> int:
-    """The bytes of one block's keys and values, over every layer."""
-    return cfg.n_layers * 2 * BLOCK * cfg.n_kv_heads * cfg.head_dim * jnp.dtype(cfg.compute_dtype).itemsize
+def pool_bytes(cfg: ModelConfig, tokens: int) -> int:
+    """The bytes of the pool of a prefix cache of `tokens` tokens (whole blocks, every layer's keys and values)."""
+    block = cfg.n_layers * 2 * BLOCK * cfg.n_kv_heads * cfg.head_dim * jnp.dtype(cfg.compute_dtype).itemsize
+    return tokens // BLOCK * block
 
 
 @dataclass(frozen=True)
@@ -90,9 +91,6 @@ class PrefixCache:
         self.pool = None  # [size, layers, 2, BLOCK, kv heads, head width], made at the first admission
         self.columns = buckets(cfg.seq_len)
         self.blocks = buckets(math.ceil(cfg.seq_len / BLOCK), smallest=1)
-
-    def bytes(self) -> int:
-        return self.size * block_bytes(self.cfg)
 
     def names(self, prompt: list[int]) -> list[bytes]:
         """The name of each whole block of `prompt`: a hash of its tokens and every block's before it."""

@@ -71,7 +71,7 @@ from evaluation import slots
 from evaluation.chat_prompt import chat_for
 from evaluation.generate import (MAX_LOGPROBS, Model, Request, Sampled, Stream, TextStream, check_rows, sample_batch,
                                  stop_end, top_k_size)
-from evaluation.prefix_cache import PrefixCache, default_prefix_tokens
+from evaluation.prefix_cache import PrefixCache, default_prefix_tokens, pool_bytes
 from evaluation.scoring import bucket_for, buckets, make_prompt_scorer, pad_rows
 from evaluation.serving_metrics import CountRequests, ServingMetrics
 
@@ -1096,7 +1096,7 @@ def serve_model(path: Path, host: str = "127.0.0.1", port: int = 8000, tokenizer
         raise ValueError(f"--prefix-cache-tokens {prefix_tokens}: give 0 (no prefix cache) or more")
     model = load(Path(path), tokenizer_dir, dtype, max_model_len)
     prefix_tokens = default_prefix_tokens(model.cfg, max_batch) if prefix_tokens is None else prefix_tokens
-    kept = PrefixCache(model.cfg, prefix_tokens).bytes() if prefix_tokens else 0
+    kept = pool_bytes(model.cfg, prefix_tokens)
     needed, free, weights = state_bytes(model.cfg, max_batch), free_bytes(), weights_bytes(model)
     if free is not None and needed + kept > free:  # say so now, not as an out-of-memory error at the first request
         raise ValueError(f"{max_batch} slots of {model.cfg.seq_len} tokens need {gib(needed)} of key/value cache and "
