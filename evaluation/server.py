@@ -253,6 +253,7 @@ class Result:
     prompt_logprobs: list[float | None] | None  # None unless score_prompt; the first token's is None
     prompt_top: list[list[tuple[int, float]]] | None
     sampled: Sampled
+    cached_tokens: int = 0  # of the prompt's tokens, those admission read from the prefix cache
 
 
 @dataclass(eq=False)  # a row is itself only
@@ -262,6 +263,7 @@ class _Row:
     job: Job
     future: concurrent.futures.Future
     prompt: tuple = (None, None)  # (log-probabilities, top alternatives) of the prompt, with score_prompt
+    cached: int = 0  # its prompt's tokens the prefix cache held when it was admitted
     ids: list = field(default_factory=list)
     logprobs: list = field(default_factory=list)
     top: list = field(default_factory=list)
@@ -466,6 +468,7 @@ class Scheduler:
         self.admitted.append((len(distinct), len(rows)))
         for b, (slot, row) in enumerate(zip(free, rows)):
             self.live[slot] = row
+            row.cached = int(done[source[b]])
             self._hand_out(slot, int(token[b]), float(logprob[b]), top_ids[b], top_lps[b])
 
     def _chunk(self) -> None:
@@ -521,7 +524,7 @@ class Scheduler:
             self._free(slot)
             return
         if stopped or len(row.ids) == request.max_tokens:
-            settle(row.future, Result(*row.prompt, Sampled(row.ids, row.logprobs, row.top, stopped)))
+            settle(row.future, Result(*row.prompt, Sampled(row.ids, row.logprobs, row.top, stopped), row.cached))
             self.live[slot] = None
 
     def _free(self, slot: int) -> None:
@@ -636,8 +639,11 @@ class Service:
         keep = int(np.searchsorted(ends, at, side="left")) + 1 if at > 0 else 0  # through the token holding `at`
         return sampled.ids[:keep], text[:at], "stop"
 
-    def usage(self, prompts: int, completions: int) -> dict:
-        return {"prompt_tokens": prompts, "completion_tokens": completions, "total_tokens": prompts + completions}
+    def usage(self, prompts: int, completions: int, cached: int) -> dict:
+        """OpenAI's usage; `prompt_tokens_details.cached_tokens`: the prompt tokens whose keys and
+        values came from the prefix cache (of each prompt, its first choice's)."""
+        return {"prompt_tokens": prompts, "completion_tokens": completions, "total_tokens": prompts + completions,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     # --- /v1/completions ----------------------------------------------------------------------------
 
@@ -714,7 +720,8 @@ class Service:
                             "finish_reason": finish})
         self.metrics.answered("/v1/completions", prompt_tokens, used, time.monotonic() - arrived)
         return {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": int(time.time()),
-                "model": self.name, "choices": choices, "usage": self.usage(prompt_tokens, used)}
+                "model": self.name, "choices": choices,
+                "usage": self.usage(prompt_tokens, used, sum(r.cached_tokens for r in results[::body.n]))}
 
     def text_end(self, ids: list[int], hidden: int) -> int:
         """Where the text of `ids` ends, as `completion_logprobs` counts offsets (the first `hidden`
@@ -798,7 +805,7 @@ class Service:
                             "finish_reason": finish})
         self.metrics.answered("/v1/chat/completions", len(ids), used, time.monotonic() - arrived)
         return {"id": f"chatcmpl-{secrets.token_hex(12)}", "object": "chat.completion", "created": int(time.time()),
-                "model": self.name, "choices": choices, "usage": self.usage(len(ids), used)}
+                "model": self.name, "choices": choices, "usage": self.usage(len(ids), used, results[0].cached_tokens)}
 
     # --- stream: true ---------------------------------------------------------------------------
 
@@ -847,7 +854,7 @@ class Service:
             row = self.row(body, ids, max_tokens, stop_ids, j, lambda i, *token, n=n: deliver((n, i, token)))
             futures.append(self.scheduler.submit(Job(row, top_logprobs=top_logprobs)))
             futures[-1].add_done_callback(lambda done, n=n: deliver((n, None, done)))
-        used, pending, first_sent = 0, set(range(len(rows))), False
+        used, cached, pending, first_sent = 0, 0, set(range(len(rows))), False
         try:
             for n, first in enumerate(firsts or []):
                 yield event([{"index": n, **first, "finish_reason": None}])
@@ -865,7 +872,9 @@ class Service:
                         upto = bisect.bisect_right(ends[n], len(texts[n].sent))
                         yield event([{"index": n, **body_of(n, piece, upto), "finish_reason": None}])
                     continue
-                sampled = item.result().sampled  # the finished job: the tokens were all sent before it
+                result = item.result()  # the finished job: the tokens were all sent before it
+                sampled = result.sampled
+                cached += result.cached_tokens if rows[n][3] == 0 else 0  # each prompt once, as usage counts it
                 new, text, finish = self.cut(sampled, body)
                 used += spent(new, sampled)
                 pending.discard(n)
@@ -879,7 +888,7 @@ class Service:
             self.metrics.answered("/v1/completions" if kind == "text_completion" else "/v1/chat/completions",
                                   prompt_tokens, used, time.monotonic() - arrived)
             if usage:
-                totals = self.usage(prompt_tokens, used)
+                totals = self.usage(prompt_tokens, used, cached)
                 yield f"data: {json.dumps({**head, 'choices': [], 'usage': totals})}\n\n"
         finally:  # a client that went away (the stream closed early) frees its choices' slots
             for future in futures:

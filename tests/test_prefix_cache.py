@@ -43,7 +43,7 @@ def test_a_prompt_prefills_only_what_follows_the_cached_blocks(shape):
               [shared + rng.integers(2, 64, k).tolist() for k in (3, 40, 70)],
               # one without a cached block beside one with: 64 tokens of 65 cached, on the short side
               [rng.integers(2, 64, 20).tolist(), shared[:64] + [5]]]
-    seen = []
+    seen, found = [], []
     scheduler = Scheduler(model, max_batch=4, on_prefix=lambda tokens, cached: seen.append((tokens, cached)))
     try:
         for i, group in enumerate(groups):
@@ -52,6 +52,7 @@ def test_a_prompt_prefills_only_what_follows_the_cached_blocks(shape):
                                 repetition_penalty=2.0 if i == 1 else 1.0), top_logprobs=0)
                     for j, p in enumerate(group)]
             results = [f.result(300) for f in [scheduler.submit(job) for job in jobs]]
+            found += [result.cached_tokens for result in results]  # what each answer's usage reports
             for job, result in zip(jobs, results):
                 (alone,) = sample_batch(model, [job.row], top_logprobs=0)
                 assert result.sampled.ids == alone.ids
@@ -60,6 +61,7 @@ def test_a_prompt_prefills_only_what_follows_the_cached_blocks(shape):
         scheduler.close()
     # LongRoPE: every prompt but the last reaches position 100 (the long factors), so the last finds none
     assert seen == [(107, 0), (413, 3 * 3 * BLOCK), (85, 0 if shape == "longrope" else 2 * BLOCK)]
+    assert found == [0, *[3 * BLOCK] * 3, 0, 0 if shape == "longrope" else 2 * BLOCK]
 
 
 def test_the_least_recently_used_blocks_go_first_a_prefixs_tail_before_its_head():

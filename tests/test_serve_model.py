@@ -358,7 +358,7 @@ def test_metrics_count_what_the_server_answered(served):
     status, the prompt and generation tokens the answers' usage reported, one latency per answer,
     a time to first token per streamed answer, the batches the engine ran, and the prompt tokens
     admitted and found in the prefix cache (a prompt of 40 token ids, sent twice: its first block
-    of 32 is found the second time)."""
+    of 32 is found the second time, whose streamed usage says so)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     url, _ = served
@@ -372,13 +372,17 @@ def test_metrics_count_what_the_server_answered(served):
     before = scrape()
     ask = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0}
     plain = httpx.post(f"{url}/v1/completions", json=ask, timeout=60).json()
-    with httpx.stream("POST", f"{url}/v1/completions", timeout=60,
-                      json={**ask, "stream": True, "stream_options": {"include_usage": True}}) as response:
-        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
-    streamed = events[-1]["usage"]
+
+    def streamed_usage(ask: dict) -> dict:
+        with httpx.stream("POST", f"{url}/v1/completions", timeout=60,
+                          json={**ask, "stream": True, "stream_options": {"include_usage": True}}) as response:
+            events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+        return events[-1]["usage"]
+
+    streamed = streamed_usage(ask)
     ids = [int(i) for i in np.random.default_rng(356).integers(10, 200, 40)]  # a prompt no other test sends
-    twice = [httpx.post(f"{url}/v1/completions", json={"prompt": ids, "max_tokens": 1}, timeout=60).json()["usage"]
-             for _ in range(2)]
+    twice = [httpx.post(f"{url}/v1/completions", json={"prompt": ids, "max_tokens": 1}, timeout=60).json()["usage"],
+             streamed_usage({"prompt": ids, "max_tokens": 1})]
     assert httpx.post(f"{url}/v1/completions", json={"prompt": "x", "top_p": 0}, timeout=60).status_code == 400
     assert httpx.get(f"{url}/nothing/here", timeout=60).status_code == 404
     after = scrape()
@@ -394,10 +398,13 @@ def test_metrics_count_what_the_server_answered(served):
     assert delta("kiln_prompt_tokens_total") == prompts + 2 * len(ids)
     assert delta("kiln_prefix_cache_queries_total") == prompts + 2 * len(ids) and prompts < 32
     assert delta("kiln_prefix_cache_hits_total") == 32
+    # each answer's usage says what it found: the second 40-token prompt its first block
+    cached = [u["prompt_tokens_details"]["cached_tokens"] for u in (plain["usage"], streamed, *twice)]
+    assert cached == [0, 0, 0, 32]
     assert delta("kiln_generation_tokens_total") == (plain["usage"]["completion_tokens"] + streamed["completion_tokens"]
                                                      + sum(u["completion_tokens"] for u in twice))
     assert delta("kiln_e2e_request_latency_seconds_count", endpoint="/v1/completions") == 4
-    assert delta("kiln_time_to_first_token_seconds_count") == 1
+    assert delta("kiln_time_to_first_token_seconds_count") == 2
     assert delta("kiln_batch_jobs_count") >= 2 and delta("kiln_batch_seconds_sum") > 0
     assert after[("kiln_num_requests_waiting", ())] == after[("kiln_num_requests_running", ())] == 0
 
