@@ -11,7 +11,8 @@ FastAPI routes, uvicorn serving, on 127.0.0.1 by default; docs/serving.md is the
                                   min_p, min_tokens, repetition_penalty, stop_token_ids,
                                   ignore_eos, include_stop_str_in_output,
                                   return_tokens_as_token_ids and skip_special_tokens
-                                  (default true); stream
+                                  (default true); stream; structured outputs (OpenAI's
+                                  response_format, vLLM's structured_outputs)
     POST /v1/chat/completions     messages rendered with the model's chat template (post-training's
                                   for SFT and DPO outputs, a checkpoint's own Jinja one:
                                   evaluation/chat_prompt.py); 400 for a model with neither
@@ -29,7 +30,8 @@ echoed prompt's log-probabilities come from `evaluation.scoring.make_prompt_scor
 lm-eval adapter's computation). If a batch fails, its requests run again one by one, so an
 error fails only the request that causes it. A prompt that starts as an earlier one did (the
 same few-shot context, system prompt or conversation) prefills only what follows the part
-whose keys and values the prefix cache kept (evaluation/prefix_cache.py). With `stream`, each
+whose keys and values the prefix cache kept (evaluation/prefix_cache.py). An answer with a
+structured output draws each token under its grammar's mask (evaluation/structured.py). With `stream`, each
 token (with its log-probabilities, when asked for) is sent as server-sent events as its chunk
 ends. A bad request gets a 4xx with an OpenAI-style body, `{"error": {"message", "type",
 "param", "code"}}`, whose message says what to change; the server goes on answering.
@@ -74,6 +76,7 @@ from evaluation.generate import (MAX_LOGPROBS, Model, Request, Sampled, Stream, 
 from evaluation.prefix_cache import PrefixCache, default_prefix_tokens, pool_bytes
 from evaluation.scoring import bucket_for, buckets, make_prompt_scorer, pad_rows
 from evaluation.serving_metrics import CountRequests, ServingMetrics
+from evaluation.structured import Grammar, check as check_grammar, grammar_of, vocabulary
 
 WINDOW_S = 0.005  # how long a request that finds the server idle waits for company
 log = logging.getLogger("kiln.serve")
@@ -104,6 +107,32 @@ NEUTRAL_ONLY = {
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False  # a last chunk with `usage` and no choices (and `usage: null` before it)
+
+
+class JsonSchema(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str | None = None
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None  # kiln's answers always follow the schema
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's: free text, any JSON object, or JSON that follows a schema."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's: exactly one of a JSON schema, a regex, a list of choices or a Lark grammar."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: dict | StrictStr | None = Field(None, alias="json")
+    regex: StrictStr | None = None
+    choice: list[StrictStr] | None = None
+    grammar: StrictStr | None = None
 
 
 class _Body(BaseModel):
@@ -137,6 +166,8 @@ class _Body(BaseModel):
     ignore_eos: bool = False  # the model's own stop tokens do not end the answer (stop_token_ids still do)
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>": exact where strings are not
     include_stop_str_in_output: bool = False  # the answer ends after the stop string it met, not before
+    response_format: ResponseFormat | None = None  # the answer held to JSON (evaluation/structured.py)
+    structured_outputs: StructuredOutputs | None = None  # vLLM's: a schema, regex, choices or Lark grammar
 
     @field_validator(*NEUTRAL_ONLY, check_fields=False)
     @classmethod
@@ -163,9 +194,16 @@ class _Body(BaseModel):
         return (*(() if self.ignore_eos else model_stops), *(self.stop_token_ids or ()))
 
     def check(self, max_tokens: int) -> None:
-        """400 for stream_options without stream, and for min_tokens above the answer's max_tokens."""
+        """400 for stream_options without stream, for min_tokens above the answer's max_tokens, and
+        for min_tokens or ignore_eos with a structured output (its grammar decides where it ends)."""
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "stream_options needs stream=true", "stream_options")
+        formatted = self.structured_outputs is not None or (self.response_format is not None
+                                                            and self.response_format.type != "text")
+        for name, value in (("min_tokens", self.min_tokens), ("ignore_eos", self.ignore_eos)):
+            if formatted and value:
+                raise ApiError(400, f"{name} with a structured output: the answer ends where its format is "
+                               f"complete; leave {name} out", name)
         if self.min_tokens > max_tokens:
             raise ApiError(400, f"min_tokens={self.min_tokens} is more than max_tokens={max_tokens}: lower it or "
                            "raise max_tokens", "min_tokens")
@@ -246,6 +284,7 @@ class Job:
     row: Request  # prompt ids, max_tokens (may be 0), sampling settings, stop ids
     score_prompt: bool = False  # echo with logprobs: each prompt token's log-probability
     top_logprobs: int | None = None  # alternatives per token; None: no log-probabilities asked for
+    grammar: Grammar | None = None  # a structured output: the answer's tokens held to it
 
 
 @dataclass(frozen=True)
@@ -264,6 +303,8 @@ class _Row:
     future: concurrent.futures.Future
     prompt: tuple = (None, None)  # (log-probabilities, top alternatives) of the prompt, with score_prompt
     cached: int = 0  # its prompt's tokens the prefix cache held when it was admitted
+    guide: object = None  # with a grammar: its evaluation.structured.Guide, where the answer is in it
+    bias: np.ndarray | None = None  # with a grammar: the request's own logit bias [vocab], the mask added to it
     ids: list = field(default_factory=list)
     logprobs: list = field(default_factory=list)
     top: list = field(default_factory=list)
@@ -317,6 +358,7 @@ class Scheduler:
         self.jobs: queue.Queue = queue.Queue()
         self.waiting: collections.deque[_Row] = collections.deque()
         self.live: list[_Row | None] = [None] * max_batch  # slot -> the row decoding there
+        self.masks: dict[int, np.ndarray] = {}  # slot -> the logit bias of its next token, a structured output's
         self.state: dict | None = None  # the slots on the device (made on first use, and after a failure)
         self.taken = 0  # jobs taken, and the rows of the last calls on the model (a scoring group, an
         self.rows_run: collections.deque[int] = collections.deque(maxlen=4096)  # admission, a chunk): for tests
@@ -421,6 +463,7 @@ class Scheduler:
             rows = [row for row in self.live if row is not None]
             rows += [row for row in admitted if row not in rows and not row.future.done()]
             self.live, self.state = [None] * self.max_batch, None
+            self.masks.clear()
             if self.prefixes is not None:  # its pool may have gone with the failed call
                 self.prefixes.forget()
             for row in rows:
@@ -429,6 +472,19 @@ class Scheduler:
     def _sample_alone(self, rows: list[_Row]) -> None:
         (row,) = rows
         job = row.job
+        if job.grammar is not None:  # sample_batch knows no grammar: the row decodes alone in the slots
+            row.ids, row.logprobs, row.top = [], [], []
+            try:
+                self._admit([row])
+                while row in self.live:
+                    self._chunk()
+            except Exception:
+                self.live, self.state = [None] * self.max_batch, None
+                self.masks.clear()
+                if self.prefixes is not None:
+                    self.prefixes.forget()
+                raise
+            return
         (sampled,) = sample_batch(self.model, [job.row], job.top_logprobs, 1)
         settle(row.future, Result(*row.prompt, sampled))
 
@@ -455,9 +511,14 @@ class Scheduler:
         free = [slot for slot, live in enumerate(self.live) if live is None][:len(rows)]
         where = np.full(n, self.max_batch, np.int32)  # padding rows go to no slot
         where[:len(rows)] = free
+        settings = slots.settings_of([row.job.row for row in rows], cfg.vocab_size, n)
+        for b, row in enumerate(rows):
+            if row.job.grammar is not None:  # its first token is one its grammar allows
+                row.guide, row.bias = row.job.grammar.guide(), settings["bias"][b].copy()
+                settings["bias"][b] += row.guide.mask()
+                settings["adjusts"][b] = True
         self.state, first, pool = slots.admit(
-            self.model.params, self.state, where, tokens, lengths,
-            slots.settings_of([row.job.row for row in rows], cfg.vocab_size, n), source,
+            self.model.params, self.state, where, tokens, lengths, settings, source,
             None if plan is None else self.prefixes.pool, None if plan is None else plan.arrays(m), cfg=cfg)
         if plan is not None:
             self.prefixes.pool = pool
@@ -470,6 +531,7 @@ class Scheduler:
             self.live[slot] = row
             row.cached = int(done[source[b]])
             self._hand_out(slot, int(token[b]), float(logprob[b]), top_ids[b], top_lps[b])
+        self._set_masks()
 
     def _chunk(self) -> None:
         """One chunk of decoding steps of every slot, its tokens handed out."""
@@ -489,12 +551,27 @@ class Scheduler:
                     break
                 self._hand_out(slot, int(ids[slot, k]), float(logprobs[slot, k]), top_ids[slot, k],
                                top_lps[slot, k])
+        self._set_masks()
         if self.on_chunk is not None:
             self.on_chunk(running, time.monotonic() - started)
 
+    def _set_masks(self) -> None:
+        """The next token's logit bias of each slot whose structured output moved on, to the device."""
+        if not self.masks:
+            return
+        where = np.full(self.max_batch, self.max_batch, np.int32)  # one shape: the rest go nowhere
+        rows = np.zeros((self.max_batch, self.model.cfg.vocab_size), np.float32)
+        for i, (slot, mask) in enumerate(self.masks.items()):
+            where[i], rows[i] = slot, mask
+        self.state["bias"] = slots.set_rows(self.state["bias"], where, rows)
+        self.masks.clear()
+
     def _chunk_steps(self) -> int:
-        """`steps`; while an answer streams, as many as take `stream_interval_s` at the last
-        chunk's pace (one when none ran yet), at least one."""
+        """`steps`; one while a structured output decodes (each token's mask depends on the one
+        before); while an answer streams, as many as take `stream_interval_s` at the last chunk's
+        pace (one when none ran yet), at least one."""
+        if any(row is not None and row.guide is not None for row in self.live):
+            return 1
         if not any(row is not None and row.job.row.stream is not None for row in self.live):
             return self.steps
         if not self.step_s:
@@ -519,18 +596,23 @@ class Scheduler:
                     row.top.append(top)
                 if request.stream is not None:
                     request.stream(len(row.ids) - 1, token, None if wanted is None else logprob, top)
-        except Exception as e:  # noqa: BLE001 - a failing stream fails its own job only
+                if row.guide is not None:
+                    row.guide.advance(token)
+        except Exception as e:  # noqa: BLE001 - a failing stream (or grammar) fails its own job only
             settle(row.future, error=e)
             self._free(slot)
             return
         if stopped or len(row.ids) == request.max_tokens:
             settle(row.future, Result(*row.prompt, Sampled(row.ids, row.logprobs, row.top, stopped), row.cached))
             self.live[slot] = None
+        elif row.guide is not None:
+            self.masks[slot] = row.bias + row.guide.mask()
 
     def _free(self, slot: int) -> None:
         """Slot `slot`'s row ended before its answer (a failed stream, a cancelled job): the slot
         is free, and decodes no more."""
         self.live[slot] = None
+        self.masks.pop(slot, None)
         self.state["done"] = self.state["done"].at[slot].set(True)
 
     def _score(self, rows: list[_Row]) -> None:
@@ -573,6 +655,7 @@ class Service:
         except ValueError as e:
             self.template, self.no_template = None, str(e)
         self._pieces: dict[tuple[int, bool], str] = {}
+        self._vocabularies: dict[tuple[int, ...], object] = {}  # stop ids -> llguidance's tokenizer
 
     # --- helpers --------------------------------------------------------------------------------
 
@@ -602,6 +685,23 @@ class Service:
                            f"{len(ids) + max_tokens}: {len(ids)} in the prompt and max_tokens={max_tokens}; "
                            "shorten the prompt or lower max_tokens", param)
         self.check_vocabulary(ids, param)
+
+    def grammar(self, body: _Body, ends: tuple[int, ...]) -> Grammar | None:
+        """The structured output `body` asks for (None: free text), whose answers end at one of the
+        stop ids `ends` once complete; 400 for a format llguidance cannot build, saying why."""
+        param = "structured_outputs" if body.structured_outputs is not None else "response_format"
+        try:
+            asked = grammar_of(body.response_format and body.response_format.model_dump(by_alias=True),
+                               body.structured_outputs and body.structured_outputs.model_dump(by_alias=True))
+            if asked is None:
+                return None
+            text, param = asked
+            if ends not in self._vocabularies:
+                self._vocabularies[ends] = vocabulary(self.model.tokenizer.to_str(), self.model.cfg.vocab_size, ends)
+            check_grammar(text, self._vocabularies[ends])
+        except ValueError as e:
+            raise ApiError(400, f"{param}: {e}", param) from None
+        return Grammar(self._vocabularies[ends], text)
 
     def check_token_fields(self, body: _Body) -> None:
         self.check_vocabulary(body.logit_bias or {}, "logit_bias")
@@ -664,6 +764,7 @@ class Service:
         want_logprobs = body.logprobs is not None
         body.check(max_tokens)
         k, skip, stop_ids = body.logprobs, body.skip_special_tokens, body.stop_ids(self.model.stop_ids)
+        grammar = self.grammar(body, self.model.stop_ids)
         as_ids = body.return_tokens_as_token_ids
         scored = body.echo and want_logprobs  # each prompt scored once, however many choices it has
         # OpenAI's order: prompt p's choices are p*n ... p*n + n-1
@@ -697,10 +798,10 @@ class Service:
                     starts[choices_of[n][0]] + start, as_ids)}
 
             rows = [(encoded[p][0], max_tokens, stop_ids, j) for p, j in choices_of]
-            return self.stream(body, "text_completion", rows, prompt_tokens, chunk, firsts, k, arrived)
+            return self.stream(body, "text_completion", rows, prompt_tokens, chunk, firsts, k, arrived, grammar)
         # the first choice of each prompt scores it too: one job, as lm-eval's loglikelihood requests need
         results = await self.run([Job(self.row(body, encoded[p][0], max_tokens, stop_ids, j),
-                                      scored and j == 0, k) for p, j in choices_of])
+                                      scored and j == 0, k, grammar) for p, j in choices_of])
         scores = results[::body.n] if scored else []
         echoes = [echoed(p, scores) for p in range(len(encoded))] if body.echo else None
         choices, used = [], 0
@@ -780,6 +881,7 @@ class Service:
         self.check_fits(ids, max_tokens, "messages")
         body.check(max_tokens)
         stop_ids = body.stop_ids((*self.model.stop_ids, *self.template.stop_ids))
+        grammar = self.grammar(body, (*self.model.stop_ids, *self.template.stop_ids))
         k = (body.top_logprobs or 0) if body.logprobs else None
         if body.stream:
             def chunk(n: int, piece: str, drawn: list | None, start: int) -> dict:
@@ -789,8 +891,8 @@ class Service:
 
             first = {"delta": {"role": "assistant", "content": ""}, "logprobs": None}
             return self.stream(body, "chat.completion.chunk", [(ids, max_tokens, stop_ids, j) for j in range(body.n)],
-                               len(ids), chunk, [first] * body.n, k, arrived)
-        results = await self.run([Job(self.row(body, ids, max_tokens, stop_ids, j), top_logprobs=k)
+                               len(ids), chunk, [first] * body.n, k, arrived, grammar)
+        results = await self.run([Job(self.row(body, ids, max_tokens, stop_ids, j), top_logprobs=k, grammar=grammar)
                                   for j in range(body.n)])
         choices, used = [], 0
         for j, result in enumerate(results):
@@ -811,7 +913,8 @@ class Service:
 
     async def stream(self, body: _Body, kind: str, rows: list[tuple[list[int], int, tuple[int, ...], int]],
                      prompt_tokens: int, chunk: Callable[[int, str, list | None, int], dict],
-                     firsts: list[dict] | None, top_logprobs: int | None, arrived: float) -> AsyncIterator[str]:
+                     firsts: list[dict] | None, top_logprobs: int | None, arrived: float,
+                     grammar: Grammar | None = None) -> AsyncIterator[str]:
         """Server-sent events, OpenAI's: a chunk per piece of text as the tokens are drawn (each
         choice's own `index`), a last chunk per choice with its `finish_reason`, with
         `stream_options.include_usage` a chunk with the usage, then `data: [DONE]`. `rows`: each
@@ -823,7 +926,7 @@ class Service:
         end of its text (or with the choice's last), so that the chunks' add up to those the
         request gets without streaming. `firsts[n]`, if given, opens choice n. An error after the
         first chunk comes as an `error` event: the status line was sent already. `arrived`: when
-        the request came (monotonic), for the metrics."""
+        the request came (monotonic), for the metrics; `grammar`: its structured output, if any."""
         loop = asyncio.get_running_loop()
         arrivals: asyncio.Queue = asyncio.Queue()  # (choice, token index, drawn token) or (choice, None, finished job)
         stops, skip = body.stop_strings(), body.skip_special_tokens
@@ -852,7 +955,7 @@ class Service:
         futures = []
         for n, (ids, max_tokens, stop_ids, j) in enumerate(rows):
             row = self.row(body, ids, max_tokens, stop_ids, j, lambda i, *token, n=n: deliver((n, i, token)))
-            futures.append(self.scheduler.submit(Job(row, top_logprobs=top_logprobs)))
+            futures.append(self.scheduler.submit(Job(row, top_logprobs=top_logprobs, grammar=grammar)))
             futures[-1].add_done_callback(lambda done, n=n: deliver((n, None, done)))
         used, cached, pending, first_sent = 0, 0, set(range(len(rows))), False
         try:

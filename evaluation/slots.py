@@ -183,6 +183,12 @@ def admit(params, state: dict, slots, tokens, lengths, settings: dict, source=No
     return state, first, pool
 
 
+@functools.partial(jax.jit, donate_argnums=(0,))
+def set_rows(whole, where, rows):
+    """`whole` [slots, ...] with rows[i] at slot where[i] (a slot past the last: written nowhere)."""
+    return whole.at[where].set(rows, mode="drop")
+
+
 def write_blocks(pool, layers: list[dict], write):
     """`pool` with whole blocks of prompts' keys and values (each layer's [m, P, K, Q], in position
     order) written to rows write [m, blocks] (block j of prompt i, its columns j*B .. j*B + B - 1,

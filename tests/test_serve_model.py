@@ -27,7 +27,7 @@ import yaml
 
 from evaluation.adapter import KilnLM
 from evaluation.generate import Request, generate, load, sample, sample_batch
-from evaluation.server import Job, Scheduler, Service, create_app
+from evaluation.server import CompletionBody, Job, Scheduler, Service, create_app
 from tests.conftest import free_port, kiln, server, log_tail, wait_until
 from tests.test_generate import PROMPT, store  # noqa: F401  (a fixture)
 from tests.test_training_kjv_data import kjv_text
@@ -737,6 +737,80 @@ def test_a_client_that_gives_up_waiting_frees_its_slot(served, model):
     wait_until(lambda: gave_up() == before + 1, 30, "the request to count as a 499")
 
 
+def test_structured_outputs_hold_each_answer_to_its_format(served, model, caplog):
+    """OpenAI's response_format and vLLM's structured_outputs: drawn at temperature 1, every
+    answer follows its JSON schema, regex or choices (the same requests without a format give
+    text that does not), and ends with "stop" once complete; a stream's pieces add up to the
+    answer without streaming; a free answer decoding beside a formatted one draws its tokens
+    as alone; in a batch that fails, a formatted answer runs again alone and is the same."""
+    import re
+
+    from openai import OpenAI
+
+    url, service = served
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    schema = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+              "properties": {"name": {"type": "string", "maxLength": 8},
+                             "age": {"type": "integer", "minimum": 0, "maximum": 150}}}
+    chat = dict(model=NAME, messages=[{"role": "user", "content": "Who made the light?"}], max_tokens=40,
+                temperature=1.0, seed=4, n=4)
+    answers = client.chat.completions.create(
+        **chat, response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}})
+    for choice in answers.choices:
+        person = json.loads(choice.message.content)
+        assert set(person) == {"name", "age"} and isinstance(person["name"], str) and len(person["name"]) <= 8
+        assert isinstance(person["age"], int) and 0 <= person["age"] <= 150 and choice.finish_reason == "stop"
+    assert len({c.message.content for c in answers.choices}) > 1  # drawn, not forced: the choices differ
+    for free in client.chat.completions.create(**chat).choices:
+        with pytest.raises(json.JSONDecodeError):
+            json.loads(free.message.content)
+
+    ask = dict(model=NAME, prompt=PROMPT, max_tokens=20, temperature=1.0, seed=7, n=6)
+    regex = client.completions.create(**ask, extra_body={"structured_outputs": {"regex": "[0-9]{3}-[a-z]{2}"}})
+    assert all(re.fullmatch("[0-9]{3}-[a-z]{2}", c.text) and c.finish_reason == "stop" for c in regex.choices)
+    options = ["the LORD", "Moses", "no one"]
+    chosen = client.completions.create(**ask, extra_body={"structured_outputs": {"choice": options}})
+    assert all(c.text in options for c in chosen.choices) and len({c.text for c in chosen.choices}) > 1
+    assert not any(c.text in options for c in client.completions.create(**ask).choices)
+
+    # any JSON object (unbounded: greedy, it may not end within max_tokens), and a stream of one
+    anything = client.completions.create(**dict(ask, n=1, max_tokens=40, temperature=0),
+                                         extra_body={"response_format": {"type": "json_object"}}).choices[0]
+    assert anything.finish_reason == "length" or isinstance(json.loads(anything.text), dict)
+    assert anything.text.startswith("{")
+    one = dict(ask, n=1, max_tokens=40, extra_body={"structured_outputs": {"json": schema}})
+    whole = client.completions.create(**one).choices[0].text
+    assert set(json.loads(whole)) == {"name", "age"}
+    assert "".join(c.choices[0].text for c in client.completions.create(**one, stream=True)) == whole
+
+    # beside a formatted answer (one token a chunk while it decodes), a free one draws as alone
+    free = dict(model=NAME, prompt="In the beginning", max_tokens=30, temperature=0)
+    alone = client.completions.create(**free).choices[0].text
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        formatted = pool.submit(client.completions.create, **dict(one, max_tokens=30))
+        beside = pool.submit(client.completions.create, **free)
+        assert beside.result().choices[0].text == alone
+        json.loads(formatted.result().choices[0].text)
+
+    # a batch that fails (a seed that is no integer): the formatted answer runs again alone
+    grammar = service.grammar(CompletionBody(prompt="x", structured_outputs={"regex": "[0-9]{3}-[a-z]{2}"}),
+                              model.stop_ids)
+    ids = [model.start_id, *model.tokenizer.encode(PROMPT).ids]
+    scheduler = Scheduler(model, max_batch=4, window_s=5)
+    try:
+        fine = Job(Request(ids, 12, 1.0, seed=3, stop_ids=model.stop_ids), grammar=grammar)
+        bad = Job(Request(ids, 12, 1.0, seed="x", stop_ids=model.stop_ids), grammar=grammar)
+        futures = [scheduler.submit(job) for job in (fine, bad)]
+        with pytest.raises(Exception):
+            futures[1].result(120)
+        again = futures[0].result(120).sampled.ids
+        assert "decoding the slots failed" in caplog.text  # the two were admitted together, and that failed
+        assert again == scheduler.submit(fine).result(120).sampled.ids
+        assert re.fullmatch("[0-9]{3}-[a-z]{2}", model.tokenizer.decode(again))
+    finally:
+        scheduler.close()
+
+
 BAD = [  # (method, path, body (None: send `raw`), raw bytes, status, words the message must contain)
     ("POST", "/v1/completions", None, b'{"prompt": "x", ', 400, "not valid JSON"),
     ("POST", "/v1/completions", None, b'["a list"]', 400, "must be a JSON object (got ['a list'])"),
@@ -779,6 +853,22 @@ BAD = [  # (method, path, body (None: send `raw`), raw bytes, status, words the 
     ("POST", "/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, None, 400, "role"),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x " * 80}]}, None, 400,
      "context of 64"),
+    ("POST", "/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "[a-"}}, None, 400,
+     "structured_outputs: at 1(8): invalid regex"),
+    ("POST", "/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["b"]}}, None, 400,
+     "exactly one of json, regex, choice or grammar (got choice, regex)"),
+    ("POST", "/v1/completions", {"prompt": "x", "structured_outputs": {"json": {"type": "wat"}}}, None, 400,
+     "structured_outputs: Invalid type: wat"),
+    ("POST", "/v1/completions", {"prompt": "x", "response_format": {"type": "json_schema"}}, None, 400,
+     "response_format: type json_schema needs json_schema.schema"),
+    ("POST", "/v1/completions", {"prompt": "x", "response_format": {"type": "xml"}}, None, 400, "response_format.type"),
+    ("POST", "/v1/completions", {"prompt": "x", "response_format": {"type": "json_object"},
+                                 "structured_outputs": {"regex": "a"}}, None, 400, "not both"),
+    ("POST", "/v1/completions", {"prompt": "x", "response_format": {"type": "json_object"}, "min_tokens": 2}, None,
+     400, "min_tokens with a structured output"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True,
+                                      "structured_outputs": {"choice": ["a"]}}, None, 400,
+     "ignore_eos with a structured output"),
     ("GET", "/v1/completions", None, None, 405, "Method Not Allowed"),
     ("POST", "/v1/embeddings", {"input": "x"}, None, 404, "Not Found"),
 ]

@@ -1,0 +1,100 @@
+"""Structured outputs for `kiln serve-model`: an answer held to a JSON schema, a regex, a list of
+choices or a Lark grammar, as OpenAI's `response_format` and vLLM's `structured_outputs` ask.
+
+llguidance (the parser vLLM and SGLang use for this) reads the model's own `tokenizer.json` and
+says, before each token, which tokens the grammar allows next; the others get a bias of -inf in
+the row's logit bias (evaluation/slots.py applies it with the request's own `logit_bias`), so
+whatever the sampling settings, every drawn token keeps the text inside the grammar. Once the
+grammar is complete only a stop token is allowed, and the answer ends there.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+import llguidance
+import numpy as np
+
+# Compact JSON (`{"a":1}`): with whitespace allowed anywhere, a small model spends its tokens on it
+JSON_OPTIONS = {"whitespace_flexible": False}
+
+
+def vocabulary(tokenizer_json: str, vocab_size: int, stop_ids: tuple[int, ...]) -> llguidance.LLTokenizer:
+    """llguidance's view of a model's tokenizer: each of the model's `vocab_size` ids' bytes (ids
+    past the tokenizer's are never allowed), and the stop ids that end a complete answer."""
+    return llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(stop_ids))
+
+
+def grammar_of(response_format: dict | None, structured_outputs: dict | None) -> tuple[str, str] | None:
+    """The llguidance grammar a request asks for, and the request field that asked; None for free
+    text. `response_format`: OpenAI's ({"type": "json_object"} or {"type": "json_schema",
+    "json_schema": {"schema": ...}}); `structured_outputs`: vLLM's, exactly one of json (a
+    schema), regex, choice (a list of strings) or grammar (Lark). ValueError names what is wrong."""
+    if response_format is not None and structured_outputs is not None:
+        raise ValueError("give response_format or structured_outputs, not both")
+    if response_format is not None:
+        kind = response_format["type"]
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, JSON_OPTIONS), "response_format"
+        schema = (response_format.get("json_schema") or {}).get("schema")
+        if schema is None:
+            raise ValueError("type json_schema needs json_schema.schema, a JSON schema")
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, JSON_OPTIONS), "response_format"
+    if structured_outputs is None:
+        return None
+    given = {k: v for k, v in structured_outputs.items() if v is not None}
+    if len(given) != 1:
+        raise ValueError(f"structured_outputs takes exactly one of json, regex, choice or grammar (got "
+                         f"{', '.join(sorted(given)) or 'none'})")
+    (kind, value), = given.items()
+    if kind == "json":
+        schema = json.loads(value) if isinstance(value, str) else value
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, JSON_OPTIONS), "structured_outputs"
+    if kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(value), "structured_outputs"
+    if kind == "choice":
+        if not value:
+            raise ValueError("structured_outputs.choice needs at least one string")
+        either = "|".join(re.escape(choice) for choice in value)
+        return llguidance.LLMatcher.grammar_from_regex(f"({either})"), "structured_outputs"
+    return llguidance.LLMatcher.grammar_from_lark(value), "structured_outputs"
+
+
+def check(grammar: str, tokens: llguidance.LLTokenizer) -> None:
+    """ValueError with llguidance's message where `grammar` cannot be built (a bad regex or schema)."""
+    problem = llguidance.LLMatcher.validate_grammar(grammar, tokens)
+    if problem:
+        raise ValueError(problem.strip())
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A request's grammar over the served model's vocabulary; each answer (each of `n` choices)
+    follows it with a `Guide` of its own."""
+
+    tokens: llguidance.LLTokenizer
+    text: str
+
+    def guide(self) -> "Guide":
+        return Guide(llguidance.LLMatcher(self.tokens, self.text, log_level=0))
+
+
+class Guide:
+    """One answer's place in its grammar: the tokens it may draw next, as a logit bias."""
+
+    def __init__(self, matcher: llguidance.LLMatcher):
+        self.matcher = matcher
+
+    def mask(self) -> np.ndarray:
+        """float32 [vocab]: 0 where the grammar allows the token next, -inf elsewhere."""
+        allowed = np.frombuffer(self.matcher.compute_logit_bias(), np.uint8)
+        return np.where(allowed > 0, 0.0, -np.inf).astype(np.float32)
+
+    def advance(self, token: int) -> None:
+        """The grammar past `token`; a token it does not allow is a kiln bug (the mask forbade it)."""
+        if not self.matcher.consume_token(token):
+            raise RuntimeError(f"token {token} breaks the answer's grammar: {self.matcher.get_error()}")
