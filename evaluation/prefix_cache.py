@@ -12,8 +12,13 @@ claimed for them, in the same compiled call. The least recently used blocks make
 ones; a prefix's first blocks are used more recently than its later ones, so a long prefix loses
 its tail first, never its head.
 
-A prompt reuses at most its length less one token, so that its last token is always prefilled
-(its hidden state gives the first token drawn). Keys and values from the cache were computed in
+An answer's blocks are kept too, when it ends (`keep`: its prompt and the tokens fed back to
+the model, whose keys and values its slot holds), so that a conversation's next turn, which sends
+the answer back inside its prompt, prefills only the new message (where the answer's tokens are
+the ones its text tokenizes to; models with sliding-window layers keep only prompts' blocks:
+their slots hold a ring of the window, not every column). A prompt reuses at most its length less
+one token, so that its last token is always prefilled (its hidden state gives the first token
+drawn). Keys and values from the cache were computed in
 another prompt's prefill, in a batch of other shapes: the same numbers up to float rounding, as
 prompts batched together are (docs/serving.md says what that means for `seed`). LongRoPE picks
 its frequencies by a prompt's length, so its blocks are named with that choice too: a prompt
@@ -142,6 +147,34 @@ class PrefixCache:
         for chain in names:
             self._touch([name for name in chain if name in self.where])
         return Plan(done, read, tokens, width, write)
+
+    def keep(self, fed: list[int]) -> tuple[np.ndarray, np.ndarray] | None:
+        """Claim pool rows for the whole blocks of `fed` that the pool lacks: a finished answer's
+        prompt and the tokens fed back to the model after it (all but its last), whose keys and
+        values its slot holds. -> (their block numbers, pool rows), padded to a bucket of
+        `self.blocks` (block 0 to row NOWHERE), or None where nothing is new. A LongRoPE answer
+        that reached past the original context is not kept: its keys mix both frequency sets."""
+        if self.pool is None or (self.long_from is not None and len(fed) - 1 >= self.long_from):
+            return None
+        chain = self.names(fed)
+        held = set(chain)
+        self._touch([name for name in chain if name in self.where])  # the least recently used is another's
+        blocks, rows = [], []
+        for j, name in enumerate(chain):
+            if name in self.where:
+                continue
+            row = self._room(held)
+            if row is None:
+                break
+            self.where[name] = row
+            blocks.append(j)
+            rows.append(row)
+        if not blocks:
+            return None
+        self._touch([name for name in chain if name in self.where])
+        n = bucket_for(len(blocks), self.blocks)
+        return (np.pad(np.asarray(blocks, np.int32), (0, n - len(blocks))),
+                np.pad(np.asarray(rows, np.int32), (0, n - len(rows)), constant_values=NOWHERE))
 
     def _touch(self, chain: list[bytes]) -> None:
         """Mark a prefix's blocks used now, its first block last of all (the last to be dropped)."""

@@ -332,7 +332,8 @@ class Scheduler:
     so a request waits for a free slot, not for a batch to end. When idle, the first job waits
     `window_s` for company, so that a burst is prefilled together. Admitted prompts reuse the
     keys and values of their leading blocks that the prefix cache holds (`prefix_tokens` of them
-    at most: None, `default_prefix_tokens`; 0, none), and leave theirs there.
+    at most: None, `default_prefix_tokens`; 0, none), and leave theirs there, as answers that end
+    leave theirs (a conversation's next turn prefills only its new message).
     A prompt to echo with logprobs is scored when it is taken (with the others taken then, by
     `evaluation.scoring.make_prompt_scorer`: the lm-eval adapter's computation).
 
@@ -352,6 +353,10 @@ class Scheduler:
         self.on_chunk = on_chunk  # told each chunk's rows and seconds (the server's metrics)
         prefix_tokens = default_prefix_tokens(model.cfg, max_batch) if prefix_tokens is None else prefix_tokens
         self.prefixes = PrefixCache(model.cfg, prefix_tokens) if prefix_tokens else None
+        # answers' blocks too, where a slot holds every column (no sliding layer's ring)
+        self.keeps_answers = self.prefixes is not None and all(
+            model.cfg.layer_reach(i, model.cfg.seq_len) == model.cfg.seq_len for i in range(model.cfg.n_layers))
+        self.finished: list[tuple[int, list[int]]] = []  # (slot, tokens fed) of answers that ended, to keep
         self.on_prefix = on_prefix  # told each admission's prompt tokens, and those the prefix cache held
         self.scorer = make_prompt_scorer(model.cfg)
         self.buckets = buckets(model.cfg.seq_len)
@@ -464,6 +469,7 @@ class Scheduler:
             rows += [row for row in admitted if row not in rows and not row.future.done()]
             self.live, self.state = [None] * self.max_batch, None
             self.masks.clear()
+            self.finished.clear()
             if self.prefixes is not None:  # its pool may have gone with the failed call
                 self.prefixes.forget()
             for row in rows:
@@ -481,6 +487,7 @@ class Scheduler:
             except Exception:
                 self.live, self.state = [None] * self.max_batch, None
                 self.masks.clear()
+                self.finished.clear()
                 if self.prefixes is not None:
                     self.prefixes.forget()
                 raise
@@ -531,6 +538,7 @@ class Scheduler:
             self.live[slot] = row
             row.cached = int(done[source[b]])
             self._hand_out(slot, int(token[b]), float(logprob[b]), top_ids[b], top_lps[b])
+        self._keep_answers()
         self._set_masks()
 
     def _chunk(self) -> None:
@@ -551,9 +559,20 @@ class Scheduler:
                     break
                 self._hand_out(slot, int(ids[slot, k]), float(logprobs[slot, k]), top_ids[slot, k],
                                top_lps[slot, k])
+        self._keep_answers()
         self._set_masks()
         if self.on_chunk is not None:
             self.on_chunk(running, time.monotonic() - started)
+
+    def _keep_answers(self) -> None:
+        """The whole blocks of the answers that ended, from their slots into the prefix cache
+        (before an admission takes the slot)."""
+        for slot, fed in self.finished:
+            claim = self.prefixes.keep(fed)
+            if claim is not None:
+                self.prefixes.pool = slots.keep_blocks(self.prefixes.pool, self.state["layers"], np.int32(slot),
+                                                       *claim)
+        self.finished.clear()
 
     def _set_masks(self) -> None:
         """The next token's logit bias of each slot whose structured output moved on, to the device."""
@@ -605,6 +624,8 @@ class Scheduler:
         if stopped or len(row.ids) == request.max_tokens:
             settle(row.future, Result(*row.prompt, Sampled(row.ids, row.logprobs, row.top, stopped), row.cached))
             self.live[slot] = None
+            if self.keeps_answers:  # its slot holds the prompt and every token drawn but the last
+                self.finished.append((slot, [*request.prompt, *row.ids, *[token] * stopped][:-1]))
         elif row.guide is not None:
             self.masks[slot] = row.bias + row.guide.mask()
 

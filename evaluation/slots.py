@@ -184,6 +184,17 @@ def admit(params, state: dict, slots, tokens, lengths, settings: dict, source=No
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
+def keep_blocks(pool, layers: list[dict], slot, blocks, rows):
+    """`pool` with blocks `blocks` [n] of slot `slot`'s keys and values (block b: columns b*B ..
+    b*B + B - 1 of every layer, full layers' columns being positions) written to pool rows `rows`
+    [n] (a row past the pool's last: written nowhere)."""
+    B = pool.shape[3]
+    columns = jnp.minimum(blocks[:, None] * B + jnp.arange(B), layers[0]["k"].shape[1] - 1)  # [n, B]
+    kept = jnp.stack([jnp.stack([layer["k"][slot][columns], layer["v"][slot][columns]]) for layer in layers])
+    return pool.at[rows].set(jnp.moveaxis(kept, 2, 0).astype(pool.dtype), mode="drop")  # [n, L, 2, B, K, Q]
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
 def set_rows(whole, where, rows):
     """`whole` [slots, ...] with rows[i] at slot where[i] (a slot past the last: written nowhere)."""
     return whole.at[where].set(rows, mode="drop")

@@ -64,6 +64,34 @@ def test_a_prompt_prefills_only_what_follows_the_cached_blocks(shape):
     assert found == [0, *[3 * BLOCK] * 3, 0, 0 if shape == "longrope" else 2 * BLOCK]
 
 
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_an_answers_blocks_are_kept_for_the_next_turn(shape):
+    """A conversation's next turn sends the answer back in its prompt: the whole blocks of the
+    first prompt and its answer (all but the last token drawn, which was never fed back) are
+    found, and the second answer draws what it draws without the cache. Sliding-window layers
+    hold rings, not every column, so only the first prompt's block is kept there; LongRoPE's
+    second prompt reaches its long factors, which no earlier block was computed with."""
+    model = tiny_model(ModelConfig(**{**CFG.model_dump(), **SHAPES[shape]}))
+    rng = np.random.default_rng(1)
+    first = rng.integers(2, 64, 40).tolist()
+    seen = []
+    scheduler = Scheduler(model, max_batch=2, on_prefix=lambda tokens, cached: seen.append((tokens, cached)))
+    try:
+        answer = scheduler.submit(Job(Request(first, 56, 1.0, seed=3, stop_ids=()))).result(300).sampled.ids
+        # 116 tokens, of which the first 95 were fed to the model before (its 96th, the answer's
+        # last token, was drawn and never fed back): two whole blocks, the second half answer
+        again = first + answer + rng.integers(2, 64, 20).tolist()
+        job = Job(Request(again, 6, 1.0, seed=4, stop_ids=()), top_logprobs=0)
+        result = scheduler.submit(job).result(300)
+    finally:
+        scheduler.close()
+    (alone,) = sample_batch(model, [job.row], top_logprobs=0)
+    assert result.sampled.ids == alone.ids
+    np.testing.assert_allclose(result.sampled.logprobs, alone.logprobs, atol=2e-5)
+    expected = {"plain": 2 * BLOCK, "sliding": BLOCK, "longrope": 0}[shape]
+    assert seen == [(40, 0), (116, expected)] and result.cached_tokens == expected
+
+
 def test_the_least_recently_used_blocks_go_first_a_prefixs_tail_before_its_head():
     cache = PrefixCache(CFG, 4 * BLOCK + BLOCK - 1)  # four blocks
     a, b = list(range(2, 2 + 5 * BLOCK)), [7] * (2 * BLOCK + 1)
