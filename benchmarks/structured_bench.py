@@ -43,7 +43,7 @@ def main() -> None:
     from benchmarks.serve_load_bench import SHAPES
     from evaluation.generate import Model, Request
     from evaluation.server import Job, Scheduler
-    from evaluation.structured import Grammar, vocabulary
+    from evaluation.structured import compile_grammar, vocabulary
     from tasks.tokenizer import build_gpt2
     from training.config import ModelConfig
     from training.model import init_params
@@ -53,8 +53,8 @@ def main() -> None:
     model = Model(cfg, jax.jit(init_params, static_argnums=0)(cfg, jax.random.PRNGKey(0)), tokenizer, eos_id=50256)
     import llguidance
 
-    grammar = Grammar(vocabulary(tokenizer.to_str(), cfg.vocab_size, (50256,)),
-                      llguidance.LLMatcher.grammar_from_regex(FORMAT))
+    grammar = compile_grammar(llguidance.LLMatcher.grammar_from_regex(FORMAT),
+                              vocabulary(tokenizer.to_str(), cfg.vocab_size, (50256,)))
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 50000, args.prompt).tolist() for _ in range(args.free + 1)]
     free = [Job(Request(p, args.answer, 1.0, seed=i, stop_ids=())) for i, p in enumerate(prompts[:-1])]

@@ -76,7 +76,7 @@ from evaluation.generate import (MAX_LOGPROBS, Model, Request, Sampled, Stream, 
 from evaluation.prefix_cache import PrefixCache, default_prefix_tokens, pool_bytes
 from evaluation.scoring import bucket_for, buckets, make_prompt_scorer, pad_rows
 from evaluation.serving_metrics import CountRequests, ServingMetrics
-from evaluation.structured import Grammar, check as check_grammar, grammar_of, vocabulary
+from evaluation.structured import Grammar, compile_grammar, grammar_of, vocabulary
 
 WINDOW_S = 0.005  # how long a request that finds the server idle waits for company
 log = logging.getLogger("kiln.serve")
@@ -709,7 +709,9 @@ class Service:
 
     def grammar(self, body: _Body, ends: tuple[int, ...]) -> Grammar | None:
         """The structured output `body` asks for (None: free text), whose answers end at one of the
-        stop ids `ends` once complete; 400 for a format llguidance cannot build, saying why."""
+        stop ids `ends` once complete; 400 for a format llguidance cannot build, saying why. Run in
+        a worker thread: llguidance's view of a vocabulary takes ~0.6 s to build (GPT-2's; once per
+        `ends`), which would hold up every other request's answers on the event loop."""
         param = "structured_outputs" if body.structured_outputs is not None else "response_format"
         try:
             asked = grammar_of(body.response_format and body.response_format.model_dump(by_alias=True),
@@ -719,10 +721,9 @@ class Service:
             text, param = asked
             if ends not in self._vocabularies:
                 self._vocabularies[ends] = vocabulary(self.model.tokenizer.to_str(), self.model.cfg.vocab_size, ends)
-            check_grammar(text, self._vocabularies[ends])
+            return compile_grammar(text, self._vocabularies[ends])
         except ValueError as e:
             raise ApiError(400, f"{param}: {e}", param) from None
-        return Grammar(self._vocabularies[ends], text)
 
     def check_token_fields(self, body: _Body) -> None:
         self.check_vocabulary(body.logit_bias or {}, "logit_bias")
@@ -785,7 +786,7 @@ class Service:
         want_logprobs = body.logprobs is not None
         body.check(max_tokens)
         k, skip, stop_ids = body.logprobs, body.skip_special_tokens, body.stop_ids(self.model.stop_ids)
-        grammar = self.grammar(body, self.model.stop_ids)
+        grammar = await asyncio.to_thread(self.grammar, body, self.model.stop_ids)
         as_ids = body.return_tokens_as_token_ids
         scored = body.echo and want_logprobs  # each prompt scored once, however many choices it has
         # OpenAI's order: prompt p's choices are p*n ... p*n + n-1
@@ -902,7 +903,7 @@ class Service:
         self.check_fits(ids, max_tokens, "messages")
         body.check(max_tokens)
         stop_ids = body.stop_ids((*self.model.stop_ids, *self.template.stop_ids))
-        grammar = self.grammar(body, (*self.model.stop_ids, *self.template.stop_ids))
+        grammar = await asyncio.to_thread(self.grammar, body, (*self.model.stop_ids, *self.template.stop_ids))
         k = (body.top_logprobs or 0) if body.logprobs else None
         if body.stream:
             def chunk(n: int, piece: str, drawn: list | None, start: int) -> dict:
