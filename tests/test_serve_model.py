@@ -772,6 +772,9 @@ def test_structured_outputs_hold_each_answer_to_its_format(served, model, caplog
     chosen = client.completions.create(**ask, extra_body={"structured_outputs": {"choice": options}})
     assert all(c.text in options for c in chosen.choices) and len({c.text for c in chosen.choices}) > 1
     assert not any(c.text in options for c in client.completions.create(**ask).choices)
+    lark = 'start: "In the " word "." \nword: /[a-z]{2,6}/'  # llguidance's Lark: a sentence of one word
+    said = client.completions.create(**ask, extra_body={"structured_outputs": {"grammar": lark}})
+    assert all(re.fullmatch("In the [a-z]{2,6}[.]", c.text) and c.finish_reason == "stop" for c in said.choices)
 
     # any JSON object (unbounded: greedy, it may not end within max_tokens), and a stream of one
     anything = client.completions.create(**dict(ask, n=1, max_tokens=40, temperature=0),
