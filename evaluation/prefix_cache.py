@@ -148,6 +148,14 @@ class PrefixCache:
             self._touch([name for name in chain if name in self.where])
         return Plan(done, read, tokens, width, write)
 
+    def shared_new(self, prompts: list[list[int]]) -> int | None:
+        """The first of `prompts` whose first reusable block another of them starts with too and
+        the cache lacks (admitted first, it leaves the block for the others to find), or None."""
+        firsts = [self.names(p)[:1] if len(p) > BLOCK else [] for p in prompts]  # LongRoPE: named by the whole
+        counts = collections.Counter(name for chain in firsts for name in chain)
+        return next((i for i, chain in enumerate(firsts)
+                     if chain and counts[chain[0]] > 1 and chain[0] not in self.where), None)
+
     def keep(self, fed: list[int]) -> tuple[np.ndarray, np.ndarray] | None:
         """Claim pool rows for the whole blocks of `fed` that the pool lacks: a finished answer's
         prompt and the tokens fed back to the model after it (all but its last), whose keys and

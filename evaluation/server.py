@@ -498,7 +498,10 @@ class Scheduler:
     def _admit(self, rows: list[_Row]) -> None:
         """Prefill `rows` into free slots together (one row alone, several as max_batch rows) and
         hand out their first tokens. Rows that all share one prompt (a request's `n` choices)
-        prefill it once: admission compiles for three shapes per prompt length."""
+        prefill it once: admission compiles for three shapes per prompt length. Prompts that start
+        with the same block the prefix cache lacks (a burst of questions after one new few-shot
+        context) are admitted in two: one of them first, which leaves its blocks in the cache, then
+        the others, which find them."""
         cfg = self.model.cfg
         if self.state is None:
             self.state = slots.empty(cfg, self.max_batch)
@@ -506,6 +509,12 @@ class Scheduler:
         prompts = [row.job.row.prompt for row in rows]
         shared = all(p == prompts[0] for p in prompts)
         distinct = prompts[:1] if shared else prompts
+        lead = None if shared or self.prefixes is None else self.prefixes.shared_new(distinct)
+        if lead is not None:
+            first = [row for row in rows if row.job.row.prompt == distinct[lead]]
+            self._admit(first)
+            self._admit([row for row in rows if all(row is not other for other in first)])
+            return
         m = 1 if shared else n
         plan = None if self.prefixes is None else self.prefixes.plan(distinct)
         done = np.zeros(len(distinct), np.int32) if plan is None else plan.done

@@ -92,6 +92,32 @@ def test_an_answers_blocks_are_kept_for_the_next_turn(shape):
     assert seen == [(40, 0), (116, expected)] and result.cached_tokens == expected
 
 
+def test_prompts_that_share_a_new_prefix_prefill_it_once():
+    """A burst of questions after one new context (lm-eval's batch of prompts): one of them is
+    admitted first and leaves the context's blocks, the others find them; two groups sharing two
+    contexts, each once; the answers are those drawn without the cache."""
+    model = tiny_model(CFG)
+    rng = np.random.default_rng(2)
+    context, other = rng.integers(2, 64, 100).tolist(), rng.integers(2, 64, 70).tolist()
+    prompts = [context + rng.integers(2, 64, k).tolist() for k in (5, 9, 30)]
+    prompts += [other + rng.integers(2, 64, k).tolist() for k in (4, 8)] + [rng.integers(2, 64, 12).tolist()]
+    seen = []
+    scheduler = Scheduler(model, max_batch=8, window_s=5,  # the six are admitted together
+                          on_prefix=lambda tokens, cached: seen.append((tokens, cached)))
+    try:
+        jobs = [Job(Request(p, 4, 1.0, seed=i, stop_ids=()), top_logprobs=0) for i, p in enumerate(prompts)]
+        results = [f.result(300) for f in [scheduler.submit(job) for job in jobs]]
+    finally:
+        scheduler.close()
+    for job, result in zip(jobs, results):
+        (alone,) = sample_batch(model, [job.row], top_logprobs=0)
+        assert result.sampled.ids == alone.ids
+        np.testing.assert_allclose(result.sampled.logprobs, alone.logprobs, atol=2e-5)
+    # the first of each group alone, then the rest: 3 and 2 blocks found by each of the others
+    assert seen == [(105, 0), (74, 0), (109 + 130 + 78 + 12, 2 * 3 * BLOCK + 2 * BLOCK)]
+    assert [r.cached_tokens for r in results] == [0, 3 * BLOCK, 3 * BLOCK, 0, 2 * BLOCK, 0]
+
+
 def test_the_least_recently_used_blocks_go_first_a_prefixs_tail_before_its_head():
     cache = PrefixCache(CFG, 4 * BLOCK + BLOCK - 1)  # four blocks
     a, b = list(range(2, 2 + 5 * BLOCK)), [7] * (2 * BLOCK + 1)
