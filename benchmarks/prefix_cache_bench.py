@@ -77,16 +77,10 @@ def main() -> None:
     sys.path.insert(0, str(REPO))
     import jax
     import numpy as np
-    from tokenizers import Tokenizer, models
 
-    from benchmarks.serve_load_bench import SHAPES
-    from evaluation.generate import Model
-    from training.config import ModelConfig
-    from training.model import init_params
+    from benchmarks.serve_load_bench import large_model
 
-    cfg = ModelConfig(**SHAPES["large"], vocab_size=50257, seq_len=args.context, tie_embeddings=True, init_std=0.1)
-    model = Model(cfg, jax.jit(init_params, static_argnums=0)(cfg, jax.random.PRNGKey(0)),
-                  Tokenizer(models.WordLevel({"a": 0}, unk_token="a")), eos_id=0)
+    model = large_model(args.context)
     rng = np.random.default_rng(0)
     warm, prompts = workload(rng, args), workload(rng, args)
     got = {name: measure(model, tokens, warm, prompts, args.answer)

@@ -51,6 +51,21 @@ SHAPES = {"tiny_cpu": TINY_CPU_SHAPE, "large": {"d_model": 512, "n_layers": 8, "
                                                 "d_ff": 1408}}
 
 
+def large_model(context: int):
+    """An in-memory random model at the `large` shape, GPT-2's vocabulary and a context of `context`
+    tokens (evaluation.generate.Model; its tokenizer a stand-in: the benchmarks' prompts are ids)."""
+    import jax
+    from tokenizers import Tokenizer, models
+
+    from evaluation.generate import Model
+    from training.config import ModelConfig
+    from training.model import init_params
+
+    cfg = ModelConfig(**SHAPES["large"], vocab_size=50257, seq_len=context, tie_embeddings=True, init_std=0.1)
+    return Model(cfg, jax.jit(init_params, static_argnums=0)(cfg, jax.random.PRNGKey(0)),
+                 Tokenizer(models.WordLevel({"a": 0}, unk_token="a")), eos_id=0)
+
+
 def serve(tree: Path, model: Path, port: int, max_batch: int, log: Path) -> subprocess.Popen:
     """`kiln serve-model` from `tree`'s code (its output to `log`), once it answers /health."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
