@@ -12,18 +12,18 @@ claimed for them, in the same compiled call. The least recently used blocks make
 ones; a prefix's first blocks are used more recently than its later ones, so a long prefix loses
 its tail first, never its head.
 
-An answer's blocks are kept too, when it ends (`keep`: its prompt and the tokens fed back to
-the model, whose keys and values its slot holds), so that a conversation's next turn, which sends
+An answer's blocks are kept too, when it ends (`keep`: its prompt and the tokens fed back to the
+model, whose keys and values its slot holds), so that a conversation's next turn, which sends
 the answer back inside its prompt, prefills only the new message (where the answer's tokens are
 the ones its text tokenizes to; models with sliding-window layers keep only prompts' blocks:
-their slots hold a ring of the window, not every column). A prompt reuses at most its length less
-one token, so that its last token is always prefilled (its hidden state gives the first token
-drawn). Keys and values from the cache were computed in
-another prompt's prefill, in a batch of other shapes: the same numbers up to float rounding, as
-prompts batched together are (docs/serving.md says what that means for `seed`). LongRoPE picks
-its frequencies by a prompt's length, so its blocks are named with that choice too: a prompt
-within the original context never reuses one computed in a longer prompt, nor the other way.
-No Prefect, no threads here: the scheduler's thread is its only user.
+their slots hold a ring of the window, not every column). A prompt reuses at most its length
+less one token, so that its last token is always prefilled (its hidden state gives the first
+token drawn). Keys and values from the cache were computed in another prompt's prefill, in a
+batch of other shapes: the same numbers up to float rounding, as prompts batched together are
+(docs/serving.md says what that means for `seed`). LongRoPE picks its frequencies by a prompt's
+length, so its blocks are named with that choice too: a prompt within the original context never
+reuses one computed in a longer prompt, nor the other way. No Prefect, no threads here: the
+scheduler's thread is its only user.
 """
 
 from __future__ import annotations

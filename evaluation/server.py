@@ -193,15 +193,18 @@ class _Body(BaseModel):
         """The tokens that end an answer: the model's (unless ignore_eos) and stop_token_ids."""
         return (*(() if self.ignore_eos else model_stops), *(self.stop_token_ids or ()))
 
+    def formatted(self) -> bool:
+        """Whether the answer is held to a structured output (not free text)."""
+        return self.structured_outputs is not None or (self.response_format is not None
+                                                       and self.response_format.type != "text")
+
     def check(self, max_tokens: int) -> None:
         """400 for stream_options without stream, for min_tokens above the answer's max_tokens, and
         for min_tokens or ignore_eos with a structured output (its grammar decides where it ends)."""
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "stream_options needs stream=true", "stream_options")
-        formatted = self.structured_outputs is not None or (self.response_format is not None
-                                                            and self.response_format.type != "text")
         for name, value in (("min_tokens", self.min_tokens), ("ignore_eos", self.ignore_eos)):
-            if formatted and value:
+            if self.formatted() and value:
                 raise ApiError(400, f"{name} with a structured output: the answer ends where its format is "
                                f"complete; leave {name} out", name)
         if self.min_tokens > max_tokens:
@@ -634,7 +637,7 @@ class Scheduler:
             settle(row.future, Result(*row.prompt, Sampled(row.ids, row.logprobs, row.top, stopped), row.cached))
             self.live[slot] = None
             if self.keeps_answers:  # its slot holds the prompt and every token drawn but the last
-                self.finished.append((slot, [*request.prompt, *row.ids, *[token] * stopped][:-1]))
+                self.finished.append((slot, [*request.prompt, *row.ids, *([token] if stopped else [])][:-1]))
         elif row.guide is not None:
             self.masks[slot] = row.bias + row.guide.mask()
 
@@ -717,8 +720,8 @@ class Service:
         self.check_vocabulary(ids, param)
 
     def grammar(self, body: _Body, ends: tuple[int, ...]) -> Grammar | None:
-        """The structured output `body` asks for (None: free text), whose answers end at one of the
-        stop ids `ends` once complete; 400 for a format llguidance cannot build, saying why. Run in
+        """The structured output `body` asks for (None: `{"type": "text"}`), whose answers end at
+        one of the stop ids `ends` once complete; 400 for a format llguidance cannot build, saying why. Run in
         a worker thread: llguidance's view of a vocabulary takes ~0.6 s to build (GPT-2's; once per
         `ends`), which would hold up every other request's answers on the event loop."""
         param = "structured_outputs" if body.structured_outputs is not None else "response_format"
@@ -795,7 +798,7 @@ class Service:
         want_logprobs = body.logprobs is not None
         body.check(max_tokens)
         k, skip, stop_ids = body.logprobs, body.skip_special_tokens, body.stop_ids(self.model.stop_ids)
-        grammar = await asyncio.to_thread(self.grammar, body, self.model.stop_ids)
+        grammar = await asyncio.to_thread(self.grammar, body, self.model.stop_ids) if body.formatted() else None
         as_ids = body.return_tokens_as_token_ids
         scored = body.echo and want_logprobs  # each prompt scored once, however many choices it has
         # OpenAI's order: prompt p's choices are p*n ... p*n + n-1
@@ -911,8 +914,9 @@ class Service:
                            f"{self.model.cfg.seq_len}: send fewer or shorter messages", "messages")
         self.check_fits(ids, max_tokens, "messages")
         body.check(max_tokens)
-        stop_ids = body.stop_ids((*self.model.stop_ids, *self.template.stop_ids))
-        grammar = await asyncio.to_thread(self.grammar, body, (*self.model.stop_ids, *self.template.stop_ids))
+        ends = (*self.model.stop_ids, *self.template.stop_ids)
+        stop_ids = body.stop_ids(ends)
+        grammar = await asyncio.to_thread(self.grammar, body, ends) if body.formatted() else None
         k = (body.top_logprobs or 0) if body.logprobs else None
         if body.stream:
             def chunk(n: int, piece: str, drawn: list | None, start: int) -> dict:
