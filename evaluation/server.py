@@ -470,13 +470,17 @@ class Scheduler:
             log.exception("kiln serve-model: decoding the slots failed; each of their requests runs again alone")
             rows = [row for row in self.live if row is not None]
             rows += [row for row in admitted if row not in rows and not row.future.done()]
-            self.live, self.state = [None] * self.max_batch, None
-            self.masks.clear()
-            self.finished.clear()
-            if self.prefixes is not None:  # its pool may have gone with the failed call
-                self.prefixes.forget()
+            self._lose_slots()
             for row in rows:
                 self._alone_on_error(self._sample_alone, [row])
+
+    def _lose_slots(self) -> None:
+        """After a failed call on the slots: they start empty, and what was pending for them goes."""
+        self.live, self.state = [None] * self.max_batch, None
+        self.masks.clear()
+        self.finished.clear()
+        if self.prefixes is not None:  # its pool may have gone with the failed call
+            self.prefixes.forget()
 
     def _sample_alone(self, rows: list[_Row]) -> None:
         (row,) = rows
@@ -488,11 +492,7 @@ class Scheduler:
                 while row in self.live:
                     self._chunk()
             except Exception:
-                self.live, self.state = [None] * self.max_batch, None
-                self.masks.clear()
-                self.finished.clear()
-                if self.prefixes is not None:
-                    self.prefixes.forget()
+                self._lose_slots()
                 raise
             return
         (sampled,) = sample_batch(self.model, [job.row], job.top_logprobs, 1)
