@@ -24,7 +24,13 @@ class KilnChat:
         self.stop_ids = (self.template.end_id,)  # the end of the assistant's turn
 
     def prompt(self, messages: list[dict], add_generation_prompt: bool = True,
-               continue_final_message: bool = False) -> list[int]:
+               continue_final_message: bool = False, tools: list[dict] | None = None) -> list[int]:
+        """The prompt's ids; `tools` are left out: post-training's template has no place for them,
+        nor for an earlier answer's tool calls, which are refused rather than dropped."""
+        if any(m.get("tool_calls") for m in messages):
+            raise ValueError("post-training's chat template has no place for an assistant message's tool_calls: this "
+                             "model cannot be shown the calls it made (a checkpoint whose own template renders them "
+                             "can)")
         ids, _ = self.template.encode(messages, add_generation_prompt=add_generation_prompt)
         if continue_final_message:
             ids = ids[:-1]  # the last message without its end-of-turn token: the answer goes on from its text

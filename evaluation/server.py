@@ -15,7 +15,8 @@ FastAPI routes, uvicorn serving, on 127.0.0.1 by default; docs/serving.md is the
                                   response_format, vLLM's structured_outputs)
     POST /v1/chat/completions     messages rendered with the model's chat template (post-training's
                                   for SFT and DPO outputs, a checkpoint's own Jinja one:
-                                  evaluation/chat_prompt.py); 400 for a model with neither
+                                  evaluation/chat_prompt.py); 400 for a model with neither; tool
+                                  calls (tools, tool_choice: evaluation/tools.py)
     POST /tokenize, /detokenize   vLLM's tokenizer endpoints (a text prompt, or chat messages as chat
                                   completions prompt them), and GET /tokenizer_info: with them
                                   lm-eval finds the tokenizer on the server (its "remote" backend)
@@ -76,7 +77,8 @@ from evaluation.generate import (MAX_LOGPROBS, Model, Request, Sampled, Stream, 
 from evaluation.prefix_cache import PrefixCache, default_prefix_tokens, pool_bytes
 from evaluation.scoring import bucket_for, buckets, make_prompt_scorer, pad_rows
 from evaluation.serving_metrics import CountRequests, ServingMetrics
-from evaluation.structured import Grammar, compile_grammar, grammar_of, vocabulary
+from evaluation.structured import Grammar, compile_grammar, grammar_of, json_grammar, vocabulary
+from evaluation.tools import ToolChoice, call_format
 
 WINDOW_S = 0.005  # how long a request that finds the server idle waits for company
 log = logging.getLogger("kiln.serve")
@@ -234,13 +236,91 @@ class TextPart(BaseModel):
     text: StrictStr
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: StrictStr
+    arguments: StrictStr  # a JSON object's text, as the answer gave it
+
+
+class ToolCall(BaseModel):
+    """A call an earlier assistant message made: sent back so the template renders it."""
+
+    model_config = ConfigDict(extra="forbid")
+    id: StrictStr | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # name, tool_calls, ...: not used by the template
-    role: Literal["system", "user", "assistant"]
-    content: StrictStr | list[TextPart]
+    model_config = ConfigDict(extra="ignore")  # refusal, audio, ...: not used by templates
+    role: Literal["system", "user", "assistant", "tool"]
+    content: StrictStr | list[TextPart] | None = None  # None: an assistant message that only called tools
+    name: StrictStr | None = None
+    tool_calls: list[ToolCall] | None = None  # the assistant's
+    tool_call_id: StrictStr | None = None  # a tool's message: the call it answers
+
+    @model_validator(mode="after")
+    def _content_or_calls(self) -> "Message":
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("a message needs its content (only an assistant message with tool_calls may leave it "
+                             "out)")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+    def for_template(self) -> dict:
+        """The message as a chat template reads it (transformers' form): a call's arguments as the
+        object they are, which templates write with `tojson`."""
+        message: dict = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [{**({"id": c.id} if c.id else {}), "type": c.type,
+                                      "function": {"name": c.function.name,
+                                                   "arguments": _arguments(c.function.arguments)}}
+                                     for c in self.tool_calls]
+        return message
+
+
+def _arguments(text: str) -> dict:
+    try:
+        arguments = json.loads(text)
+    except ValueError:
+        arguments = None
+    if not isinstance(arguments, dict):
+        raise ApiError(400, f"a tool call's arguments are the text of a JSON object, as answers give them; got "
+                       f"{text!r:.100}", "messages")
+    return arguments
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of its arguments (None: any object)
+    strict: bool | None = None  # kiln holds a called function's arguments to its schema either way
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: StrictStr
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatBody(_Body):
@@ -252,6 +332,41 @@ class ChatBody(_Body):
     # token itself); or the last message, the assistant's, continued where it stops (a prefill)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # function calling (evaluation/tools.py): the tools go into the prompt through the template;
+    # tool_choice None: "auto" with tools, "none" without
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    def tool_choice_name(self) -> str:
+        """"none", "auto", "required" or the named function's name."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return self.tool_choice or ("auto" if self.tools else "none")
+
+    def tool_use(self, call_format: str | None) -> ToolChoice | None:
+        """What the answers' tool calls must be (None: free text); 400 for a choice without tools,
+        a named function not among them, or "auto" for a template whose calls kiln cannot read."""
+        choice = self.tool_choice_name()
+        if choice == "none":
+            return None
+        if choice != "auto" and _Body.formatted(self):
+            raise ApiError(400, f"tool_choice {choice!r} holds the answer to the tools' schemas: leave response_format "
+                           "and structured_outputs out", "tool_choice")
+        if not self.tools:
+            raise ApiError(400, f"tool_choice {choice!r} needs tools to choose from", "tool_choice")
+        try:
+            return ToolChoice(tuple(t.function.model_dump(exclude_unset=True) for t in self.tools), choice,
+                              self.parallel_tool_calls, call_format)
+        except ValueError as e:
+            raise ApiError(400, str(e), "tool_choice") from None
+
+    def formatted(self) -> bool:
+        """A structured output, or a tool call the answer must be (required, or a named function)."""
+        return super().formatted() or self.tool_choice_name() not in ("none", "auto")
+
+    def template_tools(self) -> list[dict] | None:
+        return [t.model_dump(exclude_unset=True) for t in self.tools] if self.tools else None
 
 
 class TokenizeBody(BaseModel):
@@ -264,6 +379,7 @@ class TokenizeBody(BaseModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False  # kiln's tokenizers add none either way
+    tools: list[Tool] | None = None  # rendered into the prompt as chat completions render them
 
     @model_validator(mode="after")
     def _one_form(self) -> "TokenizeBody":
@@ -719,15 +835,19 @@ class Service:
                            "shorten the prompt or lower max_tokens", param)
         self.check_vocabulary(ids, param)
 
-    def grammar(self, body: _Body, ends: tuple[int, ...]) -> Grammar | None:
-        """The structured output `body` asks for (None: `{"type": "text"}`), whose answers end at
-        one of the stop ids `ends` once complete; 400 for a format llguidance cannot build, saying why. Run in
-        a worker thread: llguidance's view of a vocabulary takes ~0.6 s to build (GPT-2's; once per
-        `ends`), which would hold up every other request's answers on the event loop."""
-        param = "structured_outputs" if body.structured_outputs is not None else "response_format"
+    def grammar(self, body: _Body, ends: tuple[int, ...], tools: ToolChoice | None = None) -> Grammar | None:
+        """The structured output `body` asks for (None: `{"type": "text"}`), or the tool calls
+        `tools` hold the answer to, whose answers end at one of the stop ids `ends` once complete;
+        400 for a format llguidance cannot build, saying why. Run in a worker thread: llguidance's
+        view of a vocabulary takes ~0.6 s to build (GPT-2's; once per `ends`), which would hold up
+        every other request's answers on the event loop."""
+        schema = None if tools is None else tools.schema()
+        param = "tools" if schema is not None else (
+            "structured_outputs" if body.structured_outputs is not None else "response_format")
         try:
-            asked = grammar_of(body.response_format and body.response_format.model_dump(by_alias=True),
-                               body.structured_outputs and body.structured_outputs.model_dump(by_alias=True))
+            asked = (json_grammar(schema), param) if schema is not None else grammar_of(
+                body.response_format and body.response_format.model_dump(by_alias=True),
+                body.structured_outputs and body.structured_outputs.model_dump(by_alias=True))
             if asked is None:
                 return None
             text, param = asked
@@ -822,14 +942,14 @@ class Service:
             scores = await self.run([Job(self.row(body, ids, 0, ()), score_prompt=True, top_logprobs=k)
                                      for ids, _, _ in encoded]) if scored else []
             echoes = [echoed(p, scores) for p in range(len(encoded))] if body.echo else None
-            firsts = [echoes[p] for p, _ in choices_of] if echoes else None
+            firsts = [{**echoes[p], "finish_reason": None} for p, _ in choices_of] if echoes else None
 
-            def chunk(n: int, piece: str, drawn: list | None, start: int) -> dict:
+            def chunk(n: int, piece: str, drawn: list | None, start: int, finish: str | None) -> dict:
                 if drawn is None:
-                    return {"text": piece, "logprobs": None}
+                    return {"text": piece, "logprobs": None, "finish_reason": finish}
                 return {"text": piece, "logprobs": self.completion_logprobs(
                     [t for t, _, _ in drawn], [lp for _, lp, _ in drawn], [top for _, _, top in drawn], k, 0, skip,
-                    starts[choices_of[n][0]] + start, as_ids)}
+                    starts[choices_of[n][0]] + start, as_ids), "finish_reason": finish}
 
             rows = [(encoded[p][0], max_tokens, stop_ids, j) for p, j in choices_of]
             return self.stream(body, "text_completion", rows, prompt_tokens, chunk, firsts, k, arrived, grammar)
@@ -888,17 +1008,18 @@ class Service:
     # --- /v1/chat/completions ----------------------------------------------------------------------
 
     def chat_prompt(self, messages: list[Message], add_generation_prompt: bool,
-                    continue_final_message: bool) -> list[int]:
-        """The prompt ids of chat messages in the model's template (chat completions, /tokenize)."""
+                    continue_final_message: bool, tools: list[dict] | None = None) -> list[int]:
+        """The prompt ids of chat messages (and the tools they may call) in the model's template
+        (chat completions, /tokenize)."""
         if self.template is None:
             raise ApiError(400, f"{self.name} has no chat template ({self.no_template}); for this model use "
                            "/v1/completions", "messages")
-        messages = [{"role": m.role, "content": m.text()} for m in messages]
+        messages = [m.for_template() for m in messages]
         if continue_final_message and (add_generation_prompt or messages[-1]["role"] != "assistant"):
             raise ApiError(400, "continue_final_message continues the last message, which must be the assistant's, "
                            "and needs add_generation_prompt=false (the two open different turns)", "messages")
         try:
-            return self.template.prompt(messages, add_generation_prompt, continue_final_message)
+            return self.template.prompt(messages, add_generation_prompt, continue_final_message, tools)
         except ValueError as e:
             raise ApiError(400, str(e), "messages") from None
 
@@ -906,7 +1027,9 @@ class Service:
         arrived = time.monotonic()
         self.check_model(body.model)
         self.check_token_fields(body)
-        ids = self.chat_prompt(body.messages, body.add_generation_prompt, body.continue_final_message)
+        ids = self.chat_prompt(body.messages, body.add_generation_prompt, body.continue_final_message,
+                               body.template_tools())
+        tools = body.tool_use(call_format(self.template.source))
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         max_tokens = self.model.cfg.seq_len - len(ids) if limit is None else limit
         if max_tokens < 1 and limit is None:
@@ -916,15 +1039,20 @@ class Service:
         body.check(max_tokens)
         ends = (*self.model.stop_ids, *self.template.stop_ids)
         stop_ids = body.stop_ids(ends)
-        grammar = await asyncio.to_thread(self.grammar, body, ends) if body.formatted() else None
+        grammar = await asyncio.to_thread(self.grammar, body, ends, tools) if body.formatted() else None
         k = (body.top_logprobs or 0) if body.logprobs else None
         if body.stream:
-            def chunk(n: int, piece: str, drawn: list | None, start: int) -> dict:
-                return {"delta": {"content": piece}, "logprobs": None if drawn is None else {"content": [
-                    self.chat_logprob(t, lp, top[:k], body.skip_special_tokens, body.return_tokens_as_token_ids)
-                    for t, lp, top in drawn]}}
+            calls = [tools.stream() for _ in range(body.n)] if tools is not None else None
 
-            first = {"delta": {"role": "assistant", "content": ""}, "logprobs": None}
+            def chunk(n: int, piece: str, drawn: list | None, start: int, finish: str | None) -> dict | None:
+                delta, finish = ({"content": piece}, finish) if calls is None else calls[n].delta(piece, finish)
+                if delta is None:  # a tool call's text, held until it is read
+                    return None
+                return {"delta": delta, "logprobs": None if drawn is None else {"content": [
+                    self.chat_logprob(t, lp, top[:k], body.skip_special_tokens, body.return_tokens_as_token_ids)
+                    for t, lp, top in drawn]}, "finish_reason": finish}
+
+            first = {"delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
             return self.stream(body, "chat.completion.chunk", [(ids, max_tokens, stop_ids, j) for j in range(body.n)],
                                len(ids), chunk, [first] * body.n, k, arrived, grammar)
         results = await self.run([Job(self.row(body, ids, max_tokens, stop_ids, j), top_logprobs=k, grammar=grammar)
@@ -938,8 +1066,9 @@ class Service:
                 logprobs = {"content": [self.chat_logprob(t, lp, top[:k], body.skip_special_tokens,
                                                           body.return_tokens_as_token_ids)
                                         for t, lp, top in zip(new, result.sampled.logprobs, result.sampled.top)]}
-            choices.append({"index": j, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                            "finish_reason": finish})
+            message, finish = (tools.message(text, finish) if tools is not None
+                               else ({"role": "assistant", "content": text}, finish))
+            choices.append({"index": j, "message": message, "logprobs": logprobs, "finish_reason": finish})
         self.metrics.answered("/v1/chat/completions", len(ids), used, time.monotonic() - arrived)
         return {"id": f"chatcmpl-{secrets.token_hex(12)}", "object": "chat.completion", "created": int(time.time()),
                 "model": self.name, "choices": choices, "usage": self.usage(len(ids), used, results[0].cached_tokens)}
@@ -947,19 +1076,20 @@ class Service:
     # --- stream: true ---------------------------------------------------------------------------
 
     async def stream(self, body: _Body, kind: str, rows: list[tuple[list[int], int, tuple[int, ...], int]],
-                     prompt_tokens: int, chunk: Callable[[int, str, list | None, int], dict],
+                     prompt_tokens: int, chunk: Callable[[int, str, list | None, int, str | None], dict | None],
                      firsts: list[dict] | None, top_logprobs: int | None, arrived: float,
                      grammar: Grammar | None = None) -> AsyncIterator[str]:
         """Server-sent events, OpenAI's: a chunk per piece of text as the tokens are drawn (each
         choice's own `index`), a last chunk per choice with its `finish_reason`, with
         `stream_options.include_usage` a chunk with the usage, then `data: [DONE]`. `rows`: each
         choice's prompt ids, max_tokens, stop ids and number among its prompt's `n`;
-        `chunk(n, piece, drawn, start)` is choice n's body for a chunk: `drawn`, the (token,
-        log-probability, alternatives) of the tokens whose log-probabilities it carries (None
-        when `top_logprobs` is None: none were asked for), `start` where the first one's text
-        begins among the new text. A token's log-probabilities come with the chunk that sends the
-        end of its text (or with the choice's last), so that the chunks' add up to those the
-        request gets without streaming. `firsts[n]`, if given, opens choice n. An error after the
+        `chunk(n, piece, drawn, start, finish)` is choice n's body for a chunk (None: none to send
+        yet, as for a tool call's text): `drawn`, the (token, log-probability, alternatives) of the
+        tokens whose log-probabilities it carries (None when `top_logprobs` is None: none were
+        asked for), `start` where the first one's text begins among the new text, `finish` the
+        finish_reason with the choice's last piece. A token's log-probabilities come with the
+        chunk sent after its text's end (or with the choice's last), so that the chunks' add up
+        to those the request gets without streaming. `firsts[n]`, if given, opens choice n. An error after the
         first chunk comes as an `error` event: the status line was sent already. `arrived`: when
         the request came (monotonic), for the metrics; `grammar`: its structured output, if any."""
         loop = asyncio.get_running_loop()
@@ -971,11 +1101,13 @@ class Service:
         ends: list[list[int]] = [[] for _ in rows]  # where each one's text ends, as `cut` counts
         given = [0] * len(rows)  # of each choice's tokens, how many went out with their log-probabilities
 
-        def body_of(n: int, piece: str, upto: int) -> dict:  # choice n's chunk: piece, tokens given[n]:upto
+        def body_of(n: int, piece: str, upto: int, finish: str | None = None) -> dict | None:
+            """Choice n's chunk: `piece`, and the tokens given[n]:upto (those of a chunk not sent go with the next)."""
             start = ends[n][given[n] - 1] if given[n] else 0
-            carried = None if top_logprobs is None else drawn[n][given[n]:upto]
-            given[n] = max(given[n], upto)
-            return chunk(n, piece, carried, start)
+            choice = chunk(n, piece, None if top_logprobs is None else drawn[n][given[n]:upto], start, finish)
+            if choice is not None:
+                given[n] = max(given[n], upto)
+            return choice
         head = {"id": f"{'chatcmpl' if kind.startswith('chat') else 'cmpl'}-{secrets.token_hex(12)}", "object": kind,
                 "created": int(time.time()), "model": self.name}
         usage = body.stream_options is not None and body.stream_options.include_usage
@@ -995,7 +1127,7 @@ class Service:
         used, cached, pending, first_sent = 0, 0, set(range(len(rows))), False
         try:
             for n, first in enumerate(firsts or []):
-                yield event([{"index": n, **first, "finish_reason": None}])
+                yield event([{"index": n, **first}])
             while pending:
                 n, i, item = await arrivals.get()
                 if i is not None:
@@ -1007,8 +1139,9 @@ class Service:
                         if not first_sent:
                             self.metrics.first_token.observe(time.monotonic() - arrived)
                             first_sent = True
-                        upto = bisect.bisect_right(ends[n], len(texts[n].sent))
-                        yield event([{"index": n, **body_of(n, piece, upto), "finish_reason": None}])
+                        choice = body_of(n, piece, bisect.bisect_right(ends[n], len(texts[n].sent)))
+                        if choice is not None:
+                            yield event([{"index": n, **choice}])
                     continue
                 result = item.result()  # the finished job: the tokens were all sent before it
                 sampled = result.sampled
@@ -1017,7 +1150,7 @@ class Service:
                 used += spent(new, sampled)
                 pending.discard(n)
                 drawn[n] = list(zip(new, sampled.logprobs, sampled.top))
-                yield event([{"index": n, **body_of(n, texts[n].rest(text), len(new)), "finish_reason": finish}])
+                yield event([{"index": n, **body_of(n, texts[n].rest(text), len(new), finish)}])
         except Exception as e:  # noqa: BLE001 - the client gets it as the stream's last event
             status, message = (e.status, e.message) if isinstance(e, ApiError) else (
                 500, f"the model failed on this request: {type(e).__name__}: {e}")
@@ -1202,7 +1335,8 @@ def create_app(service: Service, api_key: str | None = None) -> FastAPI:
     @app.post("/tokenize")
     async def tokenize(body: TokenizeBody):
         if body.messages is not None:
-            ids = service.chat_prompt(body.messages, body.add_generation_prompt, body.continue_final_message)
+            ids = service.chat_prompt(body.messages, body.add_generation_prompt, body.continue_final_message,
+                                      body.tools and [t.model_dump(exclude_unset=True) for t in body.tools])
         else:
             ids = service.tok.encode(body.prompt, add_special_tokens=False).ids
         return {"tokens": ids, "count": len(ids), "max_model_len": service.model.cfg.seq_len}

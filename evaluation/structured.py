@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import llguidance
 import numpy as np
+from tokenizers import Tokenizer
 
 # Compact JSON (`{"a":1}`): with whitespace allowed anywhere, a small model spends its tokens on it
 JSON_OPTIONS = {"whitespace_flexible": False}
@@ -23,8 +24,35 @@ JSON_OPTIONS = {"whitespace_flexible": False}
 
 def vocabulary(tokenizer_json: str, vocab_size: int, stop_ids: tuple[int, ...]) -> llguidance.LLTokenizer:
     """llguidance's view of a model's tokenizer: each of the model's `vocab_size` ids' bytes (ids
-    past the tokenizer's are never allowed), and the stop ids that end a complete answer."""
-    return llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(stop_ids))
+    past the tokenizer's are never allowed), and the stop ids that end a complete answer.
+
+    llguidance takes every added token of a tokenizer.json for a special one, which no text of a
+    grammar contains; but an added token the tokenizer does not mark special is plain text that
+    answers write (Qwen2.5's `<tool_call>`), and llguidance 1.9 may even force one that it then
+    refuses to consume. For such a tokenizer the view is built again from each token's bytes,
+    with only the tokens marked special as special."""
+    whole = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(stop_ids))
+    added = json.loads(tokenizer_json).get("added_tokens") or []
+    if all(token["special"] for token in added):
+        return whole
+    tokenizer = Tokenizer.from_str(tokenizer_json)
+
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
+
+    class Plain:  # what llguidance.TokenizerWrapper reads; ids past the tokenizer's are special, never allowed
+        eos_token_id, bos_token_id = stop_ids[0], None
+        tokens = [whole.decode_bytes([i]) if i < size else f"<unused-{i}>".encode() for i in range(vocab_size)]
+        special_token_ids = [*(token["id"] for token in added if token["special"]), *range(size, vocab_size)]
+
+        def __call__(self, text: str) -> list[int]:  # str only: llguidance tries bytes first, and then sends str
+            return tokenizer.encode(text, add_special_tokens=False).ids
+
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(Plain()), n_vocab=vocab_size, eos_token=list(stop_ids))
+
+
+def json_grammar(schema: dict) -> str:
+    """The llguidance grammar of JSON that follows `schema` (compact: `JSON_OPTIONS`)."""
+    return llguidance.LLMatcher.grammar_from_json_schema(schema, JSON_OPTIONS)
 
 
 def grammar_of(response_format: dict | None, structured_outputs: dict | None) -> tuple[str, str] | None:
@@ -39,11 +67,11 @@ def grammar_of(response_format: dict | None, structured_outputs: dict | None) ->
         if kind == "text":
             return None
         if kind == "json_object":
-            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, JSON_OPTIONS), "response_format"
+            return json_grammar({"type": "object"}), "response_format"
         schema = (response_format.get("json_schema") or {}).get("schema")
         if schema is None:
             raise ValueError("type json_schema needs json_schema.schema, a JSON schema")
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, JSON_OPTIONS), "response_format"
+        return json_grammar(schema), "response_format"
     if structured_outputs is None:
         return None
     given = {k: v for k, v in structured_outputs.items() if v is not None}
@@ -53,7 +81,7 @@ def grammar_of(response_format: dict | None, structured_outputs: dict | None) ->
     (kind, value), = given.items()
     if kind == "json":
         schema = json.loads(value) if isinstance(value, str) else value
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, JSON_OPTIONS), "structured_outputs"
+        return json_grammar(schema), "structured_outputs"
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(value), "structured_outputs"
     if kind == "choice":

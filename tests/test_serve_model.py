@@ -814,6 +814,8 @@ def test_structured_outputs_hold_each_answer_to_its_format(served, model, caplog
         scheduler.close()
 
 
+HI = [{"role": "user", "content": "hi"}]
+ADD = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
 BAD = [  # (method, path, body (None: send `raw`), raw bytes, status, words the message must contain)
     ("POST", "/v1/completions", None, b'{"prompt": "x", ', 400, "not valid JSON"),
     ("POST", "/v1/completions", None, b'["a list"]', 400, "must be a JSON object (got ['a list'])"),
@@ -867,6 +869,29 @@ BAD = [  # (method, path, body (None: send `raw`), raw bytes, status, words the 
     ("POST", "/v1/completions", {"prompt": "x", "response_format": {"type": "xml"}}, None, 400, "response_format.type"),
     ("POST", "/v1/completions", {"prompt": "x", "response_format": {"type": "json_object"},
                                  "structured_outputs": {"regex": "a"}}, None, 400, "not both"),
+    # function calling (tests/test_tool_calls.py has a model whose template writes calls)
+    ("POST", "/v1/chat/completions", {"messages": HI, "tools": [ADD]}, None, 400,
+     'tool_choice "auto" reads the calls the model writes in its chat template\'s format'),
+    ("POST", "/v1/chat/completions", {"messages": HI, "tool_choice": "required"}, None, 400,
+     "tool_choice 'required' needs tools to choose from"),
+    ("POST", "/v1/chat/completions", {"messages": HI, "tools": [ADD], "tool_choice": {
+        "type": "function", "function": {"name": "sub"}}}, None, 400, "names the function 'sub', which is not among"),
+    ("POST", "/v1/chat/completions", {"messages": HI, "tools": [ADD, ADD], "tool_choice": "required"}, None, 400,
+     "tools name a function twice: ['add']"),
+    ("POST", "/v1/chat/completions", {"messages": HI, "tools": [ADD], "tool_choice": "required",
+                                      "response_format": {"type": "json_object"}}, None, 400,
+     "leave response_format and structured_outputs out"),
+    ("POST", "/v1/chat/completions", {"messages": HI, "tools": [{"type": "function", "function": {"name": "a b"}}],
+                                      "tool_choice": "required"}, None, 400, "tools.0.function.name"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "assistant"}]}, None, 400, "needs its content"),
+    ("POST", "/v1/chat/completions", {"messages": [*HI, {"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "add", "arguments": "a=1"}}]}]}, None, 400,
+     "arguments are the text of a JSON object"),
+    ("POST", "/v1/chat/completions", {"messages": [*HI, {"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "add", "arguments": "{}"}}]}]}, None, 400,
+     "has no place for an assistant message's tool_calls"),
+    ("POST", "/v1/chat/completions", {"messages": [*HI, {"role": "tool", "content": "2"}]}, None, 400,
+     "a message is {'role': one of ['system', 'user', 'assistant']"),
     ("POST", "/v1/completions", {"prompt": "x", "response_format": {"type": "json_object"}, "min_tokens": 2}, None,
      400, "min_tokens with a structured output"),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True,

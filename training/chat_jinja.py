@@ -62,10 +62,11 @@ class CheckpointTemplate:
         self.special_tokens = special_tokens
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True,
-               continue_final_message: bool = False) -> str:
+               continue_final_message: bool = False, tools: list[dict] | None = None) -> str:
         """The prompt's text. Continuing the final message renders it with a mark after its text and
         cuts there, so the answer goes on from it; where the template trims the message's end, the
-        spacing before the mark goes too."""
+        spacing before the mark goes too. `tools`: OpenAI's tool definitions, which the template
+        reads as `tools` (None: the variable is left undefined, as transformers leaves it)."""
         import jinja2
 
         messages = [dict(m) for m in messages]
@@ -73,7 +74,7 @@ class CheckpointTemplate:
             messages[-1]["content"] += _CONTINUE_MARK
         try:
             text = self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                        **self.special_tokens)
+                                        **({"tools": tools} if tools else {}), **self.special_tokens)
         except jinja2.exceptions.TemplateError as e:
             raise ValueError(f"the checkpoint's chat template refused the messages: {e}") from None
         if continue_final_message:
@@ -86,8 +87,8 @@ class CheckpointTemplate:
         return text
 
     def prompt(self, messages: list[dict], add_generation_prompt: bool = True,
-               continue_final_message: bool = False) -> list[int]:
-        return self._ids(self.render(messages, add_generation_prompt, continue_final_message))
+               continue_final_message: bool = False, tools: list[dict] | None = None) -> list[int]:
+        return self._ids(self.render(messages, add_generation_prompt, continue_final_message, tools))
 
     def _ids(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids

@@ -1,0 +1,170 @@
+"""Tool calls (function calling) for `kiln serve-model`'s chat completions: OpenAI's `tools` and
+`tool_choice`, answered as vLLM answers them.
+
+The tools reach the model through its chat template (the `tools` variable transformers'
+`apply_chat_template` gives it; a template that never reads it, such as kiln's post-training
+one, prompts without them). The answer becomes tool calls in one of three ways:
+
+    a named function   the answer is that function's arguments, held to its `parameters` schema
+                       (evaluation/structured.py): one call; finish_reason "stop", as vLLM's
+    required           the answer is a JSON array of {"name", "parameters"} objects, each one of
+                       the tools' (one at most with parallel_tool_calls false): the calls;
+                       finish_reason "tool_calls"
+    auto               the model answers freely, and the calls it writes in its template's own
+                       format are read from its text: Hermes' `<tool_call>{"name": ...,
+                       "arguments": {...}}</tool_call>` (Qwen2.5's, Qwen3's, Hermes' and
+                       SmolLM3's templates); finish_reason "tool_calls" when it called one
+
+An answer whose calls do not parse (cut by max_tokens, or not JSON) comes back as the text it is,
+with its own finish_reason, as vLLM gives it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from dataclasses import dataclass, field
+
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+_HERMES_CALL = re.compile(re.escape(HERMES_OPEN) + r"(.*?)(?:" + re.escape(HERMES_CLOSE) + r"|$)", re.DOTALL)
+
+
+def call_format(template_source: str | None) -> str | None:
+    """The format a chat template writes tool calls in, where kiln reads it: "hermes" for a
+    template that renders past calls in `<tool_call>` tags; None for any other."""
+    return "hermes" if template_source and HERMES_OPEN in template_source else None
+
+
+def call_id() -> str:
+    return f"call_{secrets.token_hex(12)}"
+
+
+def tool_call(name: str, arguments: str) -> dict:
+    """One call as OpenAI's message gives it (`arguments`: the JSON object's text)."""
+    return {"id": call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    """What a request's `tools` and `tool_choice` ask of its answers. `functions`: OpenAI's
+    function definitions ({"name", "description", "parameters"}); `choice`: "auto", "required"
+    or a function's name ("none" asks for no tool call: no ToolChoice); `format`: the chat
+    template's call format (`call_format`), which "auto" needs."""
+
+    functions: tuple[dict, ...]
+    choice: str
+    parallel: bool = True
+    format: str | None = None
+
+    def __post_init__(self):
+        names = [f["name"] for f in self.functions]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tools name a function twice: {sorted(n for n in set(names) if names.count(n) > 1)}")
+        if self.choice not in ("auto", "required", *names):
+            raise ValueError(f"tool_choice names the function {self.choice!r}, which is not among the tools {names}")
+        if self.choice == "auto" and self.format is None:
+            raise ValueError("tool_choice \"auto\" reads the calls the model writes in its chat template's format, and "
+                             "this model's template has none kiln reads (Hermes' <tool_call> tags, as Qwen2.5's and "
+                             "Qwen3's): send tool_choice \"required\" or a named function, whose answers are held to "
+                             "the tools' schemas, or \"none\"")
+
+    @property
+    def named(self) -> bool:
+        return self.choice not in ("auto", "required")
+
+    def schema(self) -> dict | None:
+        """The JSON schema the answer is held to (None for "auto": free text)."""
+        if self.choice == "auto":
+            return None
+        parameters = {f["name"]: f.get("parameters") or {"type": "object"} for f in self.functions}
+        if self.named:
+            return parameters[self.choice]
+        one_of = [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]}, "parameters": schema},
+                   "required": ["name", "parameters"], "additionalProperties": False}
+                  for name, schema in parameters.items()]
+        return {"type": "array", "minItems": 1, **({} if self.parallel else {"maxItems": 1}),
+                "items": {"anyOf": one_of}}
+
+    def read(self, text: str) -> tuple[str | None, list[dict]] | None:
+        """(the content beside the calls, the calls) in an answer's text; None where it holds
+        no calls that parse (then the text is the answer's content)."""
+        if self.named:
+            return None, [tool_call(self.choice, text)]
+        if self.choice == "required":
+            try:
+                calls = json.loads(text)
+                return None, [tool_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in calls]
+            except (ValueError, TypeError, KeyError):  # cut by max_tokens: not the JSON its grammar would end
+                return None
+        at = text.find(HERMES_OPEN)
+        if at < 0:
+            return None
+        calls = []
+        for match in _HERMES_CALL.finditer(text, at):
+            try:
+                call = json.loads(match.group(1))
+                name, arguments = call["name"], call.get("arguments", call.get("parameters", {}))
+            except (ValueError, TypeError, KeyError, AttributeError):
+                return None
+            if not isinstance(name, str) or not isinstance(arguments, dict):
+                return None
+            calls.append(tool_call(name, json.dumps(arguments, ensure_ascii=False)))
+        return (text[:at] if text[:at].strip() else None), calls  # the text before the calls, as written
+
+    def message(self, text: str, finish: str) -> tuple[dict, str]:
+        """The answer's message and finish_reason."""
+        read = self.read(text)
+        if read is None:
+            return {"role": "assistant", "content": text}, finish
+        content, calls = read
+        return ({"role": "assistant", "content": content, "tool_calls": calls},
+                finish if self.named else "tool_calls")
+
+    def stream(self) -> "StreamedCalls":
+        return StreamedCalls(self)
+
+
+@dataclass
+class StreamedCalls:
+    """One streamed choice's deltas. A named function's arguments stream as they are drawn (the
+    first delta names the call); "required"'s calls come whole in the last chunk; "auto"'s text
+    streams as content up to where a call starts, and its calls come whole in the last chunk. A
+    text that holds no calls after all goes out as content there, so the deltas add up."""
+
+    tools: ToolChoice
+    text: str = ""
+    sent: int = 0  # of `text`, the characters that went out
+    id: str = field(default_factory=call_id)
+
+    def delta(self, piece: str, finish: str | None) -> tuple[dict | None, str | None]:
+        """The delta for the next piece of the answer's text (None: nothing to send yet), and
+        the finish_reason with the last piece (`finish` given)."""
+        self.text += piece
+        if self.tools.named:
+            head = {"index": 0, "id": self.id, "type": "function", "function": {"name": self.tools.choice,
+                                                                                 "arguments": piece}}
+            delta = {"tool_calls": [head if self.sent == 0 else {"index": 0, "function": {"arguments": piece}}]}
+            self.sent = len(self.text)
+            return (delta if piece or finish else None), finish
+        if finish is None:
+            if self.tools.choice == "required":
+                return None, None
+            end = self.text.find(HERMES_OPEN)
+            if end < 0:  # a tail that could begin the tag waits for the next piece
+                end = len(self.text) - next((k for k in range(len(HERMES_OPEN) - 1, 0, -1)
+                                             if self.text.endswith(HERMES_OPEN[:k])), 0)
+            if not self.text[:end].strip():  # content that is only spacing is no content (`read`): held
+                return None, None
+            return self._content(max(end, self.sent)), None
+        read = self.tools.read(self.text)
+        if read is None:
+            return self._content(len(self.text)) or {"content": ""}, finish
+        content, calls = read
+        delta = self._content(len(content or "")) or {}
+        calls = [{"index": i, **call} for i, call in enumerate(calls)]
+        return {**delta, "tool_calls": calls}, "tool_calls"
+
+    def _content(self, end: int) -> dict | None:
+        piece, self.sent = self.text[self.sent:end], max(self.sent, end)
+        return {"content": piece} if piece else None
