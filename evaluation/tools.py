@@ -11,9 +11,11 @@ one, prompts without them). The answer becomes tool calls in one of three ways:
                        the tools' (one at most with parallel_tool_calls false): the calls;
                        finish_reason "tool_calls"
     auto               the model answers freely, and the calls it writes in its template's own
-                       format are read from its text: Hermes' `<tool_call>{"name": ...,
+                       format are read from its text (`FORMATS`): Hermes' `<tool_call>{"name": ...,
                        "arguments": {...}}</tool_call>` (Qwen2.5's, Qwen3's, Hermes' and
-                       SmolLM3's templates); finish_reason "tool_calls" when it called one
+                       SmolLM3's templates), or Llama 3.1's JSON, `{"name": ..., "parameters":
+                       {...}}` (several joined by `;`) as the whole answer; finish_reason
+                       "tool_calls" when it called one
 
 An answer whose calls do not parse (cut by max_tokens, or not JSON) comes back as the text it is,
 with its own finish_reason, as vLLM gives it.
@@ -25,15 +27,13 @@ import json
 import re
 import secrets
 from dataclasses import dataclass, field
+from typing import Callable
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _HERMES_CALL = re.compile(re.escape(HERMES_OPEN) + r"(.*?)(?:" + re.escape(HERMES_CLOSE) + r"|$)", re.DOTALL)
+PYTHON_TAG = "<|python_tag|>"  # Llama 3.1's, before a call (dropped from the text with skip_special_tokens)
 
-
-def call_format(template_source: str | None) -> str | None:
-    """The format a chat template writes tool calls in, where kiln reads it: "hermes" for a
-    template that renders past calls in `<tool_call>` tags; None for any other."""
-    return "hermes" if template_source and HERMES_OPEN in template_source else None
+Read = tuple[str | None, list[dict]] | None  # (content, calls) in an answer's text; None: no calls that parse
 
 
 def call_id() -> str:
@@ -43,6 +43,76 @@ def call_id() -> str:
 def tool_call(name: str, arguments: str) -> dict:
     """One call as OpenAI's message gives it (`arguments`: the JSON object's text)."""
     return {"id": call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _call(value: object, arguments_key: str) -> dict:
+    """A call object a model wrote ({"name", arguments_key: {...}}) as OpenAI's; ValueError if it is none."""
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not isinstance(
+            value.get(arguments_key), dict):
+        raise ValueError(f"not a call: {value!r:.80}")
+    return tool_call(value["name"], json.dumps(value[arguments_key], ensure_ascii=False))
+
+
+def read_hermes(text: str) -> Read:
+    """Calls in `<tool_call>` tags; the text before the first is the content (None if only spacing)."""
+    at = text.find(HERMES_OPEN)
+    if at < 0:
+        return None
+    try:
+        calls = [_call(json.loads(m.group(1)), "arguments") for m in _HERMES_CALL.finditer(text, at)]
+    except ValueError:
+        return None
+    return (text[:at] if text[:at].strip() else None), calls
+
+
+def hermes_content_end(text: str) -> int:
+    """How much of a streamed answer is content for sure: up to a tag, or to a tail that may begin one."""
+    at = text.find(HERMES_OPEN)
+    if at >= 0:
+        return at
+    return len(text) - next((k for k in range(len(HERMES_OPEN) - 1, 0, -1) if text.endswith(HERMES_OPEN[:k])), 0)
+
+
+def read_llama3(text: str) -> Read:
+    """A whole answer of JSON calls (`{"name", "parameters"}`, several joined by `;`), no content."""
+    body = text.strip().removeprefix(PYTHON_TAG).lstrip()
+    decoder, calls, at = json.JSONDecoder(), [], 0
+    try:
+        while at < len(body):
+            value, at = decoder.raw_decode(body, at)
+            calls.append(_call(value, "parameters"))
+            at = len(body) - len(body[at:].lstrip().removeprefix(";").lstrip())
+    except ValueError:
+        return None
+    return (None, calls) if calls else None
+
+
+def llama3_content_end(text: str) -> int:
+    """An answer that may be a call (it starts as JSON or the python tag would) is held whole."""
+    start = text.lstrip()
+    maybe_call = not start or start.startswith("{") or start.startswith(PYTHON_TAG) or PYTHON_TAG.startswith(start)
+    return 0 if maybe_call else len(text)
+
+
+@dataclass(frozen=True)
+class CallFormat:
+    """How a family of chat templates writes tool calls: `mark`, text only such a template holds;
+    `read`, the calls in an answer; `content_end`, how much of a streamed answer is surely content."""
+
+    mark: str
+    read: Callable[[str], Read]
+    content_end: Callable[[str], int]
+
+
+FORMATS = {"hermes": CallFormat(HERMES_OPEN, read_hermes, hermes_content_end),
+           "llama3_json": CallFormat('"parameters": ', read_llama3, llama3_content_end)}
+
+
+def call_format(template_source: str | None) -> str | None:
+    """The format a chat template writes tool calls in, where kiln reads it (`FORMATS`, the
+    first whose mark the template holds: Hermes' `<tool_call>` tag, Llama 3.1's `"parameters": `
+    key); None for any other."""
+    return next((name for name, f in FORMATS.items() if template_source and f.mark in template_source), None)
 
 
 @dataclass(frozen=True)
@@ -66,8 +136,8 @@ class ToolChoice:
         if self.choice == "auto" and self.format is None:
             raise ValueError("tool_choice \"auto\" reads the calls the model writes in its chat template's format, and "
                              "this model's template has none kiln reads (Hermes' <tool_call> tags, as Qwen2.5's and "
-                             "Qwen3's): send tool_choice \"required\" or a named function, whose answers are held to "
-                             "the tools' schemas, or \"none\"")
+                             "Qwen3's, or Llama 3.1's JSON calls): send tool_choice \"required\" or a named function, "
+                             "whose answers are held to the tools' schemas, or \"none\"")
 
     @property
     def named(self) -> bool:
@@ -86,31 +156,17 @@ class ToolChoice:
         return {"type": "array", "minItems": 1, **({} if self.parallel else {"maxItems": 1}),
                 "items": {"anyOf": one_of}}
 
-    def read(self, text: str) -> tuple[str | None, list[dict]] | None:
+    def read(self, text: str) -> Read:
         """(the content beside the calls, the calls) in an answer's text; None where it holds
         no calls that parse (then the text is the answer's content)."""
         if self.named:
             return None, [tool_call(self.choice, text)]
         if self.choice == "required":
             try:
-                calls = json.loads(text)
-                return None, [tool_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in calls]
-            except (ValueError, TypeError, KeyError):  # cut by max_tokens: not the JSON its grammar would end
+                return None, [_call(value, "parameters") for value in json.loads(text)]
+            except (ValueError, TypeError):  # cut by max_tokens: not the JSON its grammar would end
                 return None
-        at = text.find(HERMES_OPEN)
-        if at < 0:
-            return None
-        calls = []
-        for match in _HERMES_CALL.finditer(text, at):
-            try:
-                call = json.loads(match.group(1))
-                name, arguments = call["name"], call.get("arguments", call.get("parameters", {}))
-            except (ValueError, TypeError, KeyError, AttributeError):
-                return None
-            if not isinstance(name, str) or not isinstance(arguments, dict):
-                return None
-            calls.append(tool_call(name, json.dumps(arguments, ensure_ascii=False)))
-        return (text[:at] if text[:at].strip() else None), calls  # the text before the calls, as written
+        return FORMATS[self.format].read(text)
 
     def message(self, text: str, finish: str) -> tuple[dict, str]:
         """The answer's message and finish_reason."""
@@ -150,10 +206,7 @@ class StreamedCalls:
         if finish is None:
             if self.tools.choice == "required":
                 return None, None
-            end = self.text.find(HERMES_OPEN)
-            if end < 0:  # a tail that could begin the tag waits for the next piece
-                end = len(self.text) - next((k for k in range(len(HERMES_OPEN) - 1, 0, -1)
-                                             if self.text.endswith(HERMES_OPEN[:k])), 0)
+            end = FORMATS[self.tools.format].content_end(self.text)
             if not self.text[:end].strip():  # content that is only spacing is no content (`read`): held
                 return None, None
             return self._content(max(end, self.sent)), None

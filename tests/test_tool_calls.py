@@ -8,6 +8,7 @@ schemas and the parser, not the model, make the calls."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -42,6 +43,18 @@ HERMES = (
     "<|im_end|>\n{% endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# Llama 3.1's way (written here): the tools before the last user message, a call as the whole
+# assistant turn in JSON with "parameters", a tool's answer in an `ipython` turn
+LLAMA3 = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['role'] == 'tool' %}<|start_header_id|>ipython<|end_header_id|>\n\n{{ m['content'] }}<|eot_id|>"
+    "{% elif m.tool_calls %}<|start_header_id|>assistant<|end_header_id|>\n\n{% for call in m.tool_calls %}"
+    "{\"name\": \"{{ call.function.name }}\", \"parameters\": {{ call.function.arguments | tojson }}}"
+    "{% if not loop.last %}; {% endif %}{% endfor %}<|eot_id|>"
+    "{% else %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n{% if tools and loop.last %}Call a function "
+    "as {\"name\": name, \"parameters\": arguments}: {% for t in tools %}{{ t | tojson }} {% endfor %}\n\n"
+    "{% endif %}{{ m['content'] }}<|eot_id|>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city now.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 10},
@@ -237,3 +250,39 @@ def test_auto_reads_the_calls_the_model_writes_in_its_templates_tags(client, her
     assert after.usage.prompt_tokens == len(tokens)
     rendered = hermes.tokenizer.decode(tokens, skip_special_tokens=False)
     assert written + "<|im_end|>\n<|im_start|>user\n<tool_response>\n18 degrees, rain" in rendered, rendered
+
+
+def test_auto_reads_llama_31s_json_calls(hermes):
+    """Llama 3.1's format: calls as the whole answer, JSON objects with "parameters" joined by
+    `;`, read into tool calls; text, or a call cut short, is content; streamed, an answer that
+    starts as JSON is held and comes whole in the last chunk, text streams."""
+    from openai import OpenAI
+
+    from evaluation.tools import call_format
+    from tests.test_hf_import import CHATML
+
+    assert (call_format(HERMES), call_format(LLAMA3), call_format(CHATML)) == ("hermes", "llama3_json", None)
+    llama = dataclasses.replace(hermes, chat_template=LLAMA3)
+    with serving(Service(llama, NAME, max_batch=2)) as url:
+        openai = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        ask = {"messages": ASK, "tools": TOOLS, "max_tokens": 100, "seed": 4}
+        two = '{"name": "add", "parameters": {"a": 2, "b": 3}}; {"name": "get_weather", "parameters": {"city": "Rome"}}'
+        forced = {"structured_outputs": {"regex": hermes_call(two)}}
+        choice = openai.chat.completions.create(model=NAME, extra_body=forced, **ask).choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
+            ("add", {"a": 2, "b": 3}), ("get_weather", {"city": "Rome"})]
+        deltas = streamed(openai, extra_body=forced, **ask)[0]
+        assert not any(d.content for d, _ in deltas) and deltas[-1][1] == "tool_calls"
+        assert [c.function.arguments for c in deltas[-1][0].tool_calls] == [
+            c.function.arguments for c in choice.message.tool_calls]
+        for text in ('{"name": "add", "parameters": {"a": 2', "It rains; {\"a\": 1}"):
+            regex = {"structured_outputs": {"regex": hermes_call(text)}}
+            choice = openai.chat.completions.create(model=NAME, extra_body=regex, **ask).choices[0]
+            assert (choice.message.content, choice.message.tool_calls, choice.finish_reason) == (text, None, "stop")
+            deltas = streamed(openai, extra_body=regex, **ask)[0]
+            pieces = [d.content for d, _ in deltas if d.content]
+            assert "".join(pieces) == text and deltas[-1][1] == "stop"
+            assert (len(pieces) == 1) == text.startswith("{")  # held whole, or streamed piece by piece
+        prompt = httpx.post(f"{url}/tokenize", json={"messages": ASK, "tools": TOOLS}).json()["tokens"]
+        assert '"name": "get_weather"' in llama.tokenizer.decode(prompt)  # the tools reached the prompt
