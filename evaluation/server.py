@@ -312,6 +312,11 @@ class Tool(BaseModel):
     function: FunctionDefinition
 
 
+def template_tools(tools: list[Tool] | None) -> list[dict] | None:
+    """The tools as a chat template reads them (transformers passes OpenAI's dicts as they are)."""
+    return [t.model_dump(exclude_unset=True) for t in tools] if tools else None
+
+
 class FunctionName(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: StrictStr
@@ -365,8 +370,6 @@ class ChatBody(_Body):
         """A structured output, or a tool call the answer must be (required, or a named function)."""
         return super().formatted() or self.tool_choice_name() not in ("none", "auto")
 
-    def template_tools(self) -> list[dict] | None:
-        return [t.model_dump(exclude_unset=True) for t in self.tools] if self.tools else None
 
 
 class TokenizeBody(BaseModel):
@@ -1028,7 +1031,7 @@ class Service:
         self.check_model(body.model)
         self.check_token_fields(body)
         ids = self.chat_prompt(body.messages, body.add_generation_prompt, body.continue_final_message,
-                               body.template_tools())
+                               template_tools(body.tools))
         tools = body.tool_use(call_format(self.template.source))
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         max_tokens = self.model.cfg.seq_len - len(ids) if limit is None else limit
@@ -1088,10 +1091,11 @@ class Service:
         tokens whose log-probabilities it carries (None when `top_logprobs` is None: none were
         asked for), `start` where the first one's text begins among the new text, `finish` the
         finish_reason with the choice's last piece. A token's log-probabilities come with the
-        chunk sent after its text's end (or with the choice's last), so that the chunks' add up
-        to those the request gets without streaming. `firsts[n]`, if given, opens choice n. An error after the
-        first chunk comes as an `error` event: the status line was sent already. `arrived`: when
-        the request came (monotonic), for the metrics; `grammar`: its structured output, if any."""
+        first chunk sent once its text is out (or with the choice's last), so that the chunks'
+        add up to those the request gets without streaming. `firsts[n]`, if given, opens choice
+        n. An error after the first chunk comes as an `error` event: the status line was sent
+        already. `arrived`: when the request came (monotonic), for the metrics; `grammar`: its
+        structured output, if any."""
         loop = asyncio.get_running_loop()
         arrivals: asyncio.Queue = asyncio.Queue()  # (choice, token index, drawn token) or (choice, None, finished job)
         stops, skip = body.stop_strings(), body.skip_special_tokens
@@ -1336,7 +1340,7 @@ def create_app(service: Service, api_key: str | None = None) -> FastAPI:
     async def tokenize(body: TokenizeBody):
         if body.messages is not None:
             ids = service.chat_prompt(body.messages, body.add_generation_prompt, body.continue_final_message,
-                                      body.tools and [t.model_dump(exclude_unset=True) for t in body.tools])
+                                      template_tools(body.tools))
         else:
             ids = service.tok.encode(body.prompt, add_special_tokens=False).ids
         return {"tokens": ids, "count": len(ids), "max_model_len": service.model.cfg.seq_len}

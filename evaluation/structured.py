@@ -36,7 +36,6 @@ def vocabulary(tokenizer_json: str, vocab_size: int, stop_ids: tuple[int, ...]) 
     if all(token["special"] for token in added):
         return whole
     tokenizer = Tokenizer.from_str(tokenizer_json)
-
     size = tokenizer.get_vocab_size(with_added_tokens=True)
 
     class Plain:  # what llguidance.TokenizerWrapper reads; ids past the tokenizer's are special, never allowed

@@ -66,7 +66,7 @@ class CheckpointTemplate:
         """The prompt's text. Continuing the final message renders it with a mark after its text and
         cuts there, so the answer goes on from it; where the template trims the message's end, the
         spacing before the mark goes too. `tools`: OpenAI's tool definitions, which the template
-        reads as `tools` (None: the variable is left undefined, as transformers leaves it)."""
+        reads as `tools` (None when there are none, as transformers passes it)."""
         import jinja2
 
         messages = [dict(m) for m in messages]
@@ -74,7 +74,7 @@ class CheckpointTemplate:
             messages[-1]["content"] += _CONTINUE_MARK
         try:
             text = self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                        **({"tools": tools} if tools else {}), **self.special_tokens)
+                                        tools=tools, **self.special_tokens)
         except jinja2.exceptions.TemplateError as e:
             raise ValueError(f"the checkpoint's chat template refused the messages: {e}") from None
         if continue_final_message:
