@@ -24,9 +24,14 @@ class KilnChat:
         self.stop_ids = (self.template.end_id,)  # the end of the assistant's turn
 
     def prompt(self, messages: list[dict], add_generation_prompt: bool = True,
-               continue_final_message: bool = False, tools: list[dict] | None = None) -> list[int]:
+               continue_final_message: bool = False, tools: list[dict] | None = None,
+               variables: dict | None = None) -> list[int]:
         """The prompt's ids; `tools` are left out: post-training's template has no place for them,
-        nor for an earlier answer's tool calls, which are refused rather than dropped."""
+        nor for an earlier answer's tool calls or template variables, which are refused rather
+        than dropped."""
+        if variables:
+            raise ValueError(f"post-training's chat template reads no variables: leave chat_template_kwargs "
+                             f"({sorted(variables)}) out")
         if any(m.get("tool_calls") for m in messages):
             raise ValueError("post-training's chat template has no place for an assistant message's tool_calls: this "
                              "model cannot be shown the calls it made (a checkpoint whose own template renders them "

@@ -16,7 +16,8 @@ FastAPI routes, uvicorn serving, on 127.0.0.1 by default; docs/serving.md is the
     POST /v1/chat/completions     messages rendered with the model's chat template (post-training's
                                   for SFT and DPO outputs, a checkpoint's own Jinja one:
                                   evaluation/chat_prompt.py); 400 for a model with neither; tool
-                                  calls (tools, tool_choice: evaluation/tools.py)
+                                  calls (tools, tool_choice: evaluation/tools.py); a thinking
+                                  model's reasoning apart (evaluation/reasoning.py)
     POST /tokenize, /detokenize   vLLM's tokenizer endpoints (a text prompt, or chat messages as chat
                                   completions prompt them), and GET /tokenizer_info: with them
                                   lm-eval finds the tokenizer on the server (its "remote" backend)
@@ -58,7 +59,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, AsyncIterator, Awaitable, Callable, Literal
+from typing import Annotated, Any, AsyncIterator, Awaitable, Callable, Literal
 
 import jax
 import numpy as np
@@ -75,6 +76,7 @@ from evaluation.chat_prompt import chat_for
 from evaluation.generate import (MAX_LOGPROBS, Model, Request, Sampled, Stream, TextStream, check_rows, sample_batch,
                                  stop_end, top_k_size)
 from evaluation.prefix_cache import PrefixCache, default_prefix_tokens, pool_bytes
+from evaluation.reasoning import StreamedThought, left_open, split, thinks
 from evaluation.scoring import bucket_for, buckets, make_prompt_scorer, pad_rows
 from evaluation.serving_metrics import CountRequests, ServingMetrics
 from evaluation.structured import Grammar, compile_grammar, grammar_of, json_grammar, vocabulary
@@ -342,6 +344,8 @@ class ChatBody(_Body):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # more variables for the chat template (Qwen3's enable_thinking), as vLLM passes them
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def tool_choice_name(self) -> str:
         """"none", "auto", "required" or the named function's name."""
@@ -383,6 +387,7 @@ class TokenizeBody(BaseModel):
     continue_final_message: bool = False
     add_special_tokens: bool = False  # kiln's tokenizers add none either way
     tools: list[Tool] | None = None  # rendered into the prompt as chat completions render them
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _one_form(self) -> "TokenizeBody":
@@ -1010,10 +1015,10 @@ class Service:
 
     # --- /v1/chat/completions ----------------------------------------------------------------------
 
-    def chat_prompt(self, messages: list[Message], add_generation_prompt: bool,
-                    continue_final_message: bool, tools: list[dict] | None = None) -> list[int]:
-        """The prompt ids of chat messages (and the tools they may call) in the model's template
-        (chat completions, /tokenize)."""
+    def chat_prompt(self, messages: list[Message], add_generation_prompt: bool, continue_final_message: bool,
+                    tools: list[dict] | None = None, variables: dict | None = None) -> list[int]:
+        """The prompt ids of chat messages (and the tools they may call) in the model's template,
+        with the request's `chat_template_kwargs` as more `variables` (chat completions, /tokenize)."""
         if self.template is None:
             raise ApiError(400, f"{self.name} has no chat template ({self.no_template}); for this model use "
                            "/v1/completions", "messages")
@@ -1022,7 +1027,7 @@ class Service:
             raise ApiError(400, "continue_final_message continues the last message, which must be the assistant's, "
                            "and needs add_generation_prompt=false (the two open different turns)", "messages")
         try:
-            return self.template.prompt(messages, add_generation_prompt, continue_final_message, tools)
+            return self.template.prompt(messages, add_generation_prompt, continue_final_message, tools, variables)
         except ValueError as e:
             raise ApiError(400, str(e), "messages") from None
 
@@ -1031,8 +1036,11 @@ class Service:
         self.check_model(body.model)
         self.check_token_fields(body)
         ids = self.chat_prompt(body.messages, body.add_generation_prompt, body.continue_final_message,
-                               template_tools(body.tools))
+                               template_tools(body.tools), body.chat_template_kwargs)
         tools = body.tool_use(call_format(self.template.source))
+        # a thinking template's answer: whether its thought is open from its start (None: no thought to part).
+        # A formatted answer is its format from its first token: it thinks only where its grammar writes the tags
+        opened = (left_open(self.decode(ids)) and not body.formatted()) if thinks(self.template.source) else None
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         max_tokens = self.model.cfg.seq_len - len(ids) if limit is None else limit
         if max_tokens < 1 and limit is None:
@@ -1046,11 +1054,22 @@ class Service:
         k = (body.top_logprobs or 0) if body.logprobs else None
         if body.stream:
             calls = [tools.stream() for _ in range(body.n)] if tools is not None else None
+            thoughts = [StreamedThought(opened) for _ in range(body.n)] if opened is not None else None
 
             def chunk(n: int, piece: str, drawn: list | None, start: int, finish: str | None) -> dict | None:
-                delta, finish = ({"content": piece}, finish) if calls is None else calls[n].delta(piece, finish)
-                if delta is None:  # a tool call's text, held until it is read
-                    return None
+                delta = {}
+                if thoughts is not None:
+                    thought, piece = thoughts[n].push(piece, last=finish is not None)
+                    delta = {"reasoning": thought} if thought else {}
+                if calls is not None:
+                    more, finish = calls[n].delta(piece, finish)
+                    delta.update(more or {})
+                elif piece or thoughts is None:
+                    delta["content"] = piece
+                if not delta:  # text held back (a tool call's, a tail that may begin a tag) or none
+                    if finish is None:
+                        return None
+                    delta = {"content": ""}
                 return {"delta": delta, "logprobs": None if drawn is None else {"content": [
                     self.chat_logprob(t, lp, top[:k], body.skip_special_tokens, body.return_tokens_as_token_ids)
                     for t, lp, top in drawn]}, "finish_reason": finish}
@@ -1069,8 +1088,7 @@ class Service:
                 logprobs = {"content": [self.chat_logprob(t, lp, top[:k], body.skip_special_tokens,
                                                           body.return_tokens_as_token_ids)
                                         for t, lp, top in zip(new, result.sampled.logprobs, result.sampled.top)]}
-            message, finish = (tools.message(text, finish) if tools is not None
-                               else ({"role": "assistant", "content": text}, finish))
+            message, finish = chat_message(text, finish, tools, opened)
             choices.append({"index": j, "message": message, "logprobs": logprobs, "finish_reason": finish})
         self.metrics.answered("/v1/chat/completions", len(ids), used, time.monotonic() - arrived)
         return {"id": f"chatcmpl-{secrets.token_hex(12)}", "object": "chat.completion", "created": int(time.time()),
@@ -1193,6 +1211,20 @@ class Service:
         return {"tokenizer_class": "kiln", "eos_token": tok.id_to_token(self.model.eos_id), "bos_token": bos,
                 "pad_token": None, "model_max_length": self.model.cfg.seq_len,
                 "chat_template": None if self.template is None else self.template.source}
+
+
+def chat_message(text: str, finish: str, tools: ToolChoice | None, opened: bool | None) -> tuple[dict, str]:
+    """A chat answer's message and finish_reason: its thought apart as `reasoning` (`opened`: whether
+    the thought is open from its start; None: no thought to part), the tool calls `tools` ask for read
+    from what follows (evaluation/reasoning.py, evaluation/tools.py)."""
+    reasoning = None
+    if opened is not None:
+        reasoning, text = split(text, opened)
+    message, finish = tools.message(text, finish) if tools is not None else (
+        {"role": "assistant", "content": text}, finish)
+    if reasoning is not None:  # it thought: what it did not write is null, as vLLM has it
+        message = {**message, "content": message["content"] or None, "reasoning": reasoning or None}
+    return message, finish
 
 
 def choice_seed(seed: int, choice: int) -> int:
@@ -1340,7 +1372,7 @@ def create_app(service: Service, api_key: str | None = None) -> FastAPI:
     async def tokenize(body: TokenizeBody):
         if body.messages is not None:
             ids = service.chat_prompt(body.messages, body.add_generation_prompt, body.continue_final_message,
-                                      template_tools(body.tools))
+                                      template_tools(body.tools), body.chat_template_kwargs)
         else:
             ids = service.tok.encode(body.prompt, add_special_tokens=False).ids
         return {"tokens": ids, "count": len(ids), "max_model_len": service.model.cfg.seq_len}

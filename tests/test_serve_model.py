@@ -890,6 +890,8 @@ BAD = [  # (method, path, body (None: send `raw`), raw bytes, status, words the 
     ("POST", "/v1/chat/completions", {"messages": [*HI, {"role": "assistant", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "add", "arguments": "{}"}}]}]}, None, 400,
      "has no place for an assistant message's tool_calls"),
+    ("POST", "/v1/chat/completions", {"messages": HI, "chat_template_kwargs": {"enable_thinking": False}}, None, 400,
+     "post-training's chat template reads no variables: leave chat_template_kwargs (['enable_thinking']) out"),
     ("POST", "/v1/chat/completions", {"messages": [*HI, {"role": "tool", "content": "2"}]}, None, 400,
      "a message is {'role': one of ['system', 'user', 'assistant']"),
     ("POST", "/v1/completions", {"prompt": "x", "response_format": {"type": "json_object"}, "min_tokens": 2}, None,

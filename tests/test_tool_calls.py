@@ -89,12 +89,13 @@ def follows(call, tool: dict = None) -> dict:
 
 @pytest.fixture(scope="module")
 def hermes(tmp_path_factory) -> Model:
-    """A random model whose tokenizer has ChatML's turn tokens and Hermes' call tags, with HERMES."""
+    """A random model whose tokenizer has ChatML's turn tokens, Hermes' call tags and the thought
+    tags (tests/test_reasoning.py), with HERMES."""
     folder = tokenizer_folder(tmp_path_factory.mktemp("hermes"), {"eos_token": "</s>", "bos_token": "<s>",
                                                                   "chat_template": HERMES})
     tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
     tokenizer.add_special_tokens(["<|im_start|>", "<|im_end|>"])
-    tokenizer.add_tokens(["<tool_call>", "</tool_call>"])  # plain added tokens, as Qwen2.5's: answers show them
+    tokenizer.add_tokens(["<tool_call>", "</tool_call>", "<think>", "</think>"])  # plain, as Qwen3's: answers show them
     tokenizer.save(str(folder / "tokenizer.json"))
     cfg = ModelConfig(vocab_size=320, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, seq_len=1536,
                       init_std=0.05)

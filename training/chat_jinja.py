@@ -62,19 +62,25 @@ class CheckpointTemplate:
         self.special_tokens = special_tokens
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True,
-               continue_final_message: bool = False, tools: list[dict] | None = None) -> str:
+               continue_final_message: bool = False, tools: list[dict] | None = None,
+               variables: dict | None = None) -> str:
         """The prompt's text. Continuing the final message renders it with a mark after its text and
         cuts there, so the answer goes on from it; where the template trims the message's end, the
         spacing before the mark goes too. `tools`: OpenAI's tool definitions, which the template
-        reads as `tools` (None when there are none, as transformers passes it)."""
+        reads as `tools` (None when there are none, as transformers passes it). `variables`: more
+        of them (Qwen3's `enable_thinking`), which may set the special tokens' but not these."""
         import jinja2
 
+        taken = sorted(set(variables or {}) & {"messages", "add_generation_prompt", "tools"})
+        if taken:
+            raise ValueError(f"the chat template's variables {taken} are the request's own fields: set them there, "
+                             "not in chat_template_kwargs")
         messages = [dict(m) for m in messages]
         if continue_final_message:
             messages[-1]["content"] += _CONTINUE_MARK
         try:
             text = self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                        tools=tools, **self.special_tokens)
+                                        tools=tools, **{**self.special_tokens, **(variables or {})})
         except jinja2.exceptions.TemplateError as e:
             raise ValueError(f"the checkpoint's chat template refused the messages: {e}") from None
         if continue_final_message:
@@ -87,8 +93,9 @@ class CheckpointTemplate:
         return text
 
     def prompt(self, messages: list[dict], add_generation_prompt: bool = True,
-               continue_final_message: bool = False, tools: list[dict] | None = None) -> list[int]:
-        return self._ids(self.render(messages, add_generation_prompt, continue_final_message, tools))
+               continue_final_message: bool = False, tools: list[dict] | None = None,
+               variables: dict | None = None) -> list[int]:
+        return self._ids(self.render(messages, add_generation_prompt, continue_final_message, tools, variables))
 
     def _ids(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
