@@ -853,12 +853,11 @@ class Service:
         param = "tools" if schema is not None else (
             "structured_outputs" if body.structured_outputs is not None else "response_format")
         try:
-            asked = (json_grammar(schema), param) if schema is not None else grammar_of(
+            text = json_grammar(schema) if schema is not None else grammar_of(
                 body.response_format and body.response_format.model_dump(by_alias=True),
                 body.structured_outputs and body.structured_outputs.model_dump(by_alias=True))
-            if asked is None:
+            if text is None:
                 return None
-            text, param = asked
             if ends not in self._vocabularies:
                 self._vocabularies[ends] = vocabulary(self.model.tokenizer.to_str(), self.model.cfg.vocab_size, ends)
             return compile_grammar(text, self._vocabularies[ends])

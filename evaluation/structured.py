@@ -54,11 +54,11 @@ def json_grammar(schema: dict) -> str:
     return llguidance.LLMatcher.grammar_from_json_schema(schema, JSON_OPTIONS)
 
 
-def grammar_of(response_format: dict | None, structured_outputs: dict | None) -> tuple[str, str] | None:
-    """The llguidance grammar a request asks for, and the request field that asked; None for free
-    text. `response_format`: OpenAI's ({"type": "json_object"} or {"type": "json_schema",
-    "json_schema": {"schema": ...}}); `structured_outputs`: vLLM's, exactly one of json (a
-    schema), regex, choice (a list of strings) or grammar (Lark). ValueError names what is wrong."""
+def grammar_of(response_format: dict | None, structured_outputs: dict | None) -> str | None:
+    """The llguidance grammar a request asks for; None for free text. `response_format`: OpenAI's
+    ({"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": ...}});
+    `structured_outputs`: vLLM's, exactly one of json (a schema), regex, choice (a list of
+    strings) or grammar (Lark). ValueError names what is wrong."""
     if response_format is not None and structured_outputs is not None:
         raise ValueError("give response_format or structured_outputs, not both")
     if response_format is not None:
@@ -66,11 +66,11 @@ def grammar_of(response_format: dict | None, structured_outputs: dict | None) ->
         if kind == "text":
             return None
         if kind == "json_object":
-            return json_grammar({"type": "object"}), "response_format"
+            return json_grammar({"type": "object"})
         schema = (response_format.get("json_schema") or {}).get("schema")
         if schema is None:
             raise ValueError("type json_schema needs json_schema.schema, a JSON schema")
-        return json_grammar(schema), "response_format"
+        return json_grammar(schema)
     if structured_outputs is None:
         return None
     given = {k: v for k, v in structured_outputs.items() if v is not None}
@@ -80,15 +80,15 @@ def grammar_of(response_format: dict | None, structured_outputs: dict | None) ->
     (kind, value), = given.items()
     if kind == "json":
         schema = json.loads(value) if isinstance(value, str) else value
-        return json_grammar(schema), "structured_outputs"
+        return json_grammar(schema)
     if kind == "regex":
-        return llguidance.LLMatcher.grammar_from_regex(value), "structured_outputs"
+        return llguidance.LLMatcher.grammar_from_regex(value)
     if kind == "choice":
         if not value:
             raise ValueError("structured_outputs.choice needs at least one string")
         either = "|".join(re.escape(choice) for choice in value)
-        return llguidance.LLMatcher.grammar_from_regex(f"({either})"), "structured_outputs"
-    return llguidance.LLMatcher.grammar_from_lark(value), "structured_outputs"
+        return llguidance.LLMatcher.grammar_from_regex(f"({either})")
+    return llguidance.LLMatcher.grammar_from_lark(value)
 
 
 def compile_grammar(grammar: str, tokens: llguidance.LLTokenizer) -> "Grammar":
