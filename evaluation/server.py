@@ -76,10 +76,10 @@ from evaluation.chat_prompt import chat_for
 from evaluation.generate import (MAX_LOGPROBS, Model, Request, Sampled, Stream, TextStream, check_rows, sample_batch,
                                  stop_end, top_k_size)
 from evaluation.prefix_cache import PrefixCache, default_prefix_tokens, pool_bytes
-from evaluation.reasoning import StreamedThought, left_open, split, thinks
+from evaluation.reasoning import THINK_CLOSE, StreamedThought, left_open, split, thinks
 from evaluation.scoring import bucket_for, buckets, make_prompt_scorer, pad_rows
 from evaluation.serving_metrics import CountRequests, ServingMetrics
-from evaluation.structured import Grammar, compile_grammar, grammar_of, json_grammar, vocabulary
+from evaluation.structured import Grammar, after_thought, compile_grammar, grammar_of, json_grammar, vocabulary
 from evaluation.tools import ToolChoice, call_format
 
 WINDOW_S = 0.005  # how long a request that finds the server idle waits for company
@@ -369,6 +369,13 @@ class ChatBody(_Body):
                               self.parallel_tool_calls, call_format)
         except ValueError as e:
             raise ApiError(400, str(e), "tool_choice") from None
+
+    def writes_thought(self) -> bool:
+        """Whether its structured output spells a thought's end tag itself (then it holds the whole
+        answer, the thought too: evaluation/reasoning.py)."""
+        asked = self.structured_outputs
+        return asked is not None and any(THINK_CLOSE in pattern.replace("\\/", "/")
+                                         for pattern in (asked.regex or "", asked.grammar or "", *(asked.choice or ())))
 
     def formatted(self) -> bool:
         """A structured output, or a tool call the answer must be (required, or a named function)."""
@@ -843,12 +850,14 @@ class Service:
                            "shorten the prompt or lower max_tokens", param)
         self.check_vocabulary(ids, param)
 
-    def grammar(self, body: _Body, ends: tuple[int, ...], tools: ToolChoice | None = None) -> Grammar | None:
+    def grammar(self, body: _Body, ends: tuple[int, ...], tools: ToolChoice | None = None,
+                thought: bool | None = None) -> Grammar | None:
         """The structured output `body` asks for (None: `{"type": "text"}`), or the tool calls
         `tools` hold the answer to, whose answers end at one of the stop ids `ends` once complete;
-        400 for a format llguidance cannot build, saying why. Run in a worker thread: llguidance's
-        view of a vocabulary takes ~0.6 s to build (GPT-2's; once per `ends`), which would hold up
-        every other request's answers on the event loop."""
+        with `thought` (whether the prompt opened it; None: no thought), held after a free thought
+        (`after_thought`). 400 for a format llguidance cannot build, saying why. Run in a worker
+        thread: llguidance's view of a vocabulary takes ~0.6 s to build (GPT-2's; once per
+        `ends`), which would hold up every other request's answers on the event loop."""
         schema = None if tools is None else tools.schema()
         param = "tools" if schema is not None else (
             "structured_outputs" if body.structured_outputs is not None else "response_format")
@@ -858,6 +867,8 @@ class Service:
                 body.structured_outputs and body.structured_outputs.model_dump(by_alias=True))
             if text is None:
                 return None
+            if thought is not None:
+                text = after_thought(text, thought)
             if ends not in self._vocabularies:
                 self._vocabularies[ends] = vocabulary(self.model.tokenizer.to_str(), self.model.cfg.vocab_size, ends)
             return compile_grammar(text, self._vocabularies[ends])
@@ -1037,9 +1048,10 @@ class Service:
         ids = self.chat_prompt(body.messages, body.add_generation_prompt, body.continue_final_message,
                                template_tools(body.tools), body.chat_template_kwargs)
         tools = body.tool_use(call_format(self.template.source))
-        # a thinking template's answer: whether its thought is open from its start (None: no thought to part).
-        # A formatted answer is its format from its first token: it thinks only where its grammar writes the tags
-        opened = (left_open(self.decode(ids)) and not body.formatted()) if thinks(self.template.source) else None
+        # a thinking template's answer: whether its thought is open from its start (None: no thought to part);
+        # a format holds what follows a free thought, unless it spells the thought's tags itself
+        opened = left_open(self.decode(ids)) if thinks(self.template.source) else None
+        thought = None if body.writes_thought() else opened
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         max_tokens = self.model.cfg.seq_len - len(ids) if limit is None else limit
         if max_tokens < 1 and limit is None:
@@ -1049,7 +1061,7 @@ class Service:
         body.check(max_tokens)
         ends = (*self.model.stop_ids, *self.template.stop_ids)
         stop_ids = body.stop_ids(ends)
-        grammar = await asyncio.to_thread(self.grammar, body, ends, tools) if body.formatted() else None
+        grammar = await asyncio.to_thread(self.grammar, body, ends, tools, thought) if body.formatted() else None
         k = (body.top_logprobs or 0) if body.logprobs else None
         if body.stream:
             calls = [tools.stream() for _ in range(body.n)] if tools is not None else None

@@ -54,6 +54,19 @@ def json_grammar(schema: dict) -> str:
     return llguidance.LLMatcher.grammar_from_json_schema(schema, JSON_OPTIONS)
 
 
+def after_thought(grammar: str, opened: bool) -> str:
+    """`grammar` held after a thinking model's thought (evaluation/reasoning.py): a free thought
+    ended by `</think>` (one the prompt `opened`, or one the answer may open with `<think>`), then
+    spacing, then the answer under `grammar` (an llguidance grammar of one part, named "answer" and
+    referred to from the thought's Lark grammar), as vLLM holds a reasoning model's answer."""
+    parts = json.loads(grammar)["grammars"]
+    if len(parts) != 1:
+        raise ValueError(f"a grammar of {len(parts)} parts cannot follow a thought: send one")
+    thought = 'thought[stop="</think>"]: /(.|\\n)*/\n'
+    start = "start: thought /[ \\n]*/ @answer\n" if opened else 'start: ("<think>" thought /[ \\n]*/)? @answer\n'
+    return json.dumps({"grammars": [{"lark_grammar": start + thought}, {**parts[0], "name": "answer"}]})
+
+
 def grammar_of(response_format: dict | None, structured_outputs: dict | None) -> str | None:
     """The llguidance grammar a request asks for; None for free text. `response_format`: OpenAI's
     ({"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": ...}});

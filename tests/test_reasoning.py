@@ -25,12 +25,14 @@ QWEN3 = HERMES.replace(
     "{%- if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}"
     "<think>\n\n</think>\n\n{% elif open_thought is defined and open_thought %}<think>\n{% endif %}{% endif %}")
 CALL = '<tool_call>\n{"name": "add", "parameters": {"a": 2, "b": 3}}\n</tool_call>'.replace("parameters", "arguments")
-CASES = [  # (the answer's text, chat_template_kwargs, tools, reasoning (None: no field), content, finish_reason)
-    ("<think>\nThe user asks about Paris.\n</think>\n\nIt rains.", None, None, "The user asks about Paris.",
+# (the answer's text, a regex of which holds it, thought included; logit biases by token text; tools;
+# reasoning (None: no field); content; finish_reason)
+CASES = [
+    ("<think>\nThe user asks about Paris.\n</think>\n\nIt rains.", {}, None, "The user asks about Paris.",
      "It rains.", "stop"),
-    ("<think>\nStill thinking", None, None, "Still thinking", None, "stop"),  # cut before its end: all thought
-    ("It rains.", None, None, None, "It rains.", "stop"),  # no thought
-    (f"<think>\nI should add.\n</think>\n\n{CALL}", None, TOOLS, "I should add.", None, "tool_calls"),
+    # a format without the tags holds what follows a free thought: here none, as no "<" can be drawn
+    ("It rains.", {"<think>": -100, "<": -100}, None, None, "It rains.", "stop"),
+    (f"<think>\nI should add.\n</think>\n\n{CALL}", {}, TOOLS, "I should add.", None, "tool_calls"),
 ]
 
 
@@ -45,11 +47,11 @@ def thinking(hermes):  # noqa: F811
 
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_the_thought_comes_apart_from_the_answer(thinking, case):
-    openai, _, _ = thinking
-    text, variables, tools, reasoning, content, finish = CASES[case]
+    openai, _, model = thinking
+    text, bias, tools, reasoning, content, finish = CASES[case]
     ask = {"messages": ASK, "max_tokens": 100, "seed": 3, **({"tools": tools} if tools else {}),
-           "extra_body": {"structured_outputs": {"regex": hermes_call(text)},
-                          **({"chat_template_kwargs": variables} if variables else {})}}
+           "logit_bias": {str(model.tokenizer.token_to_id(t)): v for t, v in bias.items()},
+           "extra_body": {"structured_outputs": {"regex": hermes_call(text)}}}
     choice = openai.chat.completions.create(model=NAME, **ask).choices[0]
     message = choice.message.model_dump()
     assert (message.get("reasoning"), message["content"], choice.finish_reason) == (reasoning, content, finish), message
@@ -69,10 +71,10 @@ def test_the_thought_comes_apart_from_the_answer(thinking, case):
 
 def test_a_thought_the_prompt_opened_is_the_answers_start(thinking):
     """A template that opens the thought in its generation prompt: the answer is reasoning until
-    it writes `</think>` (here it may not: all of it is); a formatted answer is not parted."""
+    it writes `</think>` (here it may not: all of it is); a format holds what follows the thought."""
     openai, _, model = thinking
-    close = model.tokenizer.token_to_id("</think>")
-    ask = {"messages": ASK, "max_tokens": 12, "seed": 3, "logit_bias": {str(close): -100},
+    close = str(model.tokenizer.token_to_id("</think>"))
+    ask = {"messages": ASK, "max_tokens": 12, "seed": 3, "logit_bias": {close: -100},
            "extra_body": {"chat_template_kwargs": {"open_thought": True}}}
     choice = openai.chat.completions.create(model=NAME, **ask).choices[0]
     message = choice.message.model_dump()
@@ -82,9 +84,34 @@ def test_a_thought_the_prompt_opened_is_the_answers_start(thinking):
     deltas = [d.model_dump() for d, _ in streamed(openai, **ask)[0]]
     assert "".join(d.get("reasoning") or "" for d in deltas) == message["reasoning"]
     assert not any(d.get("content") for d in deltas)
-    ask["extra_body"]["structured_outputs"] = {"regex": "Yes\\."}
+    # held to a regex, the answer thinks first (ending the thought soon: </think> made likely), then answers in it
+    ask["extra_body"]["structured_outputs"], ask["logit_bias"], ask["max_tokens"] = {"regex": "Yes\\."}, {close: 8}, 40
     choice = openai.chat.completions.create(model=NAME, **ask).choices[0]
-    assert choice.message.model_dump().get("reasoning") is None and choice.message.content == "Yes."
+    assert choice.message.content == "Yes." and choice.finish_reason == "stop", choice
+    assert "reasoning" in choice.message.model_dump()
+
+
+def test_a_format_holds_the_answer_after_a_free_thought(thinking):
+    """A JSON schema and a named function's arguments on a thinking template: the model may think
+    first (<think> and </think> made likely here), and its answer after the thought follows the
+    format; streamed, the thought and the call add up to the answer without streaming."""
+    openai, _, model = thinking
+    likely = {str(model.tokenizer.token_to_id(t)): 8 for t in ("<think>", "</think>")}
+    ask = {"messages": ASK, "max_tokens": 80, "seed": 5, "logit_bias": likely}
+    schema = {"name": "sum", "schema": TOOLS[1]["function"]["parameters"]}  # no strings for the tags to fill
+    choice = openai.chat.completions.create(model=NAME, response_format={"type": "json_schema", "json_schema": schema},
+                                            **ask).choices[0]
+    # it thought (the field is there; this thought is empty, so null) and the content is the JSON alone
+    assert "reasoning" in choice.message.model_dump() and choice.finish_reason == "stop", choice
+    assert set(json.loads(choice.message.content)) == {"a", "b"}
+    named = {**ask, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "add"}}}
+    choice = openai.chat.completions.create(model=NAME, **named).choices[0]
+    call, = choice.message.tool_calls
+    assert "reasoning" in choice.message.model_dump() and set(json.loads(call.function.arguments)) == {"a", "b"}
+    deltas = [d for d, _ in streamed(openai, **named)[0]]
+    assert "".join(d.model_dump().get("reasoning") or "" for d in deltas) == (choice.message.model_dump()["reasoning"]
+                                                                              or "")
+    assert "".join(c.function.arguments for d in deltas for c in d.tool_calls or []) == call.function.arguments
 
 
 TEXTS = [("<think>\nThe user asks.\n</think>\n\nIt rains.", False), ("Because.\n</think>\n\nYes.", True),
@@ -111,7 +138,7 @@ def test_a_streamed_thought_adds_up_to_the_whole_answers_parts(text, opened):
 
 def test_chat_template_kwargs_reach_the_template_as_transformers_passes_them(thinking, hf, tmp_path):  # noqa: F811
     """enable_thinking false: the prompt holds an empty thought, as transformers renders it; the
-    answer after it is content. A formatted answer is not parted (its format holds it whole)."""
+    answer after it is content."""
     _, transformers = hf
     openai, url, model = thinking
     folder = tokenizer_folder(tmp_path, {"eos_token": "</s>", "bos_token": "<s>", "chat_template": QWEN3,
@@ -124,12 +151,10 @@ def test_chat_template_kwargs_reach_the_template_as_transformers_passes_them(thi
         r = httpx.post(f"{url}/tokenize", json={"messages": ASK, "chat_template_kwargs": variables})
         assert r.status_code == 200 and r.json()["tokens"] == expected, r.text
     assert model.tokenizer.decode(expected, skip_special_tokens=False).endswith("assistant\n<think>\n")
+    no_thought = {str(model.tokenizer.token_to_id(t)): -100 for t in ("<think>", "<")}  # a model may think anyway
     off = {"chat_template_kwargs": {"enable_thinking": False}, "structured_outputs": {"regex": "Yes\\."}}
-    choice = openai.chat.completions.create(model=NAME, messages=ASK, max_tokens=8, extra_body=off).choices[0]
+    choice = openai.chat.completions.create(model=NAME, messages=ASK, max_tokens=8, logit_bias=no_thought,
+                                            extra_body=off).choices[0]
     assert choice.message.model_dump().get("reasoning") is None and choice.message.content == "Yes."
-    formatted = {"response_format": {"type": "json_object"}, "chat_template_kwargs": {"open_thought": True}}
-    choice = openai.chat.completions.create(model=NAME, messages=ASK, max_tokens=40, seed=1, extra_body=formatted)
-    assert choice.choices[0].message.model_dump().get("reasoning") is None
-    assert choice.choices[0].message.content.startswith("{")
     r = httpx.post(f"{url}/v1/chat/completions", json={"messages": ASK, "chat_template_kwargs": {"messages": []}})
     assert r.status_code == 400 and "are the request's own fields" in r.json()["error"]["message"], r.text
