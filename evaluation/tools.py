@@ -13,8 +13,9 @@ one, prompts without them). The answer becomes tool calls in one of three ways:
     auto               the model answers freely, and the calls it writes in its template's own
                        format are read from its text (`FORMATS`): Hermes' `<tool_call>{"name": ...,
                        "arguments": {...}}</tool_call>` (Qwen2.5's, Qwen3's, Hermes' and
-                       SmolLM3's templates), or Llama 3.1's JSON, `{"name": ..., "parameters":
-                       {...}}` (several joined by `;`) as the whole answer; finish_reason
+                       SmolLM3's templates), Llama 3.1's JSON, `{"name": ..., "parameters":
+                       {...}}` (several joined by `;`) as the whole answer, or Mistral's
+                       `[TOOL_CALLS][{"name": ..., "arguments": {...}}]`; finish_reason
                        "tool_calls" when it called one
 
 An answer whose calls do not parse (cut by max_tokens, or not JSON) comes back as the text it is,
@@ -26,23 +27,30 @@ from __future__ import annotations
 import json
 import re
 import secrets
-from dataclasses import dataclass, field
+import string
+from dataclasses import dataclass
 from typing import Callable
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _HERMES_CALL = re.compile(re.escape(HERMES_OPEN) + r"(.*?)(?:" + re.escape(HERMES_CLOSE) + r"|$)", re.DOTALL)
 PYTHON_TAG = "<|python_tag|>"  # Llama 3.1's, before a call (dropped from the text with skip_special_tokens)
+TOOL_CALLS = "[TOOL_CALLS]"  # Mistral's, before its calls (a special token: dropped from the text likewise)
 
 Read = tuple[str | None, list[dict]] | None  # (content, calls) in an answer's text; None: no calls that parse
 
 
-def call_id() -> str:
+def call_id(format: str | None = None) -> str:
+    """A new call's id: OpenAI's kind, or nine letters and digits for Mistral's templates, which
+    refuse any other id when the call comes back in the conversation."""
+    if format == "mistral":
+        return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
     return f"call_{secrets.token_hex(12)}"
 
 
 def tool_call(name: str, arguments: str) -> dict:
-    """One call as OpenAI's message gives it (`arguments`: the JSON object's text)."""
-    return {"id": call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+    """One call as OpenAI's message gives it (`arguments`: the JSON object's text), its id given
+    by `ToolChoice.message` or the stream."""
+    return {"type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 def _call(value: object, arguments_key: str) -> dict:
@@ -94,6 +102,25 @@ def llama3_content_end(text: str) -> int:
     return 0 if maybe_call else len(text)
 
 
+def read_mistral(text: str) -> Read:
+    """A whole answer of `[TOOL_CALLS]` and a JSON array of `{"name", "arguments"}`, no content."""
+    body = text.strip().removeprefix(TOOL_CALLS).lstrip()
+    if not body.startswith("["):
+        return None
+    try:
+        calls = [_call(value, "arguments") for value in json.loads(body)]
+    except (ValueError, TypeError):
+        return None
+    return (None, calls) if calls else None
+
+
+def mistral_content_end(text: str) -> int:
+    """An answer that may be calls (it starts as an array or the tag would) is held whole."""
+    start = text.lstrip()
+    maybe_call = not start or start.startswith("[") or TOOL_CALLS.startswith(start)
+    return 0 if maybe_call else len(text)
+
+
 @dataclass(frozen=True)
 class CallFormat:
     """How a family of chat templates writes tool calls: `mark`, text only such a template holds;
@@ -105,13 +132,14 @@ class CallFormat:
 
 
 FORMATS = {"hermes": CallFormat(HERMES_OPEN, read_hermes, hermes_content_end),
-           "llama3_json": CallFormat('"parameters": ', read_llama3, llama3_content_end)}
+           "llama3_json": CallFormat('"parameters": ', read_llama3, llama3_content_end),
+           "mistral": CallFormat(TOOL_CALLS, read_mistral, mistral_content_end)}
 
 
 def call_format(template_source: str | None) -> str | None:
     """The format a chat template writes tool calls in, where kiln reads it (`FORMATS`, the
     first whose mark the template holds: Hermes' `<tool_call>` tag, Llama 3.1's `"parameters": `
-    key); None for any other."""
+    key, Mistral's `[TOOL_CALLS]`); None for any other."""
     return next((name for name, f in FORMATS.items() if template_source and f.mark in template_source), None)
 
 
@@ -136,8 +164,9 @@ class ToolChoice:
         if self.choice == "auto" and self.format is None:
             raise ValueError("tool_choice \"auto\" reads the calls the model writes in its chat template's format, and "
                              "this model's template has none kiln reads (Hermes' <tool_call> tags, as Qwen2.5's and "
-                             "Qwen3's, or Llama 3.1's JSON calls): send tool_choice \"required\" or a named function, "
-                             "whose answers are held to the tools' schemas, or \"none\"")
+                             "Qwen3's, Llama 3.1's JSON calls or Mistral's [TOOL_CALLS]): send tool_choice "
+                             "\"required\" or a named function, whose answers are held to the tools' schemas, or "
+                             "\"none\"")
 
     @property
     def named(self) -> bool:
@@ -174,6 +203,7 @@ class ToolChoice:
         if read is None:
             return {"role": "assistant", "content": text}, finish
         content, calls = read
+        calls = [{"id": call_id(self.format), **call} for call in calls]
         return ({"role": "assistant", "content": content, "tool_calls": calls},
                 finish if self.named else "tool_calls")
 
@@ -191,15 +221,14 @@ class StreamedCalls:
     tools: ToolChoice
     text: str = ""
     sent: int = 0  # of `text`, the characters that went out
-    id: str = field(default_factory=call_id)
 
     def delta(self, piece: str, finish: str | None) -> tuple[dict | None, str | None]:
         """The delta for the next piece of the answer's text (None: nothing to send yet), and
         the finish_reason with the last piece (`finish` given)."""
         self.text += piece
         if self.tools.named:
-            head = {"index": 0, "id": self.id, "type": "function", "function": {"name": self.tools.choice,
-                                                                                 "arguments": piece}}
+            head = {"index": 0, "id": call_id(self.tools.format), "type": "function",
+                    "function": {"name": self.tools.choice, "arguments": piece}}
             delta = {"tool_calls": [head if self.sent == 0 else {"index": 0, "function": {"arguments": piece}}]}
             self.sent = len(self.text)
             return (delta if piece or finish else None), finish
@@ -215,7 +244,7 @@ class StreamedCalls:
             return self._content(len(self.text)) or {"content": ""}, finish
         content, calls = read
         delta = self._content(len(content or "")) or {}
-        calls = [{"index": i, **call} for i, call in enumerate(calls)]
+        calls = [{"index": i, "id": call_id(self.tools.format), **call} for i, call in enumerate(calls)]
         return {**delta, "tool_calls": calls}, "tool_calls"
 
     def _content(self, end: int) -> dict | None:

@@ -55,6 +55,20 @@ LLAMA3 = (
     "as {\"name\": name, \"parameters\": arguments}: {% for t in tools %}{{ t | tojson }} {% endfor %}\n\n"
     "{% endif %}{{ m['content'] }}<|eot_id|>{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+# Mistral's way (written here): the tools before the last user turn, the calls as `[TOOL_CALLS]`
+# and a JSON array, each with an id of nine letters and digits (the template refuses others), a
+# tool's answer in `[TOOL_RESULTS]`
+MISTRAL = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['role'] == 'user' %}{% if tools and loop.last %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]"
+    "{% endif %}[INST]{{ m['content'] }}[/INST]"
+    "{% elif m.tool_calls %}[TOOL_CALLS][{% for call in m.tool_calls %}"
+    "{% if call.id | length != 9 %}{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}"
+    "{% endif %}{\"name\": \"{{ call.function.name }}\", \"arguments\": {{ call.function.arguments | tojson }}, "
+    "\"id\": \"{{ call.id }}\"}{% if not loop.last %}, {% endif %}{% endfor %}]{{ eos_token }}"
+    "{% elif m['role'] == 'tool' %}[TOOL_RESULTS]{\"content\": {{ m['content'] | tojson }}, \"call_id\": "
+    "\"{{ m.tool_call_id }}\"}[/TOOL_RESULTS]"
+    "{% elif m['role'] == 'assistant' %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}")
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city now.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 10},
@@ -89,13 +103,14 @@ def follows(call, tool: dict = None) -> dict:
 
 @pytest.fixture(scope="module")
 def hermes(tmp_path_factory) -> Model:
-    """A random model whose tokenizer has ChatML's turn tokens, Hermes' call tags and the thought
-    tags (tests/test_reasoning.py), with HERMES."""
+    """A random model whose tokenizer has ChatML's turn tokens, Hermes' call tags, the thought
+    tags (tests/test_reasoning.py) and Mistral's call token, with HERMES."""
     folder = tokenizer_folder(tmp_path_factory.mktemp("hermes"), {"eos_token": "</s>", "bos_token": "<s>",
                                                                   "chat_template": HERMES})
     tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
     tokenizer.add_special_tokens(["<|im_start|>", "<|im_end|>"])
     tokenizer.add_tokens(["<tool_call>", "</tool_call>", "<think>", "</think>"])  # plain, as Qwen3's: answers show them
+    tokenizer.add_special_tokens(["[TOOL_CALLS]"])  # special, as Mistral's: not in an answer's text
     tokenizer.save(str(folder / "tokenizer.json"))
     cfg = ModelConfig(vocab_size=320, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, seq_len=1536,
                       init_std=0.05)
@@ -287,3 +302,39 @@ def test_auto_reads_llama_31s_json_calls(hermes):
             assert (len(pieces) == 1) == text.startswith("{")  # held whole, or streamed piece by piece
         prompt = httpx.post(f"{url}/tokenize", json={"messages": ASK, "tools": TOOLS}).json()["tokens"]
         assert '"name": "get_weather"' in llama.tokenizer.decode(prompt)  # the tools reached the prompt
+
+
+def test_auto_reads_mistrals_calls_and_gives_them_ids_its_template_takes_back(hermes):
+    """Mistral's format: `[TOOL_CALLS]` (a special token, so not in the answer's text) and a JSON
+    array of calls; each call gets an id of nine letters and digits, which Mistral's templates
+    require when the call comes back in the conversation, as it does here."""
+    from openai import OpenAI
+
+    from evaluation.tools import call_format
+
+    assert call_format(MISTRAL) == "mistral"
+    mistral = dataclasses.replace(hermes, chat_template=MISTRAL)
+    with serving(Service(mistral, NAME, max_batch=2)) as url:
+        openai = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        ask = {"messages": ASK[1:], "tools": TOOLS, "max_tokens": 100, "seed": 4}
+        written = ('[{"name": "add", "arguments": {"a": 2, "b": 3}}, '
+                   '{"name": "get_weather", "arguments": {"city": "Rome"}}]')
+        forced = {"structured_outputs": {"regex": hermes_call(written)}}
+        choice = openai.chat.completions.create(model=NAME, extra_body=forced, **ask).choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
+            ("add", {"a": 2, "b": 3}), ("get_weather", {"city": "Rome"})]
+        assert all(re.fullmatch("[A-Za-z0-9]{9}", c.id) for c in choice.message.tool_calls)
+        deltas = streamed(openai, extra_body=forced, **ask)[0]
+        assert not any(d.content for d, _ in deltas) and deltas[-1][1] == "tool_calls"
+        named = openai.chat.completions.create(model=NAME, **{**ask, "tool_choice": "required", "max_tokens": 200})
+        assert all(re.fullmatch("[A-Za-z0-9]{9}", c.id) for c in named.choices[0].message.tool_calls)
+        # the next turn: the calls as the client got them, each tool's answer; the template takes the ids back
+        messages = [*ASK[1:], choice.message.model_dump(exclude_none=True),
+                    *({"role": "tool", "tool_call_id": c.id, "content": "5"} for c in choice.message.tool_calls)]
+        tokens = httpx.post(f"{url}/tokenize", json={"messages": messages, "tools": TOOLS}).json()["tokens"]
+        after = openai.chat.completions.create(model=NAME, messages=messages, tools=TOOLS, tool_choice="none",
+                                               max_tokens=4)
+        assert after.usage.prompt_tokens == len(tokens)
+        text = mistral.tokenizer.decode(tokens, skip_special_tokens=False)
+        assert f'"id": "{choice.message.tool_calls[0].id}"' in text and '[TOOL_RESULTS]{"content": "5"' in text
