@@ -95,13 +95,6 @@ def read_llama3(text: str) -> Read:
     return (None, calls) if calls else None
 
 
-def llama3_content_end(text: str) -> int:
-    """An answer that may be a call (it starts as JSON or the python tag would) is held whole."""
-    start = text.lstrip()
-    maybe_call = not start or start.startswith("{") or start.startswith(PYTHON_TAG) or PYTHON_TAG.startswith(start)
-    return 0 if maybe_call else len(text)
-
-
 def read_mistral(text: str) -> Read:
     """A whole answer of `[TOOL_CALLS]` and a JSON array of `{"name", "arguments"}`, no content."""
     body = text.strip().removeprefix(TOOL_CALLS).lstrip()
@@ -114,11 +107,13 @@ def read_mistral(text: str) -> Read:
     return (None, calls) if calls else None
 
 
-def mistral_content_end(text: str) -> int:
-    """An answer that may be calls (it starts as an array or the tag would) is held whole."""
-    start = text.lstrip()
-    maybe_call = not start or start.startswith("[") or TOOL_CALLS.startswith(start)
-    return 0 if maybe_call else len(text)
+def held_whole(opening: str, tag: str) -> Callable[[str], int]:
+    """How much of a streamed answer is content for sure, for a format whose calls are the whole
+    answer: none of one that may be calls (it starts as `opening` or as `tag` would), all of any other."""
+    def content_end(text: str) -> int:
+        start = text.lstrip()
+        return 0 if not start or start.startswith((opening, tag)) or tag.startswith(start) else len(text)
+    return content_end
 
 
 @dataclass(frozen=True)
@@ -132,8 +127,8 @@ class CallFormat:
 
 
 FORMATS = {"hermes": CallFormat(HERMES_OPEN, read_hermes, hermes_content_end),
-           "llama3_json": CallFormat('"parameters": ', read_llama3, llama3_content_end),
-           "mistral": CallFormat(TOOL_CALLS, read_mistral, mistral_content_end)}
+           "llama3_json": CallFormat('"parameters": ', read_llama3, held_whole("{", PYTHON_TAG)),
+           "mistral": CallFormat(TOOL_CALLS, read_mistral, held_whole("[", TOOL_CALLS))}
 
 
 def call_format(template_source: str | None) -> str | None:
