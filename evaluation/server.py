@@ -1070,8 +1070,8 @@ class Service:
             def chunk(n: int, piece: str, drawn: list | None, start: int, finish: str | None) -> dict | None:
                 delta = {}
                 if thoughts is not None:
-                    thought, piece = thoughts[n].push(piece, last=finish is not None)
-                    delta = {"reasoning": thought} if thought else {}
+                    reasoning, piece = thoughts[n].push(piece, last=finish is not None)
+                    delta = {"reasoning": reasoning} if reasoning else {}
                 if calls is not None:
                     more, finish = calls[n].delta(piece, finish)
                     delta.update(more or {})
