@@ -835,6 +835,11 @@ class Service:
             self._pieces[key] = self.model.tokenizer.decode([token], skip_special_tokens=skip_special)
         return self._pieces[key]
 
+    def special(self, text: str) -> bool:
+        """Whether `text` is one special token of the tokenizer (left out of answers' text by default)."""
+        token = self.model.tokenizer.token_to_id(text)
+        return token is not None and self.piece(token, skip_special=True) == ""
+
     def label(self, token: int, skip_special: bool, as_id: bool) -> str:
         """How logprobs name a token: its text, or "token_id:<id>" (vLLM's return_tokens_as_token_ids)."""
         return f"token_id:{token}" if as_id else self.piece(token, skip_special)
@@ -1048,6 +1053,8 @@ class Service:
         ids = self.chat_prompt(body.messages, body.add_generation_prompt, body.continue_final_message,
                                template_tools(body.tools), body.chat_template_kwargs)
         tools = body.tool_use(call_format(self.template.source))
+        if tools is not None and tools.choice == "auto" and body.skip_special_tokens and self.special(tools.mark()):
+            body = body.model_copy(update={"skip_special_tokens": False})  # the text keeps the calls' tag, as vLLM's
         # a thinking template's answer: whether its thought is open from its start (None: no thought to part);
         # a format holds what follows a free thought, unless it spells the thought's tags itself
         opened = left_open(self.decode(ids)) if thinks(self.template.source) else None

@@ -34,7 +34,7 @@ from typing import Callable
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _HERMES_CALL = re.compile(re.escape(HERMES_OPEN) + r"(.*?)(?:" + re.escape(HERMES_CLOSE) + r"|$)", re.DOTALL)
 PYTHON_TAG = "<|python_tag|>"  # Llama 3.1's, before a call (dropped from the text with skip_special_tokens)
-TOOL_CALLS = "[TOOL_CALLS]"  # Mistral's, before its calls (a special token: dropped from the text likewise)
+TOOL_CALLS = "[TOOL_CALLS]"  # Mistral's, before its calls (a special token, which auto keeps in the text)
 
 Read = tuple[str | None, list[dict]] | None  # (content, calls) in an answer's text; None: no calls that parse
 
@@ -162,6 +162,11 @@ class ToolChoice:
                              "Qwen3's, Llama 3.1's JSON calls or Mistral's [TOOL_CALLS]): send tool_choice "
                              "\"required\" or a named function, whose answers are held to the tools' schemas, or "
                              "\"none\"")
+
+    def mark(self) -> str:
+        """The text that starts the calls in the template's format ("" for none): where it is a
+        special token (Hermes 3's `<tool_call>`), "auto" reads the answer with special tokens kept."""
+        return FORMATS[self.format].mark if self.format else ""
 
     @property
     def named(self) -> bool:

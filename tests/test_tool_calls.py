@@ -338,3 +338,27 @@ def test_auto_reads_mistrals_calls_and_gives_them_ids_its_template_takes_back(he
         assert after.usage.prompt_tokens == len(tokens)
         text = mistral.tokenizer.decode(tokens, skip_special_tokens=False)
         assert f'"id": "{choice.message.tool_calls[0].id}"' in text and '[TOOL_RESULTS]{"content": "5"' in text
+
+
+def test_auto_reads_hermes_tags_that_are_special_tokens(hermes, tmp_path):
+    """Hermes 3 marks `<tool_call>` special, so the answer's text would leave it out (skip_special_tokens):
+    for `auto` the server keeps special tokens in the text, as vLLM's parser does, and reads the call."""
+    from openai import OpenAI
+
+    folder = tokenizer_folder(tmp_path, {})
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))  # the same ids as the fixture's; the tags special
+    tokenizer.add_special_tokens(["<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"])
+    tokenizer.add_tokens(["<think>", "</think>"])
+    assert [tokenizer.token_to_id(t) for t in ("<tool_call>", "</think>")] == [
+        hermes.tokenizer.token_to_id(t) for t in ("<tool_call>", "</think>")]
+    with serving(Service(dataclasses.replace(hermes, tokenizer=tokenizer), NAME, max_batch=2)) as url:
+        openai = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        call = '"\\n{\\"name\\": \\"add\\", \\"arguments\\": {\\"a\\": 2, \\"b\\": 3}}\\n"'
+        grammar = f'start: "Let me add." <tool_call> {call} </tool_call>\n'  # special tokens, as Lark names them
+        ask = {"messages": ASK, "tools": TOOLS, "max_tokens": 60, "seed": 2,
+               "extra_body": {"structured_outputs": {"grammar": grammar}}}
+        choice = openai.chat.completions.create(model=NAME, **ask).choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me add.", choice
+        assert json.loads(choice.message.tool_calls[0].function.arguments) == {"a": 2, "b": 3}
+        plain = openai.chat.completions.create(model=NAME, **{**ask, "tools": None}).choices[0]
+        assert plain.message.content == 'Let me add.\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n'  # tags left out
