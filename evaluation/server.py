@@ -365,7 +365,7 @@ class ChatBody(_Body):
         if not self.tools:
             raise ApiError(400, f"tool_choice {choice!r} needs tools to choose from", "tool_choice")
         try:
-            return ToolChoice(tuple(t.function.model_dump(exclude_unset=True) for t in self.tools), choice,
+            return ToolChoice(tuple(t["function"] for t in template_tools(self.tools)), choice,
                               self.parallel_tool_calls, call_format)
         except ValueError as e:
             raise ApiError(400, str(e), "tool_choice") from None
@@ -380,7 +380,6 @@ class ChatBody(_Body):
     def formatted(self) -> bool:
         """A structured output, or a tool call the answer must be (required, or a named function)."""
         return super().formatted() or self.tool_choice_name() not in ("none", "auto")
-
 
 
 class TokenizeBody(BaseModel):
