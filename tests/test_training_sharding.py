@@ -19,15 +19,15 @@ from training.loop import train
 REPO = Path(__file__).resolve().parent.parent
 
 
-def configs(mesh: MeshConfig, microbatches: int = 1) -> tuple[ModelConfig, TrainConfig]:
+def configs(mesh: MeshConfig, microbatches: int = 1, **fields) -> tuple[ModelConfig, TrainConfig]:
     model = ModelConfig(vocab_size=kjv_tokens()[1], d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
                         d_ff=192, seq_len=64)
     return model, TrainConfig(batch_size=16, microbatches=microbatches, steps=12, lr=1e-2, warmup=3,
-                              log_every=1, eval_every=6, checkpoint_every=100, mesh=mesh, peak_flops=1e11)
+                              log_every=1, eval_every=6, checkpoint_every=100, mesh=mesh, peak_flops=1e11, **fields)
 
 
-def curve(tmp: Path, mesh: MeshConfig, microbatches: int = 1) -> dict:
-    model, cfg = configs(mesh, microbatches)
+def curve(tmp: Path, mesh: MeshConfig, microbatches: int = 1, **fields) -> dict:
+    model, cfg = configs(mesh, microbatches, **fields)
     data = WindowBatches(kjv_tokens()[0], cfg.batch_size, model.seq_len)
     seen: list[dict] = []
     stats = train(model, cfg, data.batch_at, data.val_batches(16), tmp / "work", tmp / "out", seen.append)

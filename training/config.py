@@ -423,8 +423,14 @@ class TrainConfig(ConfigModel):
     decay_steps: Count | None = identity_when_set(
         None, description="WSD: decay over exactly this many last steps instead of `decay_fraction` of them (a "
         "cooldown branch of a fixed length, whichever step it starts from).")
-    weight_decay: NonNegativeFloat = Field(0.1, description="AdamW's decoupled weight decay (times the learning "
-                                           "rate), applied to matrices only, never to norms.")
+    optimizer: Literal["adamw", "muon"] = identity_when_set(
+        "adamw", description="`adamw`; or `muon`: Muon (momentum orthogonalised by Newton-Schulz) for the decoder "
+        "blocks' projection matrices, scaled to AdamW's update size so that `lr` and `weight_decay` carry over, and "
+        "AdamW for the embedding, output layer, norms and biases (training/optim.py). Not with `lora`.")
+    muon_momentum: Beta = identity_when_set(0.95, description="Muon's (Nesterov) momentum; the AdamW part of a "
+                                            "muon run uses beta1 and beta2.")
+    weight_decay: NonNegativeFloat = Field(0.1, description="Decoupled weight decay (times the learning rate), "
+                                           "applied to matrices only, never to norms: AdamW's, and Muon's.")
     grad_clip: NonNegativeFloat = Field(1.0, description="Clip the gradient's global norm to this; 0 turns "
                                         "clipping off.")
     beta1: Beta = Field(0.9, description="Adam's decay rate of the first moment (the gradient's running mean).")
@@ -535,6 +541,9 @@ class TrainConfig(ConfigModel):
             raise ValueError(f"batch_size={self.batch_size} in {self.microbatches} microbatch(es) of "
                              f"{self.batch_size // self.microbatches} rows does not split into batch_parts="
                              f"{self.batch_parts} equal parts: pick a batch_parts that divides the rows per microbatch")
+        if self.optimizer == "muon" and self.lora is not None:
+            raise ValueError("optimizer muon orthogonalises a model's own matrices; LoRA's low-rank adapters train "
+                             "with adamw: leave optimizer out with lora")
         if self.warmup >= self.steps:
             raise ValueError(f"warmup={self.warmup} must be shorter than steps={self.steps}")
         if self.split_parts and (self.batch_parts == 1 or self.microbatches > 1 or self.lora is not None):

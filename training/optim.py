@@ -1,7 +1,15 @@
-"""The optimizer: AdamW behind global-norm clipping, with warmup then cosine or WSD decay.
+"""The optimizer: AdamW, or Muon for the decoder blocks' matrices, behind global-norm clipping,
+with warmup then cosine or WSD decay.
 
 Weight decay applies to matrices only (ndim >= 2: projections and embeddings); decaying norm
 gains towards zero would fight the normalisation they exist to undo.
+
+Muon (Jordan et al. 2024; at scale, Liu et al. 2025, "Muon is Scalable for LLM Training") updates a
+matrix by its momentum orthogonalised (five Newton-Schulz iterations: every singular value
+near 1), scaled by 0.2 * sqrt(max(fan_in, fan_out)) so that the update's RMS is AdamW's typical
+one and AdamW's learning rate and weight decay carry over (the paper's "consistent RMS"). It is
+for the hidden matrices only: the embedding, the output layer, norms and biases keep AdamW, as
+in every Muon recipe.
 """
 
 from __future__ import annotations
@@ -48,6 +56,24 @@ def matrices_only(params):
     return jax.tree_util.tree_map(lambda p: p.ndim >= 2, params)
 
 
+MUON_RMS = 0.2  # the update RMS Muon is scaled to: AdamW's, as Liu et al. measured it
+
+
+def muon_matrices(params):
+    """Muon's labels: "muon" for each decoder block's projection matrix (attention's q, k, v, o
+    and the MLP's), "adamw" for the rest (embedding, output layer, norms, biases)."""
+    def label(path, p):
+        names = [str(getattr(k, "key", k)) for k in path]
+        block = any(n.startswith("layers_") for n in names)
+        return "muon" if block and names[-1] == "kernel" and p.ndim == 2 else "adamw"
+    return jax.tree_util.tree_map_with_path(label, params)
+
+
+def as_matrices(updates):
+    """Muon's view of each of its leaves: a plain [fan_in, fan_out] matrix (kiln's kernels are)."""
+    return jax.tree_util.tree_map(lambda _: optax.contrib.MuonDimensionNumbers(), updates)
+
+
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     """Clipping and AdamW with a unit learning rate: the train step multiplies the updates by the
     schedule at the state's step counter (`scaled`). optax would evaluate the schedule at a count
@@ -56,8 +82,19 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     exactly this: a cooldown flat at the minimum learning rate). With one counter, `reset` sets it
     to 0 and the new schedule starts at its first value."""
     parts = [optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip > 0 else []
-    parts.append(optax.adamw(1.0, b1=cfg.beta1, b2=cfg.beta2, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                             mask=matrices_only))
+    adamw = optax.adamw(1.0, b1=cfg.beta1, b2=cfg.beta2, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                        mask=matrices_only)
+    if cfg.optimizer == "adamw":
+        parts.append(adamw)
+    else:  # the same sign and unit learning rate as adamw's updates, so `scaled` applies to both
+        muon = optax.chain(
+            optax.contrib.scale_by_muon(beta=cfg.muon_momentum, eps=cfg.eps, nesterov=True,
+                                        weight_dimension_numbers=as_matrices),
+            optax.stateless(lambda updates, params: jax.tree_util.tree_map(
+                lambda u: u * (MUON_RMS * math.sqrt(max(u.shape))), updates)),
+            optax.add_decayed_weights(cfg.weight_decay),
+            optax.scale(-1.0))
+        parts.append(optax.partition({"muon": muon, "adamw": adamw}, muon_matrices))
     return optax.chain(*parts)
 
 

@@ -1,0 +1,84 @@
+"""Muon against AdamW on the quickstart, through kiln as a user runs it: configs/tiny_cpu.yaml as
+an experiment of two variants, `adamw` (the config) and `muon` (`train.optimizer: muon`, the same
+lr and weight decay), on one clean store, one train step at a time so that neither shares the
+cores; then `kiln compare`.
+
+Prints, muon against adamw: the train step's tokens/s (median of its log steps after the first,
+which includes compiling) and their ratio, and the losses, bits per byte and task accuracies at
+the same number of steps. Run it with nothing else on the machine:
+
+    uv run python benchmarks/optimizer_bench.py            # the quickstart's 300 steps
+    uv run python benchmarks/optimizer_bench.py --keep     # keep the store (printed at the end)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).parent))
+from train_bench import machine  # noqa: E402
+
+SHOWN = ("final_loss", "final_val_loss", "bits_per_byte", "next_passage_acc", "last_word_acc", "train_seconds")
+
+
+def experiment(steps: int | None) -> dict:
+    config = yaml.safe_load((REPO / "configs" / "tiny_cpu.yaml").read_text())
+    config.pop("canary", None)
+    if steps:
+        config["train"]["steps"] = steps
+    config["variants"] = {"adamw": {}, "muon": {"train.optimizer": "muon"}}
+    config["run"] = {**config.get("run", {}), "max_concurrent": 1}  # one train step at a time: its own cores
+    return config
+
+
+def kiln(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=REPO, text=True, capture_output=True)
+
+
+def tokens_per_s(store: Path, train_version: str) -> float:
+    metrics = store / "train" / train_version / "metrics.jsonl"
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return statistics.median(r["tokens_per_s"] for r in records[1:])
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=None, help="train steps (default: the quickstart's)")
+    p.add_argument("--keep", action="store_true", help="keep the store")
+    args = p.parse_args()
+    print(f"machine: {machine()}", flush=True)
+    root = Path(tempfile.mkdtemp(prefix="kiln-optimizers-"))
+    config, store = root / "optimizers.yaml", root / "store"
+    config.write_text(yaml.safe_dump(experiment(args.steps), sort_keys=False))
+    done = kiln("run", str(config), "--store", str(store))
+    if done.returncode:
+        print(done.stdout[-4000:], done.stderr[-4000:])
+        return 1
+    rows = {r["variant"]: r for r in json.loads(kiln("compare", str(config), "--store", str(store), "--json").stdout)}
+    adamw, muon = rows["adamw"], rows["muon"]
+    speed = {name: tokens_per_s(store, row["train_version"]) for name, row in rows.items()}
+    print(f"\nmachine at the end: {machine()}")
+    print(f"{'':18s} {'adamw':>10s} {'muon':>10s} {'muon/adamw':>11s}")
+    print(f"{'tokens/s':18s} {speed['adamw']:10.0f} {speed['muon']:10.0f} {speed['muon'] / speed['adamw']:11.3f}")
+    for key in SHOWN:
+        if isinstance(adamw.get(key), (int, float)) and isinstance(muon.get(key), (int, float)):
+            print(f"{key:18s} {adamw[key]:10.4f} {muon[key]:10.4f} {muon[key] / adamw[key]:11.3f}")
+    if args.keep:
+        print(f"store: {store}")
+    else:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
