@@ -41,9 +41,9 @@ def default_devices(resources) -> int:
 
 def capacity(config_path: str, devices: int | None = None, targets: list[str] | None = None, mfu: float = 0.4,
              memory_fraction: float = DEFAULT_MEMORY_FRACTION, remat: str | None = None,
-             strategy: str | None = None) -> dict:
+             strategy: str | None = None, optimizer: str | None = None) -> dict:
     """The report for an experiment config on `devices` simulated devices (None: as many as its
-    resources ask for); `remat` and `strategy` override its train section."""
+    resources ask for); `remat`, `strategy` and `optimizer` override its train section."""
     from flows.config import load_config
     from flows.plan import model_of
 
@@ -53,6 +53,8 @@ def capacity(config_path: str, devices: int | None = None, targets: list[str] | 
         train = train.model_copy(update={"remat": remat})
     if strategy is not None:
         train = train.model_copy(update={"mesh": train.mesh.model_copy(update={"strategy": strategy})})
+    if optimizer is not None:
+        train = train.model_copy(update={"optimizer": optimizer})
     if train.document_mask and train.eos_id is None:  # any id: no shape depends on it
         train = train.model_copy(update={"eos_id": 0})
     train = type(train).model_validate(train.model_dump(by_alias=True))  # re-checked with the overrides

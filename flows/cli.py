@@ -93,6 +93,7 @@ def parser() -> argparse.ArgumentParser:
                     "(XLA_PYTHON_CLIENT_MEM_FRACTION; default 0.75, JAX's preallocation)")
     ca.add_argument("--remat", choices=["none", "full", "dots_saveable", "offload"], help="override train.remat")
     ca.add_argument("--strategy", choices=["dp", "fsdp"], help="override train.mesh.strategy")
+    ca.add_argument("--optimizer", choices=["adamw", "muon"], help="override train.optimizer")
     ca.add_argument("--json", action="store_true", help="the numbers as JSON (bytes per device)")
 
     co = command("compare", "One row per variant (or sweep run): its overrides, losses, eval metrics, "
@@ -340,7 +341,8 @@ def cmd_capacity(args) -> int:
     from flows.capacity import capacity, print_report
 
     try:
-        r = capacity(args.config, args.devices, args.device, args.mfu, args.memory_fraction, args.remat, args.strategy)
+        r = capacity(args.config, args.devices, args.device, args.mfu, args.memory_fraction, args.remat, args.strategy,
+                     args.optimizer)
     except (ValueError, RuntimeError) as e:  # a config the mesh cannot take, an unknown device, a failed compile
         raise KilnUserError(str(e)) from None
     print_report(r, args.config, args.json)

@@ -18,7 +18,10 @@ import pytest
 
 from tests.test_training_kjv_data import WindowBatches, kjv_tokens, unigram_entropy
 from tests.test_training_loop import REPO, run, tiny
-from training.capacity import plan
+from flows.capacity import capacity
+from flows.config import load_config
+from flows.plan import model_of
+from training.capacity import plan, table
 from training.config import KEPT_DIR, LoraConfig, MeshConfig, ModelConfig, TrainConfig
 from training.loop import StartFrom, train
 from training.optim import MUON_RMS, make_optimizer, muon_matrices
@@ -150,6 +153,27 @@ def test_muon_holds_one_moment_per_block_matrix_where_adamw_holds_two():
     # one float32 moment less per block matrix; Muon's own step count and its three Newton-Schulz coefficients more
     assert muon["optimizer_bytes"] == adamw["optimizer_bytes"] - block + 4 + 3 * 4
     assert muon["param_bytes"] == adamw["param_bytes"]
+
+
+def test_the_planners_flop_count_takes_muons_update_once_however_many_microbatches():
+    """XLA counts the microbatch loop's body once; the update after it (Newton-Schulz steps as
+    many FLOPs as this small model's forward and backward) is counted once, not per microbatch."""
+    train = TrainConfig(batch_size=8, steps=10, warmup=1, optimizer="muon")
+    whole = plan(CFG, train, jax.devices()[:1])
+    parts = plan(CFG, train.model_copy(update={"microbatches": 4}), jax.devices()[:1])
+    assert parts["flops_per_step"] == whole["flops_per_step"]
+    assert parts["compiler_flops"] == pytest.approx(whole["compiler_flops"], rel=0.05)
+
+
+def test_kiln_capacity_plans_a_config_with_the_optimizer_asked_for():
+    r = capacity(str(REPO / "configs" / "tiny_cpu.yaml"), devices=1, targets=["h100-80gb"], optimizer="muon")
+    assert r["optimizer"] == "muon" and "remat none, optimizer muon" in table(r)
+    model = model_of(load_config(REPO / "configs" / "tiny_cpu.yaml"))
+    params = jax.eval_shape(lambda: init_state(model, optax.identity(), jax.random.PRNGKey(0)))["params"]
+    # one device: every moment whole; AdamW's two of the rest, Muon's one of each block matrix
+    moments = sum(4 * p.size * (1 if label == "muon" else 2) for p, label in
+                  zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(muon_matrices(params))))
+    assert r["optimizer_bytes"] == moments + 4 + 4 + 3 * 4  # two step counts, the Newton-Schulz coefficients
 
 
 # Runs in a process with 4 CPU devices (XLA_FLAGS must be set before JAX starts).

@@ -78,22 +78,29 @@ def plan(model_cfg, train_cfg, devices=None) -> dict:
                "xla_llvm_disable_expensive_passes": True}
     compiled = step.lower(placed, batch).compile(compiler_options=options)
     memory = compiled.memory_analysis()
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost  # a list of one dict in some JAX versions
+    flops = _flops(compiled)
+    trained = trained_key(train_cfg.lora)
+    if flops is not None and train_cfg.microbatches > 1:
+        # XLA counts the microbatch loop's body once: the step's count is the loop's times its trip
+        # count plus the optimizer's update once (not few FLOPs with Muon: its Newton-Schulz steps)
+        held = {k: placed[k] for k in (trained, "opt_state")}
+        update = jax.jit(lambda s: optimizer.update(s[trained], s["opt_state"], s[trained]))
+        outside = _flops(update.lower(held).compile(compiler_options=options)) or 0.0
+        flops = (flops - outside) * train_cfg.microbatches + outside
 
     def shard_bytes(tree, tree_shardings) -> int:
         sizes = jax.tree_util.tree_map(lambda a, s: math.prod(s.shard_shape(a.shape)) * a.dtype.itemsize,
                                        tree, tree_shardings)
         return int(sum(jax.tree_util.tree_leaves(sizes)))
 
-    trained = trained_key(train_cfg.lora)
     params = shard_bytes(abstract["params"], shardings["params"])
     tokens = train_cfg.batch_size * model_cfg.seq_len
     step_flops = flops_per_token(model_cfg) * tokens
     return {
         "devices": n, "mesh": dict(mesh.shape), "strategy": train_cfg.mesh.strategy,
         "param_count": param_count(abstract["params"]), **how_it_runs(model_cfg, train_cfg),
-        "compute_dtype": model_cfg.compute_dtype, "batch_size": train_cfg.batch_size,
+        "optimizer": train_cfg.optimizer, "compute_dtype": model_cfg.compute_dtype,
+        "batch_size": train_cfg.batch_size,
         "microbatches": train_cfg.microbatches, "seq_len": model_cfg.seq_len, "tokens_per_step": tokens,
         "param_bytes": params,
         "optimizer_bytes": shard_bytes(abstract["opt_state"], shardings["opt_state"]),
@@ -102,9 +109,7 @@ def plan(model_cfg, train_cfg, devices=None) -> dict:
         "temp_bytes": int(memory.temp_size_in_bytes),
         "output_bytes": int(memory.output_size_in_bytes - memory.alias_size_in_bytes),  # beyond the donated state
         "flops_per_step": step_flops / n,  # per device, kiln's count (PaLM's 6N + attention)
-        # per device, the compiled program's count: XLA counts a loop's body once, so the microbatch
-        # loop's is multiplied by its trip count here (and with it the optimizer's few FLOPs outside it)
-        "compiler_flops": float(cost["flops"]) * train_cfg.microbatches if cost and "flops" in cost else None,
+        "compiler_flops": flops,  # per device, the compiled program's count (`_flops`, the loop's trip count)
     }
 
 
@@ -141,13 +146,20 @@ def gib(n_bytes: float) -> str:
     return f"{n_bytes / 2**30:.2f} GiB" if n_bytes >= 2**28 else f"{n_bytes / 2**20:.1f} MiB"
 
 
+def _flops(compiled) -> float | None:
+    """The compiled program's FLOPs per device (None where the backend does not count them)."""
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost  # a list of one dict in some JAX versions
+    return float(cost["flops"]) if cost and "flops" in cost else None
+
+
 def table(r: dict) -> str:
     """The report as the lines `kiln capacity` prints."""
     mesh = " x ".join(f"{k} {v}" for k, v in r["mesh"].items())
     lines = [
         f"{r['param_count'] / 1e9:.3f}B parameters, {r['compute_dtype']}, batch {r['batch_size']} x {r['seq_len']} "
         f"({r['microbatches']} microbatches), {r['strategy']} over {r['devices']} devices (mesh {mesh}), "
-        f"attention {r['attention']}, remat {r['remat']}",
+        f"attention {r['attention']}, remat {r['remat']}, optimizer {r['optimizer']}",
         "per device:",
         f"  parameters      {gib(r['param_bytes'])}",
         f"  optimizer       {gib(r['optimizer_bytes'])}",
