@@ -128,6 +128,21 @@ def test_a_muon_run_learns_and_resumes_from_its_checkpoint_to_the_same_bits(tmp_
     assert again["params_sha256"] == first["params_sha256"] and again["final_loss"] == first["final_loss"]
 
 
+@pytest.mark.slow  # 12 s of two small trainings: CI runs it after the fast suite, as test_posttrain_steps'
+@pytest.mark.ci
+def test_sft_and_dpo_train_with_muon_too(tmp_path):
+    """The optimizer is the loop's, whatever the objective: post-training with Muon learns."""
+    from tests.test_posttrain_steps import setup
+    for kind in ("sft", "dpo"):
+        model, cfg, objective, start, batch_at, val = setup(kind)
+        cfg = cfg.model_copy(update={"optimizer": "muon"})
+        loss = jax.jit(objective.loss, static_argnums=2)
+        start_val_loss = float(np.mean([loss(start, b, model)[0] for b in val]))
+        stats = train(model, cfg, batch_at, val, tmp_path / kind / "work", tmp_path / kind / "out",
+                      objective=objective, init_params=start)
+        assert stats["final_val_loss"] < start_val_loss, kind
+
+
 def test_an_adamw_checkpoint_does_not_continue_as_a_muon_run(tmp_path):
     """train.init continue/reset restore the optimizer state: Muon's is another tree, so the run
     says what to do instead of failing inside orbax."""
