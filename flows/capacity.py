@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Sequence
 
 from training.capacity import DEFAULT_MEMORY_FRACTION, DEVICES, report, table
 
@@ -41,20 +42,19 @@ def default_devices(resources) -> int:
 
 def capacity(config_path: str, devices: int | None = None, targets: list[str] | None = None, mfu: float = 0.4,
              memory_fraction: float = DEFAULT_MEMORY_FRACTION, remat: str | None = None,
-             strategy: str | None = None, optimizer: str | None = None) -> dict:
+             strategy: str | None = None, sets: Sequence[str] = ()) -> dict:
     """The report for an experiment config on `devices` simulated devices (None: as many as its
-    resources ask for); `remat`, `strategy` and `optimizer` override its train section."""
+    resources ask for); `remat` and `strategy` override its train section, `sets` any field
+    (`--set`: flows.config.load_config)."""
     from flows.config import load_config
     from flows.plan import model_of
 
-    config = load_config(config_path)
+    config = load_config(config_path, sets)
     train = config.train
     if remat is not None:
         train = train.model_copy(update={"remat": remat})
     if strategy is not None:
         train = train.model_copy(update={"mesh": train.mesh.model_copy(update={"strategy": strategy})})
-    if optimizer is not None:
-        train = train.model_copy(update={"optimizer": optimizer})
     if train.document_mask and train.eos_id is None:  # any id: no shape depends on it
         train = train.model_copy(update={"eos_id": 0})
     train = type(train).model_validate(train.model_dump(by_alias=True))  # re-checked with the overrides

@@ -62,6 +62,12 @@ def parser() -> argparse.ArgumentParser:
         return sub.add_parser(name, help=help, description=help, epilog=f"example:\n  {example}",
                               formatter_class=argparse.RawDescriptionHelpFormatter)
 
+    def sets(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--set", dest="sets", metavar="PATH=VALUE", action="append", default=[],
+                       help="override one field of a YAML config, under every variant: a dotted path and a YAML "
+                       "value (train.optimizer=muon, train.lr=1e-3); repeatable. Give the same to run, plan and "
+                       "compare: they name the same steps")
+
     run = command("run", "Run the pipeline for a config or Python experiment; cached steps are not "
                   "recomputed; exits 1 naming every step that failed.",
                   "kiln run configs/tiny_cpu.yaml --until tokenize --force train")
@@ -69,6 +75,7 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--store", help="artefact store: path or fsspec URL (default ./kiln_store or $KILN_STORE)")
     run.add_argument("--until", metavar="STAGE", help="stop after this stage (and what it needs)")
     run.add_argument("--force", metavar="STAGE", nargs="+", default=[], help="recompute these stages even if cached")
+    sets(run)
 
     pl = command("plan", "List every step once with its version, output path, status and the variants "
                  "that use it; runs nothing.", "kiln plan configs/ablation_cpu.yaml --json")
@@ -77,6 +84,7 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--until", metavar="STAGE")
     pl.add_argument("--json", action="store_true",
                     help="a JSON list of {name, stage, version, path, status, variants, warning}")
+    sets(pl)
 
     ca = command("capacity", "Compile the train step for the config's mesh on simulated CPU devices (no "
                  "GPU, no parameters allocated) and print per device: parameter, optimizer and gradient bytes, "
@@ -93,8 +101,8 @@ def parser() -> argparse.ArgumentParser:
                     "(XLA_PYTHON_CLIENT_MEM_FRACTION; default 0.75, JAX's preallocation)")
     ca.add_argument("--remat", choices=["none", "full", "dots_saveable", "offload"], help="override train.remat")
     ca.add_argument("--strategy", choices=["dp", "fsdp"], help="override train.mesh.strategy")
-    ca.add_argument("--optimizer", choices=["adamw", "muon"], help="override train.optimizer")
     ca.add_argument("--json", action="store_true", help="the numbers as JSON (bytes per device)")
+    sets(ca)
 
     co = command("compare", "One row per variant (or sweep run): its overrides, losses, eval metrics, "
                  "bits per byte, parameters, tokens and seconds, read from the store.",
@@ -105,6 +113,7 @@ def parser() -> argparse.ArgumentParser:
     co.add_argument("--over", choices=["variants", "steps"], default="variants",
                     help="steps: one row per evaluated training step of each variant (eval.checkpoints), "
                     "each metric against the step (default: one row per variant)")
+    sets(co)
 
     fo = command("forecast", "A scaling sweep's fitted law at other budgets: the compute-optimal N and D "
                  "and the loss, from both fits, with the parametric law's intervals and its backtest's correction, "
@@ -176,6 +185,7 @@ def parser() -> argparse.ArgumentParser:
     why.add_argument("doc_id", help="a document id as acquire wrote it: <source name>/<the record's own id>, "
                      "or <source name>/<file>:<line> for a record without one")
     why.add_argument("--store")
+    sets(why)
 
     serve = command("serve", "Register the pipeline, data-refresh and evaluate deployments on the "
                     "Prefect server at PREFECT_API_URL and run them when triggered or scheduled.",
@@ -299,12 +309,12 @@ def _config(path: str):
         raise KilnUserError(str(e)) from None
 
 
-def _experiment(path: str):
+def _experiment(path: str, sets: list[str] = ()):
     from flows.config import ConfigError
     from flows.experiment import load_experiment
 
     try:
-        return load_experiment(path)
+        return load_experiment(path, sets)
     except ConfigError as e:
         raise KilnUserError(str(e)) from None
 
@@ -318,7 +328,7 @@ def _store(arg: str | None):
 def cmd_plan(args) -> int:
     from flows.plan import plan
 
-    experiment, store = _experiment(args.config), _store(args.store)
+    experiment, store = _experiment(args.config, args.sets), _store(args.store)
     try:
         steps = plan(experiment, store, args.until)
     except (ValueError, FileNotFoundError) as e:
@@ -342,7 +352,7 @@ def cmd_capacity(args) -> int:
 
     try:
         r = capacity(args.config, args.devices, args.device, args.mfu, args.memory_fraction, args.remat, args.strategy,
-                     args.optimizer)
+                     args.sets)
     except (ValueError, RuntimeError) as e:  # a config the mesh cannot take, an unknown device, a failed compile
         raise KilnUserError(str(e)) from None
     print_report(r, args.config, args.json)
@@ -353,7 +363,7 @@ def cmd_compare(args) -> int:
     from flows.compare import cells, columns, comparison, over_steps
     from flows.terminal import print_table
 
-    experiment, store = _experiment(args.config), _store(args.store)
+    experiment, store = _experiment(args.config, args.sets), _store(args.store)
     rows = comparison(experiment, store) if args.over == "variants" else over_steps(experiment, store)
     if not rows and args.over == "steps":
         raise KilnUserError(f"{args.config} evaluates no training steps: set eval.checkpoints (a list of steps, "
@@ -367,7 +377,7 @@ def cmd_compare(args) -> int:
 
 def cmd_run(args) -> int:
     _prefect_defaults()
-    experiment, store = _experiment(args.config), _store(args.store)
+    experiment, store = _experiment(args.config, args.sets), _store(args.store)
     from flows.plan import select
 
     try:
@@ -507,7 +517,7 @@ def cmd_serve_model(args) -> int:
 def cmd_why(args) -> int:
     from tasks.judging import explain
 
-    experiment, store = _experiment(args.config), _store(args.store)
+    experiment, store = _experiment(args.config, args.sets), _store(args.store)
     seen = False
     for step in experiment.steps:
         folder = Path(store.output(step.stage, step.version))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import typing
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Sequence
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -363,7 +363,12 @@ class ConfigError(ValueError):
     """A config file that does not validate; the message is one line naming file and field."""
 
 
-def load_config(path: str | Path) -> ExperimentConfig:
+def load_config(path: str | Path, sets: Sequence[str] = ()) -> ExperimentConfig:
+    """The config in a YAML file, validated with its variants; `sets` are `--set PATH=VALUE`
+    overrides of single fields (dotted paths, values read as YAML), put on the file's values
+    before validation, and so under every variant's."""
+    from flows.experiment import branch_configs, deep_merge, nest  # here: that module builds on this one
+
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"{path}: no such config file")
@@ -373,6 +378,15 @@ def load_config(path: str | Path) -> ExperimentConfig:
         raise ConfigError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping of sections at the top level")
+    for item in sets:
+        field, equals, value = item.partition("=")
+        if not equals or not field.strip() or any(not part for part in field.strip().split(".")):
+            raise ConfigError(f"--set {item!r}: give PATH=VALUE, a dotted path and a YAML value, such as "
+                              "train.optimizer=muon or train.lr=1e-3")
+        try:
+            raw = deep_merge(raw, nest({field.strip(): yaml.safe_load(value)}))
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--set {item!r}: the value is not valid YAML: {str(e).splitlines()[0]}") from None
     try:
         config = ExperimentConfig.model_validate(raw)
     except ValidationError as e:
@@ -381,7 +395,5 @@ def load_config(path: str | Path) -> ExperimentConfig:
         more = f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else ""
         got = f"; got {err['input']!r}" if err["type"] != "missing" and not isinstance(err["input"], dict) else ""
         raise ConfigError(f"{path}: {field}: {err['msg']}{got}{more}") from None
-    from flows.experiment import branch_configs  # here: that module builds on this one
-
     branch_configs(config, str(path))  # every variant must validate too
     return config

@@ -19,7 +19,7 @@ import json
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from pydantic import ValidationError
 
@@ -206,11 +206,15 @@ def from_python(path: Path) -> Experiment:
 _PYTHON_EXPERIMENTS: dict[tuple, Experiment] = {}  # (file, mtime, size) -> what it built, in this process
 
 
-def load_experiment(path: str | Path) -> Experiment:
-    """A YAML config or a Python experiment file, as an experiment. A Python file is executed
-    once per process while it stays unchanged: `kiln run` checks the plan and then runs it in a
-    flow, and the file's `experiment()` may do work or have effects of its own."""
+def load_experiment(path: str | Path, sets: Sequence[str] = ()) -> Experiment:
+    """A YAML config (with `--set` overrides: `load_config`) or a Python experiment file, as an
+    experiment. A Python file is executed once per process while it stays unchanged: `kiln run`
+    checks the plan and then runs it in a flow, and the file's `experiment()` may do work or have
+    effects of its own."""
     path = Path(path)
+    if path.suffix == ".py" and sets:
+        raise ConfigError(f"{path}: --set overrides a YAML config's fields; a Python experiment sets its values "
+                          "in its own code")
     if path.suffix == ".py":
         if not path.exists():
             raise ConfigError(f"{path}: no such experiment file")
@@ -219,4 +223,4 @@ def load_experiment(path: str | Path) -> Experiment:
         if key not in _PYTHON_EXPERIMENTS:
             _PYTHON_EXPERIMENTS[key] = from_python(path)
         return _PYTHON_EXPERIMENTS[key]
-    return from_config(load_config(path), str(path))
+    return from_config(load_config(path, sets), str(path))

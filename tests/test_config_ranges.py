@@ -5,6 +5,7 @@ names that field. Every numeric field must declare a range for the second half t
 from __future__ import annotations
 
 import copy
+import json
 import types
 import typing
 from pathlib import Path
@@ -177,3 +178,42 @@ def test_each_wrong_field_exits_2_naming_it(tmp_path, capsys):
         if code != 2 or not (f": {dotted}:" in err or f": {dotted}." in err):  # .0: a list's item
             failures.append(f"{param.id} = {value!r}: exit {code}: {err.strip()[:300]}")
     assert not failures, f"{len(failures)} of {tried} wrong configs not refused naming their field:\n" + "\n".join(failures)
+
+
+# --- `--set PATH=VALUE` ---------------------------------------------------------------------------
+
+
+def planned(capsys, *args: str) -> dict[str, str]:
+    """`kiln plan --json` of the quickstart with `args`: step name -> version."""
+    assert main(["plan", str(REPO / "configs" / "tiny_cpu.yaml"), "--json", *args]) == 0
+    return {step["name"]: step["version"] for step in json.loads(capsys.readouterr().out)}
+
+
+def test_set_overrides_a_field_and_moves_only_the_steps_that_read_it(tmp_path, capsys):
+    store = ["--store", str(tmp_path / "store")]
+    plain = planned(capsys, *store)
+    muon = planned(capsys, *store, "--set", "train.optimizer=muon")
+    assert muon.keys() == plain.keys()
+    moved = {name for name in plain if muon[name] != plain[name]}
+    assert moved == {"train", "evaluate", "export"}, moved  # the data steps are the same steps
+    # values are YAML (a number, a list), several --set at once, and the file's own values under them
+    both = planned(capsys, *store, "--set", "train.optimizer=muon", "--set", "train.lr=1e-3",
+                   "--set", "eval.tasks=[next_passage]")
+    assert both["train"] not in (plain["train"], muon["train"]) and both["tokenize"] == plain["tokenize"]
+    config = load_config(REPO / "configs" / "tiny_cpu.yaml", ["train.lr=1e-3", "eval.tasks=[next_passage]"])
+    assert config.train.lr == 1e-3 and config.eval.tasks == ["next_passage"] and config.train.steps == 300
+
+
+@pytest.mark.parametrize("item,said", [("train.optimiser=muon", "train.optimiser"),
+                                       ("train.optimizer", "give PATH=VALUE"),
+                                       ("train..lr=1", "give PATH=VALUE"),
+                                       ("train.lr=[1", "not valid YAML"),
+                                       ("train.optimizer=sgd", "train.optimizer")])
+def test_a_wrong_set_exits_2_saying_what_was_wrong(capsys, item, said):
+    assert main(["plan", str(REPO / "configs" / "tiny_cpu.yaml"), "--set", item]) == 2
+    assert said in capsys.readouterr().err
+
+
+def test_set_is_refused_for_a_python_experiment(capsys):
+    assert main(["plan", str(REPO / "experiments" / "two_widths.py"), "--set", "train.lr=1e-3"]) == 2
+    assert "a Python experiment sets its values in its own code" in capsys.readouterr().err

@@ -180,8 +180,9 @@ def test_the_planners_flop_count_takes_muons_update_once_however_many_microbatch
     assert parts["compiler_flops"] == pytest.approx(whole["compiler_flops"], rel=0.05)
 
 
-def test_kiln_capacity_plans_a_config_with_the_optimizer_asked_for():
-    r = capacity(str(REPO / "configs" / "tiny_cpu.yaml"), devices=1, targets=["h100-80gb"], optimizer="muon")
+def test_kiln_capacity_plans_a_config_with_the_optimizer_set():
+    r = capacity(str(REPO / "configs" / "tiny_cpu.yaml"), devices=1, targets=["h100-80gb"],
+                 sets=["train.optimizer=muon"])
     assert r["optimizer"] == "muon" and "remat none, optimizer muon" in table(r)
     model = model_of(load_config(REPO / "configs" / "tiny_cpu.yaml"))
     params = jax.eval_shape(lambda: init_state(model, optax.identity(), jax.random.PRNGKey(0)))["params"]
