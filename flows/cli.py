@@ -7,6 +7,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Sequence
 
 EPILOG = """examples:
   kiln run configs/tiny_cpu.yaml                 raw text to an evaluated model, cached by version
@@ -309,7 +310,7 @@ def _config(path: str):
         raise KilnUserError(str(e)) from None
 
 
-def _experiment(path: str, sets: list[str] = ()):
+def _experiment(path: str, sets: Sequence[str] = ()):
     from flows.config import ConfigError
     from flows.experiment import load_experiment
 

@@ -394,6 +394,7 @@ def load_config(path: str | Path, sets: Sequence[str] = ()) -> ExperimentConfig:
         field = ".".join(str(p) for p in err["loc"]) or "(top level)"
         more = f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else ""
         got = f"; got {err['input']!r}" if err["type"] != "missing" and not isinstance(err["input"], dict) else ""
-        raise ConfigError(f"{path}: {field}: {err['msg']}{got}{more}") from None
+        given = f" (with --set {' '.join(sets)})" if sets else ""
+        raise ConfigError(f"{path}{given}: {field}: {err['msg']}{got}{more}") from None
     branch_configs(config, str(path))  # every variant must validate too
     return config
