@@ -363,6 +363,21 @@ class ConfigError(ValueError):
     """A config file that does not validate; the message is one line naming file and field."""
 
 
+def parse_sets(sets: Sequence[str]) -> dict[str, Any]:
+    """`--set PATH=VALUE` items as {dotted path: value}, each value read as YAML."""
+    out = {}
+    for item in sets:
+        field, equals, value = item.partition("=")
+        if not equals or not field.strip() or any(not part for part in field.strip().split(".")):
+            raise ConfigError(f"--set {item!r}: give PATH=VALUE, a dotted path and a YAML value, such as "
+                              "train.optimizer=muon or train.lr=1e-3")
+        try:
+            out[field.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--set {item!r}: the value is not valid YAML: {str(e).splitlines()[0]}") from None
+    return out
+
+
 def load_config(path: str | Path, sets: Sequence[str] = ()) -> ExperimentConfig:
     """The config in a YAML file, validated with its variants; `sets` are `--set PATH=VALUE`
     overrides of single fields (dotted paths, values read as YAML), put on the file's values
@@ -378,15 +393,7 @@ def load_config(path: str | Path, sets: Sequence[str] = ()) -> ExperimentConfig:
         raise ConfigError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping of sections at the top level")
-    for item in sets:
-        field, equals, value = item.partition("=")
-        if not equals or not field.strip() or any(not part for part in field.strip().split(".")):
-            raise ConfigError(f"--set {item!r}: give PATH=VALUE, a dotted path and a YAML value, such as "
-                              "train.optimizer=muon or train.lr=1e-3")
-        try:
-            raw = deep_merge(raw, nest({field.strip(): yaml.safe_load(value)}))
-        except yaml.YAMLError as e:
-            raise ConfigError(f"--set {item!r}: the value is not valid YAML: {str(e).splitlines()[0]}") from None
+    raw = deep_merge(raw, nest(parse_sets(sets)))
     try:
         config = ExperimentConfig.model_validate(raw)
     except ValidationError as e:

@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 from pydantic import ValidationError
 
-from flows.config import ConfigError, ExperimentConfig, RunSettings, load_config
+from flows.config import ConfigError, ExperimentConfig, RunSettings, load_config, parse_sets
 from tasks.engine.step import Step, upstream_order
 
 
@@ -223,4 +223,10 @@ def load_experiment(path: str | Path, sets: Sequence[str] = ()) -> Experiment:
         if key not in _PYTHON_EXPERIMENTS:
             _PYTHON_EXPERIMENTS[key] = from_python(path)
         return _PYTHON_EXPERIMENTS[key]
-    return from_config(load_config(path, sets), str(path))
+    experiment = from_config(load_config(path, sets), str(path))
+    if not sets:
+        return experiment
+    given = parse_sets(sets)  # `kiln compare` shows them as every variant's overrides, under each one's own
+    branches = {name: dataclasses.replace(branch, overrides={**given, **branch.overrides})
+                for name, branch in experiment.branches.items()}
+    return dataclasses.replace(experiment, branches=branches)

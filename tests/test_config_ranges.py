@@ -202,6 +202,12 @@ def test_set_overrides_a_field_and_moves_only_the_steps_that_read_it(tmp_path, c
     assert both["train"] not in (plain["train"], muon["train"]) and both["tokenize"] == plain["tokenize"]
     config = load_config(REPO / "configs" / "tiny_cpu.yaml", ["train.lr=1e-3", "eval.tasks=[next_passage]"])
     assert config.train.lr == 1e-3 and config.eval.tasks == ["next_passage"] and config.train.steps == 300
+    # kiln compare shows the values set with each variant's overrides (a variant's own value over a set one)
+    assert main(["compare", str(REPO / "configs" / "ablation_cpu.yaml"), *store, "--json",
+                 "--set", "train.optimizer=muon", "--set", "train.lr=0.002"]) == 0
+    rows = {row["variant"]: row["overrides"] for row in json.loads(capsys.readouterr().out)}
+    assert rows["base"] == 'train.optimizer="muon", train.lr=0.002'
+    assert rows["lr1e-3"] == 'train.optimizer="muon", train.lr=0.001'
 
 
 @pytest.mark.parametrize("item,said", [("train.optimiser=muon", "train.optimiser"),
