@@ -7,8 +7,9 @@ Prints, muon against adamw: the train step's tokens/s (median of its log steps a
 which includes compiling) and their ratio, and the losses, bits per byte and task accuracies at
 the same number of steps. Run it with nothing else on the machine:
 
-    uv run python benchmarks/optimizer_bench.py            # the quickstart's 300 steps
-    uv run python benchmarks/optimizer_bench.py --keep     # keep the store (printed at the end)
+    uv run python benchmarks/optimizer_bench.py                        # the quickstart's 300 steps
+    uv run python benchmarks/optimizer_bench.py --lrs 1e-3 3e-3 1e-2   # each at three learning rates
+    uv run python benchmarks/optimizer_bench.py --keep                 # keep the store (printed at the end)
 """
 
 from __future__ import annotations
@@ -31,12 +32,14 @@ from train_bench import machine  # noqa: E402
 SHOWN = ("final_loss", "final_val_loss", "bits_per_byte", "next_passage_acc", "last_word_acc", "train_seconds")
 
 
-def experiment(steps: int | None) -> dict:
+def experiment(steps: int | None, lrs: list[float] | None) -> dict:
     config = yaml.safe_load((REPO / "configs" / "tiny_cpu.yaml").read_text())
     config.pop("canary", None)
     if steps:
         config["train"]["steps"] = steps
     config["variants"] = {"adamw": {}, "muon": {"train.optimizer": "muon"}}
+    if lrs:  # each optimizer at each learning rate: variants "adamw,lr=0.001", ...
+        config["grid"] = {"train.lr": lrs}
     config["run"] = {**config.get("run", {}), "max_concurrent": 1}  # one train step at a time: its own cores
     return config
 
@@ -54,25 +57,32 @@ def tokens_per_s(store: Path, train_version: str) -> float:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=None, help="train steps (default: the quickstart's)")
+    p.add_argument("--lrs", type=float, nargs="+", help="learning rates to train each optimizer at (default: the "
+                   "quickstart's one); the best of each is printed")
     p.add_argument("--keep", action="store_true", help="keep the store")
     args = p.parse_args()
     print(f"machine: {machine()}", flush=True)
     root = Path(tempfile.mkdtemp(prefix="kiln-optimizers-"))
     config, store = root / "optimizers.yaml", root / "store"
-    config.write_text(yaml.safe_dump(experiment(args.steps), sort_keys=False))
+    config.write_text(yaml.safe_dump(experiment(args.steps, args.lrs), sort_keys=False))
     done = kiln("run", str(config), "--store", str(store))
     if done.returncode:
         print(done.stdout[-4000:], done.stderr[-4000:])
         return 1
     rows = {r["variant"]: r for r in json.loads(kiln("compare", str(config), "--store", str(store), "--json").stdout)}
-    adamw, muon = rows["adamw"], rows["muon"]
-    speed = {name: tokens_per_s(store, row["train_version"]) for name, row in rows.items()}
     print(f"\nmachine at the end: {machine()}")
-    print(f"{'':18s} {'adamw':>10s} {'muon':>10s} {'muon/adamw':>11s}")
-    print(f"{'tokens/s':18s} {speed['adamw']:10.0f} {speed['muon']:10.0f} {speed['muon'] / speed['adamw']:11.3f}")
-    for key in SHOWN:
-        if isinstance(adamw.get(key), (int, float)) and isinstance(muon.get(key), (int, float)):
-            print(f"{key:18s} {adamw[key]:10.4f} {muon[key]:10.4f} {muon[key] / adamw[key]:11.3f}")
+    for point in [f",lr={lr}" for lr in args.lrs] if args.lrs else [""]:  # the grid names a point so
+        adamw, muon = rows["adamw" + point], rows["muon" + point]
+        speed = [tokens_per_s(store, row["train_version"]) for row in (adamw, muon)]
+        print(f"\n{'lr ' + point[4:] if point else '':18s} {'adamw':>10s} {'muon':>10s} {'muon/adamw':>11s}")
+        print(f"{'tokens/s':18s} {speed[0]:10.0f} {speed[1]:10.0f} {speed[1] / speed[0]:11.3f}")
+        for key in SHOWN:
+            if isinstance(adamw.get(key), (int, float)) and isinstance(muon.get(key), (int, float)):
+                print(f"{key:18s} {adamw[key]:10.4f} {muon[key]:10.4f} {muon[key] / adamw[key]:11.3f}")
+    if args.lrs:  # each optimizer at its own best learning rate, as a fair comparison takes them
+        for name in ("adamw", "muon"):
+            best = min((r for v, r in rows.items() if v.startswith(name + ",")), key=lambda r: r["bits_per_byte"])
+            print(f"best {name}: {best['variant']} bits_per_byte {best['bits_per_byte']:.4f}")
     if args.keep:
         print(f"store: {store}")
     else:
