@@ -69,18 +69,26 @@ def muon_matrices(params):
     return jax.tree_util.tree_map_with_path(label, params)
 
 
+def adamw_sized(updates, params=None):
+    """Orthogonalised updates times MUON_RMS * sqrt(max(fan_in, fan_out)): an orthogonal matrix's
+    RMS is 1 / sqrt(max(fan_in, fan_out)), so each update's RMS becomes MUON_RMS."""
+    del params
+    return jax.tree_util.tree_map(lambda u: u * (MUON_RMS * math.sqrt(max(u.shape))), updates)
+
+
 def as_matrices(updates):
     """Muon's view of each of its leaves: a plain [fan_in, fan_out] matrix (kiln's kernels are)."""
     return jax.tree_util.tree_map(lambda _: optax.contrib.MuonDimensionNumbers(), updates)
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-    """Clipping and AdamW with a unit learning rate: the train step multiplies the updates by the
-    schedule at the state's step counter (`scaled`). optax would evaluate the schedule at a count
-    of its own inside the optimizer state, a second counter that a phase restoring the optimizer
-    state would carry on with: a new schedule would then start where the old one was (Marin met
-    exactly this: a cooldown flat at the minimum learning rate). With one counter, `reset` sets it
-    to 0 and the new schedule starts at its first value."""
+    """Clipping, then AdamW (or Muon for the block matrices and AdamW for the rest) with a unit
+    learning rate: the train step multiplies the updates by the schedule at the state's step
+    counter (`scaled`). optax would evaluate the schedule at a count of its own inside the
+    optimizer state, a second counter that a phase restoring the optimizer state would carry on
+    with: a new schedule would then start where the old one was (Marin met exactly this: a
+    cooldown flat at the minimum learning rate). With one counter, `reset` sets it to 0 and the
+    new schedule starts at its first value."""
     parts = [optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip > 0 else []
     adamw = optax.adamw(1.0, b1=cfg.beta1, b2=cfg.beta2, eps=cfg.eps, weight_decay=cfg.weight_decay,
                         mask=matrices_only)
@@ -90,8 +98,7 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
         muon = optax.chain(
             optax.contrib.scale_by_muon(beta=cfg.muon_momentum, eps=cfg.eps, nesterov=True,
                                         weight_dimension_numbers=as_matrices),
-            optax.stateless(lambda updates, params: jax.tree_util.tree_map(
-                lambda u: u * (MUON_RMS * math.sqrt(max(u.shape))), updates)),
+            optax.stateless(adamw_sized),
             optax.add_decayed_weights(cfg.weight_decay),
             optax.scale(-1.0))
         parts.append(optax.partition({"muon": muon, "adamw": adamw}, muon_matrices))
