@@ -19,12 +19,14 @@ import pytest
 from tests.test_training_kjv_data import WindowBatches, kjv_tokens, unigram_entropy
 from tests.test_training_loop import REPO, run, tiny
 from flows.capacity import capacity
+from flows.experiment import load_experiment
 from flows.config import load_config
 from flows.plan import model_of
 from training.capacity import plan, table
 from training.config import KEPT_DIR, LoraConfig, MeshConfig, ModelConfig, TrainConfig
 from training.loop import StartFrom, train
 from training.optim import MUON_RMS, make_optimizer, muon_matrices
+from training.scaling import plan_run
 from training.step import init_state, loss_fn, make_train_step
 
 CFG = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=192, seq_len=32,
@@ -190,6 +192,21 @@ def test_kiln_capacity_plans_a_config_with_the_optimizer_set():
     moments = sum(4 * p.size * (1 if label == "muon" else 2) for p, label in
                   zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(muon_matrices(params))))
     assert r["optimizer_bytes"] == moments + 4 + 4 + 3 * 4  # two step counts, the Newton-Schulz coefficients
+
+
+def test_a_scaling_sweep_trains_every_run_with_the_optimizer_it_names():
+    """`scaling.optimizer`: Muon's law beside AdamW's. Left out, the sweep's versions stay."""
+    def plan_versions(*sets: str) -> dict[str, str]:
+        return {s.name: s.version for s in load_experiment(REPO / "configs" / "scaling_cpu.yaml", sets).steps}
+
+    adamw, muon = plan_versions(), plan_versions("scaling.optimizer=muon")
+    assert plan_versions("scaling.optimizer=adamw") == adamw
+    moved = {name.split("/")[0] for name in adamw if muon[name] != adamw[name]}
+    kept = {name.split("/")[0] for name in adamw if muon[name] == adamw[name]}
+    assert moved == {"train", "evaluate", "scaling_fit"} and "train" not in kept and "tokenize" in kept
+    config = load_config(REPO / "configs" / "scaling_cpu.yaml", ["scaling.optimizer=muon"])
+    run = plan_run(config.scaling.budgets[0], 4, config.scaling, 512)
+    assert run.train.optimizer == "muon"
 
 
 # Runs in a process with 4 CPU devices (XLA_FLAGS must be set before JAX starts).

@@ -65,12 +65,13 @@ import itertools
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 from pydantic import Field, model_validator
 
 from tasks.engine.config import (Beta, ConfigModel, Count, Fraction, HalfOpenFraction, NonNegativeFloat, Positive, Seed,
-                                 setting)
+                                 identity_when_set, setting)
 from training.config import ModelConfig, TrainConfig, flops_per_token, matmul_params
 
 
@@ -131,6 +132,9 @@ class ScalingConfig(ConfigModel):
                                               "one step), then a cosine decay.")
     weight_decay: NonNegativeFloat = Field(0.1, description="Every run's train.weight_decay.")
     beta2: Beta = Field(0.95, description="Every run's train.beta2.")
+    optimizer: Literal["adamw", "muon"] = identity_when_set(
+        "adamw", description="Every run's train.optimizer: a sweep of Muon runs gives Muon's law, to set beside "
+        "AdamW's (the learning-rate rule above is AdamW's; Muon's update is scaled to AdamW's size).")
     seed: Seed = Field(0, description="Every run's train.seed; with `seeds` > 1 the further runs of a (budget, "
                        "size) take seed + 1, seed + 2, ...")
     # More than one seed trains every (budget, size) `seeds` times, with seeds seed, seed + 1, ...: the
@@ -234,7 +238,8 @@ def plan_run(budget: float, k: int, cfg: ScalingConfig, vocab_size: int, seed: i
                           f"{miss:+.1%} off (tolerance {cfg.tolerance:.0%}); raise the budget or lower batch_ref")
     train = TrainConfig(batch_size=batch, steps=steps, lr=learning_rate(model, cfg),
                         warmup=max(1, round(cfg.warmup_fraction * steps)), schedule="cosine",
-                        weight_decay=cfg.weight_decay, beta2=cfg.beta2, seed=seed, eval_batches=1,
+                        weight_decay=cfg.weight_decay, beta2=cfg.beta2, optimizer=cfg.optimizer, seed=seed,
+                        eval_batches=1,
                         # settings, not identity: runs last a minute or two, so one checkpoint at
                         # the end and ~20 log lines (each one waits for the device) are plenty
                         checkpoint_every=steps, log_every=max(1, steps // 20), eval_every=steps)
