@@ -14,6 +14,7 @@ EPILOG = """examples:
   kiln run configs/tiny_cpu.yaml --until acquire run only what `acquire` needs
   kiln run configs/ablation_cpu.yaml             every variant; shared steps run once
   kiln run experiments/two_widths.py             a Python experiment file, like a YAML one
+  kiln run configs/tiny_cpu.yaml --set train.optimizer=muon   one field changed; only what reads it reruns
   kiln plan configs/tiny_cpu.yaml --json         each step's name, stage, version, path, status, variants, warning
   kiln capacity configs/medium_gpu.yaml --devices 8   per-device memory, fit and step time, no GPU needed
   kiln compare configs/ablation_cpu.yaml         one row per variant: what it changed, its results
