@@ -29,6 +29,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
 from train_bench import machine  # noqa: E402
 
+from training.metrics import read_metrics  # noqa: E402
+
 SHOWN = ("final_loss", "final_val_loss", "bits_per_byte", "next_passage_acc", "last_word_acc", "train_seconds")
 
 
@@ -49,8 +51,7 @@ def kiln(*args: str) -> subprocess.CompletedProcess:
 
 
 def tokens_per_s(store: Path, train_version: str) -> float:
-    metrics = store / "train" / train_version / "metrics.jsonl"
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    records = read_metrics(store / "train" / train_version / "metrics.jsonl")
     return statistics.median(r["tokens_per_s"] for r in records[1:])
 
 

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import optax
 
 from training.config import TrainConfig
+from training.sharding import path_names
 
 
 def lr_schedule(cfg: TrainConfig):
@@ -63,7 +64,7 @@ def muon_matrices(params):
     """Muon's labels: "muon" for each decoder block's projection matrix (attention's q, k, v, o
     and the MLP's), "adamw" for the rest (embedding, output layer, norms, biases)."""
     def label(path, p):
-        names = [str(getattr(k, "key", k)) for k in path]
+        names = path_names(path)
         block = any(n.startswith("layers_") for n in names)
         return "muon" if block and names[-1] == "kernel" and p.ndim == 2 else "adamw"
     return jax.tree_util.tree_map_with_path(label, params)

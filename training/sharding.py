@@ -46,7 +46,8 @@ def _param_spec(path: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh, strat
     return P(*spec)
 
 
-def _names(path) -> tuple[str, ...]:
+def path_names(path) -> tuple[str, ...]:
+    """A tree path's keys as strings (("layers_0", "mlp", "up_proj", "kernel")): how parameters are named."""
     return tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
 
 
@@ -58,10 +59,10 @@ def state_shardings(abstract_state: dict, mesh: Mesh, strategy: str) -> dict:
     """
     param_specs = {}
     for path, leaf in jax.tree_util.tree_leaves_with_path(abstract_state["params"]):
-        param_specs[_names(path)] = (leaf.shape, _param_spec(_names(path), leaf.shape, mesh, strategy))
+        param_specs[path_names(path)] = (leaf.shape, _param_spec(path_names(path), leaf.shape, mesh, strategy))
 
     def for_leaf(path, leaf):
-        names = _names(path)
+        names = path_names(path)
         for start in range(len(names)):
             shape_spec = param_specs.get(names[start:])
             if shape_spec is not None and shape_spec[0] == leaf.shape:
