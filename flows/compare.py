@@ -1,9 +1,10 @@
 """`kiln compare`: one row per variant (or sweep run) with its key results, read from the store.
 
-A row is a train step of the experiment with what its variant changed, the train step's numbers
-(final losses, parameters, tokens, seconds), every metric of the evaluate step that scored it, and
-the seconds of every step in the variant's branch; a train step several branches share (the
-stable run of cooldown branches) is one row, named after the step. The SFT and DPO models of a
+A row is a train step (or a soup phase: "-" for its training numbers) of the experiment with what
+its variant changed, the train step's numbers (final losses, parameters, tokens, seconds), every
+metric of the evaluate step that scored it, and the seconds of every step in the variant's
+branch; a train step several branches share (the stable run of cooldown branches) is one row,
+named after the step. The SFT and DPO models of a
 post-trained variant follow its row as rows of their own (`<variant>:sft`, `<variant>:dpo`), with
 their training numbers and the metrics of their evaluate steps (posttrain.evaluate), so the base
 and post-trained models compare on the same tasks. A variant whose steps are not in the store
@@ -23,6 +24,8 @@ TRAIN_KEYS = {"final_loss": "final_loss", "final_val_loss": "final_val_loss", "p
               "tokens": "tokens"}  # column -> the train step's stat
 NOT_METRICS = {"seconds", "table", "heldout_tokens", "suite_examples"}
 POSTTRAINED = ("sft", "dpo")  # stages whose models get rows of their own after their variant's train rows
+TRAINED = ("train", "soup")  # a soup phase (the mean of trained models) is a row among the train steps'
+NOT_TRAINED = "-"  # a soup's training numbers: it trained nothing
 MISSING = "missing"
 
 
@@ -31,7 +34,7 @@ def comparison(experiment: Experiment, store: Store) -> list[dict]:
     rows, shown = [], set()
     for variant, branch in experiment.branches.items():
         steps = experiment.branch_steps(variant)
-        trains = [s for s in steps if s.stage == "train"]
+        trains = [s for s in steps if s.stage in TRAINED]
         for train in trains:
             if train.key in shown:  # a train step several branches share (a stable run): one row
                 continue
@@ -91,7 +94,8 @@ def _row(label: str, overrides: dict, train: Step, evaluation: Step | None, step
     row: dict = {"variant": label, "status": "done" if done and (evaluation is None or scored) else MISSING,
                  "overrides": ", ".join(f"{k}={json.dumps(v)}" for k, v in overrides.items())}
     stats = store.read_lineage(train.stage, train.version)["stats"] if done else {}
-    row.update({column: stats.get(key) for column, key in TRAIN_KEYS.items()})
+    absent = NOT_TRAINED if done and train.stage == "soup" else None
+    row.update({column: stats.get(key, absent) for column, key in TRAIN_KEYS.items()})
     row["train_seconds"] = stats.get("seconds")
     if scored:
         scores = store.read_lineage(evaluation.stage, evaluation.version)["stats"]

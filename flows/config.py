@@ -206,12 +206,14 @@ class CanaryConfig(ConfigModel):
 class PhaseConfig(ConfigModel):
     """A later phase of training (docs/starting_points.md): a train step of its own,
     `train/<phase>`, that starts from another phase's kept state, with its own curves,
-    checkpoints and evaluation."""
+    checkpoints and evaluation; or, with `average`, a model soup: the mean of the parameters of
+    phases before it (a `soup` step), evaluated and exported like a trained model."""
 
     model_config = ConfigDict(populate_by_name=True)
 
-    steps: Count = Field(description="Steps this phase trains. Mode continue: its run ends at the step it "
-                         "starts from plus these (the step counter carries on); reset and weights: at these.")
+    steps: Count | None = Field(None, description="Steps this phase trains (every phase but a soup). Mode "
+                                "continue: its run ends at the step it starts from plus these (the step counter "
+                                "carries on); reset and weights: at these.")
     from_: str = setting("", alias="from", description="The phase it starts from: `train` (the train section) "
                          "or another phase's name; empty: the phase before it.")
     step: Count | Literal["latest"] = Field("latest", description="Which step of that phase: one it keeps "
@@ -225,6 +227,38 @@ class PhaseConfig(ConfigModel):
     mixture: dict[str, MixtureSourceConfig] | None = Field(
         None, description="A mixture run's weights and caps for this phase (every source named); None: those "
         "of the phase it starts from.")
+    average: list[str] = Field(
+        [], description="A model soup instead of training: the mean of the parameters of these phases before "
+        "it, each `train` or a phase's name (its trained model) or `<name>@<step>` (a step it keeps; kiln makes "
+        "it keep it), two or more; e.g. anneals from one stable run on other data orders (`train.seed`), as "
+        "OLMo 2's final models. Trains nothing: give none of steps, from, step, mode, train, mixture.")
+
+    @model_validator(mode="after")
+    def _check_soup(self) -> "PhaseConfig":
+        if not self.average:
+            if self.steps is None:
+                raise ValueError("a phase trains `steps` steps (give them), or averages phases before it "
+                                 "(`average`: a soup)")
+            return self
+        trained = sorted({"steps", "from_", "step", "mode", "train", "mixture"} & self.model_fields_set)
+        if trained:
+            names = ", ".join(field.rstrip("_") for field in trained)
+            raise ValueError(f"a soup (`average`) trains nothing: leave out {names}")
+        if len(self.average) < 2 or len(set(self.average)) < len(self.average):
+            raise ValueError(f"average: {self.average} names {len(set(self.average))} distinct part(s); a soup "
+                             "averages two or more")
+        self.parts()  # each part must read as `<name>` or `<name>@<step>`
+        return self
+
+    def parts(self) -> list[tuple[str, int | None]]:
+        """The soup's parts as (phase name, kept step or None for its trained model)."""
+        parts = []
+        for part in self.average:
+            name, at, step = part.partition("@")
+            if not name or (at and not step.isdigit()) or (at and int(step) < 1):
+                raise ValueError(f"average: {part!r} is not `<phase>` or `<phase>@<step>` (e.g. `train@160`)")
+            parts.append((name, int(step) if at else None))
+        return parts
 
 
 class ExperimentConfig(ConfigModel):
@@ -309,12 +343,31 @@ class ExperimentConfig(ConfigModel):
         """Every train step's config by name (`train`, then `train/<phase>` in order) with its
         mixture weights (None without a mixture): each phase's `train` over the one it starts
         from, its `steps` counted as its mode says, its `train.init` naming that step, and
-        `keep_checkpoints` every step a later step starts from or `eval.checkpoints` evaluates."""
+        `keep_checkpoints` every step a later step starts from, a soup averages or `eval.checkpoints`
+        evaluates. Soup phases are not train steps: `phase_soups` has them."""
+        trains, soups = self._phases()
+        return _with_kept_steps(trains, soups, self.eval)
+
+    def phase_soups(self) -> dict[str, tuple[tuple[str, int | None], ...]]:
+        """Every soup phase (`average`) by its step's name, `train/<phase>`, with its parts: each a
+        train step's name and the step it kept (None: its trained model)."""
+        return self._phases()[1]
+
+    def _phases(self) -> tuple[dict, dict]:
         base = self.train_config()
         trains = {"train": (base, self.data.mixture.sources if self.data.mixture is not None else None)}
+        soups: dict[str, tuple[tuple[str, int | None], ...]] = {}
         previous = "train"
         for name, phase in self.phases.items():
+            if phase.average:
+                soups[f"train/{name}"] = self._soup_parts(name, phase, trains, soups)
+                previous = f"train/{name}"
+                continue
             parent = "train" if phase.from_ == "train" else f"train/{phase.from_}" if phase.from_ else previous
+            if parent in soups:
+                raise ValueError(f"phases.{name}.from: {parent.removeprefix('train/')!r} is a soup, an average of "
+                                 "parameters with no train state to carry on: start from a phase it averages, or "
+                                 "put the soup last (post-training and the export start from the last phase)")
             if parent not in trains:
                 raise ValueError(f"phases.{name}.from: {phase.from_!r} is not `train` or a phase before {name!r} "
                                  f"(the phases so far: {[n.removeprefix('train/') for n in trains][1:]})")
@@ -338,13 +391,34 @@ class ExperimentConfig(ConfigModel):
                                  f"data.mixture.sources, and one of a run on one stream none")
             trains[f"train/{name}"] = (cfg, phase.mixture or parent_mixture)
             previous = f"train/{name}"
-        return _with_kept_steps(trains, self.eval)
+        return trains, soups
 
+    @staticmethod
+    def _soup_parts(name: str, phase: PhaseConfig, trains: dict, soups: dict) -> tuple[tuple[str, int | None], ...]:
+        """A soup's parts as train step names, each checked to be a phase before it that trains
+        (a soup of soups would weigh their parts unevenly) and its step one that phase trains."""
+        parts = []
+        for part, step in phase.parts():
+            train = "train" if part == "train" else f"train/{part}"
+            if train in soups:
+                raise ValueError(f"phases.{name}.average: {part!r} is a soup itself; name the phases it averages")
+            if train not in trains:
+                raise ValueError(f"phases.{name}.average: {part!r} is not `train` or a phase before {name!r} "
+                                 f"(the phases so far: {[n.removeprefix('train/') for n in trains][1:]})")
+            cfg = trains[train][0]
+            init = cfg.init
+            first = init.kept_step(trains[init.from_][0].steps) if (
+                init is not None and init.mode == "continue" and init.from_ in trains) else 0
+            if step is not None and not (first or 0) < step <= cfg.steps:
+                raise ValueError(f"phases.{name}.average: {part}@{step} is not a step {train} trains "
+                                 f"({(first or 0) + 1} to {cfg.steps})")
+            parts.append((train, step))
+        return tuple(parts)
 
-def _with_kept_steps(trains: dict, eval_cfg: EvalConfig) -> dict:
+def _with_kept_steps(trains: dict, soups: dict, eval_cfg: EvalConfig) -> dict:
     """Each train config with `keep_checkpoints` naming every step that a later phase starts
-    from (continue or reset; weights from the last step read the published model) and, for the
-    last phase, the steps of `eval.checkpoints`."""
+    from (continue or reset; weights from the last step read the published model) or a soup
+    averages and, for the last train phase, the steps of `eval.checkpoints`."""
     kept: dict[str, set[int]] = {name: set() for name in trains}
     for cfg, _ in trains.values():
         init = cfg.init
@@ -352,6 +426,10 @@ def _with_kept_steps(trains: dict, eval_cfg: EvalConfig) -> dict:
             step = init.kept_step(trains[init.from_][0].steps)
             if step is not None:
                 kept[init.from_].add(step)
+    for parts in soups.values():
+        for train, step in parts:
+            if step is not None:
+                kept[train].add(step)
     last = list(trains)[-1]
     last_cfg = trains[last][0]
     kept[last].update(checkpoint_steps(eval_cfg.checkpoints, last_cfg.steps, last_cfg.checkpoint_every))

@@ -23,6 +23,7 @@ from tasks.decontaminate import decontaminate_step
 from tasks.dedup import dedup_step
 from tasks.dpo import dpo_step
 from tasks.sft import sft_step
+from tasks.soup import soup_step
 from tasks.evaluate import checkpoint_steps, evaluate_step
 from tasks.export import export_step
 from tasks.extract import extract_step
@@ -96,13 +97,19 @@ def mixture_recipe(config: ExperimentConfig) -> list[Step]:
 
 def train_steps(config: ExperimentConfig, tokens: Step | dict[str, Step], tokenizer: Step,
                 documents: Step) -> dict[str, Step]:
-    """The train step and one per phase (`train/<phase>`), each started from the step its
-    `train.init.from` names; a mixture's `tokens` is source name -> tokenize step. What
-    train.evals reads besides the tokens: the tokenizer, and the documents its suite tasks are
-    cut from, as the evaluate step cuts them (eval.suite, tokenize.validation_fraction)."""
+    """The train step and one per phase (`train/<phase>`) in the config's order, each started
+    from the step its `train.init.from` names, or, for a soup phase, the soup of the steps it
+    averages; a mixture's `tokens` is source name -> tokenize step. What train.evals reads besides
+    the tokens: the tokenizer, and the documents its suite tasks are cut from, as the evaluate
+    step cuts them (eval.suite, tokenize.validation_fraction)."""
     model_cfg = model_of(config)
+    trains, soups = config.phase_trains(), config.phase_soups()
     steps: dict[str, Step] = {}
-    for name, (train_cfg, mixture) in config.phase_trains().items():
+    for name in ["train", *(f"train/{phase}" for phase in config.phases)]:
+        if name in soups:
+            steps[name] = dataclasses.replace(soup_step([(steps[part], at) for part, at in soups[name]]), name=name)
+            continue
+        train_cfg, mixture = trains[name]
         parent = None
         if train_cfg.init is not None and train_cfg.init.from_:
             parent = steps.get(train_cfg.init.from_) or published_step(train_cfg.init.from_, name)
@@ -125,8 +132,8 @@ def named(final: Step, source: str, upstream: bool = True) -> Step:
 
 def after_training(config: ExperimentConfig, models: dict[str, Step], tokenizer: Step, tokens: Step,
                    documents: Step) -> list[Step]:
-    """Evaluation of every train step (`evaluate`, `evaluate/<phase>`), the last one's checkpoint
-    series (eval.checkpoints), optional post-training of the last one (with posttrain.evaluate,
+    """Evaluation of every train and soup step (`evaluate`, `evaluate/<phase>`), the last train
+    step's checkpoint series (eval.checkpoints), optional post-training of the last one (with posttrain.evaluate,
     `evaluate/sft` and `evaluate/dpo` of its models) and the export of the final model, whose
     model card carries that model's own evaluation (none where it was not evaluated)."""
     eval_cfg = config.eval.model_copy(update={"validation_fraction": config.tokenize.validation_fraction})
@@ -138,9 +145,10 @@ def after_training(config: ExperimentConfig, models: dict[str, Step], tokenizer:
 
     evaluations = {name: evaluation_of(model, name.replace("train", "evaluate", 1)) for name, model in models.items()}
     model, evaluation = list(models.values())[-1], list(evaluations.values())[-1]
-    series = [evaluation_of(model, f"{evaluation.name}/step-{step}", step)
-              for step in checkpoint_steps(config.eval.checkpoints, model.config.train.steps,
-                                           model.config.train.checkpoint_every)]
+    trained = [name for name, m in models.items() if m.stage == "train"][-1]  # a soup keeps no steps
+    series = [evaluation_of(models[trained], f"{evaluations[trained].name}/step-{step}", step)
+              for step in checkpoint_steps(config.eval.checkpoints, models[trained].config.train.steps,
+                                           models[trained].config.train.checkpoint_every)]
     final, posttrained = model, []
     if config.posttrain is not None:
         pt = config.posttrain
@@ -267,8 +275,8 @@ def code_drift(step: Step, store: Store) -> str | None:
 
 
 def missing_kept_step(step: Step, store: Store) -> str | None:
-    """A warning when a step not yet run starts from (train.init) or evaluates (eval.checkpoints)
-    a step of a train output that is done but did not keep it: trained before anything named it
+    """A warning when a step not yet run starts from (train.init), evaluates (eval.checkpoints) or
+    averages (a soup) a step of a train output that is done but did not keep it: trained before anything named it
     (what a train output keeps is a setting, so its version, and the cache hit, stay)."""
     if step.stage == "train" and "init" in step.inputs and step.config.train.init is not None:
         parent, init = step.inputs["init"], step.config.train.init
@@ -277,8 +285,15 @@ def missing_kept_step(step: Step, store: Store) -> str | None:
         needed = init.kept_step(trained)
     elif step.stage == "evaluate" and step.config.step is not None:
         parent, needed = step.inputs["model"], step.config.step
+    elif step.stage == "soup":
+        return next(filter(None, (_not_kept(step, step.inputs[f"part/{i}"], needed, store)
+                                  for i, needed in enumerate(step.config.steps))), None)
     else:
         return None
+    return _not_kept(step, parent, needed, store)
+
+
+def _not_kept(step: Step, parent: Step, needed: int | None, store: Store) -> str | None:
     if needed is None or not store.is_done(parent.stage, parent.version):
         return None
     files = store.read_lineage(parent.stage, parent.version).get("files", {})

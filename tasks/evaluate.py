@@ -122,8 +122,8 @@ def model_at(model_dir: Path, step: int | None) -> Path:
     if not (folder / "params.safetensors").is_file():
         kept = sorted(int(p.name) for p in (model_dir / KEPT_DIR).glob("*")) if (model_dir / KEPT_DIR).is_dir() else []
         raise FileNotFoundError(f"{model_dir} kept no parameters at step {step} (it kept {kept or 'none'}): it was "
-                                "trained before eval.checkpoints named the step; delete it to train it again (kiln "
-                                "then keeps the step: train.keep_checkpoints), or evaluate a step it kept")
+                                "trained before eval.checkpoints or a soup named the step; delete it to train it "
+                                "again (kiln then keeps the step: train.keep_checkpoints), or name a step it kept")
     return folder
 
 

@@ -442,7 +442,8 @@ ROPE_NAMES = {type(None): "", RopeScaling: ", Llama 3.1 scaling", YarnScaling: "
               LinearScaling: ", linear scaling", LongRopeScaling: ", LongRoPE scaling"}
 NORM_PLACES = {"post": "after each sublayer (post-norm)", "both": "before and after each sublayer"}
 MLP_NAMES = {"silu": "SwiGLU", "gelu_tanh": "GeGLU, tanh GELU"}
-MADE_BY = {"sft": "trained, then fine-tuned on conversations (SFT),", "dpo": "trained, then post-trained (SFT, DPO),"}
+MADE_BY = {"sft": "trained, then fine-tuned on conversations (SFT),", "dpo": "trained, then post-trained (SFT, DPO),",
+           "soup": "trained as several models and averaged (a model soup),"}
 
 
 def model_card(cfg: ModelConfig, n_params: int, name: str, license_id: str | None, lineage: dict | None,

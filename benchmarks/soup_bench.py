@@ -1,0 +1,80 @@
+"""A model soup against its parts, through kiln as a user runs it: configs/soup_cpu.yaml (a stable
+run whose own decay is one anneal, two more anneals on other data orders, `soup` their mean and
+`lawa` the mean of three stable-phase steps) on a clean store, then `kiln compare`.
+
+Prints each row's bits per byte and next_passage accuracy, and the ratios: the soup's bits per
+byte over its best part's and over its parts' mean, and lawa's over the decayed run's. With
+`--seeds`, the whole config again per stable-run seed (`--set train.seed=S`; the anneals keep
+their own data orders), each on its own store, so one seed's luck is not read as the soup's:
+
+    uv run python benchmarks/soup_bench.py                  # the config as shipped (seed 0)
+    uv run python benchmarks/soup_bench.py --seeds 0 1 4    # three stable runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).parent))
+from train_bench import machine  # noqa: E402
+
+CONFIG = REPO / "configs" / "soup_cpu.yaml"
+PARTS = ("train", "anneal_2", "anneal_3")  # the soup's, as the config names them
+
+
+def kiln(*args: str) -> str:
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=REPO, text=True, capture_output=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"kiln {' '.join(args)} exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    return proc.stdout
+
+
+def run(seed: int, store: Path) -> dict[str, dict]:
+    sets = ["--set", f"train.seed={seed}"]
+    started = time.perf_counter()
+    kiln("run", str(CONFIG), "--store", str(store), *sets)
+    wall = time.perf_counter() - started
+    rows = {r["variant"]: r for r in json.loads(kiln("compare", str(CONFIG), "--store", str(store), "--json", *sets))}
+    print(f"\nseed {seed}: kiln run {wall:.0f} s on a clean store")
+    print(f"  {'row':<10} {'bits/byte':>10} {'next_passage':>13}")
+    for name, r in rows.items():
+        print(f"  {name:<10} {r['bits_per_byte']:>10.4f} {r['next_passage_acc']:>13.4f}")
+    parts = [rows[p]["bits_per_byte"] for p in PARTS]
+    soup, lawa = rows["soup"]["bits_per_byte"], rows["lawa"]["bits_per_byte"]
+    print(f"  soup / best part {soup / min(parts):.4f}, soup / parts' mean {soup / (sum(parts) / len(parts)):.4f}, "
+          f"lawa / train {lawa / rows['train']['bits_per_byte']:.4f}")
+    return rows
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seeds", type=int, nargs="+", default=[0], help="the stable run's train.seed, one run each")
+    p.add_argument("--keep", action="store_true", help="keep the stores (their folder is printed)")
+    args = p.parse_args()
+    print(f"machine: {machine()}")
+    root = Path(tempfile.mkdtemp(prefix="kiln-soup-bench-"))
+    try:
+        ratios = []
+        for seed in args.seeds:
+            rows = run(seed, root / f"seed{seed}")
+            ratios.append(rows["soup"]["bits_per_byte"] / min(rows[p]["bits_per_byte"] for p in PARTS))
+        if len(ratios) > 1:
+            print(f"\nsoup / best part over {len(ratios)} seeds: {', '.join(f'{r:.4f}' for r in ratios)}")
+    finally:
+        if args.keep:
+            print(f"stores kept in {root}")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

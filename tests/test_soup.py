@@ -1,0 +1,175 @@
+"""Model soups (a phase with `average`, tasks/soup.py): what the plan makes of one and which versions
+it moves, the errors of a soup that cannot be made, the soup step's mean against one computed
+here, and a soup config run end to end: the soups' parameters are their parts' mean, each is
+evaluated, `kiln compare` shows a row per soup, and the export and `kiln generate` take one."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+
+import numpy as np
+import pytest
+import yaml
+from safetensors.numpy import load_file
+
+from flows.config import ExperimentConfig
+from tasks.engine.config import ConfigModel
+from tasks.engine.step import Step, StepContext
+from tasks.soup import run_soup, soup_step
+from tests.conftest import kiln
+from tests.test_phases import BASE, steps_of
+from tests.test_scheduler import run_names
+from training.config import KEPT_DIR, ModelConfig
+
+SOUP = {**BASE, "name": "souped",
+        "train": {"batch_size": 4, "steps": 20, "warmup": 2, "schedule": "wsd", "decay_steps": 5,
+                  "checkpoint_every": 10, "log_every": 5, "eval_every": 10, "eval_batches": 1},
+        "phases": {"anneal": {"from": "train", "step": 15, "steps": 5, "train": {"seed": 1}},
+                   "stable": {"average": ["train@10", "train@15"]},
+                   "soup": {"average": ["train", "anneal"]}}}
+
+
+def test_a_soup_phase_averages_the_steps_it_names_and_moves_no_other_version():
+    steps = steps_of(SOUP)
+    train, anneal, stable, soup = (steps[n] for n in ("train", "train/anneal", "train/stable", "train/soup"))
+    assert (soup.stage, stable.stage) == ("soup", "soup")
+    assert (soup.inputs["part/0"], soup.inputs["part/1"], soup.config.steps) == (train, anneal, (None, None))
+    assert (stable.inputs["part/0"], stable.inputs["part/1"], stable.config.steps) == (train, train, (10, 15))
+    assert train.config.train.keep_checkpoints == (10, 15)  # the anneal's start and the stable soup's parts
+    assert steps["export"].inputs["model"] is soup  # the last phase is what the export takes
+    assert steps["evaluate/soup"].inputs["model"] is soup and steps["evaluate/stable"].inputs["model"] is stable
+
+    # what a train output keeps is a setting: adding soups moves no train step's version
+    plain = steps_of({**SOUP, "phases": {"anneal": SOUP["phases"]["anneal"]}})
+    assert plain["train"].version == train.version and plain["train/anneal"].version == anneal.version
+    assert plain["train"].config.train.keep_checkpoints == (15,)
+    # a part's change moves the soups of it only; the parts' order is part of the version
+    moved = steps_of({**SOUP, "phases": {**SOUP["phases"], "anneal": {**SOUP["phases"]["anneal"],
+                                                                      "train": {"seed": 2}}}})
+    assert moved["train/soup"].version != soup.version and moved["train/stable"].version == stable.version
+    swapped = steps_of({**SOUP, "phases": {**SOUP["phases"], "soup": {"average": ["anneal", "train"]}}})
+    assert swapped["train/soup"].version != soup.version
+
+    # eval.checkpoints evaluates the last phase that trains: a soup keeps no steps
+    series = steps_of({**SOUP, "eval": {**SOUP["eval"], "checkpoints": [20]}})
+    assert series["evaluate/anneal/step-20"].inputs["model"].name == "train/anneal"
+
+
+@pytest.mark.parametrize("phases, error", [
+    ({"s": {"average": ["train"]}}, "two or more"),
+    ({"s": {"average": ["train", "train"]}}, "two or more"),
+    ({"s": {"average": ["train", "later"]}, "later": {"steps": 5}}, "'later' is not `train` or a phase before"),
+    ({"a": {"steps": 5}, "s": {"average": ["train", "a"], "steps": 3}}, "trains nothing: leave out steps"),
+    ({"a": {"steps": 5}, "s": {"average": ["train", "a"], "from": "a", "mode": "weights"}}, "leave out from, mode"),
+    ({"a": {"steps": 5}, "s": {"average": ["train@x", "a"]}}, "'train@x' is not `<phase>` or `<phase>@<step>`"),
+    ({"a": {"steps": 5}, "s": {"average": ["train@30", "a"]}}, r"train@30 is not a step train trains \(1 to 20\)"),
+    ({"a": {"from": "train", "step": 10, "steps": 5}, "s": {"average": ["a@8", "train"]}},
+     r"a@8 is not a step train/a trains \(11 to 15\)"),
+    ({"a": {"steps": 5}, "s": {"average": ["train", "a"]}, "t": {"average": ["s", "a"]}}, "'s' is a soup itself"),
+    ({"a": {"steps": 5}, "s": {"average": ["train", "a"]}, "b": {"steps": 5}}, "'s' is a soup, an average"),
+    ({"a": {"steps": 5}, "s": {"average": ["train", "a"]}, "b": {"from": "s", "steps": 5}}, "'s' is a soup"),
+    ({"a": {}}, "a phase trains `steps` steps"),
+])
+def test_a_soup_that_cannot_be_made_is_refused_naming_why(phases, error):
+    with pytest.raises(ValueError, match=error):
+        ExperimentConfig.model_validate({**SOUP, "phases": phases}).phase_trains()
+
+
+def _model(folder, cfg: ModelConfig, params: dict) -> None:
+    from training.loop import save_model
+
+    save_model(folder, cfg, params)
+
+
+def _soup(tmp_path, parts: list, steps: list) -> tuple[dict, dict]:
+    """Run the soup step's body on model folders; its stats and parameters."""
+    named = [Step(f"train/{i}", "train", 1, ConfigModel(), lambda ctx: {}) for i in range(len(parts))]
+    step = soup_step(list(zip(named, steps)))
+    out = tmp_path / "soup"
+    out.mkdir()
+    ctx = StepContext(step=step, out=out, inputs={f"part/{i}": p for i, p in enumerate(parts)}, input_stats={},
+                      work_dir=tmp_path / "work", log=logging.getLogger("test"))
+    stats = run_soup(ctx)
+    assert ModelConfig.model_validate_json((out / "model.json").read_text()) == ModelConfig.model_validate_json(
+        (parts[0] / "model.json").read_text())
+    return stats, load_file(str(out / "params.safetensors"))
+
+
+def test_the_soup_step_writes_the_mean_of_its_parts(tmp_path):
+    cfg = ModelConfig(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64, seq_len=32, vocab_size=64)
+    rng = np.random.default_rng(0)
+    parts = [{"embed": rng.normal(size=(64, 32)).astype(np.float32), "norm": rng.normal(size=32).astype(np.float32)}
+             for _ in range(3)]
+    folders = [tmp_path / f"part{i}" for i in range(3)]
+    for folder, params in zip(folders, parts):
+        _model(folder, cfg, params)
+    _model(folders[2] / KEPT_DIR / "10", cfg, parts[0])  # a kept step of the third: the first's parameters
+
+    stats, soup = _soup(tmp_path, folders, [None, None, None])
+    for key in ("embed", "norm"):
+        mean = sum(p[key].astype(np.float64) for p in parts) / 3
+        assert soup[key].dtype == np.float32 and np.array_equal(soup[key], mean.astype(np.float32))
+    mean = {k: sum(p[k].astype(np.float64) for p in parts) / 3 for k in parts[0]}
+    spread = math.sqrt(sum(np.sum((p[k] - mean[k]) ** 2) for p in parts for k in p) / 3) / math.sqrt(
+        sum(np.sum(m ** 2) for m in mean.values()))
+    assert stats["spread"] == pytest.approx(spread, rel=1e-5) and stats["param_count"] == 64 * 32 + 32
+    assert [p["step"] for p in stats["parts"]] == ["train/0", "train/1", "train/2"]
+
+    (tmp_path / "soup").rename(tmp_path / "first")
+    stats, soup = _soup(tmp_path, folders[1:], [None, 10])  # the third at its kept step 10
+    assert np.array_equal(soup["norm"], ((parts[1]["norm"].astype(np.float64) + parts[0]["norm"]) / 2)
+                          .astype(np.float32))
+    assert stats["parts"][1]["kept_step"] == 10
+
+    (tmp_path / "soup").rename(tmp_path / "second")
+    with pytest.raises(FileNotFoundError, match="kept no parameters at step 20"):
+        _soup(tmp_path, folders[1:], [None, 20])
+    other = tmp_path / "wider"
+    _model(other, cfg.model_copy(update={"d_ff": 128}), parts[0])
+    (tmp_path / "soup").rmdir()
+    with pytest.raises(ValueError, match="differs from .* in d_ff"):
+        _soup(tmp_path, [folders[0], other], [None, None])
+    fewer = tmp_path / "fewer"
+    _model(fewer, cfg, {"embed": parts[0]["embed"]})
+    (tmp_path / "soup").rmdir()
+    with pytest.raises(ValueError, match="holds other parameters"):
+        _soup(tmp_path, [folders[0], fewer], [None, None])
+
+
+@pytest.mark.slow  # a kiln run that trains (~25 s alone); CI runs it after the fast suite
+@pytest.mark.ci
+@pytest.mark.ray  # its training starts a local Ray: tests/conftest.py ray_lock
+def test_a_soup_config_runs_end_to_end_and_every_soup_is_its_parts_mean(tmp_path):
+    config, store = tmp_path / "soup.yaml", tmp_path / "store"
+    config.write_text(yaml.safe_dump(SOUP, sort_keys=False))
+    ran = run_names(kiln("run", str(config), "--store", str(store)).stdout)
+    assert all(ran[n] == "ran" for n in ("train", "train/anneal", "train/stable", "train/soup", "evaluate/soup",
+                                         "evaluate/stable", "export")), ran
+    steps = steps_of(SOUP)
+
+    def params(step, kept=None):
+        folder = store / step.stage / step.version
+        return load_file(str((folder if kept is None else folder / KEPT_DIR / str(kept)) / "params.safetensors"))
+
+    for soup, parts in (("train/soup", [params(steps["train"]), params(steps["train/anneal"])]),
+                        ("train/stable", [params(steps["train"], 10), params(steps["train"], 15)])):
+        made = params(steps[soup])
+        assert set(made) == set(parts[0])
+        for key, value in made.items():
+            mean = (parts[0][key].astype(np.float64) + parts[1][key]) / 2
+            assert np.array_equal(value, mean.astype(np.float32)), (soup, key)
+        assert not np.array_equal(parts[0][key], parts[1][key])  # two models, not one twice
+
+    rows = {r["variant"]: r for r in json.loads(kiln("compare", str(config), "--store", str(store), "--json").stdout)}
+    assert list(rows) == ["train", "anneal", "stable", "soup"]
+    assert all(r["status"] == "done" and r["bits_per_byte"] > 0 for r in rows.values())
+    assert rows["soup"]["final_loss"] == "-" and rows["soup"]["params"] == rows["train"]["params"]
+    assert rows["soup"]["train_version"] == steps["train/soup"].version
+
+    export = store / "export" / steps["export"].version
+    assert "averaged (a model soup)" in (export / "README.md").read_text()
+    out = kiln("generate", str(store / "soup" / steps["train/soup"].version), "--prompt", "In the beginning",
+               "--max-tokens", "8", "--temperature", "0").stdout
+    assert out.strip()  # text: the soup's tokenizer found through its lineage
