@@ -50,6 +50,18 @@ def kiln(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=REPO, text=True, capture_output=True)
 
 
+def run_and_compare(config: dict, root: Path) -> tuple[Path, dict[str, dict]]:
+    """`config` (its YAML written under `root`) run on a clean store there, then `kiln compare`'s
+    rows by variant; exits with the run's output if it failed."""
+    path, store = root / "experiment.yaml", root / "store"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    done = kiln("run", str(path), "--store", str(store))
+    if done.returncode:
+        raise SystemExit(f"kiln run failed:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}")
+    rows = json.loads(kiln("compare", str(path), "--store", str(store), "--json").stdout)
+    return store, {r["variant"]: r for r in rows}
+
+
 def tokens_per_s(store: Path, train_version: str) -> float:
     records = read_metrics(store / "train" / train_version / "metrics.jsonl")
     return statistics.median(r["tokens_per_s"] for r in records[1:])
@@ -64,13 +76,7 @@ def main() -> int:
     args = p.parse_args()
     print(f"machine: {machine()}", flush=True)
     root = Path(tempfile.mkdtemp(prefix="kiln-optimizers-"))
-    config, store = root / "optimizers.yaml", root / "store"
-    config.write_text(yaml.safe_dump(experiment(args.steps, args.lrs), sort_keys=False))
-    done = kiln("run", str(config), "--store", str(store))
-    if done.returncode:
-        print(done.stdout[-4000:], done.stderr[-4000:])
-        return 1
-    rows = {r["variant"]: r for r in json.loads(kiln("compare", str(config), "--store", str(store), "--json").stdout)}
+    store, rows = run_and_compare(experiment(args.steps, args.lrs), root)
     print(f"\nmachine at the end: {machine()}")
     for point in [f",lr={lr}" for lr in args.lrs] if args.lrs else [""]:  # the grid names a point so
         adamw, muon = rows["adamw" + point], rows["muon" + point]
@@ -79,7 +85,8 @@ def main() -> int:
         print(f"{'tokens/s':18s} {speed[0]:10.0f} {speed[1]:10.0f} {speed[1] / speed[0]:11.3f}")
         for key in SHOWN:
             if isinstance(adamw.get(key), (int, float)) and isinstance(muon.get(key), (int, float)):
-                print(f"{key:18s} {adamw[key]:10.4f} {muon[key]:10.4f} {muon[key] / adamw[key]:11.3f}")
+                ratio = f"{muon[key] / adamw[key]:11.3f}" if adamw[key] else f"{'n/a':>11s}"  # an accuracy of 0
+                print(f"{key:18s} {adamw[key]:10.4f} {muon[key]:10.4f} {ratio}")
     if args.lrs:  # each optimizer at its own best learning rate, as a fair comparison takes them
         for name in ("adamw", "muon"):
             best = min((r for v, r in rows.items() if v.startswith(name + ",")), key=lambda r: r["bits_per_byte"])

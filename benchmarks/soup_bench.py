@@ -33,7 +33,8 @@ PARTS = ("train", "anneal_2", "anneal_3")  # the soup's, as the config names the
 def kiln(*args: str) -> str:
     proc = subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=REPO, text=True, capture_output=True)
     if proc.returncode != 0:
-        raise SystemExit(f"kiln {' '.join(args)} exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+        raise SystemExit(f"kiln {' '.join(args)} exited {proc.returncode}:\n{proc.stdout[-2000:]}\n"
+                         f"{proc.stderr[-3000:]}")
     return proc.stdout
 
 

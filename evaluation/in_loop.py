@@ -68,7 +68,7 @@ class _Evaluations:
                          chat=chat_template(folder, self.tokenizer) if spec.cfg.apply_chat_template else None)
 
     def __call__(self, info: StepInfo) -> None:
-        params = info.params
+        params = info.published  # what the evaluate step would score: with train.ema the average
         if jax.process_count() > 1:  # every host gathers (a collective); host 0 evaluates
             from training.loop import on_host
 

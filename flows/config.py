@@ -385,6 +385,10 @@ class ExperimentConfig(ConfigModel):
             except ValidationError as e:
                 err = e.errors()[0]
                 raise ValueError(f"phases.{name}.train: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+            if phase.mode != "weights" and (cfg.ema is None) != (parent_cfg.ema is None):
+                raise ValueError(f"phases.{name}.train.ema: mode {phase.mode} carries on {parent}'s train state, which "
+                                 f"holds a moving average only if its train.ema is set ({parent_cfg.ema}): set both "
+                                 "or neither, or start in mode weights")
             if (phase.mixture is None) != (parent_mixture is None) or (
                     phase.mixture is not None and set(phase.mixture) != set(parent_mixture)):
                 raise ValueError(f"phases.{name}.mixture: a phase of a mixture run names every source of "

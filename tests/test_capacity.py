@@ -25,7 +25,7 @@ TRAIN = TrainConfig(batch_size=8, steps=10, warmup=1)
 
 @pytest.fixture(scope="module")
 def plans() -> dict:
-    """dp, fsdp and fsdp with full remat on 4 simulated devices, in one fresh JAX process."""
+    """dp, fsdp, fsdp with full remat and fsdp with train.ema on 4 simulated devices, in one fresh JAX process."""
     script = textwrap.dedent(f"""
         import json, os
         os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
@@ -35,8 +35,9 @@ def plans() -> dict:
         model = ModelConfig.model_validate_json({MODEL.model_dump_json()!r})
         train = TrainConfig.model_validate_json({TRAIN.model_dump_json()!r})
         out = {{}}
-        for name, strategy, remat in (("dp", "dp", "none"), ("fsdp", "fsdp", "none"), ("fsdp_full", "fsdp", "full")):
-            cfg = train.model_copy(update={{"mesh": MeshConfig(strategy=strategy), "remat": remat}})
+        for name, strategy, remat, ema in (("dp", "dp", "none", None), ("fsdp", "fsdp", "none", None),
+                                           ("fsdp_full", "fsdp", "full", None), ("fsdp_ema", "fsdp", "none", 0.999)):
+            cfg = train.model_copy(update={{"mesh": MeshConfig(strategy=strategy), "remat": remat, "ema": ema}})
             out[name] = plan(model, cfg)
         print(json.dumps(out))
     """)
@@ -65,6 +66,11 @@ def test_bytes_per_device_follow_the_shardings(plans):
         assert 2 * p["param_bytes"] <= p["optimizer_bytes"] <= 2 * p["param_bytes"] + 64
         assert p["argument_bytes"] >= p["param_bytes"] + p["optimizer_bytes"]
         assert p["temp_bytes"] > 0
+    # train.ema's average is one more copy of the parameters, laid out as they are
+    ema = plans["fsdp_ema"]
+    assert ema["ema_bytes"] == fsdp["param_bytes"] and fsdp["ema_bytes"] == 0
+    assert ema["argument_bytes"] - fsdp["argument_bytes"] == fsdp["param_bytes"]
+    assert "moving average" in table({**ema, "total_bytes": 0, "memory_fraction": 0.9, "mfu": 0.4, "fit": []})
 
 
 def test_flops_per_step_and_remat(plans):

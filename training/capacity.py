@@ -65,7 +65,9 @@ def plan(model_cfg, train_cfg, devices=None) -> dict:
                          f"microbatches over {mesh.shape['data']} data-parallel devices: make it a multiple of "
                          f"{mesh.shape['data'] * train_cfg.microbatches}")
     optimizer = make_optimizer(train_cfg)
-    abstract = jax.eval_shape(lambda key: init_state(model_cfg, optimizer, key, train_cfg.lora), jax.random.PRNGKey(0))
+    ema = train_cfg.ema is not None
+    abstract = jax.eval_shape(lambda key: init_state(model_cfg, optimizer, key, train_cfg.lora, ema),
+                              jax.random.PRNGKey(0))
     shardings = state_shardings(abstract, mesh, train_cfg.mesh.strategy)
     data = batch_sharding(mesh)
     placed = jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
@@ -105,6 +107,7 @@ def plan(model_cfg, train_cfg, devices=None) -> dict:
         "param_bytes": params,
         "optimizer_bytes": shard_bytes(abstract["opt_state"], shardings["opt_state"]),
         "gradient_bytes": shard_bytes(abstract[trained], shardings[trained]),
+        "ema_bytes": shard_bytes(abstract["ema"], shardings["ema"]) if ema else 0,  # train.ema's average
         "argument_bytes": int(memory.argument_size_in_bytes),  # the state and the batch, donated
         "temp_bytes": int(memory.temp_size_in_bytes),
         "output_bytes": int(memory.output_size_in_bytes - memory.alias_size_in_bytes),  # beyond the donated state
@@ -163,6 +166,7 @@ def table(r: dict) -> str:
         "per device:",
         f"  parameters      {gib(r['param_bytes'])}",
         f"  optimizer       {gib(r['optimizer_bytes'])}",
+        *([f"  moving average  {gib(r['ema_bytes'])}  (train.ema)"] if r.get("ema_bytes") else []),
         f"  gradients       {gib(r['gradient_bytes'])}  (inside the temporaries)",
         f"  temporaries     {gib(r['temp_bytes'])}  (activations, gradients: the compiler's)",
         f"  total           {gib(r['total_bytes'])}  (arguments {gib(r['argument_bytes'])} + temporaries"

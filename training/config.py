@@ -6,7 +6,7 @@ whose marks say which fields are identity.
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
@@ -472,6 +472,13 @@ class TrainConfig(ConfigModel):
     schedule_steps: Count | None = identity_when_set(
         None, description="The steps the learning-rate schedule spans; None: `steps`. A first phase that a "
         "`continue` phase extends sets the whole run's, so that the two phases train as one run would.")
+    ema: Annotated[float, Field(gt=0, lt=1)] | None = identity_when_set(  # a decay in (0, 1)
+        None, description="Keep an exponential moving average of the parameters, updated after every step "
+        "(ema = decay * ema + (1 - decay) * params, from the initial parameters), e.g. 0.999 (Levanter's "
+        "model averaging, Marin's ema_beta). The published model and its kept steps are then the average: what "
+        "evaluation, the export and later phases read; training itself is unchanged. `val_loss` stays the "
+        "trained parameters', and `ema_val_loss` is logged beside it. One more copy of the parameters in the "
+        "train state (checkpointed: a resume is bit for bit). Not with `lora`.")
     init: InitConfig | None = identity_when_set(None, description="Start from another step's checkpoint or a "
                                                 "Hugging Face model instead of a random initialisation.")
     lora: LoraConfig | None = identity_when_set(None, description="Train LoRA adapters only, the parameters "
@@ -544,6 +551,9 @@ class TrainConfig(ConfigModel):
         if self.optimizer == "muon" and self.lora is not None:
             raise ValueError("optimizer muon orthogonalises a model's own matrices; LoRA's low-rank adapters train "
                              "with adamw: leave optimizer out with lora")
+        if self.ema is not None and self.lora is not None:
+            raise ValueError("train.ema averages a model's own parameters; LoRA trains adapters on frozen ones: "
+                             "leave ema out with lora")
         if self.warmup >= self.steps:
             raise ValueError(f"warmup={self.warmup} must be shorter than steps={self.steps}")
         if self.split_parts and (self.batch_parts == 1 or self.microbatches > 1 or self.lora is not None):

@@ -28,7 +28,7 @@ from jax.experimental import multihost_utils
 from training.checkpoint import Checkpoints
 from training.config import KEPT_DIR, KEPT_STATE, LoraConfig, ModelConfig, TrainConfig
 from training.metrics import MetricsLog, plot_loss
-from training.step import model_params
+from training.step import model_params, published_params
 
 
 
@@ -49,6 +49,11 @@ class StepInfo:
         """The parameters the model computes with at this step (with LoRA: merged with the
         adapters, once for every hook of the step)."""
         return model_params(self.state, self.lora)
+
+    @functools.cached_property
+    def published(self) -> dict:
+        """The model the run publishes at this step: `params`, or with train.ema their moving average."""
+        return published_params(self.state, self.lora)
 
 
 class Hook(NamedTuple):
@@ -83,17 +88,25 @@ class HookFactory(Protocol):
 
 
 class Validation:
-    """val_loss into the record every `eval_every` steps (at log steps) and at the last step;
-    `last` is the latest value (on every process: each computes it)."""
+    """val_loss (of the trained parameters) and, with train.ema, ema_val_loss (of their moving
+    average) into the record every `eval_every` steps (at log steps) and at the last step; `last`
+    and `last_ema` are the latest values (on every process: each computes them)."""
 
     def __init__(self, ctx: LoopContext, val_batches: list):
-        self.ctx, self.last = ctx, None
+        self.ctx, self.last, self.last_ema = ctx, None, None
         self.batches = [ctx.put_batch(b) for b in val_batches[:ctx.train_cfg.eval_batches]]
         self.hooks = [Hook(self, ctx.train_cfg.eval_every)] if self.batches else []
 
     def __call__(self, info: StepInfo) -> None:
         if info.metrics is not None:
-            self.last = info.metrics["val_loss"] = self.loss(info.params)
+            info.metrics.update(self.measure(info))
+
+    def measure(self, info: StepInfo) -> dict:
+        measured = {"val_loss": self.loss(info.params)}
+        if "ema" in info.state:
+            measured["ema_val_loss"] = self.loss(info.state["ema"])
+        self.last, self.last_ema = measured["val_loss"], measured.get("ema_val_loss")
+        return measured
 
     def loss(self, params) -> float:
         """Mean validation loss over the batches (all the same size, so the mean of means)."""

@@ -59,7 +59,7 @@ from training.model import param_count
 from training.optim import make_optimizer
 from training.sharding import batch_sharding, make_mesh, put_batch, state_shardings
 from training.step import (compiler_options, how_it_runs, init_state, make_eval_step, make_split_step,
-                           make_train_step, model_params, xla_gpu_deterministic)
+                           make_train_step, published_params, xla_gpu_deterministic)
 from training.tracking import TENSORBOARD_DIR, TensorBoardLog
 
 log = logging.getLogger("kiln.training")
@@ -111,6 +111,8 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, batch_at: Callable[[in
         state = program.init(jax.random.PRNGKey(train_cfg.seed))
         if init_params is not None:  # the optimizer state starts at zero either way
             state = {**state, "params": _placed(init_params, program)}
+            if "ema" in state:  # the average starts at the parameters it starts from
+                state["ema"] = _placed(init_params, program)
         elif start_from is not None:
             state, start = _restored(start_from, program, identity, train_cfg)
     else:
@@ -154,16 +156,17 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, batch_at: Callable[[in
     checkpointing.close()
 
     # Publish: parameters gathered to host memory (a collective with several processes).
-    model = model_params(state, train_cfg.lora)  # with LoRA: the merged model
+    model = published_params(state, train_cfg.lora)  # with LoRA: the merged model; with ema: the average
     params = on_host(model)
-    val_loss = validating.last
     if validating.batches and start == train_cfg.steps:  # resumed at the end: the last evaluation died
-        val_loss = validating.loss(model)
+        validating.measure(StepInfo(start, True, state, {}, None, train_cfg.lora))
+    val_loss = validating.last
     flat = flatten_params(params)
     trained = train_cfg.steps - start
     stats = {
         "final_loss": clock.last_loss,
         "final_val_loss": val_loss,
+        **({"final_ema_val_loss": validating.last_ema} if train_cfg.ema is not None else {}),
         "params_sha256": params_sha256(flat),
         "param_count": param_count(params),
         "steps": train_cfg.steps,
@@ -213,7 +216,8 @@ def _restored(start_from: StartFrom, program: CompiledProgram, identity: dict,
         except Exception as e:
             raise ValueError(f"the checkpoint in {start_from.folder} does not fit this run's train state ({e}); "
                              "train.init modes continue and reset need the same model and optimizer (grad_clip on "
-                             "or off alike): use mode weights to take its parameters only") from e
+                             "or off alike, train.ema set or unset alike): use mode weights to take its parameters "
+                             "only") from e
     finally:
         parent.close()
     if meta["identity"]["model"] != identity["model"]:
@@ -243,7 +247,7 @@ def _kept_params(ctx: LoopContext) -> list[Hook]:
 
     def save(info: StepInfo) -> None:
         if info.step in keep:
-            params = on_host(info.params)
+            params = on_host(info.published)
             if ctx.primary:
                 save_model(ctx.work_dir / KEPT_DIR / str(info.step), ctx.model_cfg, flatten_params(params))
 
@@ -357,7 +361,7 @@ def compiled_program(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: jax.s
         raise ValueError(f"batch_size={train_cfg.batch_size} does not split over the mesh's {mesh.shape['data']} "
                          "data-parallel devices: make it a multiple of that")
     optimizer = make_optimizer(train_cfg)
-    make_state = lambda key: init_state(model_cfg, optimizer, key, train_cfg.lora)  # noqa: E731
+    make_state = lambda key: init_state(model_cfg, optimizer, key, train_cfg.lora, train_cfg.ema is not None)  # noqa: E731
     abstract = jax.eval_shape(make_state, jax.random.PRNGKey(0))
     shardings = state_shardings(abstract, mesh, train_cfg.mesh.strategy)
     if objective is None:

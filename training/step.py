@@ -26,15 +26,16 @@ from training.optim import lr_schedule, scaled
 
 
 def init_state(model_cfg: ModelConfig, optimizer: optax.GradientTransformation, key: jax.Array,
-               lora: LoraConfig | None = None) -> dict:
+               lora: LoraConfig | None = None, ema: bool = False) -> dict:
     """Parameters and optimizer state from one key: split once for initialisation and once for
     the key the state carries (split again every step, for anything stochastic in training).
-    With `lora` the state also holds the adapters, and the optimizer state is theirs alone."""
+    With `lora` the state also holds the adapters, and the optimizer state is theirs alone; with
+    `ema` (train.ema) the moving average of the parameters, starting at them."""
     init_key, train_key = jax.random.split(key)
     params = init_params(model_cfg, init_key)
     if lora is None:
-        return {"step": jnp.zeros((), jnp.int32), "params": params,
-                "opt_state": optimizer.init(params), "rng": train_key}
+        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": optimizer.init(params),
+                "rng": train_key, **({"ema": params} if ema else {})}
     adapters = init_adapters(params, model_cfg, lora, jax.random.fold_in(init_key, 1))
     return {"step": jnp.zeros((), jnp.int32), "params": params, "adapters": adapters,
             "opt_state": optimizer.init(adapters), "rng": train_key}
@@ -48,6 +49,17 @@ def trained_key(lora: LoraConfig | None) -> str:
 def model_params(state: dict, lora: LoraConfig | None) -> dict:
     """The parameters the model computes with: the state's, or with LoRA the merged ones."""
     return state["params"] if lora is None else merged(state["params"], state["adapters"], lora)
+
+
+def published_params(state: dict, lora: LoraConfig | None) -> dict:
+    """The model a run publishes (its output, its kept steps, its in-loop evals): the moving
+    average of the parameters where train.ema keeps one, else `model_params`."""
+    return state["ema"] if "ema" in state else model_params(state, lora)
+
+
+def ema_update(ema: dict, params: dict, decay: float) -> dict:
+    """One step of the moving average: decay * ema + (1 - decay) * params, leaf by leaf."""
+    return jax.tree_util.tree_map(lambda e, p: decay * e + (1 - decay) * p, ema, params)
 
 
 @jax.custom_vjp
@@ -296,7 +308,10 @@ def make_update(train_cfg: TrainConfig, optimizer: optax.GradientTransformation)
         # An objective may report its own `loss` in aux, overriding the one trained on (next-token with
         # z-loss: the cross-entropy without the z term).
         metrics = {"loss": loss_value, "grad_norm": optax.tree.norm(grads), "lr": lr, **aux}
-        return {**state, "step": state["step"] + 1, trained: new, "opt_state": opt_state, "rng": rng}, metrics
+        state = {**state, "step": state["step"] + 1, trained: new, "opt_state": opt_state, "rng": rng}
+        if train_cfg.ema is not None:
+            state["ema"] = ema_update(state["ema"], new, train_cfg.ema)
+        return state, metrics
 
     return update
 

@@ -1,0 +1,74 @@
+"""A moving average of the parameters (train.ema) against none, through kiln as a user runs it:
+configs/tiny_cpu.yaml as a grid over `train.ema` (none and each decay given) on one clean store,
+one train step at a time so that none shares the cores; then `kiln compare`.
+
+Prints per run: the train step's tokens/s (median of its log steps after the first) and its
+ratio to the run without an average (the cost of the update), the trained parameters' and the
+average's last validation loss, and the evaluate step's bits per byte and task accuracy, which
+score the published model (the average, where there is one). `--set` passes fields to every run
+(another schedule, say). Run it with nothing else on the machine:
+
+    uv run python benchmarks/ema_bench.py                                  # decays 0.9 and 0.98
+    uv run python benchmarks/ema_bench.py --decays 0.95 --set train.schedule=wsd
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).parent))
+from optimizer_bench import REPO, run_and_compare, tokens_per_s  # noqa: E402
+from train_bench import machine  # noqa: E402
+
+from flows.config import parse_sets  # noqa: E402
+from flows.experiment import deep_merge, nest  # noqa: E402
+
+
+def experiment(decays: list[float], sets: list[str]) -> dict:
+    config = yaml.safe_load((REPO / "configs" / "tiny_cpu.yaml").read_text())
+    config.pop("canary", None)
+    config = deep_merge(config, nest(parse_sets(sets)))
+    config["grid"] = {"train.ema": [None, *decays]}
+    config["run"] = {**config.get("run", {}), "max_concurrent": 1}  # one train step at a time: its own cores
+    return config
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--decays", type=float, nargs="+", default=[0.9, 0.98], help="train.ema decays to run")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="PATH=VALUE",
+                   help="a field of every run, as kiln's --set")
+    p.add_argument("--keep", action="store_true", help="keep the store")
+    args = p.parse_args()
+    print(f"machine: {machine()}", flush=True)
+    root = Path(tempfile.mkdtemp(prefix="kiln-ema-"))
+    store, by_variant = run_and_compare(experiment(args.decays, args.sets), root)
+    rows = list(by_variant.values())
+    print(f"machine at the end: {machine()}\n")
+    base = tokens_per_s(store, rows[0]["train_version"])
+    print(f"{'train.ema':10s} {'tokens/s':>9s} {'/ none':>7s} {'val_loss':>9s} {'ema_val':>8s} {'bits/byte':>10s} "
+          f"{'next_passage':>13s} {'last_word':>10s}")
+    for row in rows:
+        stats = json.loads((store / "train" / row["train_version"] / "lineage.json").read_text())["stats"]
+        speed = tokens_per_s(store, row["train_version"])
+        ema = stats.get("final_ema_val_loss")
+        ema = f"{ema:8.4f}" if ema is not None else f"{'-':>8s}"
+        print(f"{row['variant'].removeprefix('ema='):10s} {speed:9.0f} {speed / base:7.3f} "
+              f"{stats['final_val_loss']:9.4f} {ema} {row['bits_per_byte']:10.4f} "
+              f"{row['next_passage_acc']:13.3f} {row['last_word_acc']:10.3f}")
+    if args.keep:
+        print(f"store: {store}")
+    else:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
