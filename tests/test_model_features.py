@@ -205,8 +205,10 @@ def test_new_fields_leave_default_versions_as_they_were(monkeypatch):
     assert version() == current != "e2567bc643e2"  # a later stage version moves it
     assert version(attention="fused", eos_id=50256) == version()  # settings
     for identity in ({"remat": "full"}, {"document_mask": True}, {"z_loss": 1e-4}, {"optimizer": "muon"},
-                     {"muon_momentum": 0.9}):
+                     {"muon_momentum": 0.9}, {"ema": 0.99}):
         assert version(**identity) != version(), identity
+    assert version(schedule="wsd", decay_shape="sqrt") != version(schedule="wsd") == version(
+        schedule="wsd", decay_shape="linear")
     for shape in ({"qk_norm": "head"}, {"norm_position": "post"}, {"head_width": 64}, {"sliding_window": 64},
                   {"norm_position": "both"}, {"activation": "gelu_tanh"}, {"scale_embeddings": True},
                   {"query_pre_attn_scalar": 64}, {"rotary_layers": (True, True, True, False)},

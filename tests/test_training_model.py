@@ -315,6 +315,16 @@ def test_schedules():
                                   decay_fraction=0.2))
     assert [float(wsd(s)) for s in (10, 50, 80)] == pytest.approx([1.0, 1.0, 1.0])
     assert float(wsd(90)) == pytest.approx(0.5, abs=0.03) and float(wsd(99)) == pytest.approx(0.0)
+    # decay_shape sqrt: the same ends, 1 - sqrt(progress) between them (a quarter of the way: half down)
+    root = lr_schedule(TrainConfig(steps=100, warmup=10, lr=1.0, min_lr_ratio=0.0, schedule="wsd",
+                                   decay_fraction=0.2, decay_shape="sqrt"))
+    assert [float(root(s)) for s in (50, 80)] == pytest.approx([1.0, 1.0]) and float(root(99)) == pytest.approx(0.0)
+    for step in (83, 90, 95):
+        progress = (step - 80) / 19
+        assert float(root(step)) == pytest.approx(1 - progress ** 0.5, abs=1e-6)
+        assert float(root(step)) < float(wsd(step))  # steeper early than linear
+    with pytest.raises(ValueError, match="decay_shape=sqrt shapes WSD's decay"):
+        TrainConfig(steps=100, decay_shape="sqrt")
 
 
 def test_weight_decay_only_on_matrices():

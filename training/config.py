@@ -423,6 +423,11 @@ class TrainConfig(ConfigModel):
     decay_steps: Count | None = identity_when_set(
         None, description="WSD: decay over exactly this many last steps instead of `decay_fraction` of them (a "
         "cooldown branch of a fixed length, whichever step it starts from).")
+    decay_shape: Literal["linear", "sqrt"] = identity_when_set(
+        "linear", description="WSD: how the decay falls: `linear`, or `sqrt`, lr = floor + (lr - floor) * (1 - "
+        "sqrt(progress)) over the decay, steep at its start and flat at its end (Hägele et al., 2024, found it "
+        "better than linear at the same length; on configs/cooldown_cpu.yaml it was 0.4-1.2% worse: "
+        "benchmarks/RESULTS.md).")
     optimizer: Literal["adamw", "muon"] = identity_when_set(
         "adamw", description="`adamw`; or `muon`: Muon (momentum orthogonalised by Newton-Schulz) for the decoder "
         "blocks' projection matrices, scaled to AdamW's update size so that `lr` and `weight_decay` carry over, and "
@@ -551,6 +556,9 @@ class TrainConfig(ConfigModel):
         if self.optimizer == "muon" and self.lora is not None:
             raise ValueError("optimizer muon orthogonalises a model's own matrices; LoRA's low-rank adapters train "
                              "with adamw: leave optimizer out with lora")
+        if self.decay_shape != "linear" and self.schedule != "wsd":
+            raise ValueError(f"decay_shape={self.decay_shape} shapes WSD's decay; schedule is {self.schedule}: "
+                             "set schedule wsd or leave decay_shape out")
         if self.ema is not None and self.lora is not None:
             raise ValueError("train.ema averages a model's own parameters; LoRA trains adapters on frozen ones: "
                              "leave ema out with lora")

@@ -28,9 +28,10 @@ def lr_schedule(cfg: TrainConfig):
     """step -> learning rate: linear warmup over `warmup` steps, then
 
     cosine: half a cosine from lr down to lr * min_lr_ratio at the last step;
-    wsd (warmup-stable-decay): constant lr, then a linear decay to lr * min_lr_ratio over the
-    last `decay_fraction` of the steps, or the last `decay_steps` (so a run can be extended, or
-    cooled down, from a stable-phase checkpoint).
+    wsd (warmup-stable-decay): constant lr, then a decay to lr * min_lr_ratio over the last
+    `decay_fraction` of the steps, or the last `decay_steps` (so a run can be extended, or
+    cooled down, from a stable-phase checkpoint): linear, or with `decay_shape` sqrt falling
+    as 1 - sqrt of its progress.
     The steps are `schedule_steps` when set (a phase of a longer run), else `steps`.
     """
     peak, floor = cfg.lr, cfg.lr * cfg.min_lr_ratio
@@ -46,7 +47,7 @@ def lr_schedule(cfg: TrainConfig):
         if cfg.schedule == "cosine":
             decayed = floor + (peak - floor) * 0.5 * (1 + jnp.cos(math.pi * progress))
         else:
-            decayed = peak - (peak - floor) * progress
+            decayed = peak - (peak - floor) * (jnp.sqrt(progress) if cfg.decay_shape == "sqrt" else progress)
         return jnp.where(step < cfg.warmup, warm, decayed)
 
     return schedule
