@@ -173,3 +173,9 @@ def test_a_soup_config_runs_end_to_end_and_every_soup_is_its_parts_mean(tmp_path
     out = kiln("generate", str(store / "soup" / steps["train/soup"].version), "--prompt", "In the beginning",
                "--max-tokens", "8", "--temperature", "0").stdout
     assert out.strip()  # text: the soup's tokenizer found through its lineage
+
+    # a soup that names a step the trained run did not keep: the plan says so before anything runs
+    unkept = {**SOUP, "phases": {**SOUP["phases"], "stable": {"average": ["train@12", "train"]}}}
+    config.write_text(yaml.safe_dump(unkept, sort_keys=False))
+    planned = kiln("plan", str(config), "--store", str(store))
+    assert "train/stable needs step 12 of train" in planned.stderr and "it kept [10, 15]" in planned.stderr
