@@ -410,14 +410,15 @@ class ExperimentConfig(ConfigModel):
                 raise ValueError(f"phases.{name}.average: {part!r} is not `train` or a phase before {name!r} "
                                  f"(the phases so far: {[n.removeprefix('train/') for n in trains][1:]})")
             cfg = trains[train][0]
-            init = cfg.init
+            init = cfg.init  # a continue phase trains the steps after the one it starts from
             first = init.kept_step(trains[init.from_][0].steps) if (
                 init is not None and init.mode == "continue" and init.from_ in trains) else 0
-            if step is not None and not (first or 0) < step <= cfg.steps:
+            if step is not None and not first < step <= cfg.steps:
                 raise ValueError(f"phases.{name}.average: {part}@{step} is not a step {train} trains "
-                                 f"({(first or 0) + 1} to {cfg.steps})")
+                                 f"({first + 1} to {cfg.steps})")
             parts.append((train, step))
         return tuple(parts)
+
 
 def _with_kept_steps(trains: dict, soups: dict, eval_cfg: EvalConfig) -> dict:
     """Each train config with `keep_checkpoints` naming every step that a later phase starts

@@ -133,9 +133,10 @@ def named(final: Step, source: str, upstream: bool = True) -> Step:
 def after_training(config: ExperimentConfig, models: dict[str, Step], tokenizer: Step, tokens: Step,
                    documents: Step) -> list[Step]:
     """Evaluation of every train and soup step (`evaluate`, `evaluate/<phase>`), the last train
-    step's checkpoint series (eval.checkpoints), optional post-training of the last one (with posttrain.evaluate,
-    `evaluate/sft` and `evaluate/dpo` of its models) and the export of the final model, whose
-    model card carries that model's own evaluation (none where it was not evaluated)."""
+    step's checkpoint series (eval.checkpoints), optional post-training of the last model (with
+    posttrain.evaluate, `evaluate/sft` and `evaluate/dpo` of its models) and the export of the
+    final model, whose model card carries that model's own evaluation (none where it was not
+    evaluated)."""
     eval_cfg = config.eval.model_copy(update={"validation_fraction": config.tokenize.validation_fraction})
 
     def evaluation_of(model: Step, name: str, step: int | None = None) -> Step:
@@ -276,8 +277,9 @@ def code_drift(step: Step, store: Store) -> str | None:
 
 def missing_kept_step(step: Step, store: Store) -> str | None:
     """A warning when a step not yet run starts from (train.init), evaluates (eval.checkpoints) or
-    averages (a soup) a step of a train output that is done but did not keep it: trained before anything named it
-    (what a train output keeps is a setting, so its version, and the cache hit, stay)."""
+    averages (a soup) a step of a train output that is done but did not keep it: trained before
+    anything named it (what a train output keeps is a setting, so its version, and the cache
+    hit, stay)."""
     if step.stage == "train" and "init" in step.inputs and step.config.train.init is not None:
         parent, init = step.inputs["init"], step.config.train.init
         trained = store.read_lineage(parent.stage, parent.version)["stats"].get("steps") \

@@ -361,7 +361,8 @@ def compiled_program(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: jax.s
         raise ValueError(f"batch_size={train_cfg.batch_size} does not split over the mesh's {mesh.shape['data']} "
                          "data-parallel devices: make it a multiple of that")
     optimizer = make_optimizer(train_cfg)
-    make_state = lambda key: init_state(model_cfg, optimizer, key, train_cfg.lora, train_cfg.ema is not None)  # noqa: E731
+    ema = train_cfg.ema is not None
+    make_state = lambda key: init_state(model_cfg, optimizer, key, train_cfg.lora, ema)  # noqa: E731
     abstract = jax.eval_shape(make_state, jax.random.PRNGKey(0))
     shardings = state_shardings(abstract, mesh, train_cfg.mesh.strategy)
     if objective is None:
