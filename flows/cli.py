@@ -66,7 +66,8 @@ def parser() -> argparse.ArgumentParser:
 
     def sets(p: argparse.ArgumentParser) -> None:
         p.add_argument("--set", dest="sets", metavar="PATH=VALUE", action="append", default=[],
-                       help="override one field of a YAML config, under every variant: a dotted path and a YAML "
+                       help="override one field of the YAML config given as CONFIG (not a --canary one), under "
+                       "every variant: a dotted path and a YAML "
                        "value (train.optimizer=muon, train.lr=1e-3); repeatable. Give the same to run, plan and "
                        "compare: they name the same steps")
 
@@ -199,11 +200,12 @@ def parser() -> argparse.ArgumentParser:
                        help="the last stage data-refresh reruns (default: tokenize)")
     serve.add_argument("--canary", metavar="CONFIG", help="also serve a `canary` deployment of this config (one "
                        "with a `canary:` section) on a daily schedule")
-    add_team_commands(command)
+    sets(serve)
+    add_team_commands(command, sets)
     return p
 
 
-def add_team_commands(command) -> None:
+def add_team_commands(command, sets) -> None:
     """`kiln server`, `kiln deploy` and `kiln canary`: kiln for a team (docs/operating.md)."""
     sv = command("server", "Start, stop or show a team's Prefect server on PostgreSQL with Redis for step locks, "
                  "all daemons whose data, logs and pids live in DIR (docs/operating.md).",
@@ -237,6 +239,7 @@ def add_team_commands(command) -> None:
                     "section), daily at --canary-cron")
     de.add_argument("--canary-cron", default="0 5 * * *", help="the canary's schedule (default: daily at 05:00)")
     de.add_argument("--canary-store", help="the root of the canary's stores of the day (default: <store>-canary)")
+    sets(de)
 
     cn = command("canary", "Run a config into a fresh store of the day and check its `canary:` bounds (final loss, "
                  "steps, evaluate metrics, wall time); exits 1 naming each result out of bounds.",
@@ -247,6 +250,7 @@ def add_team_commands(command) -> None:
     cn.add_argument("--day", help="the day's store to use (default today, UTC)")
     cn.add_argument("--check-only", action="store_true", help="check the day's finished store without running "
                     "anything (the wall time is then not checked)")
+    sets(cn)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -302,11 +306,11 @@ class KilnUserError(Exception):
     """Something the user can fix; printed as one line, exit status 2."""
 
 
-def _config(path: str):
+def _config(path: str, sets: Sequence[str] = ()):
     from flows.config import ConfigError, load_config
 
     try:
-        return load_config(path)
+        return load_config(path, sets)
     except ConfigError as e:
         raise KilnUserError(str(e)) from None
 
@@ -541,7 +545,7 @@ def cmd_why(args) -> int:
 
 def cmd_serve(args) -> int:
     _prefect_defaults()
-    config, store = _config(args.config), _store(args.store)
+    config, store = _config(args.config, args.sets), _store(args.store)
     from deployments.serve import NoServer, serve
 
     canary = _config(args.canary) if args.canary else None
@@ -578,7 +582,7 @@ def cmd_server(args) -> int:
 
 def cmd_deploy(args) -> int:
     _prefect_defaults()
-    config = _config(args.config)
+    config = _config(args.config, args.sets)
     canary = _config(args.canary) if args.canary else None
     from deployments.pool import DeployError, NoServer, deploy
 
@@ -593,7 +597,7 @@ def cmd_deploy(args) -> int:
 
 def cmd_canary(args) -> int:
     _prefect_defaults()
-    config = _config(args.config)
+    config = _config(args.config, args.sets)
     from flows.canary import CanaryFailed, canary, canary_store, check, today
     from flows.pipeline import StepsFailed
     from tasks.engine.store import Store

@@ -58,6 +58,10 @@ def test_the_check_of_a_finished_store_names_the_metric_a_tightened_bound_catche
     config.write_text(yaml.safe_dump(tight, sort_keys=False))
     failed = kiln("canary", str(config), "--store-root", str(root), "--day", "2026-01-01", "--check-only", check=False)
     assert failed.returncode == 1 and "small-canary: final_loss 5.1 > max_final_loss 5" in failed.stderr
+    config.write_text(yaml.safe_dump(CANARY, sort_keys=False))  # the same bound from the command line
+    tightened = kiln("canary", str(config), "--store-root", str(root), "--day", "2026-01-01", "--check-only",
+                     "--set", "canary.max_final_loss=5.0", check=False)
+    assert tightened.returncode == 1 and "small-canary: final_loss 5.1 > max_final_loss 5" in tightened.stderr
     missing = kiln("canary", str(config), "--store-root", str(root), "--day", "2026-01-03", "--check-only",
                    check=False)
     assert missing.returncode == 1 and "final_loss was not reported" in missing.stderr  # a day that never ran

@@ -221,6 +221,17 @@ def test_a_wrong_set_exits_2_saying_what_was_wrong(capsys, item, said):
     assert said in err and f"--set {item}" in err.replace(repr(item), item), err
 
 
+@pytest.mark.parametrize("command", [["serve"], ["deploy", "--pool", "cpus"], ["canary", "--check-only"]])
+def test_the_team_commands_take_set_too(command):
+    """serve, deploy and canary read the config as run does: a --set is applied (and checked) before
+    they reach any server or store."""
+    from tests.conftest import kiln
+
+    done = kiln(command[0], str(REPO / "configs" / "tiny_cpu.yaml"), *command[1:], "--set", "train.optimiser=muon",
+                check=False)
+    assert done.returncode == 2 and "(with --set train.optimiser=muon): train.optimiser" in done.stderr, done.stderr
+
+
 def test_set_is_refused_for_a_python_experiment(capsys):
     assert main(["plan", str(REPO / "experiments" / "two_widths.py"), "--set", "train.lr=1e-3"]) == 2
     assert "a Python experiment sets its values in its own code" in capsys.readouterr().err
