@@ -36,7 +36,7 @@ from tasks.engine.step import Step, upstream_order
 from tasks.engine.store import Store
 from tasks.engine.caching import lock_manager
 from tasks.engine.config import ConfigModel
-from training.config import KEPT_DIR, ModelConfig
+from training.config import KEPT_DIR, InitConfig, ModelConfig
 
 if TYPE_CHECKING:
     from flows.experiment import Experiment
@@ -112,7 +112,7 @@ def train_steps(config: ExperimentConfig, tokens: Step | dict[str, Step], tokeni
         train_cfg, mixture = trains[name]
         parent = None
         if train_cfg.init is not None and train_cfg.init.from_:
-            parent = steps.get(train_cfg.init.from_) or published_step(train_cfg.init.from_, name)
+            parent = steps.get(train_cfg.init.from_) or published_step(train_cfg.init.from_, name, train_cfg.init)
         step = train_step(model_cfg, train_cfg, config.resources, tokens=tokens, mixture=mixture,
                           tracking=config.tracking, tokenizer=tokenizer, documents=documents, suite=config.eval.suite,
                           validation_fraction=config.tokenize.validation_fraction, init=parent)
@@ -175,13 +175,17 @@ class PublishedConfig(ConfigModel):
     version: str
 
 
-def published_step(place: str, child: str) -> Step:
-    """`<stage>/<version>` of a train, SFT or DPO output already in the store, as a step whose
-    version is that version: a cache hit when it is there, an error naming it when it is not."""
-    match = re.fullmatch(r"(train|sft|dpo)/([0-9a-f]{12})", place)
+def published_step(place: str, child: str, init: InitConfig | None = None) -> Step:
+    """`<stage>/<version>` of a train, SFT, DPO or soup output already in the store, as a step
+    whose version is that version: a cache hit when it is there, an error naming it when it is
+    not. A soup has parameters only: `init` (the child's train.init) must take them so."""
+    match = re.fullmatch(r"(train|sft|dpo|soup)/([0-9a-f]{12})", place)
     if match is None:
         raise ValueError(f"{child}: train.init.from {place!r} is neither a train step before it (`train`, "
-                         "`train/<phase>`) nor a published output `train/<version>` (or sft/, dpo/)")
+                         "`train/<phase>`) nor a published output `train/<version>` (or sft/, dpo/, soup/)")
+    if match[1] == "soup" and init is not None and (init.mode != "weights" or init.step != "latest"):
+        raise ValueError(f"{child}: train.init.from {place!r} is a soup, an average of parameters with no train "
+                         "state and no kept steps: start from it with mode weights and no step")
 
     def missing(ctx):
         raise FileNotFoundError(f"{place} is not in the store: {child} starts from it (train.init.from); "

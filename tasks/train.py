@@ -120,7 +120,7 @@ def starting_point(ctx: StepContext) -> dict:
         ctx.log.info("starting from the Hugging Face model in %s (%s)", init.hf, model)
         return {"init_model": HF_INIT, "init_mode": "weights"}
     parent = ctx.step.inputs[INIT]
-    step = init.kept_step(ctx.input_stats[INIT]["steps"])
+    step = init.kept_step(ctx.input_stats[INIT].get("steps"))  # a soup trained no steps: mode weights
     ctx.log.info("starting from %s %s (%s) in mode %s", parent.name, parent.version,
                  "its trained model" if step is None else f"step {step}", init.mode)
     return {"init_model": ctx.located(INIT), "init_step": step, "init_mode": init.mode}

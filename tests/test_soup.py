@@ -57,6 +57,15 @@ def test_a_soup_phase_averages_the_steps_it_names_and_moves_no_other_version():
     assert series["evaluate/anneal/step-20"].inputs["model"].name == "train/anneal"
 
 
+def test_another_experiment_starts_from_a_published_soup_in_mode_weights_only():
+    soup = "soup/0123456789ab"
+    steps = steps_of({**BASE, "train": {**BASE["train"], "init": {"from": soup, "mode": "weights"}}})
+    assert (steps["train"].inputs["init"].stage, steps["train"].inputs["init"].version) == ("soup", "0123456789ab")
+    for init in ({"from": soup}, {"from": soup, "mode": "reset"}, {"from": soup, "mode": "weights", "step": 10}):
+        with pytest.raises(ValueError, match="is a soup, an average of parameters with no train state"):
+            steps_of({**BASE, "train": {**BASE["train"], "init": init}})
+
+
 @pytest.mark.parametrize("phases, error", [
     ({"s": {"average": ["train"]}}, "two or more"),
     ({"s": {"average": ["train", "train"]}}, "two or more"),
@@ -173,6 +182,16 @@ def test_a_soup_config_runs_end_to_end_and_every_soup_is_its_parts_mean(tmp_path
     out = kiln("generate", str(store / "soup" / steps["train/soup"].version), "--prompt", "In the beginning",
                "--max-tokens", "8", "--temperature", "0").stdout
     assert out.strip()  # text: the soup's tokenizer found through its lineage
+
+    # another experiment starts from the soup's parameters (train.init.from: soup/<version>, mode weights)
+    onward = {**BASE, "name": "onward", "train": {**BASE["train"], "steps": 4, "warmup": 1,
+                                                   "init": {"from": f"soup/{steps['train/soup'].version}",
+                                                            "mode": "weights"}}}
+    config.write_text(yaml.safe_dump(onward, sort_keys=False))
+    assert run_names(kiln("run", str(config), "--store", str(store), "--until", "train").stdout)["train"] == "ran"
+    lineage = json.loads((store / "train" / steps_of(onward)["train"].version / "lineage.json").read_text())
+    assert {"stage": "soup", "version": steps["train/soup"].version} in [
+        {k: i[k] for k in ("stage", "version")} for i in lineage["inputs"]]
 
     # a soup that names a step the trained run did not keep: the plan says so before anything runs
     unkept = {**SOUP, "phases": {**SOUP["phases"], "stable": {"average": ["train@12", "train"]}}}

@@ -373,8 +373,8 @@ class InitConfig(ConfigModel):
 
     from_: str | None = setting(None, alias="from", description="A train step of this experiment by name "
                                 "(`train`, `train/stable`), or an output already in the store by its place "
-                                "(`train/<version>`, `sft/<version>`, `dpo/<version>`); its version enters this "
-                                "step's version.")
+                                "(`train/<version>`, `sft/<version>`, `dpo/<version>`, or `soup/<version>` in "
+                                "mode weights); its version enters this step's version.")
     hf: str | None = files(None, description="A Hugging Face model folder (Llama, Qwen2, Qwen3, OLMo 2, OLMo 3 "
                            "or Mistral; local files), entering the version by its content. Mode `weights` only.")
     step: Count | Literal["latest"] = Field("latest", description="Which checkpoint of `from`: a step it keeps "
