@@ -102,6 +102,7 @@ class Validation:
             info.metrics.update(self.measure(info))
 
     def measure(self, info: StepInfo) -> dict:
+        """The validation losses of the state in `info`, kept as `last` and `last_ema`."""
         measured = {"val_loss": self.loss(info.params)}
         if "ema" in info.state:
             measured["ema_val_loss"] = self.loss(info.state["ema"])
