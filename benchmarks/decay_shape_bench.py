@@ -13,19 +13,16 @@ Every run decays over its last 40 steps, so each pair trains the same tokens:
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))
-from optimizer_bench import REPO, run_and_compare  # noqa: E402
+from kiln_runs import REPO, run_and_compare, scratch  # noqa: E402
 from train_bench import machine  # noqa: E402
 
-from flows.config import parse_sets  # noqa: E402
-from flows.experiment import deep_merge, nest  # noqa: E402
+from flows.config import with_sets  # noqa: E402
 
 
 def main() -> int:
@@ -35,12 +32,17 @@ def main() -> int:
     p.add_argument("--keep", action="store_true", help="keep the store")
     args = p.parse_args()
     print(f"machine: {machine()}", flush=True)
-    config = yaml.safe_load((REPO / "configs" / "cooldown_cpu.yaml").read_text())
-    config = deep_merge(config, nest(parse_sets(args.sets)))
+    config = with_sets(yaml.safe_load((REPO / "configs" / "cooldown_cpu.yaml").read_text()), args.sets)
     config["variants"] = {"linear": {}, "sqrt": {"train.decay_shape": "sqrt"}}
-    root = Path(tempfile.mkdtemp(prefix="kiln-decay-shape-"))
-    store, rows = run_and_compare(config, root)
-    print(f"machine at the end: {machine()}\n")
+    with scratch("kiln-decay-shape-", args.keep) as root:
+        _, rows = run_and_compare(config, root)
+        print(f"machine at the end: {machine()}\n")
+        compared(rows)
+    return 0
+
+
+def compared(rows: dict[str, dict]) -> None:
+    """Each run's bits per byte and next_passage accuracy in both shapes."""
     print(f"{'run':34s} {'linear':>8s} {'sqrt':>8s} {'sqrt/linear':>12s} {'next_passage lin, sqrt':>24s}")
     for name, linear in rows.items():
         if "linear" not in name:
@@ -50,11 +52,6 @@ def main() -> int:
         print(f"{run:34s} {linear['bits_per_byte']:8.4f} {root_row['bits_per_byte']:8.4f} "
               f"{root_row['bits_per_byte'] / linear['bits_per_byte']:12.4f} "
               f"{linear['next_passage_acc']:12.3f}, {root_row['next_passage_acc']:.3f}")
-    if args.keep:
-        print(f"store: {store}")
-    else:
-        shutil.rmtree(root, ignore_errors=True)
-    return 0
 
 
 if __name__ == "__main__":

@@ -15,26 +15,22 @@ score the published model (the average, where there is one). `--set` passes fiel
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))
-from optimizer_bench import REPO, run_and_compare, tokens_per_s  # noqa: E402
+from kiln_runs import REPO, run_and_compare, scratch, tokens_per_s  # noqa: E402
 from train_bench import machine  # noqa: E402
 
-from flows.config import parse_sets  # noqa: E402
-from flows.experiment import deep_merge, nest  # noqa: E402
+from flows.config import with_sets  # noqa: E402
+from tasks.engine.lineage import read_lineage  # noqa: E402
 
 
 def experiment(decays: list[float], sets: list[str]) -> dict:
-    config = yaml.safe_load((REPO / "configs" / "tiny_cpu.yaml").read_text())
+    config = with_sets(yaml.safe_load((REPO / "configs" / "tiny_cpu.yaml").read_text()), sets)
     config.pop("canary", None)
-    config = deep_merge(config, nest(parse_sets(sets)))
     config["grid"] = {"train.ema": [None, *decays]}
     config["run"] = {**config.get("run", {}), "max_concurrent": 1}  # one train step at a time: its own cores
     return config
@@ -48,27 +44,26 @@ def main() -> int:
     p.add_argument("--keep", action="store_true", help="keep the store")
     args = p.parse_args()
     print(f"machine: {machine()}", flush=True)
-    root = Path(tempfile.mkdtemp(prefix="kiln-ema-"))
-    store, by_variant = run_and_compare(experiment(args.decays, args.sets), root)
-    rows = list(by_variant.values())
-    print(f"machine at the end: {machine()}\n")
+    with scratch("kiln-ema-", args.keep) as root:
+        store, rows = run_and_compare(experiment(args.decays, args.sets), root)
+        print(f"machine at the end: {machine()}\n")
+        compared(store, list(rows.values()))
+    return 0
+
+
+def compared(store: Path, rows: list[dict]) -> None:
+    """Each run's speed against the first's (no average), losses and evaluate metrics."""
     base = tokens_per_s(store, rows[0]["train_version"])
     print(f"{'train.ema':10s} {'tokens/s':>9s} {'/ none':>7s} {'val_loss':>9s} {'ema_val':>8s} {'bits/byte':>10s} "
           f"{'next_passage':>13s} {'last_word':>10s}")
     for row in rows:
-        stats = json.loads((store / "train" / row["train_version"] / "lineage.json").read_text())["stats"]
+        stats = read_lineage(store / "train" / row["train_version"])["stats"]
         speed = tokens_per_s(store, row["train_version"])
         ema = stats.get("final_ema_val_loss")
         ema = f"{ema:8.4f}" if ema is not None else f"{'-':>8s}"
         print(f"{row['variant'].removeprefix('ema='):10s} {speed:9.0f} {speed / base:7.3f} "
               f"{stats['final_val_loss']:9.4f} {ema} {row['bits_per_byte']:10.4f} "
               f"{row['next_passage_acc']:13.3f} {row['last_word_acc']:10.3f}")
-    if args.keep:
-        print(f"store: {store}")
-    else:
-        shutil.rmtree(root, ignore_errors=True)
-    return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

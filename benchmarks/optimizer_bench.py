@@ -15,21 +15,14 @@ the same number of steps. Run it with nothing else on the machine:
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
-import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
+from kiln_runs import REPO, run_and_compare, scratch, tokens_per_s  # noqa: E402
 from train_bench import machine  # noqa: E402
-
-from training.metrics import read_metrics  # noqa: E402
 
 SHOWN = ("final_loss", "final_val_loss", "bits_per_byte", "next_passage_acc", "last_word_acc", "train_seconds")
 
@@ -46,27 +39,6 @@ def experiment(steps: int | None, lrs: list[float] | None) -> dict:
     return config
 
 
-def kiln(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=REPO, text=True, capture_output=True)
-
-
-def run_and_compare(config: dict, root: Path) -> tuple[Path, dict[str, dict]]:
-    """`config` (its YAML written under `root`) run on a clean store there, then `kiln compare`'s
-    rows by variant; exits with the run's output if it failed."""
-    path, store = root / "experiment.yaml", root / "store"
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    done = kiln("run", str(path), "--store", str(store))
-    if done.returncode:
-        raise SystemExit(f"kiln run failed:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}")
-    rows = json.loads(kiln("compare", str(path), "--store", str(store), "--json").stdout)
-    return store, {r["variant"]: r for r in rows}
-
-
-def tokens_per_s(store: Path, train_version: str) -> float:
-    records = read_metrics(store / "train" / train_version / "metrics.jsonl")
-    return statistics.median(r["tokens_per_s"] for r in records[1:])
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=None, help="train steps (default: the quickstart's)")
@@ -75,10 +47,16 @@ def main() -> int:
     p.add_argument("--keep", action="store_true", help="keep the store")
     args = p.parse_args()
     print(f"machine: {machine()}", flush=True)
-    root = Path(tempfile.mkdtemp(prefix="kiln-optimizers-"))
-    store, rows = run_and_compare(experiment(args.steps, args.lrs), root)
-    print(f"\nmachine at the end: {machine()}")
-    for point in [f",lr={lr}" for lr in args.lrs] if args.lrs else [""]:  # the grid names a point so
+    with scratch("kiln-optimizers-", args.keep) as root:
+        store, rows = run_and_compare(experiment(args.steps, args.lrs), root)
+        print(f"\nmachine at the end: {machine()}")
+        compared(store, rows, args.lrs)
+    return 0
+
+
+def compared(store: Path, rows: dict[str, dict], lrs: list[float] | None) -> None:
+    """Muon against AdamW at each learning rate, and each one's best."""
+    for point in [f",lr={lr}" for lr in lrs] if lrs else [""]:  # the grid names a point so
         adamw, muon = rows["adamw" + point], rows["muon" + point]
         speed = [tokens_per_s(store, row["train_version"]) for row in (adamw, muon)]
         print(f"\n{'lr ' + point[4:] if point else '':18s} {'adamw':>10s} {'muon':>10s} {'muon/adamw':>11s}")
@@ -87,15 +65,10 @@ def main() -> int:
             if isinstance(adamw.get(key), (int, float)) and isinstance(muon.get(key), (int, float)):
                 ratio = f"{muon[key] / adamw[key]:11.3f}" if adamw[key] else f"{'n/a':>11s}"  # an accuracy of 0
                 print(f"{key:18s} {adamw[key]:10.4f} {muon[key]:10.4f} {ratio}")
-    if args.lrs:  # each optimizer at its own best learning rate, as a fair comparison takes them
+    if lrs:  # each optimizer at its own best learning rate, as a fair comparison takes them
         for name in ("adamw", "muon"):
             best = min((r for v, r in rows.items() if v.startswith(name + ",")), key=lambda r: r["bits_per_byte"])
             print(f"best {name}: {best['variant']} bits_per_byte {best['bits_per_byte']:.4f}")
-    if args.keep:
-        print(f"store: {store}")
-    else:
-        shutil.rmtree(root, ignore_errors=True)
-    return 0
 
 
 if __name__ == "__main__":

@@ -15,27 +15,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
+from kiln_runs import REPO, kiln, scratch  # noqa: E402
 from train_bench import machine  # noqa: E402
 
 CONFIG = REPO / "configs" / "soup_cpu.yaml"
 PARTS = ("train", "anneal_2", "anneal_3")  # the soup's, as the config names them
-
-
-def kiln(*args: str) -> str:
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=REPO, text=True, capture_output=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"kiln {' '.join(args)} exited {proc.returncode}:\n{proc.stdout[-2000:]}\n"
-                         f"{proc.stderr[-3000:]}")
-    return proc.stdout
 
 
 def run(seed: int, store: Path) -> dict[str, dict]:
@@ -43,7 +32,8 @@ def run(seed: int, store: Path) -> dict[str, dict]:
     started = time.perf_counter()
     kiln("run", str(CONFIG), "--store", str(store), *sets)
     wall = time.perf_counter() - started
-    rows = {r["variant"]: r for r in json.loads(kiln("compare", str(CONFIG), "--store", str(store), "--json", *sets))}
+    compare = kiln("compare", str(CONFIG), "--store", str(store), "--json", *sets).stdout
+    rows = {r["variant"]: r for r in json.loads(compare)}
     print(f"\nseed {seed}: kiln run {wall:.0f} s on a clean store")
     print(f"  {'row':<10} {'bits/byte':>10} {'next_passage':>13}")
     for name, r in rows.items():
@@ -61,19 +51,13 @@ def main() -> int:
     p.add_argument("--keep", action="store_true", help="keep the stores (their folder is printed)")
     args = p.parse_args()
     print(f"machine: {machine()}")
-    root = Path(tempfile.mkdtemp(prefix="kiln-soup-bench-"))
-    try:
+    with scratch("kiln-soup-bench-", args.keep) as root:
         ratios = []
         for seed in args.seeds:
             rows = run(seed, root / f"seed{seed}")
             ratios.append(rows["soup"]["bits_per_byte"] / min(rows[p]["bits_per_byte"] for p in PARTS))
         if len(ratios) > 1:
             print(f"\nsoup / best part over {len(ratios)} seeds: {', '.join(f'{r:.4f}' for r in ratios)}")
-    finally:
-        if args.keep:
-            print(f"stores kept in {root}")
-        else:
-            shutil.rmtree(root, ignore_errors=True)
     return 0
 
 

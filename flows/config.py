@@ -461,11 +461,18 @@ def parse_sets(sets: Sequence[str]) -> dict[str, Any]:
     return out
 
 
+def with_sets(raw: dict, sets: Sequence[str]) -> dict:
+    """A config's raw values (as read from its YAML) with `--set PATH=VALUE` overrides on them."""
+    from flows.experiment import deep_merge, nest  # here: that module builds on this one
+
+    return deep_merge(raw, nest(parse_sets(sets)))
+
+
 def load_config(path: str | Path, sets: Sequence[str] = ()) -> ExperimentConfig:
     """The config in a YAML file, validated with its variants; `sets` are `--set PATH=VALUE`
     overrides of single fields (dotted paths, values read as YAML), put on the file's values
     before validation, and so under every variant's."""
-    from flows.experiment import branch_configs, deep_merge, nest  # here: that module builds on this one
+    from flows.experiment import branch_configs  # here: that module builds on this one
 
     path = Path(path)
     if not path.exists():
@@ -476,7 +483,7 @@ def load_config(path: str | Path, sets: Sequence[str] = ()) -> ExperimentConfig:
         raise ConfigError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping of sections at the top level")
-    raw = deep_merge(raw, nest(parse_sets(sets)))
+    raw = with_sets(raw, sets)
     try:
         config = ExperimentConfig.model_validate(raw)
     except ValidationError as e:

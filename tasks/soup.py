@@ -37,10 +37,11 @@ class SoupConfig(ConfigModel):
 
 
 def run_soup(ctx: StepContext) -> dict:
-    from safetensors import safe_open  # numpy only: no JAX to average
+    from safetensors import safe_open  # the averaging is numpy's, one tensor at a time
 
     from training.config import ModelConfig
     from training.loop import save_model
+    from training.model import param_count
 
     steps = ctx.config.steps
     names = [f"part/{i}" for i in range(len(steps))]
@@ -67,7 +68,7 @@ def run_soup(ctx: StepContext) -> dict:
             soup[key] = mean.astype(np.float32)
     save_model(ctx.out, models[0], soup)
     spread = math.sqrt(moved) / math.sqrt(norm) if norm else 0.0
-    count = sum(int(np.prod(v.shape)) for v in soup.values())
+    count = param_count(soup)
     parts = [{"step": ctx.step.inputs[name].name, "version": ctx.step.inputs[name].version, "kept_step": step}
              for name, step in zip(names, steps)]
     ctx.log.info("averaged %d models (%s): %d parameters, the parts %.2f%% of the soup's norm from it",
