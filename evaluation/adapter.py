@@ -56,7 +56,7 @@ class KilnLM(TemplateLM):
                              "trained with")
         self.cfg, self.params = cfg, params
         self.tok = Tokenizer.from_str(tokenizer.to_str())  # a copy: we change how it reads specials
-        # lm-eval's --apply_chat_template renders prompts with `chat` (training.posttrain.ChatTemplate or
+        # lm-eval's --apply_chat_template renders prompts with `chat` (training.chat_template.ChatTemplate or
         # training.chat_jinja.CheckpointTemplate); their special-token strings become their tokens, as
         # lm-eval's hf model reads them
         self.chat = chat

@@ -31,7 +31,7 @@ from tasks.engine.config import ConfigModel, identity_when_set
 
 if TYPE_CHECKING:
     from training.chat_jinja import CheckpointTemplate
-    from training.posttrain import ChatTemplate
+    from training.chat_template import ChatTemplate
 
 GENERATION, PREFERENCE = "kiln_chat_generation", "kiln_chat_preference"
 

@@ -11,11 +11,11 @@ checkpoint gets the prompt it was tuned on."""
 from __future__ import annotations
 
 from training.chat_jinja import CheckpointTemplate
-from training.posttrain import CHAT_SPECIAL_TOKENS, CHAT_TEMPLATE, ChatTemplate
+from training.chat_template import CHAT_SPECIAL_TOKENS, CHAT_TEMPLATE, ChatTemplate
 
 
 class KilnChat:
-    """Post-training's template (training.posttrain.ChatTemplate) for a model with its chat tokens."""
+    """Post-training's template (training.chat_template.ChatTemplate) for a model with its chat tokens."""
 
     def __init__(self, model):
         self.template = ChatTemplate(model.tokenizer)

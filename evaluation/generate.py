@@ -523,7 +523,7 @@ def output_chat(model_dir: Path, tokenizer_dir: Path,
     checkpoint's, which a tokenizer step of kind hf carries), if any, and stops at EOS. `tokenizer`:
     the tokenizer folder's, where the caller has loaded it already."""
     from tasks.tokenizer import carried_chat_template, chat_template
-    from training.posttrain import TEMPLATE_FILE
+    from training.chat_template import TEMPLATE_FILE
 
     carried = carried_chat_template(tokenizer_dir)
     template_tokens = {} if carried is None else carried[1]

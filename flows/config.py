@@ -28,7 +28,7 @@ from tasks.quality import NegativeExamplesConfig, QualityClassifierConfig, Quali
 from tasks.tokenize import TokenizeConfig
 from tasks.tokenizer import TokenizerConfig
 from tasks.engine.config import ConfigModel, Count, Fraction, setting
-from training.config import (InitConfig, MixtureConfig, MixtureSourceConfig, ModelConfig, ResourcesConfig, TrainConfig,
+from training.config import (MixtureConfig, MixtureSourceConfig, ModelConfig, ResourcesConfig, TrainConfig,
                              check_cpu_devices)
 from training.scaling import ScalingConfig
 from training.tracking import TrackingConfig
@@ -146,7 +146,7 @@ class PosttrainConfig(ConfigModel):
     """SFT on conversations built from held-out text, then DPO against the SFT model.
 
     Conversations are in kiln's chat template, whose tokens the tokenizer's `special_tokens` must
-    include (`<|user|>`, `<|assistant|>`, `<|system|>`, `<|end|>`: training.posttrain.CHAT_SPECIAL_TOKENS),
+    include (`<|user|>`, `<|assistant|>`, `<|system|>`, `<|end|>`: training.chat_template.CHAT_SPECIAL_TOKENS),
     or, with `tokenizer.kind: hf`, in the chat template of the tokenizer's folder (docs/posttraining.md)."""
 
     chat: ChatDataConfig = Field(ChatDataConfig(), description="The conversations and preference pairs that "

@@ -43,6 +43,7 @@ from pydantic import Field, model_validator
 from tasks.documents import read_documents
 from tasks.tokenize import is_validation
 from tasks.engine.config import ConfigModel, Seed, files
+from training.chat_template import check_messages
 
 if TYPE_CHECKING:
     from tasks.engine.step import Step, StepContext
@@ -151,8 +152,6 @@ def _rows(path: Path) -> Iterator[dict]:
 
 def file_records(paths: list[Path]) -> tuple[list[dict], list[dict]]:
     """(conversations, preference pairs) from the rows of JSON-lines files / datasets folders."""
-    from training.posttrain import check_messages  # posttrain imports JAX: loaded when the step runs
-
     convs, pairs = [], []
     for path in paths:
         if not path.exists():

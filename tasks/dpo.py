@@ -42,7 +42,7 @@ from training.tracking import TrackingConfig, tracked
 if TYPE_CHECKING:  # JAX, orbax and Ray load when the step runs, not for `kiln plan`
     from tasks.engine.step import Step, StepContext
     from training.chat_jinja import CheckpointTemplate
-    from training.posttrain import ChatTemplate
+    from training.chat_template import ChatTemplate
 
 # 2: rejected answers may be generated; 3: the shared training step's attention in query blocks changes the
 # last bits of the parameters; 4: so does its rotary in one fused pass; 5: and its rotary tables computed once
@@ -108,7 +108,8 @@ def generated_pairs(model_dir: Path, tokenizer_dir: Path, chat_dir: Path, out: P
 
 def run_dpo(ctx: StepContext) -> dict:
     from training.launch import launch_training
-    from training.posttrain import TEMPLATE_FILE, DPOObjective, open_rows, pad_pairs, save_rows
+    from training.chat_template import TEMPLATE_FILE
+    from training.posttrain import DPOObjective, open_rows, pad_pairs, save_rows
 
     cfg: DPOConfig = ctx.config
     model_dir, tokenizer_dir, pairs_dir = ctx.inputs["model"], ctx.inputs["tokenizer"], ctx.inputs["pairs"]

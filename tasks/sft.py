@@ -2,7 +2,7 @@
 words only.
 
 Inputs: `model` (a train step output: model.json + params.safetensors), `tokenizer` (with the
-chat tokens, training.posttrain.CHAT_SPECIAL_TOKENS, or a Hugging Face checkpoint's tokenizer
+chat tokens, training.chat_template.CHAT_SPECIAL_TOKENS, or a Hugging Face checkpoint's tokenizer
 that carries its chat template: tasks.tokenizer.chat_template), `chat` (a chat_data step output).
 The conversations are encoded with the chat template and packed into rows of seq_len + 1 tokens
 (training/posttrain.py); training is `training.launch.launch_training` with the SFT objective
@@ -90,7 +90,8 @@ def relay_to(ctx: StepContext, steps: int):
 
 def run_sft(ctx: StepContext) -> dict:
     from training.launch import launch_training
-    from training.posttrain import TEMPLATE_FILE, SFTObjective, open_rows, pack, save_rows
+    from training.chat_template import TEMPLATE_FILE
+    from training.posttrain import SFTObjective, open_rows, pack, save_rows
 
     cfg: SFTConfig = ctx.config
     model_dir, tokenizer_dir, chat_dir = ctx.inputs["model"], ctx.inputs["tokenizer"], ctx.inputs["chat"]

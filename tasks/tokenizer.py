@@ -329,11 +329,11 @@ def carried_chat_template(folder: Path) -> tuple[str, dict[str, str]] | None:
 
 def chat_template(folder: Path, tokenizer: Tokenizer | None = None):
     """The chat template post-training encodes conversations with: the checkpoint's own where the
-    tokenizer carries one (kind hf), else kiln's (training.posttrain.ChatTemplate), which needs the
+    tokenizer carries one (kind hf), else kiln's (training.chat_template.ChatTemplate), which needs the
     chat tokens among the tokenizer's special tokens. `tokenizer`: the folder's, where the caller
     has loaded it already (else it is loaded here)."""
     from training.chat_jinja import CheckpointTemplate
-    from training.posttrain import ChatTemplate
+    from training.chat_template import ChatTemplate
 
     tokenizer = load_tokenizer(folder) if tokenizer is None else tokenizer
     carried = carried_chat_template(folder)

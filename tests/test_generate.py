@@ -27,7 +27,7 @@ from training.config import ModelConfig, TrainConfig
 from training.export import export_hf
 from training.loop import train
 from training.model import forward
-from training.posttrain import CHAT_SPECIAL_TOKENS
+from training.chat_template import CHAT_SPECIAL_TOKENS
 
 PROMPT = "And God said"
 
@@ -121,7 +121,7 @@ def test_kiln_generate_command_and_export_agree(store, tmp_path):
     assert generate(exported, PROMPT, max_tokens=24, temperature=0.8, top_p=0.95, seed=11) == expected
 
     chat = generate(model, "Who made the light?", max_tokens=24, temperature=0.0, chat=True)
-    from training.posttrain import ChatTemplate
+    from training.chat_template import ChatTemplate
 
     ids, _ = ChatTemplate(model.tokenizer).encode([{"role": "user", "content": "Who made the light?"}], True)
     end = model.tokenizer.token_to_id("<|end|>")

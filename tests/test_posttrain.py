@@ -16,8 +16,8 @@ from tasks.tokenizer import GPT2_EOS, build_gpt2
 from tests.conftest import kjv_chapters, needs
 from training.config import ModelConfig
 from training.model import init_params
-from training.posttrain import (CHAT_SPECIAL_TOKENS, CHAT_TEMPLATE, END_OF_TURN, TEMPLATE_FILE, ChatTemplate,
-                                DPOObjective, RowBatches, dpo_loss, pack, pad_pairs, reference_logprobs, sft_loss)
+from training.chat_template import CHAT_SPECIAL_TOKENS, CHAT_TEMPLATE, END_OF_TURN, TEMPLATE_FILE, ChatTemplate
+from training.posttrain import DPOObjective, RowBatches, dpo_loss, pack, pad_pairs, reference_logprobs, sft_loss
 
 CONVERSATION = [
     {"role": "system", "content": "You continue passages of scripture."},

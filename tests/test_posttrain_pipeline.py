@@ -23,7 +23,7 @@ from evaluation.chat import ChatEvalConfig
 from training.config import ModelConfig, TrainConfig
 from training.loop import flatten_params
 from training.model import init_params
-from training.posttrain import CHAT_SPECIAL_TOKENS, CHAT_TEMPLATE
+from training.chat_template import CHAT_SPECIAL_TOKENS, CHAT_TEMPLATE
 from tests.conftest import kjv_chapters
 
 pytestmark = pytest.mark.slow  # minutes of training; run with `uv run --dev pytest -m slow`

@@ -28,8 +28,9 @@ from training.config import ModelConfig, TrainConfig
 from training.hooks import Hook
 from training.loop import train
 from training.model import init_params
-from training.posttrain import (ChatTemplate, DPOObjective, RowBatches, SFTObjective, fixed_batches, pack,
-                                pad_pairs, reference_logprobs)
+from training.chat_template import ChatTemplate
+from training.posttrain import (DPOObjective, RowBatches, SFTObjective, fixed_batches, pack, pad_pairs,
+                                reference_logprobs)
 
 REPO = Path(__file__).resolve().parent.parent
 SEQ = 64

@@ -320,7 +320,7 @@ def test_vllm_sampling_extras_reach_the_draws(served, model):
 
     # chat's add_generation_prompt and continue_final_message: the prompt's token ids as the
     # template gives them, answered as /v1/completions answers those ids
-    from training.posttrain import ChatTemplate
+    from training.chat_template import ChatTemplate
 
     template, end = ChatTemplate(model.tokenizer), model.tokenizer.token_to_id("<|end|>")
     talk = [{"role": "user", "content": "Who made the light?"}, {"role": "assistant", "content": "And God"}]

@@ -9,19 +9,23 @@ import shutil
 import textwrap
 from pathlib import Path
 
+import yaml
+
 from evaluation.chat import ChatEvalConfig
-from flows.plan import code_drift
+from flows.config import ExperimentConfig
+from flows.plan import code_drift, recipe
 from tasks import acquire, filter as filter_stage
 from tasks.acquire import AcquireConfig, SourceConfig, acquire_step
 from tasks.dpo import DPOConfig
 from tasks.engine import lineage
 from tasks.engine.lineage import build_lineage, module_hashes
-from tasks.engine.step import Step
+from tasks.engine.step import Step, upstream_order
 from tasks.engine.store import Store
 from tasks.engine.versioning import identity_fields, step_version
 from tasks.evaluate import EvalConfig
 from tasks.filter import FilterConfig, LanguageConfig, filter_step
 from tasks.engine.config import ConfigModel
+from tests.conftest import REPO
 
 
 def test_eval_batch_sizes_enter_versions_and_the_default_keeps_the_old_ones():
@@ -80,6 +84,23 @@ def test_the_train_stage_code_compared_covers_the_training_modules_it_imports():
     assert {"tasks/train.py", "training/model.py", "training/loop.py", "training/step.py",
             "training/config.py"} <= modules.keys()
     assert "tasks/export.py" not in modules  # what it does not import is not its code
+
+
+def test_the_data_steps_code_holds_neither_the_model_nor_the_training_loop():
+    """An edit to the model or the loop is the commonest change: `kiln plan` warns of it for the
+    steps that train and evaluate, not for the data steps before them (the tokenizer reads the
+    chat template, which lives apart from post-training's JAX code for this reason)."""
+    raw = yaml.safe_load((REPO / "configs" / "posttrain_cpu.yaml").read_text())
+    steps = upstream_order(recipe(ExperimentConfig.model_validate(raw)))
+    data = [s for s in steps if s.stage in {"acquire", "extract", "filter", "dedup", "decontaminate", "tokenizer",
+                                              "tokenize", "chat_data"}]
+    assert {s.stage for s in data} >= {"acquire", "tokenizer", "tokenize", "chat_data"}
+    for step in data:
+        modules = module_hashes(step)
+        assert f"tasks/{step.run.__module__.rpartition('.')[2]}.py" in modules
+        assert not {m for m in modules if m.startswith("training/") and m not in (
+            "training/__init__.py", "training/chat_template.py", "training/chat_jinja.py", "training/data.py")}, \
+            (step.name, sorted(modules))
 
 
 TOY_STAGE = textwrap.dedent('''

@@ -125,7 +125,7 @@ class CheckpointTemplate:
         """(ids, loss mask): the mask is 1 on each assistant answer and its end-of-turn token. The
         text between answers and the answers are tokenized apart, as a server prompts and a model
         answers."""
-        from training.posttrain import check_messages
+        from training.chat_template import check_messages
 
         text, spans = self.answer_spans(check_messages(messages))
         if add_generation_prompt:
