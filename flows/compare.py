@@ -1,7 +1,8 @@
 """`kiln compare`: one row per variant (or sweep run) with its key results, read from the store.
 
 A row is a train step (or a soup phase: "-" for its training numbers) of the experiment with what
-its variant changed, the train step's numbers (final losses, parameters, tokens, seconds), every
+its variant changed, the train step's numbers (final losses, with `train.ema` the average's
+validation loss too, parameters, tokens, seconds), every
 metric of the evaluate step that scored it, and the seconds of every step in the variant's
 branch; a train step several branches share (the stable run of cooldown branches) is one row,
 named after the step. The SFT and DPO models of a
@@ -20,8 +21,10 @@ from flows.experiment import Experiment
 from tasks.engine.step import Step
 from tasks.engine.store import Store
 
-TRAIN_KEYS = {"final_loss": "final_loss", "final_val_loss": "final_val_loss", "params": "param_count",
+TRAIN_KEYS = {"final_loss": "final_loss", "final_val_loss": "final_val_loss",
+              "final_ema_val_loss": "final_ema_val_loss", "params": "param_count",
               "tokens": "tokens"}  # column -> the train step's stat
+ONLY_IF_MEASURED = {"final_ema_val_loss"}  # a column shown only when some row has it (a run with train.ema)
 NOT_METRICS = {"seconds", "table", "heldout_tokens", "suite_examples"}
 POSTTRAINED = ("sft", "dpo")  # stages whose models get rows of their own after their variant's train rows
 TRAINED = ("train", "soup")  # a soup phase (the mean of trained models) is a row among the train steps'
@@ -54,7 +57,8 @@ def comparison(experiment: Experiment, store: Store) -> list[dict]:
             label = model.name if shared else f"{variant or experiment.name}:{model.stage}"
             rows.append(_row(label, {} if shared else branch.overrides, model, _evaluation_of(model, steps), steps,
                              store))
-    cols = columns(rows)  # every row has every column: None where a variant has no such result yet
+    cols = [c for c in columns(rows)  # every row has every column: None where a variant has no such result yet
+            if c not in ONLY_IF_MEASURED or any(isinstance(r.get(c), float) for r in rows)]
     return [{c: r.get(c) for c in cols} for r in rows]
 
 
@@ -95,7 +99,9 @@ def _row(label: str, overrides: dict, train: Step, evaluation: Step | None, step
                  "overrides": ", ".join(f"{k}={json.dumps(v)}" for k, v in overrides.items())}
     stats = store.read_lineage(train.stage, train.version)["stats"] if done else {}
     absent = NOT_TRAINED if done and train.stage == "soup" else None
-    row.update({column: stats.get(key, absent) for column, key in TRAIN_KEYS.items()})
+    absent_only = NOT_TRAINED if done else None  # a finished run without the stat: it does not apply
+    row.update({column: stats.get(key, absent_only if column in ONLY_IF_MEASURED else absent)
+                for column, key in TRAIN_KEYS.items()})
     row["train_seconds"] = stats.get("seconds")
     if scored:
         scores = store.read_lineage(evaluation.stage, evaluation.version)["stats"]

@@ -281,7 +281,7 @@ SMALL_ABLATION = {
     "train": {"batch_size": 4, "steps": 12, "warmup": 2, "checkpoint_every": 12, "eval_every": 12, "eval_batches": 1},
     "eval": {"tasks": ["next_passage"], "limit": 16, "bits_per_byte": True, "heldout_tokens": 256},
     "resources": {"cpus_per_host": 1},
-    "variants": {"a": {}, "b": {"train.lr": 1.0e-3}},
+    "variants": {"a": {}, "b": {"train.lr": 1.0e-3, "train.ema": 0.5}},
     "run": {"max_concurrent": 2, "compare_metric": "bits_per_byte"},
 }
 
@@ -304,10 +304,21 @@ def test_two_variants_train_side_by_side_and_compare_shows_each_and_the_missing(
         row = rows[name]
         assert row["status"] == "done" and 0 < row["final_loss"] < 10 and 0 <= row["next_passage_acc"] <= 1
         assert row["bits_per_byte"] > 0 and row["params"] > 0 and row["tokens"] == 12 * 4 * 128
-    assert rows["b"]["overrides"] == "train.lr=0.001" and rows["a"]["final_loss"] != rows["b"]["final_loss"]
+    assert rows["b"]["overrides"] == "train.lr=0.001, train.ema=0.5"
+    assert rows["a"]["final_loss"] != rows["b"]["final_loss"]
     assert rows["c"]["status"] == "missing" and rows["c"]["final_loss"] is None and rows["c"]["bits_per_byte"] is None
+    # the moving average's validation loss: b's number, "-" for a run without one, None for one not run
+    ema_loss = rows["b"]["final_ema_val_loss"]
+    assert isinstance(ema_loss, float) and 0 < ema_loss < 10 and ema_loss != rows["b"]["final_val_loss"]
+    assert rows["a"]["final_ema_val_loss"] == "-" and rows["c"]["final_ema_val_loss"] is None
 
     assert main(["compare", str(config), "--store", str(store)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 2 + 3 and lines[0].split()[0] == "variant"
     assert lines[4].split()[0] == "c" and "missing" in lines[4]
+    assert "final_ema_val_loss" in lines[0]
+
+    without_ema = {**SMALL_ABLATION, "variants": {"a": {}, "c": {"model.d_model": 48}}}  # no run sets train.ema
+    config.write_text(yaml.safe_dump(without_ema, sort_keys=False))
+    assert main(["compare", str(config), "--store", str(store), "--json"]) == 0
+    assert all("final_ema_val_loss" not in r for r in json.loads(capsys.readouterr().out))
