@@ -6,7 +6,8 @@ parameter (so the UI shows a form filled with the served config's values):
 - `data-refresh`: on a cron schedule (daily by default), re-reads the sources and reruns what
   changed, up to tokenization;
 - `evaluate`: only the evaluate steps of the config (every variant's); a model not yet trained is an error naming it.
-  A trigger also runs it whenever a pipeline run has computed a branch's final train step, on that branch's config;
+  A trigger also runs it whenever a pipeline run has computed a branch's final model (its last train step, or
+  the soup after it), on that branch's config;
 - `canary` (with `--canary CONFIG`): that config daily into a fresh store, checked against its `canary:` bounds
   (flows/canary.py).
 
@@ -90,16 +91,16 @@ def deployments(config: ExperimentConfig, store: str, cron: str, refresh_until: 
 
 
 def evaluate_trigger():
-    """Run `evaluate` on the model a pipeline run has just trained: on each `kiln.step.completed`
-    of a branch's final train step, with that branch's config and store from the event's payload
-    (tasks/engine/events.py)."""
+    """Run `evaluate` on the model a pipeline run has just made: on each `kiln.step.completed` of
+    a branch's final model (its last train step, or the soup after it), with that branch's config
+    and store from the event's payload (tasks/engine/events.py)."""
     from prefect.events.schemas.deployment_triggers import DeploymentEventTrigger
 
     from tasks.engine.events import FINAL_MODEL, STEP_COMPLETED
 
     return DeploymentEventTrigger(
         name="kiln: evaluate each trained model", expect={STEP_COMPLETED},
-        match={"prefect.resource.id": "kiln.step.train.*", **FINAL_MODEL},
+        match={"prefect.resource.id": ["kiln.step.train.*", "kiln.step.soup.*"], **FINAL_MODEL},
         parameters={"config": "{{ event.payload.config }}", "store": "{{ event.payload.store }}"})
 
 

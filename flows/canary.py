@@ -5,7 +5,8 @@ step gets slow), the canary fails and names what moved: Marin's daily "ferry" wi
 Its store is `<root>/<YYYY-MM-DD>` (UTC; the root defaults to the store's own with `-canary` after it), so each day computes everything from the raw
 sources; a rerun the same day reuses that day's finished steps, and its wall time is then the
 rerun's. The bounds are the config's `canary:` section (flows/config.py `CanaryConfig`); each is
-checked on every branch's final model (its last train step and that model's evaluate step). The
+checked on every branch's final model (its last train step's stats, and the evaluate step of that
+model or of the soup after it). The
 failure is the flow run's: it sends the `run.notify_webhook` notification like any failed run.
 """
 
@@ -16,7 +17,7 @@ import time
 
 from prefect import flow
 
-from flows.compare import _evaluation_of
+from flows.compare import _evaluation_of, final_model
 from flows.config import CanaryConfig, ExperimentConfig
 from flows.experiment import Experiment, from_config
 from flows.notify import notify_failure
@@ -39,7 +40,8 @@ def today() -> str:
 
 def results(experiment: Experiment, store: Store) -> dict[str, dict]:
     """Branch label -> the numbers the bounds are checked against: the final train step's stats
-    (final_loss, steps, ...) with the metrics of the evaluate step that scored that model."""
+    (final_loss, steps, ...) with the metrics of the evaluate step that scored the final model
+    (that train step's, or the soup's after it: what post-training and the export start from)."""
     out = {}
     for variant in experiment.branches:
         steps = experiment.branch_steps(variant)
@@ -49,7 +51,7 @@ def results(experiment: Experiment, store: Store) -> dict[str, dict]:
         final = trains[-1]
         values = dict(store.read_lineage(final.stage, final.version)["stats"]) if store.is_done(
             final.stage, final.version) else {}
-        evaluation = _evaluation_of(final, steps)
+        evaluation = _evaluation_of(final_model(steps), steps)
         if evaluation is not None and store.is_done(evaluation.stage, evaluation.version):
             values.update(store.read_lineage(evaluation.stage, evaluation.version)["stats"])
         out[variant or experiment.name] = values

@@ -62,6 +62,12 @@ def comparison(experiment: Experiment, store: Store) -> list[dict]:
     return [{c: r.get(c) for c in cols} for r in rows]
 
 
+def final_model(steps: list[Step]) -> Step | None:
+    """A branch's final pretrained model: its last train or soup step, the one post-training and
+    the export start from (flows/plan.py `after_training`)."""
+    return next((s for s in reversed(steps) if s.stage in TRAINED), None)
+
+
 def _evaluation_of(train: Step, steps: list[Step]) -> Step | None:
     """The evaluate step of the trained model (not of one of its kept steps)."""
     return next((s for s in _evaluations_of(train, steps) if s.config.step is None), None)

@@ -151,8 +151,8 @@ class PosttrainConfig(ConfigModel):
 
     chat: ChatDataConfig = Field(ChatDataConfig(), description="The conversations and preference pairs that "
                                  "SFT and DPO train and are evaluated on (the `chat_data` step).")
-    sft: SFTConfig = Field(SFTConfig(), description="Supervised fine-tuning of the last train step's model on "
-                           "the conversations.")
+    sft: SFTConfig = Field(SFTConfig(), description="Supervised fine-tuning of the final model (the last train "
+                           "step's, or a soup after it) on the conversations.")
     dpo: DPOConfig | None = Field(DPOConfig(), description="DPO of the SFT model on the preference pairs; leave out "
                                   "with `dpo: null`.")
     evaluate: bool = setting(True, description="Also score the SFT and DPO models with the `eval` section's "
@@ -240,7 +240,10 @@ class PhaseConfig(ConfigModel):
                 raise ValueError("a phase trains `steps` steps (give them), or averages phases before it "
                                  "(`average`: a soup)")
             return self
-        trained = sorted({"steps", "from_", "step", "mode", "train", "mixture"} & self.model_fields_set)
+        # fields away from their defaults, not those given: a branch's config (variants, grid) and a
+        # deployment's parameters are dumped whole and validated again
+        trained = sorted(f for f in ("steps", "from_", "step", "mode", "train", "mixture")
+                         if getattr(self, f) != PhaseConfig.model_fields[f].get_default(call_default_factory=True))
         if trained:
             names = ", ".join(field.rstrip("_") for field in trained)
             raise ValueError(f"a soup (`average`) trains nothing: leave out {names}")

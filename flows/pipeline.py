@@ -9,6 +9,7 @@ import base64
 
 from prefect import flow
 
+from flows.compare import comparison, final_model, metric_plot, over_steps, steps_plot
 from flows.config import ExperimentConfig
 from flows.experiment import Experiment, from_config, load_experiment
 from flows.notify import notify_failure
@@ -94,18 +95,18 @@ def evaluate_flow(config: ExperimentConfig, store: str | None = None, force: lis
 
 
 def final_models(experiment: Experiment) -> dict[str, dict]:
-    """Step key -> what its `kiln.step.completed` event adds (tasks/engine/events.py), for the last
-    train step of each branch of a YAML experiment: that branch's whole config, so the
-    `evaluate` deployment's trigger evaluates exactly that model. A scaling sweep's many runs are left
-    out (its evaluation belongs to its own steps)."""
+    """Step key -> what its `kiln.step.completed` event adds (tasks/engine/events.py), for the final
+    model of each branch of a YAML experiment (its last train step, or the soup after it): that
+    branch's whole config, so the `evaluate` deployment's trigger evaluates exactly that model. A
+    scaling sweep's many runs are left out (its evaluation belongs to its own steps)."""
     out = {}
     for variant, branch in experiment.branches.items():
         if branch.config is None or branch.config.scaling is not None:
             continue
-        trains = [s for s in experiment.branch_steps(variant) if s.stage == "train"]
-        if trains:
+        final = final_model(experiment.branch_steps(variant))
+        if final is not None:
             config = branch.config.model_copy(update={"variants": {}, "grid": {}})
-            out[trains[-1].key] = {"config": config.model_dump(mode="json"), "variant": variant}
+            out[final.key] = {"config": config.model_dump(mode="json"), "variant": variant}
     return out
 
 
@@ -128,8 +129,6 @@ def publish_comparison(experiment: Experiment, store: Store) -> None:
     """The `kiln compare` table, and a bar chart of `run.compare_metric` per variant, as artifacts;
     with eval.checkpoints also the `--over steps` table and that metric against the step."""
     from prefect.artifacts import create_table_artifact
-
-    from flows.compare import comparison, metric_plot, over_steps, steps_plot
 
     rows = comparison(experiment, store)
     key = "".join(c if c.isalnum() else "-" for c in experiment.name.lower())

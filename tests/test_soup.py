@@ -14,9 +14,12 @@ import pytest
 import yaml
 from safetensors.numpy import load_file
 
+from flows.canary import results
 from flows.config import ExperimentConfig
+from flows.experiment import from_config
 from tasks.engine.config import ConfigModel
 from tasks.engine.step import Step, StepContext
+from tasks.engine.store import Store
 from tasks.soup import run_soup, soup_step
 from tests.conftest import kiln
 from tests.test_phases import BASE, steps_of
@@ -64,6 +67,20 @@ def test_another_experiment_starts_from_a_published_soup_in_mode_weights_only():
     for init in ({"from": soup}, {"from": soup, "mode": "reset"}, {"from": soup, "mode": "weights", "step": 10}):
         with pytest.raises(ValueError, match="is a soup, an average of parameters with no train state"):
             steps_of({**BASE, "train": {**BASE["train"], "init": init}})
+
+
+def test_a_soup_config_branches_into_variants_and_travels_as_a_deployment_parameter():
+    """A branch's config and a deployment's parameters are the config dumped whole and validated
+    again: a soup phase then has every field, at its default, and is still a soup."""
+    config = ExperimentConfig.model_validate({**SOUP, "variants": {"a": {}, "b": {"train.lr": 1.0e-3}}})
+    experiment = from_config(config)
+    assert sorted(s.name for s in experiment.steps if s.stage == "soup") == [
+        "train/soup/a", "train/soup/b", "train/stable/a", "train/stable/b"]
+    dumped = ExperimentConfig.model_validate(SOUP).model_dump(mode="json")
+    assert ExperimentConfig.model_validate(dumped) == ExperimentConfig.model_validate(SOUP)
+    with pytest.raises(ValueError, match="trains nothing: leave out mode"):  # a value away from its default
+        ExperimentConfig.model_validate({**dumped, "phases": {**dumped["phases"],
+                                                              "soup": {**dumped["phases"]["soup"], "mode": "reset"}}})
 
 
 @pytest.mark.parametrize("phases, error", [
@@ -176,6 +193,10 @@ def test_a_soup_config_runs_end_to_end_and_every_soup_is_its_parts_mean(tmp_path
     assert all(r["status"] == "done" and r["bits_per_byte"] > 0 for r in rows.values())
     assert rows["soup"]["final_loss"] == "-" and rows["soup"]["params"] == rows["train"]["params"]
     assert rows["soup"]["train_version"] == steps["train/soup"].version
+    # the canary's bounds: the last train step's stats, the final model's (the last soup's) evaluation
+    checked = results(from_config(ExperimentConfig.model_validate(SOUP)), Store(str(store)))["souped"]
+    assert checked["final_loss"] == rows["anneal"]["final_loss"]
+    assert checked["bits_per_byte"] == rows["soup"]["bits_per_byte"] != rows["anneal"]["bits_per_byte"]
 
     export = store / "export" / steps["export"].version
     assert "averaged (a model soup)" in (export / "README.md").read_text()

@@ -196,9 +196,10 @@ def test_deploy_to_a_pool_and_a_worker_runs_the_pipeline(team, tmp_path):
 
 # --- automations ---------------------------------------------------------------------------------------
 
-def test_a_computed_final_train_step_starts_evaluate_with_its_config(team, tmp_path):
+def test_a_computed_final_model_starts_evaluate_with_its_config(team, tmp_path):
     """The trigger of the `evaluate` deployment (deployments/serve.py) on the `kiln.step.completed`
-    event the scheduler emits: a toy train step announced as a branch's final model."""
+    event the scheduler emits: a toy train step announced as a branch's final model, then a toy
+    soup step (a soup after the last train step is the final model)."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import DeploymentFilter, FlowRunFilter
 
@@ -215,18 +216,23 @@ def test_a_computed_final_train_step_starts_evaluate_with_its_config(team, tmp_p
             d.apply()
         with get_client(sync_client=True) as client:
             evaluate = client.read_deployment_by_name("evaluate/evaluate")
-    announced = config.model_copy(update={"name": "announced"}).model_dump(mode="json")
-    made = subprocess.run([sys.executable, "-m", "tests.team_steps", store, json.dumps(announced), "7"], cwd=REPO,
-                          env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
-    assert made.returncode == 0, made.stderr[-3000:]
 
-    def evaluate_runs():
+    def evaluate_runs(count: int):
         with api(env), get_client(sync_client=True) as client:
-            return client.read_flow_runs(deployment_filter=DeploymentFilter(id={"any_": [evaluate.id]}),
+            runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id={"any_": [evaluate.id]}),
                                          flow_run_filter=FlowRunFilter())
-    runs = wait_until(evaluate_runs, 120, "the evaluate deployment to be triggered", interval_s=1)
-    assert len(runs) == 1
-    assert runs[0].parameters["config"] == announced and runs[0].parameters["store"] == store
+        return runs if len(runs) >= count else None
+
+    for count, stage in enumerate(("train", "soup"), start=1):
+        announced = config.model_copy(update={"name": f"announced-{stage}"}).model_dump(mode="json")
+        made = subprocess.run([sys.executable, "-m", "tests.team_steps", store, json.dumps(announced), "7", stage],
+                              cwd=REPO, env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
+        assert made.returncode == 0, made.stderr[-3000:]
+        runs = wait_until(lambda: evaluate_runs(count), 120, f"the evaluate deployment to be triggered by a {stage} step",
+                          interval_s=1)
+        assert len(runs) == count
+        newest = max(runs, key=lambda r: r.created)
+        assert newest.parameters["config"] == announced and newest.parameters["store"] == store
 
 
 def test_a_failed_run_sends_its_webhook_with_the_flow_run_id(team, tmp_path):
@@ -287,3 +293,8 @@ def test_final_models_are_each_branchs_last_train_step_with_its_own_config():
     assert set(finals) == {last["a"].key, last["b"].key}  # the phase, not the first train step
     assert finals[last["b"].key]["config"]["train"]["lr"] == 1.0e-3
     assert finals[last["b"].key]["config"]["variants"] == {} and finals[last["b"].key]["variant"] == "b"
+
+    souped = {**raw, "phases": {**raw["phases"], "soup": {"average": ["train", "cool"]}}}  # the soup is final
+    experiment = from_config(ExperimentConfig.model_validate(souped))
+    soups = {v: [s for s in experiment.branch_steps(v) if s.stage == "soup"] for v in ("a", "b")}
+    assert set(final_models(experiment)) == {soups["a"][0].key, soups["b"][0].key}

@@ -4,7 +4,7 @@
 `kiln.version`), once per step a run computed (cache hits emit nothing: nothing new was made). Its
 payload is the store, the output's place in it and the step's scalar stats, plus whatever the flow
 announced for that step: the pipeline adds the whole config of the branch whose final model a
-train step is, and marks that resource `kiln.model: final`, so that the `evaluate` deployment's
+train step (or a soup after it) is, and marks that resource `kiln.model: final`, so that the `evaluate` deployment's
 trigger (deployments/serve.py) can start an evaluation of exactly that model.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 from tasks.engine.runner import StepRun
 
 STEP_COMPLETED = "kiln.step.completed"
-FINAL_MODEL = {"kiln.model": "final"}  # the resource label of a branch's last train step
+FINAL_MODEL = {"kiln.model": "final"}  # the resource label of a branch's final model
 
 
 def step_resource(stage: str, version: str) -> str:
