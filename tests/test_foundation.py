@@ -335,6 +335,21 @@ def test_the_engine_imports_no_stage_training_or_evaluation_code():
     assert found == []
 
 
+@pytest.mark.parametrize("path", sorted(p.name for p in (REPO / "configs").glob("*.yaml")))
+def test_a_shipped_config_reads_back_from_its_dump(path):
+    """A deployment's parameters (kiln serve, deploy) and each variant's or grid branch's config
+    are the config dumped whole, every field at its value or default, and validated again: that
+    gives the same config (a check that looked at the fields given once refused every soup)."""
+    from flows.config import ExperimentConfig, load_config
+    from flows.experiment import from_config
+
+    config = load_config(str(REPO / "configs" / path))
+    assert ExperimentConfig.model_validate(config.model_dump(mode="json")) == config
+    for branch in from_config(config).branches.values():
+        if branch.config is not None:
+            assert ExperimentConfig.model_validate(branch.config.model_dump(mode="json")) == branch.config
+
+
 def test_configuration_reference_matches_the_models():
     from flows.reference import reference
 
