@@ -423,10 +423,24 @@ class ExperimentConfig(ConfigModel):
         return tuple(parts)
 
 
+def trained_in(trains: dict, name: str, step: int) -> str:
+    """The train step whose run trained `step` of the training that ends at train step `name`
+    (`trains`: train configs by step name, first in each value): a phase in mode continue trains
+    only the steps after the one it starts from, and those up to it are its parent's (and so up)."""
+    while True:
+        init = trains[name][0].init
+        if init is None or init.mode != "continue" or init.from_ not in trains:
+            return name
+        if step > init.kept_step(trains[init.from_][0].steps):
+            return name
+        name = init.from_
+
+
 def _with_kept_steps(trains: dict, soups: dict, eval_cfg: EvalConfig) -> dict:
     """Each train config with `keep_checkpoints` naming every step that a later phase starts
     from (continue or reset; weights from the last step read the published model) or a soup
-    averages and, for the last train phase, the steps of `eval.checkpoints`."""
+    averages and, for the last train phase, the steps of `eval.checkpoints` (each kept by the
+    phase that trains it: `trained_in`)."""
     kept: dict[str, set[int]] = {name: set() for name in trains}
     for cfg, _ in trains.values():
         init = cfg.init
@@ -440,7 +454,8 @@ def _with_kept_steps(trains: dict, soups: dict, eval_cfg: EvalConfig) -> dict:
                 kept[train].add(step)
     last = list(trains)[-1]
     last_cfg = trains[last][0]
-    kept[last].update(checkpoint_steps(eval_cfg.checkpoints, last_cfg.steps, last_cfg.checkpoint_every))
+    for step in checkpoint_steps(eval_cfg.checkpoints, last_cfg.steps, last_cfg.checkpoint_every):
+        kept[trained_in(trains, last, step)].add(step)
     return {name: (cfg if not kept[name] else cfg.model_copy(update={"keep_checkpoints": tuple(sorted(kept[name]))}),
                    mixture) for name, (cfg, mixture) in trains.items()}
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from flows.config import DataConfig, ExperimentConfig
+from flows.config import DataConfig, ExperimentConfig, trained_in
 from tasks.acquire import acquire_step
 from tasks.chat_data import chat_data_step
 from tasks.decontaminate import decontaminate_step
@@ -133,7 +133,8 @@ def named(final: Step, source: str, upstream: bool = True) -> Step:
 def after_training(config: ExperimentConfig, models: dict[str, Step], tokenizer: Step, tokens: Step,
                    documents: Step) -> list[Step]:
     """Evaluation of every train and soup step (`evaluate`, `evaluate/<phase>`), the last train
-    step's checkpoint series (eval.checkpoints), optional post-training of the last model (with
+    step's checkpoint series (eval.checkpoints; a step before a continue phase's start is its
+    parent's, evaluated there), optional post-training of the last model (with
     posttrain.evaluate, `evaluate/sft` and `evaluate/dpo` of its models) and the export of the
     final model, whose model card carries that model's own evaluation (none where it was not
     evaluated)."""
@@ -146,8 +147,9 @@ def after_training(config: ExperimentConfig, models: dict[str, Step], tokenizer:
 
     evaluations = {name: evaluation_of(model, name.replace("train", "evaluate", 1)) for name, model in models.items()}
     model, evaluation = list(models.values())[-1], list(evaluations.values())[-1]
-    trained = [name for name, m in models.items() if m.stage == "train"][-1]  # a soup keeps no steps
-    series = [evaluation_of(models[trained], f"{evaluations[trained].name}/step-{step}", step)
+    trains = {name: (m.config.train, None) for name, m in models.items() if m.stage == "train"}
+    trained = list(trains)[-1]  # a soup keeps no steps; each step is evaluated where it was trained
+    series = [evaluation_of(models[trained_in(trains, trained, step)], f"{evaluations[trained].name}/step-{step}", step)
               for step in checkpoint_steps(config.eval.checkpoints, models[trained].config.train.steps,
                                            models[trained].config.train.checkpoint_every)]
     final, posttrained = model, []
@@ -330,7 +332,6 @@ def plan(experiment: Experiment, store: Store, until: str | None = None) -> list
 def with_followups(experiment: Experiment, store: Store) -> Experiment:
     """The experiment plus the steps that can only be built from another step's output: a scaling
     sweep's forecast check, once its held-out fit is in the store (flows/scaling.py)."""
-    from flows.experiment import Branch
     from flows.scaling import ready_forecast_steps
 
     branches = {}

@@ -41,6 +41,29 @@ def test_the_series_adds_evaluate_steps_and_leaves_the_other_versions_alone():
         ExperimentConfig.model_validate({**SERIES, "eval": {**SERIES["eval"], "checkpoints": [400]}}).phase_trains()
 
 
+def test_a_step_before_a_continue_phase_is_evaluated_where_it_was_trained():
+    """The series follows the last train phase's training back: in mode continue a phase trains
+    only the steps after its start, so a step up to it is its parent's (kept and evaluated there,
+    under the series' name); a phase in mode reset counts its own steps from 1."""
+    phased = {**SERIES, "train": {**SERIES["train"], "steps": 200},
+              "phases": {"cool": {"from": "train", "step": 100, "steps": 200, "train": {"seed": 1}},
+                         "again": {"steps": 100}},  # continues cool: steps 301-400
+              "eval": {**SERIES["eval"], "checkpoints": "every"}}
+    config = ExperimentConfig.model_validate(phased)
+    trains = config.phase_trains()
+    assert [trains[n][0].keep_checkpoints for n in ("train", "train/cool", "train/again")] == [
+        (100,), (200, 300), (400,)]
+    steps = {s.name: s for s in recipe(config)}
+    assert [(n, steps[n].inputs["model"].name) for n in steps if "/step-" in n] == [
+        ("evaluate/again/step-100", "train"), ("evaluate/again/step-200", "train/cool"),
+        ("evaluate/again/step-300", "train/cool"), ("evaluate/again/step-400", "train/again")]
+    assert all(steps[f"evaluate/again/step-{s}"].config.step == s for s in (100, 200, 300, 400))
+
+    reset = {**phased, "phases": {"cool": {**phased["phases"]["cool"], "mode": "reset"}}}
+    steps = {s.name: s for s in recipe(ExperimentConfig.model_validate(reset))}
+    assert {steps[n].inputs["model"].name for n in steps if "/step-" in n} == {"train/cool"}
+
+
 @pytest.mark.slow  # out of the fast suite (27 s alone, 61-75 s in it); CI runs it after it
 @pytest.mark.ci
 @pytest.mark.ray  # its training (or data workers) starts a local Ray: tests/conftest.py ray_lock
