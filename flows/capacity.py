@@ -30,7 +30,8 @@ def planned(model_cfg, train_cfg, devices: int, timeout_s: float = 1800) -> dict
                           capture_output=True, text=True, env=env, timeout=timeout_s)
     if done.returncode != 0:
         lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
-        raise RuntimeError(f"planning on {devices} simulated devices failed: {lines[-1] if lines else done.returncode}")
+        raise RuntimeError(f"planning on {devices} simulated devices failed: {lines[-1] if lines else done.returncode} "
+                           "(kiln capacity --devices N plans for N devices)")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

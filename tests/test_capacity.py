@@ -104,3 +104,10 @@ def test_a_plan_asked_again_reads_its_step_from_the_compilation_cache(tmp_path, 
     assert first.pop("compiled_programs_read") == 0 and again.pop("compiled_programs_read") >= 1
     assert again == first and first["temp_bytes"] > 0
     assert any((tmp_path / "cache").iterdir())
+
+
+def test_a_batch_the_devices_cannot_split_names_the_devices_flag():
+    from flows.capacity import planned
+
+    with pytest.raises(RuntimeError, match=r"does not split .* over 3 data-parallel devices.*--devices N"):
+        planned(MODEL, TRAIN.model_copy(update={"mesh": TRAIN.mesh.model_copy(update={"strategy": "dp"})}), devices=3)
