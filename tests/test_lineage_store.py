@@ -59,6 +59,28 @@ def test_lineage_of_a_memory_store_url(capsys, tmp_path):
     assert "not a finished kiln artefact" in capsys.readouterr().err
 
 
+def test_an_artefact_met_again_in_the_tree_is_written_out_once(tmp_path):
+    """A diamond: `final` reads `tokens` and `other`, both made from `docs`. The text and the
+    markdown list docs' source once; the second time docs says its inputs are above."""
+    from tasks.engine.lineage import SHOWN_ABOVE, format_tree, tree_markdown
+
+    store = Store(tmp_path / "store")
+    docs, tokens = publish_chain(store)
+    other = Step(name="other", stage="other", stage_version=1, config=TokenizeConfig(), run=lambda ctx: {},
+                 inputs={"documents": docs})
+    final = Step(name="final", stage="final", stage_version=1, config=TokenizeConfig(), run=lambda ctx: {},
+                 inputs={"tokens": tokens, "other": other})
+    for step in (other, final):
+        store.publish(store.begin(step.stage, step.version), step.stage, step.version,
+                      build_lineage(step, store, {}, now(), now(), {}, {}))
+    tree = lineage_tree(tmp_path / "store" / "final" / final.version)
+    assert [c["inputs"][0]["stage"] for c in tree["inputs"]] == ["docs", "docs"]  # --json: the whole tree
+    for text in (format_tree(tree), tree_markdown(tree)):
+        docs_lines = [line for line in text.splitlines() if docs.version in line]
+        assert len(docs_lines) == 2 and SHOWN_ABOVE not in docs_lines[0] and SHOWN_ABOVE in docs_lines[1], text
+        assert text.count("notes.jsonl") == 1 and text.count(SHOWN_ABOVE) == 1
+
+
 def test_lineage_of_a_file_url_from_the_command_line(tmp_path):
     store = Store(tmp_path / "store")
     docs, tokens = publish_chain(store)

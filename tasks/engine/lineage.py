@@ -16,7 +16,6 @@ from datetime import datetime, timezone
 from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
-from typing import Any
 
 from tasks.engine.step import Step
 from tasks.engine.store import LINEAGE, Store
@@ -273,18 +272,28 @@ def lineage_at(location: str) -> dict:
     return store_lineage_tree(Store(root), stage, version)
 
 
-def tree_markdown(node: dict, depth: int = 0) -> str:
-    """The lineage tree as nested markdown bullets, with links to the producing flow runs."""
-    pad = "  " * depth
+SHOWN_ABOVE = "(its inputs as above)"  # an artefact met again in a tree: the phases, soups and
+# post-training of one run share their data steps, so each is spelt out once
+
+
+def tree_markdown(node: dict, depth: int = 0, shown: set | None = None) -> str:
+    """The lineage tree as nested markdown bullets, with links to the producing flow runs; an
+    artefact met again lists no inputs (SHOWN_ABOVE)."""
+    pad, shown = "  " * depth, set() if shown is None else shown
     if node.get("missing"):
         return f"{pad}- `{node['stage']}/{node['version']}` (missing from this store)"
     record = read_lineage(Path(node["path"]))
     link = ui_run_link(record.get("prefect", {}).get("flow_run_id"))
     run = f" — [flow run]({link})" if link else ""
-    lines = [f"{pad}- **{node['name']}** `{node['version']}`{run}"]
+    again = (node["stage"], node["version"]) in shown
+    lines = [f"{pad}- **{node['name']}** `{node['version']}`{run}" + (f" {SHOWN_ABOVE}" if again and (
+        node["inputs"] or node.get("sources")) else "")]
+    if again:
+        return lines[0]
+    shown.add((node["stage"], node["version"]))
     for src in node.get("sources", []):
         lines.append(f"{pad}  - source **{src.get('name')}**: {src.get('origin', '')}")
-    lines += [tree_markdown(child, depth + 1) for child in node["inputs"]]
+    lines += [tree_markdown(child, depth + 1, shown) for child in node["inputs"]]
     return "\n".join(lines)
 
 
@@ -292,14 +301,21 @@ def _sources(record: dict) -> list:
     return record["stats"].get("sources", []) if not record["inputs"] else []
 
 
-def format_tree(node: dict, indent: str = "") -> str:
+def format_tree(node: dict, indent: str = "", shown: set | None = None) -> str:
+    """The lineage tree as indented text (`kiln lineage`); an artefact met again lists no inputs
+    (SHOWN_ABOVE)."""
+    shown = set() if shown is None else shown
     if node.get("missing"):
         return f"{indent}{node['stage']}/{node['version']}  (missing from this store)"
     keys = ("documents", "docs_out", "tokens", "final_loss")
     brief = ", ".join(f"{k}={node['stats'][k]}" for k in keys if k in node["stats"])
-    lines = [f"{indent}{node['name']} {node['version']}  {node['path']}" + (f"  [{brief}]" if brief else "")]
+    line = f"{indent}{node['name']} {node['version']}  {node['path']}" + (f"  [{brief}]" if brief else "")
+    if (node["stage"], node["version"]) in shown:
+        return line + (f"  {SHOWN_ABOVE}" if node["inputs"] or node.get("sources") else "")
+    shown.add((node["stage"], node["version"]))
+    lines = [line]
     for src in node.get("sources", []):
         lines.append(f"{indent}  <- source {src.get('name')}: {src.get('origin', '')}")
     for child in node["inputs"]:
-        lines.append(format_tree(child, indent + "  "))
+        lines.append(format_tree(child, indent + "  ", shown))
     return "\n".join(lines)
