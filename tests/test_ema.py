@@ -68,6 +68,32 @@ def test_training_is_unchanged_and_the_published_model_is_the_average(tmp_path):
     assert "ema_val_loss" not in base_records[-1] and "final_ema_val_loss" not in base
 
 
+def test_with_a_warmup_the_decay_ramps_up_and_the_start_is_forgotten(tmp_path):
+    """train.ema_warmup: step t's decay is min(ema, (1 + t) / (10 + t)); the average then holds
+    almost none of the starting parameters, where a fixed decay keeps ema^steps of them."""
+    _, vocab = kjv_tokens()
+    model, cfg = tiny(vocab, steps=12, eval_every=12, log_every=6)
+    start = read_model_params(tmp_path, model, vocab)
+    _, steps = trained(tmp_path / "plain", model, cfg, start)  # the same steps with or without an average
+    published = {}
+    for warmup in (True, False):
+        run = tmp_path / f"warmup-{warmup}"
+        trained(run, model, cfg.model_copy(update={"ema": 0.99, "ema_warmup": warmup}), start)
+        published[warmup] = load_file(str(run / "out" / "params.safetensors"))
+        ema = {k: v.astype(np.float64) for k, v in flatten_params(start).items()}
+        for t, params in enumerate(steps, start=1):
+            decay = min(0.99, (1 + t) / (10 + t)) if warmup else 0.99
+            ema = {k: decay * ema[k] + (1 - decay) * params[k] for k in ema}
+        for key in published[warmup]:
+            np.testing.assert_allclose(published[warmup][key], ema[key], rtol=1e-5, atol=1e-6)
+    key = "embed_tokens.embedding" if "embed_tokens.embedding" in steps[-1] else next(iter(steps[-1]))
+    distance = {w: np.abs(published[w][key] - steps[-1][key]).mean() for w in (True, False)}
+    assert distance[True] < distance[False] / 2  # the warmed-up average is near training, not the start
+
+    with pytest.raises(ValueError, match="ema_warmup ramps up the decay of train.ema"):
+        TrainConfig(ema_warmup=True)
+
+
 def read_model_params(tmp_path, model, vocab) -> dict:
     """A starting point of the model's shape (train.init mode weights, post-training): a run of 2 steps."""
     _, cfg = tiny(vocab, steps=2, warmup=1, seed=7)
@@ -112,3 +138,5 @@ def test_ema_is_refused_with_lora_and_moves_the_version_only_when_set():
 
     assert version(TrainConfig()) == version(TrainConfig(ema=None))
     assert version(TrainConfig(ema=0.999)) != version(TrainConfig())
+    assert version(TrainConfig(ema=0.999, ema_warmup=False)) == version(TrainConfig(ema=0.999))
+    assert version(TrainConfig(ema=0.999, ema_warmup=True)) != version(TrainConfig(ema=0.999))

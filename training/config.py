@@ -484,6 +484,11 @@ class TrainConfig(ConfigModel):
         "evaluation, the export and later phases read; training itself is unchanged. `val_loss` stays the "
         "trained parameters', and `ema_val_loss` is logged beside it. One more copy of the parameters in the "
         "train state (checkpointed: a resume is bit for bit). Not with `lora`.")
+    ema_warmup: bool = identity_when_set(
+        False, description="With `ema`: the decay at step t is min(ema, (1 + t) / (10 + t)) (TensorFlow's "
+        "ExponentialMovingAverage with num_updates), so the average forgets the starting parameters within "
+        "the first steps and spans about the last t / 9 steps until it reaches `ema` (t near 9000 for 0.999); "
+        "without it the starting parameters keep weight ema^steps.")
     init: InitConfig | None = identity_when_set(None, description="Start from another step's checkpoint or a "
                                                 "Hugging Face model instead of a random initialisation.")
     lora: LoraConfig | None = identity_when_set(None, description="Train LoRA adapters only, the parameters "
@@ -559,6 +564,9 @@ class TrainConfig(ConfigModel):
         if self.decay_shape != "linear" and self.schedule != "wsd":
             raise ValueError(f"decay_shape={self.decay_shape} shapes WSD's decay; schedule is {self.schedule}: "
                              "set schedule wsd or leave decay_shape out")
+        if self.ema_warmup and self.ema is None:
+            raise ValueError("train.ema_warmup ramps up the decay of train.ema's average: set ema too, or leave "
+                             "ema_warmup out")
         if self.ema is not None and self.lora is not None:
             raise ValueError("train.ema averages a model's own parameters; LoRA trains adapters on frozen ones: "
                              "leave ema out with lora")

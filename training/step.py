@@ -57,9 +57,19 @@ def published_params(state: dict, lora: LoraConfig | None) -> dict:
     return state["ema"] if "ema" in state else model_params(state, lora)
 
 
-def ema_update(ema: dict, params: dict, decay: float) -> dict:
-    """One step of the moving average: decay * ema + (1 - decay) * params, leaf by leaf."""
-    return jax.tree_util.tree_map(lambda e, p: decay * e + (1 - decay) * p, ema, params)
+def ema_update(ema: dict, params: dict, decay) -> dict:
+    """One step of the moving average: decay * ema + (1 - decay) * params, leaf by leaf, in the
+    average's dtype (`decay`: a float, or a float32 scalar under train.ema_warmup)."""
+    return jax.tree_util.tree_map(lambda e, p: (decay * e + (1 - decay) * p).astype(e.dtype), ema, params)
+
+
+def ema_decay(train_cfg: TrainConfig, step):
+    """The moving average's decay at `step` (the steps trained, this one included): train.ema, or
+    with train.ema_warmup min(ema, (1 + step) / (10 + step))."""
+    if not train_cfg.ema_warmup:
+        return train_cfg.ema
+    t = step.astype(jnp.float32)
+    return jnp.minimum(jnp.float32(train_cfg.ema), (1 + t) / (10 + t))
 
 
 @jax.custom_vjp
@@ -310,7 +320,7 @@ def make_update(train_cfg: TrainConfig, optimizer: optax.GradientTransformation)
         metrics = {"loss": loss_value, "grad_norm": optax.tree.norm(grads), "lr": lr, **aux}
         state = {**state, "step": state["step"] + 1, trained: new, "opt_state": opt_state, "rng": rng}
         if train_cfg.ema is not None:
-            state["ema"] = ema_update(state["ema"], new, train_cfg.ema)
+            state["ema"] = ema_update(state["ema"], new, ema_decay(train_cfg, state["step"]))
         return state, metrics
 
     return update
