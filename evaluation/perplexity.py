@@ -40,16 +40,17 @@ def token_bytes(tokenizer: Tokenizer, vocab_size: int) -> np.ndarray:
 
 
 def heldout_metrics(cfg: ModelConfig, params, dataset: TokenDataset, tokenizer: Tokenizer, batch_size: int = 16,
-                    max_tokens: int | None = None, score: Callable | None = None) -> dict:
-    """Loss, perplexity and bits per byte of the model on `dataset` (its first `max_tokens` tokens)."""
+                    max_tokens: int | None = None, score: Callable | None = None, first_token: int = 0) -> dict:
+    """Loss, perplexity and bits per byte of the model on `dataset`: its `max_tokens` tokens (all
+    when None) from `first_token` on."""
     T = cfg.seq_len
-    n = dataset.n_tokens if max_tokens is None else min(dataset.n_tokens, max_tokens)
-    if n < 2:
-        raise ValueError(f"{dataset} has {dataset.n_tokens} tokens; perplexity needs at least 2: raise "
-                         "validation_fraction in the tokenize config")
+    n = dataset.n_tokens if max_tokens is None else min(dataset.n_tokens, first_token + max_tokens)
+    if n - first_token < 2:
+        raise ValueError(f"{dataset} has {dataset.n_tokens} tokens; perplexity from token {first_token} needs at "
+                         "least 2 more: raise validation_fraction in the tokenize config")
     score = score or make_token_scorer(cfg)
     nbytes = token_bytes(tokenizer, cfg.vocab_size)
-    starts = list(range(0, n - 1, T))
+    starts = list(range(first_token, n - 1, T))
     nats = text_nats = 0.0
     tokens = text_tokens = text_bytes = 0
     for b in range(0, len(starts), batch_size):

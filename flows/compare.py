@@ -23,8 +23,9 @@ from tasks.engine.store import Store
 
 TRAIN_KEYS = {"final_loss": "final_loss", "final_val_loss": "final_val_loss",
               "final_ema_val_loss": "final_ema_val_loss", "params": "param_count",
-              "tokens": "tokens"}  # column -> the train step's stat
-ONLY_IF_MEASURED = {"final_ema_val_loss"}  # a column shown only when some row has it (a run with train.ema)
+              "tokens": "tokens", "soup_parts": "kept_parts"}  # column -> the train (or soup) step's stat
+# columns shown only when some row has them: a run with train.ema, a soup (the parts it averaged)
+ONLY_IF_MEASURED = {"final_ema_val_loss", "soup_parts"}
 NOT_METRICS = {"seconds", "table", "heldout_tokens", "suite_examples"}
 POSTTRAINED = ("sft", "dpo")  # stages whose models get rows of their own after their variant's train rows
 TRAINED = ("train", "soup")  # a soup phase (the mean of trained models) is a row among the train steps'
@@ -58,7 +59,7 @@ def comparison(experiment: Experiment, store: Store) -> list[dict]:
             rows.append(_row(label, {} if shared else branch.overrides, model, _evaluation_of(model, steps), steps,
                              store))
     cols = [c for c in columns(rows)  # every row has every column: None where a variant has no such result yet
-            if c not in ONLY_IF_MEASURED or any(isinstance(r.get(c), float) for r in rows)]
+            if c not in ONLY_IF_MEASURED or any(_is_metric(c, r.get(c)) for r in rows)]
     return [{c: r.get(c) for c in cols} for r in rows]
 
 
@@ -104,7 +105,7 @@ def _row(label: str, overrides: dict, train: Step, evaluation: Step | None, step
     row: dict = {"variant": label, "status": "done" if done and (evaluation is None or scored) else MISSING,
                  "overrides": ", ".join(f"{k}={json.dumps(v)}" for k, v in overrides.items())}
     stats = store.read_lineage(train.stage, train.version)["stats"] if done else {}
-    absent = NOT_TRAINED if done and train.stage == "soup" else None
+    absent = NOT_TRAINED if done and train.stage == "soup" else None  # a soup trained nothing
     absent_only = NOT_TRAINED if done else None  # a finished run without the stat: it does not apply
     row.update({column: stats.get(key, absent_only if column in ONLY_IF_MEASURED else absent)
                 for column, key in TRAIN_KEYS.items()})

@@ -232,9 +232,15 @@ class PhaseConfig(ConfigModel):
         "it, each `train` or a phase's name (its trained model) or `<name>@<step>` (a step it keeps; kiln makes "
         "it keep it), two or more; e.g. anneals from one stable run on other data orders (`train.seed`), as "
         "OLMo 2's final models. Trains nothing: give none of steps, from, step, mode, train, mixture.")
+    greedy: bool = Field(False, description="With `average`: a greedy soup (Wortsman et al.): the parts ranked by "
+                         "their held-out loss, the best kept, each next one kept only if the soup's held-out loss "
+                         "does not rise. Scored on the eval.heldout_tokens held-out tokens after those the evaluate "
+                         "step scores (so set eval.heldout_tokens); `kiln compare` shows how many it kept.")
 
     @model_validator(mode="after")
     def _check_soup(self) -> "PhaseConfig":
+        if self.greedy and not self.average:
+            raise ValueError("greedy chooses among a soup's parts: give `average` too, or leave greedy out")
         if not self.average:
             if self.steps is None:
                 raise ValueError("a phase trains `steps` steps (give them), or averages phases before it "
@@ -326,6 +332,15 @@ class ExperimentConfig(ConfigModel):
             raise ValueError(f"data.mixture.tokens: {mixture.tokens} tokens are {steps} steps of "
                              f"{self.train.batch_size} x {self.model.seq_len} tokens, not more than "
                              f"train.warmup={self.train.warmup}")
+        return self
+
+    @model_validator(mode="after")
+    def _check_greedy_soups(self) -> "ExperimentConfig":
+        greedy = [name for name, phase in self.phases.items() if phase.greedy]
+        if greedy and self.eval.heldout_tokens is None:
+            raise ValueError(f"phases.{greedy[0]}.greedy: a greedy soup scores the eval.heldout_tokens held-out tokens "
+                             "after those the evaluate step scores; with eval.heldout_tokens unset it scores them all: "
+                             "set it (e.g. 16384)")
         return self
 
     @model_validator(mode="after")

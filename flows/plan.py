@@ -23,7 +23,7 @@ from tasks.decontaminate import decontaminate_step
 from tasks.dedup import dedup_step
 from tasks.dpo import dpo_step
 from tasks.sft import sft_step
-from tasks.soup import soup_step
+from tasks.soup import GreedySelection, soup_step
 from tasks.evaluate import checkpoint_steps, evaluate_step
 from tasks.export import export_step
 from tasks.extract import extract_step
@@ -107,7 +107,13 @@ def train_steps(config: ExperimentConfig, tokens: Step | dict[str, Step], tokeni
     steps: dict[str, Step] = {}
     for name in ["train", *(f"train/{phase}" for phase in config.phases)]:
         if name in soups:
-            steps[name] = dataclasses.replace(soup_step([(steps[part], at) for part, at in soups[name]]), name=name)
+            greedy = None
+            if config.phases[name.removeprefix("train/")].greedy:  # scored past what the evaluate step scores
+                held_out = tokens[config.data.sources[0].name] if isinstance(tokens, dict) else tokens
+                greedy = GreedySelection(held_out, tokenizer, first_token=config.eval.heldout_tokens,
+                                         tokens=config.eval.heldout_tokens, batch_size=config.eval.batch_size)
+            steps[name] = dataclasses.replace(soup_step([(steps[part], at) for part, at in soups[name]], greedy),
+                                              name=name)
             continue
         train_cfg, mixture = trains[name]
         parent = None

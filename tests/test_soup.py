@@ -69,6 +69,42 @@ def test_another_experiment_starts_from_a_published_soup_in_mode_weights_only():
             steps_of({**BASE, "train": {**BASE["train"], "init": init}})
 
 
+GREEDY = {**SOUP, "phases": {**{k: v for k, v in SOUP["phases"].items() if k != "soup"},
+                              "greedy": {"average": ["train@10", "train", "anneal"], "greedy": True},
+                              "soup": SOUP["phases"]["soup"]}}  # the soup stays last: the export's model
+
+
+def test_a_greedy_soup_reads_the_held_out_tokens_after_the_evaluated_ones():
+    steps, uniform = steps_of(GREEDY), steps_of(SOUP)
+    greedy, heldout = steps["train/greedy"], SOUP["eval"]["heldout_tokens"]
+    assert (greedy.inputs["tokens"], greedy.inputs["tokenizer"]) == (steps["tokenize"], steps["tokenizer"])
+    assert (greedy.config.greedy, greedy.config.select_from, greedy.config.select_tokens) == (True, heldout, heldout)
+    assert greedy.config.steps == (10, None, None) and steps["export"].inputs["model"] is steps["train/soup"]
+    # adding it moves no other version; a uniform soup of the same parts is another version
+    assert all(steps[n].version == uniform[n].version for n in uniform)
+    same_parts = steps_of({**GREEDY, "phases": {**GREEDY["phases"], "greedy": {"average": ["train@10", "train",
+                                                                                         "anneal"]}}})
+    assert same_parts["train/greedy"].version != greedy.version and "tokens" not in same_parts["train/greedy"].inputs
+    with pytest.raises(ValueError, match="greedy chooses among a soup's parts: give `average`"):
+        steps_of({**SOUP, "phases": {"anneal": {**SOUP["phases"]["anneal"], "greedy": True}}})
+    with pytest.raises(ValueError, match="with eval.heldout_tokens unset it scores them all: set it"):
+        steps_of({**GREEDY, "eval": {k: v for k, v in GREEDY["eval"].items() if k != "heldout_tokens"}})
+
+
+def heldout_alone(folder, store, steps, soup_config) -> float:
+    """A model folder's loss on the held-out tokens a greedy soup scores, computed here."""
+    from evaluation.perplexity import heldout_metrics
+    from tasks.tokenizer import load_tokenizer
+    from training.data import TokenDataset
+    from training.loop import load_model
+
+    cfg, params = load_model(folder)
+    dataset = TokenDataset(store / "tokenize" / steps["tokenize"].version, "validation")
+    tokenizer = load_tokenizer(store / "tokenizer" / steps["tokenizer"].version)
+    return heldout_metrics(cfg, params, dataset, tokenizer, soup_config.batch_size, soup_config.select_tokens,
+                           first_token=soup_config.select_from)["loss"]
+
+
 def test_a_soup_config_branches_into_variants_and_travels_as_a_deployment_parameter():
     """A branch's config and a deployment's parameters are the config dumped whole and validated
     again: a soup phase then has every field, at its default, and is still a soup."""
@@ -197,6 +233,35 @@ def test_a_soup_config_runs_end_to_end_and_every_soup_is_its_parts_mean(tmp_path
     checked = results(from_config(ExperimentConfig.model_validate(SOUP)), Store(str(store)))["souped"]
     assert checked["final_loss"] == rows["anneal"]["final_loss"]
     assert checked["bits_per_byte"] == rows["soup"]["bits_per_byte"] != rows["anneal"]["bits_per_byte"]
+
+    assert rows["soup"]["soup_parts"] == 2 and rows["train"]["soup_parts"] == "-"
+
+    # a greedy soup on the same store: each part scored alone on the held-out tokens after the
+    # evaluated ones, the best first, the others kept only where the soup's loss did not rise
+    config.write_text(yaml.safe_dump(GREEDY, sort_keys=False))
+    ran = run_names(kiln("run", str(config), "--store", str(store)).stdout)
+    assert ran["train/greedy"] == "ran" and ran["train"] == "cached" and ran["export"] == "cached"
+    greedy = steps_of(GREEDY)["train/greedy"]
+    stats = json.loads((store / "soup" / greedy.version / "lineage.json").read_text())["stats"]
+    folders = [store / "train" / steps["train"].version / KEPT_DIR / "10", store / "train" / steps["train"].version,
+               store / "train" / steps["train/anneal"].version]
+    alone = [heldout_alone(folder, store, steps, greedy.config) for folder in folders]
+    trace = stats["greedy"]
+    assert [t["part"] for t in trace][0] == int(np.argmin(alone)) and sorted(t["part"] for t in trace) == [0, 1, 2]
+    best = math.inf
+    for t in trace:
+        assert t["loss"] == pytest.approx(alone[t["part"]], abs=2e-6)
+        assert t["kept"] == (t["soup_loss"] <= best)
+        best = min(best, t["soup_loss"]) if t["kept"] else best
+    kept = sorted(t["part"] for t in trace if t["kept"])
+    assert stats["kept_parts"] == len(kept)
+    made = load_file(str(store / "soup" / greedy.version / "params.safetensors"))
+    parts = [load_file(str(folders[i] / "params.safetensors")) for i in kept]
+    for key, value in made.items():
+        assert np.array_equal(value, (sum(p[key].astype(np.float64) for p in parts) / len(parts)).astype(np.float32))
+    rows = {r["variant"]: r for r in json.loads(kiln("compare", str(config), "--store", str(store), "--json").stdout)}
+    assert rows["greedy"]["soup_parts"] == len(kept) and rows["greedy"]["bits_per_byte"] > 0
+    config.write_text(yaml.safe_dump(SOUP, sort_keys=False))
 
     export = store / "export" / steps["export"].version
     assert "averaged (a model soup)" in (export / "README.md").read_text()
