@@ -289,8 +289,9 @@ class ExperimentConfig(ConfigModel):
                                  "model card.")
     posttrain: PosttrainConfig | None = Field(None, description="Optional SFT and DPO after pretraining.")
     scaling: ScalingConfig | None = Field(
-        None, description="An isoFLOP sweep instead of one model: its runs replace `model`, `train`, `eval`, "
-        "`export` and `posttrain`, and the fits and forecast check follow (docs/scaling_laws.md).")
+        None, description="An isoFLOP sweep instead of one model: its runs replace `model`, `train`, `phases`, "
+        "`eval`, `export` and `posttrain` (given beside it, they are refused), and the fits and forecast check "
+        "follow (docs/scaling_laws.md).")
     resources: ResourcesConfig = setting(ResourcesConfig(), description="Where the train steps run (hosts, CPUs, "
                                          "GPUs, TPUs, Ray); enters no version.")
     run: RunSettings = setting(RunSettings(), description="How steps are run: data-stage workers, steps at once, "
@@ -332,6 +333,18 @@ class ExperimentConfig(ConfigModel):
             raise ValueError(f"data.mixture.tokens: {mixture.tokens} tokens are {steps} steps of "
                              f"{self.train.batch_size} x {self.model.seq_len} tokens, not more than "
                              f"train.warmup={self.train.warmup}")
+        return self
+
+    @model_validator(mode="after")
+    def _check_scaling(self) -> "ExperimentConfig":
+        if self.scaling is None:
+            return self
+        unread = [name for name in ("model", "train", "phases", "eval", "export", "posttrain")
+                  if getattr(self, name) != ExperimentConfig.model_fields[name].get_default(call_default_factory=True)]
+        if unread:
+            raise ValueError(f"scaling: a sweep plans each run's model, training and evaluation from its own fields "
+                             f"(scaling.*, e.g. scaling.optimizer), so {', '.join(unread)} would never be read: "
+                             "leave them out")
         return self
 
     @model_validator(mode="after")

@@ -253,3 +253,14 @@ def test_a_budget_left_out_is_in_the_fit_report_and_the_fit_goes_on(tmp_path):
     assert "Parametric fit over every run" in report
     law = json.loads((ctx.out / LAW_FILE).read_text())
     assert len(law["runs"]) == 20 and [d["budget"] for d in law["dropped"]] == [2e11]
+
+
+@pytest.mark.parametrize("section, value", [("train", {"optimizer": "muon"}), ("phases", {"cool": {"steps": 10}}),
+                                            ("model", {"d_model": 64}), ("posttrain", {}),
+                                            ("eval", {"checkpoints": "every"})])
+def test_a_section_the_sweep_would_not_read_is_refused_naming_it(section, value):
+    """A sweep plans its runs' model, train and eval sections itself: one given beside it (the
+    train.optimizer a user means for the sweep is scaling.optimizer) is an error, not ignored."""
+    raw = experiment([1e11, 2e11, 4e11, 8e11]).model_dump(mode="json", exclude_defaults=True)
+    with pytest.raises(ValueError, match=f"so {section} would never be read"):
+        ExperimentConfig.model_validate({**raw, section: value})
