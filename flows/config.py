@@ -523,6 +523,9 @@ def load_config(path: str | Path, sets: Sequence[str] = ()) -> ExperimentConfig:
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"{path}: no such config file")
+    if path.suffix == ".py":  # kiln run, plan and compare read one through flows.experiment.load_experiment
+        raise ConfigError(f"{path}: a Python experiment, which kiln run, plan and compare take; this command "
+                          "takes a YAML config")
     try:
         raw = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:

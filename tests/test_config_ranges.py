@@ -235,3 +235,11 @@ def test_the_team_commands_take_set_too(command):
 def test_set_is_refused_for_a_python_experiment(capsys):
     assert main(["plan", str(REPO / "experiments" / "two_widths.py"), "--set", "train.lr=1e-3"]) == 2
     assert "a Python experiment sets its values in its own code" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["serve"], ["deploy", "--pool", "cpus"], ["canary", "--check-only"], ["capacity"]])
+def test_a_command_that_takes_yaml_says_so_for_a_python_experiment(command):
+    from tests.conftest import kiln
+
+    done = kiln(command[0], str(REPO / "experiments" / "two_widths.py"), *command[1:], check=False)
+    assert done.returncode == 2 and "a Python experiment, which kiln run, plan and compare take" in done.stderr
