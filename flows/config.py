@@ -203,6 +203,14 @@ class CanaryConfig(ConfigModel):
                                     "`bits_per_byte: 1.8`).")
 
 
+def away_from_default(model: ConfigModel, names: Sequence[str]) -> list[str]:
+    """Which of the fields `names` hold other than their default. Not `model_fields_set`: a
+    branch's config (variants, grid) and a deployment's parameters are dumped whole and validated
+    again, every field then given."""
+    fields = type(model).model_fields
+    return [n for n in names if getattr(model, n) != fields[n].get_default(call_default_factory=True)]
+
+
 class PhaseConfig(ConfigModel):
     """A later phase of training (docs/starting_points.md): a train step of its own,
     `train/<phase>`, that starts from another phase's kept state, with its own curves,
@@ -246,10 +254,7 @@ class PhaseConfig(ConfigModel):
                 raise ValueError("a phase trains `steps` steps (give them), or averages phases before it "
                                  "(`average`: a soup)")
             return self
-        # fields away from their defaults, not those given: a branch's config (variants, grid) and a
-        # deployment's parameters are dumped whole and validated again
-        trained = sorted(f for f in ("steps", "from_", "step", "mode", "train", "mixture")
-                         if getattr(self, f) != PhaseConfig.model_fields[f].get_default(call_default_factory=True))
+        trained = away_from_default(self, ("from_", "mixture", "mode", "step", "steps", "train"))
         if trained:
             names = ", ".join(field.rstrip("_") for field in trained)
             raise ValueError(f"a soup (`average`) trains nothing: leave out {names}")
@@ -339,8 +344,7 @@ class ExperimentConfig(ConfigModel):
     def _check_scaling(self) -> "ExperimentConfig":
         if self.scaling is None:
             return self
-        unread = [name for name in ("model", "train", "phases", "eval", "export", "posttrain")
-                  if getattr(self, name) != ExperimentConfig.model_fields[name].get_default(call_default_factory=True)]
+        unread = away_from_default(self, ("model", "train", "phases", "eval", "export", "posttrain"))
         if unread:
             raise ValueError(f"scaling: a sweep plans each run's model, training and evaluation from its own fields "
                              f"(scaling.*, e.g. scaling.optimizer), so {', '.join(unread)} would never be read: "
@@ -392,8 +396,12 @@ class ExperimentConfig(ConfigModel):
         from, its `steps` counted as its mode says, its `train.init` naming that step, and
         `keep_checkpoints` every step a later step starts from, a soup averages or `eval.checkpoints`
         evaluates. Soup phases are not train steps: `phase_soups` has them."""
+        return self.phase_steps()[0]
+
+    def phase_steps(self) -> tuple[dict, dict]:
+        """`phase_trains` and `phase_soups` from one walk of the phases."""
         trains, soups = self._phases()
-        return _with_kept_steps(trains, soups, self.eval)
+        return _with_kept_steps(trains, soups, self.eval), soups
 
     def phase_soups(self) -> dict[str, tuple[tuple[str, int | None], ...]]:
         """Every soup phase (`average`) by its step's name, `train/<phase>`, with its parts: each a
@@ -456,10 +464,7 @@ class ExperimentConfig(ConfigModel):
             if train not in trains:
                 raise ValueError(f"phases.{name}.average: {part!r} is not `train` or a phase before {name!r} "
                                  f"(the phases so far: {[n.removeprefix('train/') for n in trains][1:]})")
-            cfg = trains[train][0]
-            init = cfg.init  # a continue phase trains the steps after the one it starts from
-            first = init.kept_step(trains[init.from_][0].steps) if (
-                init is not None and init.mode == "continue" and init.from_ in trains) else 0
+            cfg, first = trains[train][0], _started_after(trains, train)
             if step is not None and not first < step <= cfg.steps:
                 raise ValueError(f"phases.{name}.average: {part}@{step} is not a step {train} trains "
                                  f"({first + 1} to {cfg.steps})")
@@ -467,17 +472,23 @@ class ExperimentConfig(ConfigModel):
         return tuple(parts)
 
 
+def _started_after(trains: dict, name: str) -> int:
+    """The step after which train step `name`'s run trains (`trains`: train configs by step name,
+    first in each value): a phase in mode continue carries on from its parent's step, any other
+    run counts from 0."""
+    init = trains[name][0].init
+    if init is None or init.mode != "continue" or init.from_ not in trains:
+        return 0
+    return init.kept_step(trains[init.from_][0].steps)
+
+
 def trained_in(trains: dict, name: str, step: int) -> str:
-    """The train step whose run trained `step` of the training that ends at train step `name`
-    (`trains`: train configs by step name, first in each value): a phase in mode continue trains
-    only the steps after the one it starts from, and those up to it are its parent's (and so up)."""
-    while True:
-        init = trains[name][0].init
-        if init is None or init.mode != "continue" or init.from_ not in trains:
-            return name
-        if step > init.kept_step(trains[init.from_][0].steps):
-            return name
-        name = init.from_
+    """The train step whose run trained `step` of the training that ends at train step `name`: a
+    phase in mode continue trains only the steps after the one it starts from, and those up to it
+    are its parent's (and so up)."""
+    while step <= _started_after(trains, name):
+        name = trains[name][0].init.from_
+    return name
 
 
 def _with_kept_steps(trains: dict, soups: dict, eval_cfg: EvalConfig) -> dict:

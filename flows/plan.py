@@ -103,7 +103,7 @@ def train_steps(config: ExperimentConfig, tokens: Step | dict[str, Step], tokeni
     the tokens: the tokenizer, and the documents its suite tasks are cut from, as the evaluate
     step cuts them (eval.suite, tokenize.validation_fraction)."""
     model_cfg = model_of(config)
-    trains, soups = config.phase_trains(), config.phase_soups()
+    trains, soups = config.phase_steps()
     steps: dict[str, Step] = {}
     for name in ["train", *(f"train/{phase}" for phase in config.phases)]:
         if name in soups:
