@@ -5,6 +5,8 @@ adapter folder that peft loads onto the base export with the same logits."""
 
 from __future__ import annotations
 
+import json
+
 import jax
 import numpy as np
 import pytest
@@ -18,7 +20,7 @@ from tasks.tokenizer import TokenizerConfig, read_tokenizer_meta, tokenizer_step
 from training.config import LoraConfig, ModelConfig, TrainConfig
 from tasks.engine.step import Step
 from tasks.export import ExportConfig, export_step
-from training.export import export_hf
+from training.export import export_adapter, export_hf
 from training.hooks import Hook
 from training.lora import merged
 from training.loop import LORA_DIR, flatten_params, load_model, params_sha256, train, unflatten
@@ -136,7 +138,6 @@ def test_an_adapter_of_a_phi3_class_model_loads_onto_its_fused_base_export(tmp_p
     gate_up_proj (gate's rows zero), down_proj's stays its own; peft loads them onto the base export
     and computes kiln's merged model."""
     torch, transformers, peft = needs("torch"), needs("transformers"), needs("peft")
-    from training.export import export_adapter
     from training.lora import init_adapters
 
     step = tokenizer_step(TokenizerConfig(kind="hf", path=str(tokenizer_folder(tmp_path / "hf", LLAMA_TOKENS))))
@@ -152,7 +153,7 @@ def test_an_adapter_of_a_phi3_class_model_loads_onto_its_fused_base_export(tmp_p
     adapters = jax.tree_util.tree_map(lambda x: x if x.any() else 0.05 * rng.standard_normal(x.shape), adapters)
     (tmp_path / "base").mkdir()
     export_hf(model, start, tokenizer_json, meta, tmp_path / "base")
-    stats = export_adapter(model, lora, flatten_params(adapters), tmp_path / "adapter")
+    stats = export_adapter(model, [(lora, flatten_params(adapters))], tmp_path / "adapter")
     assert stats["adapter_tensors"] == 2 * 3 * model.n_layers  # qkv_proj, gate_up_proj, down_proj
     saved = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
     assert saved["base_model.model.model.layers.0.self_attn.qkv_proj.lora_B.weight"].shape == ((4 + 2 * 2) * 16, 6)
@@ -168,3 +169,66 @@ def test_an_adapter_of_a_phi3_class_model_loads_onto_its_fused_base_export(tmp_p
     assert np.abs(plain - expected).max() > 1e-3  # the adapters do change the logits
     rel = np.abs(got - expected).max() / np.abs(expected).max()
     assert rel < 1e-4, f"max relative difference {rel:.2e}"
+
+
+def test_sft_then_dpo_each_with_lora_export_one_adapter_onto_the_base_they_started_from(base, tmp_path):
+    """Two LoRA steps in a row (SFT with LoRA, then DPO with LoRA on its merged model): the export's
+    adapter/ holds both updates (the plan gives it the SFT step and the base model as inputs), so
+    peft loads it onto base/, the model SFT started from, and computes the DPO model's logits; the
+    DPO step's own adapters alone do not."""
+    torch, transformers, peft = needs("torch"), needs("transformers"), needs("peft")
+    from tasks.dpo import DPOConfig, dpo_step
+    from tasks.sft import SFTConfig, sft_step
+    from training.loop import save_model
+
+    tokens, model, start = base
+    step = tokenizer_step(TokenizerConfig(kind="hf", path=str(tokenizer_folder(tmp_path / "hf", LLAMA_TOKENS))))
+    run_body(step, tmp_path / "tokenizer", {})
+    save_model(tmp_path / "pretrained", model, flatten_params(start))
+    second = LoraConfig(rank=2, alpha=6.0, targets=("q_proj", "k_proj"))  # q in both, k in the second only
+    outs = {}
+    for name, lora, steps, init in (("sft", LORA, 20, start), ("dpo", second, 10, None)):
+        cfg = TrainConfig(batch_size=16, steps=steps, lr=1e-2, warmup=2, log_every=10, eval_every=10,
+                          checkpoint_every=steps, peak_flops=1e11, lora=lora, seed=len(name))
+        data = WindowBatches(tokens, cfg.batch_size, model.seq_len, seed=cfg.seed)
+        init = load_model(outs["sft"])[1] if init is None else init
+        train(model, cfg, data.batch_at, [], tmp_path / f"work-{name}", tmp_path / name, init_params=init)
+        outs[name] = tmp_path / name
+    _, trained = load_model(outs["dpo"])
+
+    # the plan: SFT from the pretrained model, DPO from SFT, both with LoRA
+    pretrained = Step(name="train", stage="train", stage_version=1, config=TrainConfig(), run=None)
+    chat = Step(name="chat_data", stage="chat_data", stage_version=1, config=TrainConfig(), run=None)
+    sft = sft_step(SFTConfig(train=TrainConfig(lora=LORA)), model=pretrained, tokenizer=step, chat=chat)
+    dpo = dpo_step(DPOConfig(train=TrainConfig(lora=second)), model=sft, tokenizer=step, pairs=chat)
+    exported = export_step(ExportConfig(lora="adapter"), model=dpo, tokenizer=step)
+    assert {n: s.name for n, s in exported.inputs.items()} == {"model": "dpo", "tokenizer": "tokenizer",
+                                                               "lora_0": "sft", "base": "train"}
+    merged_only = export_step(ExportConfig(), model=dpo, tokenizer=step)
+    assert set(merged_only.inputs) == {"model", "tokenizer"}  # the merged export's inputs (and version) as they were
+    stats = run_body(exported, tmp_path / "export", {"model": outs["dpo"], "lora_0": outs["sft"],
+                                                    "base": tmp_path / "pretrained", "tokenizer": tmp_path / "tokenizer"})
+    assert stats["adapter_steps"] == 2 and stats["adapter_base"]
+    saved = json.loads((tmp_path / "export" / "adapter" / "adapter_config.json").read_text())
+    assert (saved["r"], saved["rank_pattern"]) == (2, {"down_proj": 4, "q_proj": 6, "v_proj": 4})
+
+    ids = np.random.default_rng(2).integers(0, model.vocab_size, size=(2, 40)).astype(np.int32)
+    expected = np.asarray(forward(trained, ids, model))
+
+    def logits(m):
+        with torch.no_grad():
+            return m(torch.from_numpy(ids.astype(np.int64))).logits.float().numpy()
+
+    def rel(got):
+        return np.abs(got - expected).max() / np.abs(expected).max()
+
+    base_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export" / "base").eval()
+    start_logits = np.asarray(forward(jax.device_put(start), ids, model))
+    assert np.abs(logits(base_model) - start_logits).max() / np.abs(start_logits).max() < 1e-4  # base/ is the start
+    assert rel(logits(base_model)) > 1e-3  # the adapters change the logits
+    assert rel(logits(peft.PeftModel.from_pretrained(base_model, tmp_path / "export" / "adapter").eval())) < 1e-4
+    # the DPO step's adapters alone (what the export wrote before) miss SFT's update
+    export_adapter(model, [(second, load_file(str(outs["dpo"] / LORA_DIR / "adapters.safetensors")))],
+                   tmp_path / "dpo-only")
+    base_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export" / "base").eval()
+    assert rel(logits(peft.PeftModel.from_pretrained(base_model, tmp_path / "dpo-only").eval())) > 1e-3

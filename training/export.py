@@ -185,24 +185,35 @@ def norm_offset(model_type: str) -> float:
     return 1.0 if model_type in OFFSET_NORMS else 0.0
 
 
-def export_adapter(cfg: ModelConfig, lora, adapters: dict[str, np.ndarray], out_dir: Path) -> dict:
-    """A LoRA train output's adapters (training/lora.py; flat "layers_0/self_attn/q_proj/a" names) as
-    a `peft` adapter folder: adapter_config.json and adapter_model.safetensors, which
-    `peft.PeftModel.from_pretrained(base, folder)` loads onto the export of the base model. kiln's
-    update W + (alpha/rank) A B of a kernel [in, out] is peft's W + (lora_alpha/r) B' A' of the
-    Linear weight [out, in], with lora_A' = A.T [r, in] and lora_B' = B.T [out, r]; for a model
-    exported as Phi3ForCausalLM, the adapters of a fused Linear's parts as one (`fused_adapters`)."""
-    pairs = {}  # the Linear's HF name -> (lora_A', lora_B')
+def export_adapter(cfg: ModelConfig, adapters: list[tuple[object, dict[str, np.ndarray]]], out_dir: Path) -> dict:
+    """LoRA train outputs' adapters (training/lora.py; flat "layers_0/self_attn/q_proj/a" names, each
+    with its LoraConfig) as a `peft` adapter folder: adapter_config.json and
+    adapter_model.safetensors, which `peft.PeftModel.from_pretrained(base, folder)` loads onto the
+    export of the base model. kiln's update W + (alpha/rank) A B of a kernel [in, out] is peft's
+    W + (lora_alpha/r) B' A' of the Linear weight [out, in], with lora_A' = A.T [r, in] and
+    lora_B' = B.T [out, r]. `adapters` lists the LoRA steps a model went through, each trained on
+    the one before's merged model (SFT, then DPO): their updates add up, so one adapter holds them,
+    a projection's A's stacked and its B's each times its step's alpha / rank (its rank the sum of
+    theirs, peft's scale 1). For a model exported as Phi3ForCausalLM, the adapters of a fused
+    Linear's parts as one (`fused_adapters`)."""
+    if len(adapters) == 1:
+        scale, weights = adapters[0][0].alpha / adapters[0][0].rank, [1.0]  # kiln's own scale, B as it is
+    else:
+        scale, weights = 1.0, [lora.alpha / lora.rank for lora, _ in adapters]
+    pairs, found = {}, 0  # the Linear's HF name -> (lora_A', lora_B')
     for path, name in hf_names(cfg).items():
         key = "/".join(path[:-1])
-        if path[-1] == "kernel" and f"{key}/a" in adapters:
-            pairs[name.removesuffix(".weight")] = (adapters[f"{key}/a"].T, adapters[f"{key}/b"].T)
-    if 2 * len(pairs) != len(adapters):
-        raise ValueError(f"{len(adapters)} adapter arrays but {2 * len(pairs)} found a projection of this model: "
-                         "the adapters belong to another model config")
-    ranks = {}
+        parts = [(arrays[f"{key}/a"], w * arrays[f"{key}/b"]) for (_, arrays), w in zip(adapters, weights)
+                 if path[-1] == "kernel" and f"{key}/a" in arrays]
+        if parts:
+            pairs[name.removesuffix(".weight")] = (np.concatenate([a for a, _ in parts], axis=1).T,
+                                                   np.concatenate([b for _, b in parts], axis=0).T)
+            found += 2 * len(parts)
+    if found != sum(len(arrays) for _, arrays in adapters):
+        raise ValueError(f"{sum(len(arrays) for _, arrays in adapters)} adapter arrays but {found} found a projection "
+                         "of this model: the adapters belong to another model config")
     if architecture(cfg)[1] == "phi3":
-        pairs, ranks = fused_adapters(pairs, cfg, lora.rank)
+        pairs = fused_adapters(pairs, cfg)
     tensors = {}
     for name, (a, b) in pairs.items():
         tensors[f"base_model.model.{name}.lora_A.weight"] = np.ascontiguousarray(a, np.float32)
@@ -210,25 +221,28 @@ def export_adapter(cfg: ModelConfig, lora, adapters: dict[str, np.ndarray], out_
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
-              "target_modules": sorted({name.rsplit(".", 1)[1] for name in pairs}), "lora_dropout": 0.0,
+    ranks = {name.rsplit(".", 1)[1]: a.shape[0] for name, (a, _) in pairs.items()}  # a module's rank, every layer
+    rank = min(ranks.values())
+    patterns = {module: r for module, r in sorted(ranks.items()) if r != rank}
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": scale * rank,
+              "target_modules": sorted(ranks), "lora_dropout": 0.0,
               "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "inference_mode": True,
-              "base_model_name_or_path": None, "rank_pattern": ranks,
-              "alpha_pattern": {module: lora.alpha * rank / lora.rank for module, rank in ranks.items()}}
+              "base_model_name_or_path": None, "rank_pattern": patterns,
+              "alpha_pattern": {module: scale * r for module, r in patterns.items()}}
     (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return {"adapter_tensors": len(tensors), "adapter_params": int(sum(t.size for t in tensors.values()))}
 
 
-def fused_adapters(pairs: dict[str, tuple[np.ndarray, np.ndarray]], cfg: ModelConfig,
-                   rank: int) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], dict[str, int]]:
+def fused_adapters(pairs: dict[str, tuple[np.ndarray, np.ndarray]],
+                   cfg: ModelConfig) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Per-projection peft adapters (lora_A' [r, in], lora_B' [out, r] by Linear name) as Phi-3's fused
-    Linears take them: the n targeted parts of a `qkv_proj` or `gate_up_proj` become one adapter of
-    rank n r, their A's stacked [n r, in] and their B's on the block diagonal [out of all parts, n r]
-    (an untargeted part's rows zero), so that B' A' holds each part's update in its rows. peft scales
-    by lora_alpha / r: the fused ones' rank and alpha are n times kiln's (returned as the rank
-    pattern, by fused name), which keeps the scale alpha / rank."""
+    Linears take them: the targeted parts of a `qkv_proj` or `gate_up_proj` become one adapter whose
+    rank is the sum of theirs, their A's stacked and their B's on the block diagonal [out of all
+    parts, that rank] (an untargeted part's rows zero), so that B' A' holds each part's update in its
+    rows. peft scales by lora_alpha / r, the same for every module here (export_adapter), so the
+    fused module's alpha follows from its rank."""
     widths = fused_widths(cfg)
-    out, ranks = {}, {}
+    out = {}
     for name, pair in pairs.items():
         prefix, proj = name.rsplit(".", 1)
         tensor = next((t for t, parts in FUSED.items() if proj in parts), None)
@@ -238,14 +252,17 @@ def fused_adapters(pairs: dict[str, tuple[np.ndarray, np.ndarray]], cfg: ModelCo
         if f"{prefix}.{tensor}" in out:
             continue  # made from its first targeted part
         parts = FUSED[tensor]
-        targeted = [part for part in parts if f"{prefix}.{part}" in pairs]
-        a = np.concatenate([pairs[f"{prefix}.{part}"][0] for part in targeted])
-        b = np.zeros((sum(widths[part] for part in parts), rank * len(targeted)), np.float32)
-        for j, part in enumerate(targeted):
-            row = sum(widths[p] for p in parts[:parts.index(part)])
-            b[row:row + widths[part], j * rank:(j + 1) * rank] = pairs[f"{prefix}.{part}"][1]
-        out[f"{prefix}.{tensor}"], ranks[tensor] = (a, b), rank * len(targeted)
-    return out, ranks
+        targeted = [pairs[f"{prefix}.{part}"] if f"{prefix}.{part}" in pairs else None for part in parts]
+        a = np.concatenate([p[0] for p in targeted if p is not None])
+        b = np.zeros((sum(widths[part] for part in parts), a.shape[0]), np.float32)
+        row = column = 0
+        for part, pair in zip(parts, targeted):
+            if pair is not None:
+                b[row:row + widths[part], column:column + pair[0].shape[0]] = pair[1]
+                column += pair[0].shape[0]
+            row += widths[part]
+        out[f"{prefix}.{tensor}"] = (a, b)
+    return out
 
 
 def leaf_at(tree: dict, path: tuple[str, ...]):
