@@ -157,3 +157,29 @@ def test_sigkill_after_checkpoint_then_rerun_gives_same_parameters(tmp_path, uni
     # metrics.jsonl reads as one run: the records the killed run wrote after step 10 were dropped
     assert [r["step"] for r in read_metrics(tmp_path / "out" / "metrics.jsonl")] == [5, 10, 15, 20, 25, 30]
     assert np.isfinite(stats["final_val_loss"])
+
+
+def test_a_run_that_fails_after_a_checkpoint_finishes_it_and_a_rerun_in_the_same_process_resumes(tmp_path,
+                                                                                                 uninterrupted):
+    """A hook raising at step 11, while step 10's checkpoint is still being written in the
+    background: the error reaches the caller only once that checkpoint is whole on disk (no writer
+    thread outlives the call), and a rerun in the same process, as a Ray worker or a Python caller
+    makes, resumes from it to the uninterrupted bits. Before, the rerun's checkpoint manager raced
+    the orphaned write for the checkpoint folder and failed ("Directory not empty")."""
+    from training.hooks import Hook
+
+    model, cfg = tiny(kjv_tokens()[1])
+    tokens, _ = kjv_tokens()
+    data = WindowBatches(tokens, cfg.batch_size, model.seq_len, seed=cfg.seed)
+
+    def fail(info):
+        if info.step == 11:
+            raise RuntimeError("a failing hook")
+
+    with pytest.raises(RuntimeError, match="a failing hook"):
+        train(model, cfg, data.batch_at, data.val_batches(16), tmp_path / "work", tmp_path / "out",
+              hooks=[Hook(fail, every=1)])
+    assert sorted(p.name for p in (tmp_path / "work" / "checkpoints").iterdir()) == ["10"]  # whole: no -tmp folder
+    stats = run(tmp_path, model, cfg)
+    assert stats["resumed_from_step"] == 10
+    assert stats["params_sha256"] == uninterrupted["params_sha256"]

@@ -33,7 +33,6 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
-import json
 import logging
 import math
 import os
@@ -136,23 +135,33 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, batch_at: Callable[[in
              *_kept_params(ctx), checkpointing.hook]
     clock = _Clock(model_cfg, train_cfg, objective, resumed_loss)
 
-    for step in range(start, train_cfg.steps):
-        batch = _put(_checked(batch_at(step), model_cfg, train_cfg, objective), program.data_sharding)
-        state, metrics = program.train_step(state, batch)  # dispatched; runs while Python fetches the next batch
-        clock.stepped(metrics)
-        done = step + 1
-        last = done == train_cfg.steps
-        due = [h for h in hooks if h.due(done, last)]
-        if not due:
-            continue
-        record = clock.record(done) if done % train_cfg.log_every == 0 or last else clock.wait(metrics)
-        info = StepInfo(done, last, state, metrics, record, train_cfg.lora)
-        for hook in due:  # hook time is not train time
-            with clock.paused():
-                hook.fn(info)
-        if record is not None:
-            log.info("step %d loss %.4f lr %.2e %.0f tok/s", done, record["loss"], record["lr"],
-                     record["tokens_per_s"])
+    try:
+        for step in range(start, train_cfg.steps):
+            batch = _put(_checked(batch_at(step), model_cfg, train_cfg, objective), program.data_sharding)
+            state, metrics = program.train_step(state, batch)  # dispatched; runs while Python fetches the next batch
+            clock.stepped(metrics)
+            done = step + 1
+            last = done == train_cfg.steps
+            due = [h for h in hooks if h.due(done, last)]
+            if not due:
+                continue
+            record = clock.record(done) if done % train_cfg.log_every == 0 or last else clock.wait(metrics)
+            info = StepInfo(done, last, state, metrics, record, train_cfg.lora)
+            for hook in due:  # hook time is not train time
+                with clock.paused():
+                    hook.fn(info)
+            if record is not None:
+                log.info("step %d loss %.4f lr %.2e %.0f tok/s", done, record["loss"], record["lr"],
+                         record["tokens_per_s"])
+    except BaseException as failure:
+        # A checkpoint begun before the failure is finished first, so that it is whole on disk for the
+        # rerun and no writer thread outlives this call (a rerun in the same process, as a Ray worker
+        # or a Python caller makes, would race it for the checkpoint folder).
+        try:
+            checkpointing.close()
+        except Exception as closing:  # the failure is the error to report; the write's is noted on it
+            failure.add_note(f"the checkpoint write in flight failed too: {closing!r}")
+        raise
     checkpointing.close()
 
     # Publish: parameters gathered to host memory (a collective with several processes).
