@@ -59,18 +59,13 @@ def capacity(config_path: str, devices: int | None = None, targets: list[str] | 
     if train.document_mask and train.eos_id is None:  # any id: no shape depends on it
         train = train.model_copy(update={"eos_id": 0})
     train = type(train).model_validate(train.model_dump(by_alias=True))  # re-checked with the overrides
-    model, note = model_of(config), None
-    if "vocab_size" in config.model.model_fields_set and config.model.vocab_size != model.vocab_size:
-        # A preset with another tokenizer's vocabulary (Llama 3's) is planned as written.
-        note = (f"vocab_size {config.model.vocab_size} as the model section gives it; `kiln run` with this "
-                f"tokenizer would train {model.vocab_size}")
-        model = model.model_copy(update={"vocab_size": config.model.vocab_size})
-    r = report(planned(model, train, devices or default_devices(config.resources)), targets or list(DEVICES), mfu, memory_fraction)
-    return {**r, "note": note} if note else r
+    model = model_of(config)  # a preset's own vocab_size (Llama 3's) as it gives it: a padded vocabulary
+    return report(planned(model, train, devices or default_devices(config.resources)), targets or list(DEVICES), mfu,
+                  memory_fraction)
 
 
 def print_report(r: dict, config_path: str, as_json: bool) -> None:
     if as_json:
         print(json.dumps({"config": config_path, **r}, indent=2))
     else:
-        print(f"{config_path}:\n{table(r)}" + (f"\nnote: {r['note']}" if r.get("note") else ""))
+        print(f"{config_path}:\n{table(r)}")

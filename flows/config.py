@@ -282,7 +282,8 @@ class ExperimentConfig(ConfigModel):
                                        "documents, or a Hugging Face model's.")
     tokenize: TokenizeConfig = Field(TokenizeConfig(), description="Documents to token shards, and which documents "
                                      "are held out for validation and evaluation.")
-    model: ModelConfig = Field(ModelConfig(), description="`vocab_size` is set from the tokenizer.")
+    model: ModelConfig = Field(ModelConfig(), description="`vocab_size` is set from the tokenizer unless given "
+                               "(a padded vocabulary).")
     train: TrainConfig = Field(TrainConfig(), description="The pretraining recipe: batch, steps, optimizer, "
                                "schedule, checkpoints.")
     phases: dict[str, PhaseConfig] = Field(

@@ -16,7 +16,7 @@ from pathlib import Path
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from flows.config import DataConfig, ExperimentConfig, trained_in
+from flows.config import DataConfig, ExperimentConfig, away_from_default, trained_in
 from tasks.acquire import acquire_step
 from tasks.chat_data import chat_data_step
 from tasks.decontaminate import decontaminate_step
@@ -206,12 +206,20 @@ def published_step(place: str, child: str, init: InitConfig | None = None) -> St
 
 
 def model_of(config: ExperimentConfig) -> ModelConfig:
-    """The model the train steps train: the `model` section with the tokenizer's vocabulary, or,
-    starting from a Hugging Face model (train.init.hf), that model's architecture (config.json,
-    read here) with the section's seq_len as a cap and its compute_dtype."""
+    """The model the train steps train: the `model` section with the tokenizer's vocabulary (or
+    the section's own `vocab_size`, where it gives one: at least the tokenizer's, its extra rows
+    never produced from text, as a model trained from a Hugging Face checkpoint with a padded
+    vocabulary has), or, starting from a Hugging Face model (train.init.hf), that model's
+    architecture (config.json, read here) with the section's seq_len as a cap and its compute_dtype."""
     init = config.train.init
     if init is None or init.hf is None:
-        return config.model.model_copy(update={"vocab_size": vocab_size(config.tokenizer)})
+        tokens = vocab_size(config.tokenizer)
+        if not away_from_default(config.model, ["vocab_size"]):
+            return config.model.model_copy(update={"vocab_size": tokens})
+        if config.model.vocab_size < tokens:
+            raise ValueError(f"model.vocab_size is {config.model.vocab_size} but the tokenizer has {tokens} tokens: "
+                             "leave it out (the tokenizer's) or give at least that many")
+        return config.model
     from training.hf_import import model_config, read_config
 
     folder = Path(init.hf)

@@ -84,3 +84,38 @@ def test_reset_and_weights_start_the_new_schedule_at_its_first_value(tmp_path, d
         # reset keeps the parent's moments (20 updates, one more now); weights starts them afresh
         assert seen["count"] == (21 if mode == "reset" else 1), mode
         assert np.isfinite(records[-1]["loss"])
+
+
+def test_a_padded_vocabulary_is_kept_and_a_model_of_another_config_is_named_field_by_field():
+    """`model.vocab_size` given (more rows than the tokenizer's tokens, as a model that began at a
+    padded Hugging Face checkpoint has) is the model's, so another experiment can start from it
+    (train.init.from); left at its default it is the tokenizer's, and the versions stay; fewer rows
+    than tokens are refused. A step whose model differs from the one it starts from names each
+    field with both values."""
+    import yaml
+
+    from flows.config import ExperimentConfig
+    from flows.experiment import from_config
+    from flows.plan import model_of
+    from tests.conftest import REPO
+    from training.config import ModelConfig
+    from training.launch import model_mismatch
+
+    raw = yaml.safe_load((REPO / "configs" / "tiny_cpu.yaml").read_text())  # a BPE of 4096 tokens
+    plain = ExperimentConfig.model_validate(raw)
+    padded = ExperimentConfig.model_validate({**raw, "model": {**raw["model"], "vocab_size": 4224}})
+    assert model_of(plain).vocab_size == 4096 and model_of(padded).vocab_size == 4224
+    assert model_of(padded) == model_of(plain).model_copy(update={"vocab_size": 4224})
+    versions = {name: {s.name: s.version for s in from_config(c).steps} for name, c in (("plain", plain),
+                                                                                          ("padded", padded))}
+    assert versions["plain"]["tokenize"] == versions["padded"]["tokenize"]  # the data is the same
+    assert versions["plain"]["train"] != versions["padded"]["train"]
+    # dumped and read again (a variant's or a deployment's config) the default stays the tokenizer's
+    again = ExperimentConfig.model_validate(plain.model_dump(mode="json"))
+    assert {s.name: s.version for s in from_config(again).steps} == versions["plain"]
+    with pytest.raises(ValueError, match="model.vocab_size is 1000 but the tokenizer has 4096 tokens"):
+        model_of(ExperimentConfig.model_validate({**raw, "model": {**raw["model"], "vocab_size": 1000}}))
+
+    ours = ModelConfig(vocab_size=302, d_model=48, n_heads=6, attention_bias=True)
+    said = model_mismatch("soup/0123456789ab", ours.model_copy(update={"vocab_size": 320}), ours)
+    assert "(vocab_size: 302 here, 320 there)" in said and "d_model" not in said

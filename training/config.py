@@ -108,10 +108,13 @@ class LongRopeScaling(ConfigModel):
 
 
 class ModelConfig(ConfigModel):
-    """A Llama-style decoder. `vocab_size` is filled from the tokenizer by the pipeline."""
+    """A Llama-style decoder. `vocab_size` is filled from the tokenizer by the pipeline, unless set."""
 
     vocab_size: Count = Field(50257, description="Token ids the embedding and output projection cover; the "
-                              "pipeline sets it from the tokenizer.")
+                              "pipeline sets it from the tokenizer where it is left at this default. Another value "
+                              "pads the vocabulary (at least the tokenizer's size; the extra rows are never produced "
+                              "from text): a multiple of 128 for accelerators' matmuls, or the rows of a model "
+                              "started from (train.init.from a run that began at a padded Hugging Face checkpoint).")
     d_model: Count = Field(128, description="Width of the residual stream (the embedding size).")
     n_layers: Count = Field(4, description="Decoder blocks.")
     n_heads: Count = Field(4, description="Query heads per attention layer; each head is d_model / n_heads wide "

@@ -203,8 +203,7 @@ def _host_main(host: int, hosts: int, coordinator: str | None, model_cfg: ModelC
         if init_mode == "weights":
             init_cfg, init_params = load_model(folder)
             if init_cfg != model_cfg:
-                raise ValueError(f"{named} holds a model of another config ({init_cfg}); start from a model with "
-                                 "this step's model config")
+                raise ValueError(model_mismatch(named, init_cfg, model_cfg))
         else:
             start_from = StartFrom(folder, init_step, init_mode)
     pushing = host == 0 and work.remote
@@ -415,3 +414,13 @@ def _wait_relaying(refs: list, queue, on_metrics, poll_s: float, where: Callable
                                    f"{type(e).__name__}: {e}") from e
     drain()
     return [results[r] for r in refs]
+
+
+def model_mismatch(named: str, theirs: ModelConfig, ours: ModelConfig) -> str:
+    """Why a step cannot start from `named`'s parameters: the model fields that differ, each with
+    both values, so that the `model` section to write is in the message (only they differ)."""
+    differ = {name: (value, getattr(ours, name)) for name, value in theirs.model_dump().items()
+              if value != getattr(ours, name)}
+    fields = ", ".join(f"{name}: {mine!r} here, {its!r} there" for name, (its, mine) in differ.items())
+    return (f"{named} holds a model of another config than this step's ({fields}): give `model` its values to start "
+            "from it (model.vocab_size may be more than the tokenizer's tokens: a padded vocabulary's rows)")
