@@ -378,6 +378,30 @@ class ExperimentConfig(ConfigModel):
         return self
 
     @model_validator(mode="after")
+    def _check_adapter_export(self) -> "ExperimentConfig":
+        """`export.lora: adapter` writes the final model's adapters: one trained without any is said
+        here, not by the export after every other step has run."""
+        if self.export.lora != "adapter" or self.scaling is not None:
+            return self
+        if self.posttrain is not None:
+            where = "posttrain.dpo.train" if self.posttrain.dpo is not None else "posttrain.sft.train"
+            lora = (self.posttrain.dpo or self.posttrain.sft).train.lora
+        else:
+            trains, soups = self.phase_steps()
+            last = f"train/{list(self.phases)[-1]}" if self.phases else "train"
+            if last in soups:
+                raise ValueError(f"export.lora: `adapter` exports the final model's adapters, but the final model is "
+                                 f"the soup phases.{last.removeprefix('train/')}, an average of parameters without "
+                                 "any: leave export.lora at merged")
+            where = "train" if last == "train" else f"phases.{last.removeprefix('train/')}.train"
+            lora = trains[last][0].lora
+        if lora is None:
+            raise ValueError(f"export.lora: `adapter` exports the final model's adapters, but the final model's "
+                             f"training, {where}, has no LoRA: set {where}.lora (e.g. {{rank: 8}}) or leave "
+                             "export.lora at merged")
+        return self
+
+    @model_validator(mode="after")
     def _check_cpu_devices(self) -> "ExperimentConfig":
         for train, _ in self.phase_trains().values():
             check_cpu_devices(train, self.resources)

@@ -232,3 +232,39 @@ def test_sft_then_dpo_each_with_lora_export_one_adapter_onto_the_base_they_start
                    tmp_path / "dpo-only")
     base_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export" / "base").eval()
     assert rel(logits(peft.PeftModel.from_pretrained(base_model, tmp_path / "dpo-only").eval())) > 1e-3
+
+
+
+def adapter_export_of(config: str, **sections) -> dict:
+    """A shipped config with `export.lora: adapter` and `sections` merged in."""
+    import yaml
+
+    from flows.experiment import deep_merge
+    from tests.conftest import REPO
+
+    raw = yaml.safe_load((REPO / "configs" / f"{config}.yaml").read_text())
+    return deep_merge({**raw, "export": {"lora": "adapter"}}, sections)
+
+
+@pytest.mark.parametrize("config,said", [
+    ("tiny_cpu", "the final model's training, train, has no LoRA: set train.lora"),
+    ("soup_cpu", "the final model is the soup phases.soup"),  # whatever its parts trained
+    ("posttrain_cpu", "the final model's training, posttrain.dpo.train, has no LoRA: set posttrain.dpo.train.lora")])
+def test_an_adapter_export_of_a_final_model_without_adapters_is_refused_when_the_config_is_read(config, said):
+    """Said when the config is read, not by the export step after every other step has run."""
+    from pydantic import ValidationError
+
+    from flows.config import ExperimentConfig
+
+    with pytest.raises(ValidationError, match=said.replace(".", r"\.")):
+        ExperimentConfig.model_validate(adapter_export_of(config))
+
+
+@pytest.mark.parametrize("config,sections", [
+    ("tiny_cpu", {"train": {"lora": {"rank": 4}}}),
+    ("tiny_cpu", {"train": {"lora": {"rank": 4}}, "phases": {"more": {"steps": 10}}}),  # inherited by the phase
+    ("posttrain_cpu", {"posttrain": {"dpo": {"train": {"lora": {"rank": 4}}}}})])
+def test_an_adapter_export_of_a_final_model_trained_with_lora_is_accepted(config, sections):
+    from flows.config import ExperimentConfig
+
+    ExperimentConfig.model_validate(adapter_export_of(config, **sections))
