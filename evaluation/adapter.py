@@ -162,7 +162,8 @@ class KilnLM(TemplateLM):
                 raise ValueError("an empty continuation has no likelihood to score")
             if len(cont) > T:
                 raise ValueError(f"a continuation of {len(cont)} tokens does not fit the model's context of "
-                                 f"{T}; shorten the task's targets")
+                                 f"{T}; shorten the task's targets (kiln's next_passage: eval.suite.choice_words) "
+                                 "or evaluate a model of a longer model.seq_len")
             whole = (list(ctx) + list(cont))[-(T + 1):]
             seqs.append(np.asarray(whole, np.int32))
             rows.append((len(whole) - 1, len(cont)))
