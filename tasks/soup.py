@@ -92,11 +92,7 @@ def mean_of(folders: list) -> tuple[dict, float]:
     soup, moved, norm = {}, 0.0, 0.0
     with contextlib.ExitStack() as stack:
         files = [stack.enter_context(safe_open(str(f / "params.safetensors"), framework="numpy")) for f in folders]
-        keys = sorted(files[0].keys())
-        for folder, f in zip(folders[1:], files[1:]):
-            if sorted(f.keys()) != keys:
-                raise ValueError(f"{folder} holds other parameters than {folders[0]} (LoRA adapters merged into "
-                                 "one and not the other?); a soup averages models of one architecture")
+        keys = same_parameters(folders, [sorted(f.keys()) for f in files])
         for key in keys:
             tensors = [f.get_tensor(key).astype(np.float64) for f in files]
             mean = sum(tensors) / len(tensors)
@@ -104,6 +100,16 @@ def mean_of(folders: list) -> tuple[dict, float]:
             norm += float(np.sum(mean ** 2))
             soup[key] = mean.astype(np.float32)
     return soup, math.sqrt(moved) / math.sqrt(norm) if norm else 0.0
+
+
+def same_parameters(folders: list, names: list[list[str]]) -> list[str]:
+    """The parameter names (`names`, each folder's sorted) the parts share, checked before any is
+    averaged or scored."""
+    for folder, theirs in zip(folders[1:], names[1:]):
+        if theirs != names[0]:
+            raise ValueError(f"{folder} holds other parameters than {folders[0]} (LoRA adapters merged into "
+                             "one and not the other?); a soup averages models of one architecture")
+    return names[0]
 
 
 def greedy_choice(ctx: StepContext, model, folders: list) -> tuple[list[int], list[dict]]:
@@ -118,6 +124,8 @@ def greedy_choice(ctx: StepContext, model, folders: list) -> tuple[list[int], li
     from training.loop import placed, unflatten
 
     cfg = ctx.config
+    parts = [load_file(str(folder / "params.safetensors")) for folder in folders]
+    same_parameters(folders, [sorted(part) for part in parts])
     dataset = TokenDataset(ctx.inputs["tokens"], "validation")
     end = cfg.select_from + cfg.select_tokens
     if dataset.n_tokens < end:
@@ -125,7 +133,6 @@ def greedy_choice(ctx: StepContext, model, folders: list) -> tuple[list[int], li
                          f"evaluate step scores), but {ctx.inputs['tokens']} holds out "
                          f"{dataset.n_tokens}: lower eval.heldout_tokens or raise tokenize.validation_fraction")
     tokenizer, scorer = load_tokenizer(ctx.inputs["tokenizer"]), make_token_scorer(model)
-    parts = [load_file(str(folder / "params.safetensors")) for folder in folders]
 
     def loss(indexes: list[int]) -> float:
         mean = {k: (sum(parts[i][k].astype(np.float64) for i in indexes) / len(indexes)).astype(np.float32)

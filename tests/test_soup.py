@@ -20,7 +20,7 @@ from flows.experiment import from_config
 from tasks.engine.config import ConfigModel
 from tasks.engine.step import Step, StepContext
 from tasks.engine.store import Store
-from tasks.soup import run_soup, soup_step
+from tasks.soup import GreedySelection, run_soup, soup_step
 from tests.conftest import kiln
 from tests.test_phases import BASE, steps_of
 from tests.test_scheduler import run_names
@@ -145,13 +145,18 @@ def _model(folder, cfg: ModelConfig, params: dict) -> None:
     save_model(folder, cfg, params)
 
 
-def _soup(tmp_path, parts: list, steps: list) -> tuple[dict, dict]:
-    """Run the soup step's body on model folders; its stats and parameters."""
+def _soup(tmp_path, parts: list, steps: list, greedy: bool = False) -> tuple[dict, dict]:
+    """Run the soup step's body on model folders; its stats and parameters. `greedy`: a greedy soup
+    whose held-out tokens and tokenizer are not there (for what it says before it reads them)."""
     named = [Step(f"train/{i}", "train", 1, ConfigModel(), lambda ctx: {}) for i in range(len(parts))]
-    step = soup_step(list(zip(named, steps)))
+    data = [Step(name, name, 1, ConfigModel(), lambda ctx: {}) for name in ("tokenize", "tokenizer")]
+    step = soup_step(list(zip(named, steps)), GreedySelection(*data, first_token=0, tokens=8) if greedy else None)
     out = tmp_path / "soup"
     out.mkdir()
-    ctx = StepContext(step=step, out=out, inputs={f"part/{i}": p for i, p in enumerate(parts)}, input_stats={},
+    inputs = {f"part/{i}": p for i, p in enumerate(parts)}
+    if greedy:
+        inputs.update(tokens=tmp_path / "no-tokens", tokenizer=tmp_path / "no-tokenizer")
+    ctx = StepContext(step=step, out=out, inputs=inputs, input_stats={},
                       work_dir=tmp_path / "work", log=logging.getLogger("test"))
     stats = run_soup(ctx)
     assert ModelConfig.model_validate_json((out / "model.json").read_text()) == ModelConfig.model_validate_json(
@@ -198,6 +203,9 @@ def test_the_soup_step_writes_the_mean_of_its_parts(tmp_path):
     (tmp_path / "soup").rmdir()
     with pytest.raises(ValueError, match="holds other parameters"):
         _soup(tmp_path, [folders[0], fewer], [None, None])
+    (tmp_path / "soup").rmdir()
+    with pytest.raises(ValueError, match="holds other parameters"):  # a greedy soup: before it scores any
+        _soup(tmp_path, [folders[0], fewer], [None, None], greedy=True)
 
 
 @pytest.mark.slow  # a kiln run that trains (~25 s alone); CI runs it after the fast suite
