@@ -268,3 +268,27 @@ def test_an_adapter_export_of_a_final_model_trained_with_lora_is_accepted(config
     from flows.config import ExperimentConfig
 
     ExperimentConfig.model_validate(adapter_export_of(config, **sections))
+
+
+@pytest.mark.parametrize("config,sections,lora_steps,base", [
+    # SFT then DPO, each with LoRA: one adapter of both over the pretrained model
+    ("posttrain_cpu", {"posttrain": {"sft": {"train": {"lora": {"rank": 4}}}, "dpo": {"train": {"lora": {"rank": 2}}}}},
+     ["sft"], "train"),
+    # DPO alone with LoRA: its adapters over the SFT model, exported as the base
+    ("posttrain_cpu", {"posttrain": {"dpo": {"train": {"lora": {"rank": 2}}}}}, [], "sft"),
+    # a continue phase carries the adapters on: its own are the whole update, over the run's start
+    ("tiny_cpu", {"train": {"lora": {"rank": 4}}, "phases": {"more": {"steps": 10}}}, [], None),
+    # a weights phase trains new adapters on the merged model: both, over the run's start
+    ("tiny_cpu", {"train": {"lora": {"rank": 4}}, "phases": {"more": {"steps": 40, "mode": "weights"}}},
+     ["train"], None)])
+def test_the_adapter_export_takes_the_lora_steps_under_the_final_model_and_their_base(config, sections,
+                                                                                   lora_steps, base):
+    from flows.config import ExperimentConfig
+    from flows.experiment import from_config
+
+    steps = {s.name: s for s in from_config(ExperimentConfig.model_validate(adapter_export_of(config,
+                                                                                              **sections))).steps}
+    inputs = steps["export"].inputs
+    assert [inputs[f"lora_{i}"].name for i in range(len(lora_steps))] == lora_steps
+    assert sum(name.startswith("lora_") for name in inputs) == len(lora_steps)
+    assert (inputs["base"].name if "base" in inputs else None) == base
