@@ -355,10 +355,28 @@ class ExperimentConfig(ConfigModel):
     @model_validator(mode="after")
     def _check_chat_tokens(self) -> "ExperimentConfig":
         """Post-training in kiln's chat template needs its tokens in the tokenizer: said here, not
-        after pretraining, when the SFT step would find them missing."""
+        after pretraining, when the SFT step would find them missing. A Hugging Face tokenizer
+        folder with a chat template of its own is post-trained in that (read here where the folder
+        is; where it is not, the tokenizer step says so)."""
         from training.chat_template import CHAT_SPECIAL_TOKENS
 
-        if self.posttrain is None or self.tokenizer.kind == "hf":  # hf: the folder's own chat template
+        if self.posttrain is None:
+            return self
+        if self.tokenizer.kind == "hf":
+            from tokenizers import Tokenizer
+
+            from tasks.tokenizer import TOKENIZER_FILE, hf_chat_template
+
+            folder = Path(self.tokenizer.path)
+            if not (folder / TOKENIZER_FILE).is_file() or hf_chat_template(folder) is not None:
+                return self
+            vocabulary = Tokenizer.from_file(str(folder / TOKENIZER_FILE)).get_vocab(with_added_tokens=True)
+            missing = [t for t in CHAT_SPECIAL_TOKENS if t not in vocabulary]
+            if missing:
+                raise ValueError(f"posttrain: {folder} has no chat template (tokenizer_config.json's chat_template "
+                                 f"or chat_template.jinja), and kiln's chat template needs the tokens {missing}, "
+                                 "which its tokenizer lacks: post-train from a checkpoint that chats (its Instruct "
+                                 "release's tokenizer folder), or add a chat template to the folder")
             return self
         missing = [t for t in CHAT_SPECIAL_TOKENS if t not in self.tokenizer.special_tokens]
         if missing:

