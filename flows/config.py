@@ -396,6 +396,20 @@ class ExperimentConfig(ConfigModel):
         return self
 
     @model_validator(mode="after")
+    def _check_hf_model(self) -> "ExperimentConfig":
+        """From a Hugging Face checkpoint (train.init.hf) the architecture is its config.json's: a
+        `model` field that would not be read is said here, not left to train another model."""
+        if self.train.init is None or self.train.init.hf is None:
+            return self
+        unread = away_from_default(self.model, [n for n in type(self.model).model_fields
+                                                if n not in ("seq_len", "compute_dtype")])
+        if unread:
+            raise ValueError(f"train.init.hf: the model is {self.train.init.hf}'s, as its config.json gives it, so "
+                             f"model.{', model.'.join(unread)} would never be read: leave them out (`model` gives "
+                             "only seq_len, a cap on the checkpoint's context, and compute_dtype)")
+        return self
+
+    @model_validator(mode="after")
     def _check_adapter_export(self) -> "ExperimentConfig":
         """`export.lora: adapter` writes the final model's adapters: one trained without any is said
         here, not by the export after every other step has run."""

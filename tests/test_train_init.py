@@ -119,3 +119,20 @@ def test_a_padded_vocabulary_is_kept_and_a_model_of_another_config_is_named_fiel
     ours = ModelConfig(vocab_size=302, d_model=48, n_heads=6, attention_bias=True)
     said = model_mismatch("soup/0123456789ab", ours.model_copy(update={"vocab_size": 320}), ours)
     assert "(vocab_size: 302 here, 320 there)" in said and "d_model" not in said
+
+
+def test_a_model_field_beside_train_init_hf_is_refused_naming_it(tmp_path):
+    """From a Hugging Face checkpoint the architecture is its config.json's: a `model` field that
+    would not be read (a width, a padded vocabulary) is refused; seq_len and compute_dtype are read."""
+    import yaml
+    from pydantic import ValidationError
+
+    from flows.config import ExperimentConfig
+    from tests.conftest import REPO
+
+    raw = yaml.safe_load((REPO / "configs" / "tiny_cpu.yaml").read_text())
+    raw["train"]["init"] = {"hf": str(tmp_path / "checkpoint"), "mode": "weights"}
+    for field, value in (("d_model", 64), ("vocab_size", 4224)):
+        with pytest.raises(ValidationError, match=f"model.{field} would never be read"):
+            ExperimentConfig.model_validate({**raw, "model": {"seq_len": 64, field: value}})
+    ExperimentConfig.model_validate({**raw, "model": {"seq_len": 64, "compute_dtype": "bfloat16"}})
