@@ -14,7 +14,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from training.capacity import fits, report, table
+from training.capacity import fits, how_many, report, table
 from training.config import ModelConfig, TrainConfig, flops_per_token
 from training.model import init_params, param_count
 
@@ -90,6 +90,8 @@ def test_fit_and_step_time_from_the_numbers(plans):
     huge = {**plans["dp"], "temp_bytes": 70 * 2**30}  # more than JAX's 75% of an H100, less than all of it
     assert not fits(huge, "h100-80gb")["fits"] and fits(huge, "h100-80gb", memory_fraction=1.0)["fits"]
     assert "does NOT fit" in table(report(huge, ["h100-80gb"], 0.4))
+    assert table(r).startswith(f"{how_many(r['param_count'])} parameters, ")
+    assert [how_many(n) for n in (1_235_814_400, 124_000_000, 51_088, 640)] == ["1.24B", "124M", "51.1K", "640"]
     with pytest.raises(ValueError, match="unknown device"):
         fits(plans["dp"], "h100")
 

@@ -156,11 +156,19 @@ def _flops(compiled) -> float | None:
     return float(cost["flops"]) if cost and "flops" in cost else None
 
 
+def how_many(count: int) -> str:
+    """A parameter count as people write it: 1.24B, 124M, 51.1K."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if count >= scale:
+            return f"{count / scale:.3g}{unit}"
+    return str(count)
+
+
 def table(r: dict) -> str:
     """The report as the lines `kiln capacity` prints."""
     mesh = " x ".join(f"{k} {v}" for k, v in r["mesh"].items())
     lines = [
-        f"{r['param_count'] / 1e9:.3f}B parameters, {r['compute_dtype']}, batch {r['batch_size']} x {r['seq_len']} "
+        f"{how_many(r['param_count'])} parameters, {r['compute_dtype']}, batch {r['batch_size']} x {r['seq_len']} "
         f"({r['microbatches']} microbatches), {r['strategy']} over {r['devices']} devices (mesh {mesh}), "
         f"attention {r['attention']}, remat {r['remat']}, optimizer {r['optimizer']}",
         "per device:",
