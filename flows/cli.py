@@ -260,6 +260,14 @@ def main(argv: list[str] | None = None) -> int:
     except KilnUserError as e:
         print(f"kiln: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM during run and canary (stop_on_signals)
+        from tasks.engine.local_ray import Terminated
+
+        terminated = isinstance(e, Terminated)
+        print(f"kiln: {'terminated (SIGTERM)' if terminated else 'interrupted'}"
+              + (": the steps that finished are published, and a train step goes on from its last checkpoint "
+                 "when the same command runs again" if args.command in ("run", "canary") else ""), file=sys.stderr)
+        return 143 if terminated else 130
     except BrokenPipeError:
         if not _stdout_reader_gone():  # a socket's broken pipe, not the reader of our output: an error
             raise
@@ -383,6 +391,9 @@ def cmd_compare(args) -> int:
 
 def cmd_run(args) -> int:
     _prefect_defaults()
+    from tasks.engine.local_ray import stop_on_signals
+
+    stop_on_signals()  # Ctrl-C and SIGTERM stop the steps' Ray work and unwind the flow; the rerun resumes
     experiment, store = _experiment(args.config, args.sets), _store(args.store)
     from flows.plan import select
 
@@ -597,6 +608,9 @@ def cmd_deploy(args) -> int:
 
 def cmd_canary(args) -> int:
     _prefect_defaults()
+    from tasks.engine.local_ray import stop_on_signals
+
+    stop_on_signals()  # Ctrl-C and SIGTERM stop the steps' Ray work and unwind the flow; the rerun resumes
     config = _config(args.config, args.sets)
     from flows.canary import CanaryFailed, canary, canary_store, check, today
     from flows.pipeline import StepsFailed

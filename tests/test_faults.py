@@ -15,7 +15,6 @@ import json
 import os
 import random
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -26,7 +25,7 @@ import pytest
 import yaml
 
 from tasks.engine.store import LINEAGE, Store, published
-from tests.conftest import REPO, kiln, prefect_server_process, stop_group
+from tests.conftest import REPO, kiln, prefect_server_process, stop_group, wait_until
 
 # Files whose bytes record when or how fast, not what: compared by presence only.
 TIMING_FILES = ("metrics.jsonl", "loss.png")
@@ -84,8 +83,8 @@ def running_stage(store: Path) -> str | None:
     return None
 
 
-def start_run(config: Path, store: Path, log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "flows.cli", "run", str(config), "--store", str(store)],
+def start_run(config: Path, store: Path, log: Path, *more: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "flows.cli", "run", str(config), "--store", str(store), *more],
                             cwd=REPO, stdout=open(log, "a"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -121,6 +120,46 @@ def test_sigkill_inside_each_stage_then_rerun_gives_the_same_bytes(tmp_path):
     rerun = kiln("run", str(config), "--store", str(store), timeout=1800)
     assert artefact_bytes(store) == expected, f"seed {seed}, killed in {killed_in}\n{rerun.stdout}"
     assert kiln("verify", "--store", str(store)).returncode == 0
+
+
+# --- Ctrl-C and SIGTERM while a step trains ------------------------------------------------------------
+
+@pytest.mark.ray  # its kiln run starts a local Ray
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
+def test_a_signal_during_training_stops_the_run_at_once_and_the_rerun_resumes(tmp_path, sig):
+    """SIGTERM (a scheduler's stop, `docker stop`, a Prefect worker's cancellation) or Ctrl-C to
+    `kiln run` while it trains: the hosts are cancelled and the run exits within seconds (143 or
+    130) saying so, the train step unpublished; the rerun resumes from its last checkpoint.
+    Before, SIGTERM aborted the process through Ray's failure handler (exit 134, a stack dump),
+    and both waited for the training to run to its end first."""
+    config = tiny_pipeline(tmp_path, posttrain=False)
+    cfg = yaml.safe_load(config.read_text())
+    cfg["train"].update(steps=3000, log_every=50, checkpoint_every=100, eval_every=3000)  # minutes of training
+    config.write_text(yaml.safe_dump(cfg))
+    store, log = tmp_path / "store", tmp_path / "run.log"
+    proc = start_run(config, store, log, "--until", "train")
+    try:
+        wait_until(lambda: re.search(r"step [2-9]00/3000", log.read_text()) or proc.poll() is not None, 600,
+                   "training past its first checkpoint", detail=lambda: log.read_text()[-3000:])
+        assert proc.poll() is None, log.read_text()[-3000:]
+        proc.send_signal(sig)  # to kiln alone, as `kill PID` sends it
+        t0 = time.monotonic()
+        code = proc.wait(timeout=120)
+        took = time.monotonic() - t0
+    finally:
+        stop_group(proc, grace_s=0)
+    said = log.read_text()
+    assert code == (143 if sig == signal.SIGTERM else 130), said[-3000:]
+    assert ("terminated (SIGTERM)" if sig == signal.SIGTERM else "kiln: interrupted") in said
+    assert "SIGTERM received at time" not in said  # Ray's failure handler's abort
+    steps = [int(n) for n in re.findall(r"step (\d+)/3000", said)]
+    assert max(steps) < 3000 and took < 60, (max(steps), took)  # it stopped, and did not train on
+    assert not any((store / "train").glob("*/params.safetensors"))
+    rerun = kiln("run", str(config), "--store", str(store), "--until", "train", timeout=1200)
+    (train,) = [line for line in rerun.stdout.splitlines() if line.startswith("train ")]
+    assert " ran " in train
+    (output,) = (store / "train").glob("*/lineage.json")
+    assert json.loads(output.read_text())["stats"]["resumed_from_step"] >= 100
 
 
 # --- a store on a filesystem that fills up ------------------------------------------------------------
@@ -177,7 +216,6 @@ def test_prefect_server_stopping_mid_run_says_so(tmp_path):
     config = tiny_pipeline(tmp_path, posttrain=False)
     store = tmp_path / "store"
     with prefect_server_process() as (env, server):
-        log = tmp_path / "run.log"
         run = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", str(config), "--store", str(store)],
                                cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                start_new_session=True)

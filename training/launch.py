@@ -403,6 +403,7 @@ def _wait_relaying(refs: list, queue, on_metrics, poll_s: float, where: Callable
     while pending:
         done, pending = ray.wait(pending, num_returns=1, timeout=poll_s)
         drain()
+        local_ray.cancel_if_stopping(pending)  # Ctrl-C or SIGTERM: the hosts stop, the checkpoints stay
         for ref in done:
             try:
                 results[ref] = ray.get(ref)

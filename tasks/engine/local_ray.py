@@ -36,6 +36,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import warnings
@@ -87,6 +88,65 @@ def idle_seconds() -> float:
     return seconds
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, ending a run as Ctrl-C does (`stop_on_signals`)."""
+
+
+class Stopped(RuntimeError):
+    """A step's Ray work cancelled because the run is stopping (Ctrl-C, SIGTERM)."""
+
+
+stopping = threading.Event()  # set by Ctrl-C or SIGTERM in a run: its steps' Ray work is cancelled
+
+
+def _stop(signum, frame) -> None:
+    stopping.set()
+    if signum == signal.SIGTERM:
+        raise Terminated(f"signal {signum}")
+    raise KeyboardInterrupt
+
+
+def stop_on_signals() -> None:
+    """Ctrl-C and SIGTERM (a scheduler's stop, `docker stop`, systemd, `kill`) end this run
+    promptly: `stopping` is set, so the steps waiting on Ray cancel their work (`cancel_if_stopping`:
+    a train step's hosts stop where they are, their checkpoints kept for the rerun), and a
+    KeyboardInterrupt (`Terminated` for SIGTERM) unwinds the flow in the main thread, so Prefect
+    and Ray shut down as after Ctrl-C. Call it from the main thread. While a flow runs, Prefect's
+    own SIGTERM handler raises its TerminationSignal instead, which the scheduler takes as the
+    same (tasks/engine/scheduler.py `_stopping_waits_for`)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _stop)
+
+
+def cancel_if_stopping(refs: list) -> None:
+    """Cancel `refs` (Ray tasks, their workers killed) and raise `Stopped` if the run is
+    stopping; called by the loops that wait on Ray, between their waits."""
+    import ray
+
+    if stopping.is_set():
+        for ref in refs:
+            ray.cancel(ref, force=True)
+        raise Stopped("the run is stopping (Ctrl-C or SIGTERM): its Ray work was cancelled")
+
+
+@contextlib.contextmanager
+def _keeping_our_handlers():
+    """Around ray.init in a driver: Ray's driver would install a failure handler over the
+    process's SIGTERM handler (`stop_on_signals`', or Prefect's while a flow runs, which a worker's
+    cancellation sends), from whichever thread joins, and abort the process with a stack dump
+    (exit 134) while its training went on. Ray reads whether to install it
+    (RAY_DISABLE_FAILURE_SIGNAL_HANDLER, as ray_constants holds it) when a driver joins: set for
+    this process's joins only; the keeper and its workers keep theirs."""
+    from ray._private import ray_constants
+
+    before = ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER
+    ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
+    try:
+        yield
+    finally:
+        ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = before
+
+
 # --- a run's side ------------------------------------------------------------------------------
 
 def connect() -> dict:
@@ -112,7 +172,7 @@ def connect() -> dict:
 
         _auth_mode_before = os.environ.get("RAY_AUTH_MODE")
         maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
-        with _loopback_only():
+        with _loopback_only(), _keeping_our_handlers():
             ray.init(address=head["address"], log_to_driver=False, logging_level="ERROR",
                      _node_ip_address="127.0.0.1")
     except BaseException:
@@ -183,7 +243,8 @@ def join_ray(address: str) -> None:
     import ray
 
     try:
-        ray.init(address=address, log_to_driver=False, logging_level="ERROR")
+        with _keeping_our_handlers():
+            ray.init(address=address, log_to_driver=False, logging_level="ERROR")
     except ConnectionError as e:
         if "InvalidAuthToken" in "".join(traceback.format_exception(e)):
             raise ConnectionError(

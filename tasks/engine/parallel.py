@@ -73,7 +73,10 @@ def map_shards(fn: Callable[[Any], Any], items: Sequence[Any], workers: int = 1,
     results: list[Any] = [None] * len(items)
     pending = list(refs)
     while pending:
-        done, pending = ray.wait(pending, num_returns=1)
+        done, pending = ray.wait(pending, num_returns=1, timeout=0.5)
+        local_ray.cancel_if_stopping(pending)  # Ctrl-C or SIGTERM
+        if not done:
+            continue
         i = index[done[0]]
         results[i] = ray.get(done[0])
         if places is not None:

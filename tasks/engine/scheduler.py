@@ -11,12 +11,14 @@ the caller decides what a failure means for the run.
 from __future__ import annotations
 
 import contextlib
+import queue
 import time
 
 from prefect import get_run_logger
-from prefect.futures import as_completed
+from prefect.exceptions import ExternalSignal
 from prefect.utilities.annotations import quote
 
+from tasks.engine import local_ray
 from tasks.engine.ast_guard import serialize_ast_parse
 from tasks.engine.events import emit_step_completed
 from tasks.engine.runner import StepRun, configured_task, prepare
@@ -43,6 +45,7 @@ def execute(steps: list[Step], store: Store, *, max_concurrent: int = 1, workers
     `kiln.step.completed` as it finishes, with `announce[key]` in its payload (tasks/engine/events.py).
     """
     serialize_ast_parse()  # steps run in threads; CPython 3.11's ast.parse is not thread-safe
+    local_ray.stopping.clear()  # a new run in this process: an earlier one's Ctrl-C is not this one's
     locks = {"lock_url": lock_url, "lease_s": lease_s}
     slots = {"limits": dict(slot_limits or {}), "lock_url": lock_url, "lease_s": lease_s}
     graph = {s.key: s for s in steps}  # one step per version, whichever variant named it first
@@ -57,8 +60,9 @@ def execute(steps: list[Step], store: Store, *, max_concurrent: int = 1, workers
     finished: dict[str, StepRun] = {}
     futures: dict[str, object] = {}  # key -> future, for wait_for edges
     running: dict[object, tuple[Step, float]] = {}
+    done: queue.Queue = queue.Queue()  # each future as it finishes (its done callback)
     waiting = list(order)
-    with _shared_ray(order, store, max_concurrent, workers):
+    with _shared_ray(order, store, max_concurrent, workers), _stopping_waits_for(running):
         while waiting or running:
             for step in list(waiting):
                 failed = next((k for k in needs[step.key] if finished.get(k) and finished[k].status in
@@ -77,14 +81,47 @@ def execute(steps: list[Step], store: Store, *, max_concurrent: int = 1, workers
                                      verify, slots)
                     futures[step.key] = future
                     running[future] = (step, time.perf_counter())
+                    future.add_done_callback(done.put)
             if not running:
                 break
-            future = next(as_completed(list(running)))
+            future = _next_done(done)
             step, t0 = running.pop(future)
             finished[step.key] = _outcome(step, future, store, round(time.perf_counter() - t0, 2))
             if finished[step.key].status == "ran":
                 emit_step_completed(finished[step.key], store.root, (announce or {}).get(step.key))
     return [finished[s.key] for s in order]
+
+
+def _next_done(done: queue.Queue):
+    """The next future to finish, waited for a second at a time: a signal handler (Ctrl-C,
+    SIGTERM: local_ray.stop_on_signals) runs only when the main thread runs Python, and a wait
+    without a timeout sleeps through a signal the OS handed to another thread (Ray's, a step's)."""
+    while True:
+        try:
+            return done.get(timeout=1.0)
+        except queue.Empty:
+            continue
+
+
+@contextlib.contextmanager
+def _stopping_waits_for(running: dict, grace_s: float = 120.0):
+    """On Ctrl-C or SIGTERM (KeyboardInterrupt, or the TerminationSignal that Prefect's own SIGTERM
+    handler raises while a flow runs), tell the running steps to stop (local_ray.stopping: they
+    cancel their Ray work) and wait for them, up to `grace_s`, before Ray is left and the
+    interrupt goes on: Prefect would otherwise wait for a training to finish before it let the
+    process end."""
+    try:
+        yield
+    except (KeyboardInterrupt, ExternalSignal):
+        local_ray.stopping.set()
+        names = ", ".join(step.name for step, _ in running.values())
+        if names:
+            get_run_logger().warning("stopping: waiting up to %.0f s for the running steps (%s) to end", grace_s,
+                                     names)
+            deadline = time.monotonic() + grace_s
+            for future in running:
+                future.wait(timeout=max(0.0, deadline - time.monotonic()))
+        raise
 
 
 def _submit(step: Step, store: Store, workers: int, wait_for: list, force: frozenset[str], locks: dict,
@@ -124,8 +161,6 @@ def _shared_ray(steps: list[Step], store: Store, max_concurrent: int, workers: i
         yield
         return
     import ray
-
-    from tasks.engine import local_ray
 
     started = not ray.is_initialized()
     local_ray.ensure_ray()
