@@ -99,8 +99,8 @@ def export_lora(ctx: StepContext, cfg, tokenizer, tokenizer_json: str, meta: dic
     for model_dir in [*dirs, Path(ctx.inputs["model"])]:
         lora_dir = model_dir / LORA_DIR
         if not (lora_dir / "lora.json").is_file():
-            raise ValueError(f"export.lora is `adapter` but {model_dir} was not trained with train.lora (no {LORA_DIR}/): "
-                             "use lora: merged")
+            raise ValueError(f"export.lora is `adapter` but {model_dir} was not trained with train.lora "
+                             f"(no {LORA_DIR}/): use lora: merged")
         adapters.append((LoraConfig.model_validate_json((lora_dir / "lora.json").read_text()),
                          load_file(str(lora_dir / "adapters.safetensors"))))
     stats = export_adapter(cfg, adapters, ctx.out / "adapter")

@@ -206,8 +206,9 @@ def test_sft_then_dpo_each_with_lora_export_one_adapter_onto_the_base_they_start
                                                                "lora_0": "sft", "base": "train"}
     merged_only = export_step(ExportConfig(), model=dpo, tokenizer=step)
     assert set(merged_only.inputs) == {"model", "tokenizer"}  # the merged export's inputs (and version) as they were
-    stats = run_body(exported, tmp_path / "export", {"model": outs["dpo"], "lora_0": outs["sft"],
-                                                    "base": tmp_path / "pretrained", "tokenizer": tmp_path / "tokenizer"})
+    inputs = {"model": outs["dpo"], "lora_0": outs["sft"], "base": tmp_path / "pretrained",
+              "tokenizer": tmp_path / "tokenizer"}
+    stats = run_body(exported, tmp_path / "export", inputs)
     assert stats["adapter_steps"] == 2 and stats["adapter_base"]
     saved = json.loads((tmp_path / "export" / "adapter" / "adapter_config.json").read_text())
     assert (saved["r"], saved["rank_pattern"]) == (2, {"down_proj": 4, "q_proj": 6, "v_proj": 4})

@@ -132,9 +132,9 @@ def cancel_if_stopping(refs: list) -> None:
 @contextlib.contextmanager
 def _keeping_our_handlers():
     """Around ray.init in a driver: Ray's driver would install a failure handler over the
-    process's SIGTERM handler (`stop_on_signals`', or Prefect's while a flow runs, which a worker's
-    cancellation sends), from whichever thread joins, and abort the process with a stack dump
-    (exit 134) while its training went on. Ray reads whether to install it
+    process's SIGTERM handler (the one `stop_on_signals` sets, or Prefect's while a flow runs,
+    which a worker's cancellation sends), from whichever thread joins, and abort the process with
+    a stack dump (exit 134) while its training went on. Ray reads whether to install it
     (RAY_DISABLE_FAILURE_SIGNAL_HANDLER, as ray_constants holds it) when a driver joins: set for
     this process's joins only; the keeper and its workers keep theirs."""
     from ray._private import ray_constants
