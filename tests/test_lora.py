@@ -13,7 +13,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from tests.conftest import needs
-from tests.test_hf_import import LLAMA_TOKENS, tokenizer_folder
+from tests.test_hf_import import LLAMA_TOKENS, tokenizer_folder, torch_logits
 from tests.test_loader import run_body
 from tests.test_training_kjv_data import WindowBatches, kjv_tokens
 from tasks.tokenizer import TokenizerConfig, read_tokenizer_meta, tokenizer_step
@@ -118,8 +118,7 @@ def test_merged_and_adapter_exports_give_kiln_logits(base, tmp_path):
     expected = np.asarray(forward(trained, ids, model))
 
     def logits(m):
-        with torch.no_grad():
-            return m(torch.from_numpy(ids.astype(np.int64))).logits.float().numpy()
+        return torch_logits((torch, transformers), m, ids)
 
     def close(got):
         rel = np.abs(got - expected).max() / np.abs(expected).max()
@@ -217,8 +216,7 @@ def test_sft_then_dpo_each_with_lora_export_one_adapter_onto_the_base_they_start
     expected = np.asarray(forward(trained, ids, model))
 
     def logits(m):
-        with torch.no_grad():
-            return m(torch.from_numpy(ids.astype(np.int64))).logits.float().numpy()
+        return torch_logits((torch, transformers), m, ids)
 
     def rel(got):
         return np.abs(got - expected).max() / np.abs(expected).max()
