@@ -162,6 +162,49 @@ def test_a_signal_during_training_stops_the_run_at_once_and_the_rerun_resumes(tm
     assert json.loads(output.read_text())["stats"]["resumed_from_step"] >= 100
 
 
+@pytest.mark.ray  # its flow run's training starts a local Ray
+def test_cancelling_a_served_run_in_prefect_stops_its_training_at_once(tmp_path):
+    """A pipeline run of `kiln serve`, cancelled from Prefect (the UI's Cancel, `prefect flow-run
+    cancel`) while it trains: Prefect's runner sends the flow run's process SIGTERM, its training's
+    hosts are cancelled within seconds, and the run ends Cancelled with nothing published. Before,
+    the training ran on to its end (or Ray's failure handler aborted the process)."""
+    from prefect.client.orchestration import get_client
+    from prefect.deployments import run_deployment
+    from prefect.states import Cancelling
+
+    from tests.test_team_server import api
+
+    config = tiny_pipeline(tmp_path, posttrain=False)
+    cfg = yaml.safe_load(config.read_text())
+    cfg["train"].update(steps=3000, log_every=50, checkpoint_every=100, eval_every=3000)
+    config.write_text(yaml.safe_dump(cfg))
+    store, log = tmp_path / "store", tmp_path / "serve.log"
+    with prefect_server_process() as (env, _):
+        serve = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", str(config), "--store", str(store)],
+                                 cwd=REPO, env=env, stdout=open(log, "a"), stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+        try:
+            wait_until(lambda: "kiln serve: serving" in log.read_text() or serve.poll() is not None, 120,
+                       "kiln serve to register its deployments", detail=lambda: log.read_text()[-3000:])
+            with api(env), get_client(sync_client=True) as client:
+                run = run_deployment("pipeline/pipeline", parameters={"until": "train"}, timeout=0)
+                wait_until(lambda: re.search(r"step [2-9]00/3000", log.read_text()), 600, "training under way",
+                           detail=lambda: log.read_text()[-3000:])
+                client.set_flow_run_state(run.id, Cancelling())
+                t0 = time.monotonic()
+                wait_until(lambda: client.read_flow_run(run.id).state.is_final(), 120, "the run to end",
+                           detail=lambda: log.read_text()[-3000:])
+                took, state = time.monotonic() - t0, client.read_flow_run(run.id).state
+        finally:
+            stop_group(serve)
+    said = log.read_text()
+    assert state.is_cancelled(), f"{state}\n{said[-3000:]}"
+    steps = [int(n) for n in re.findall(r"step (\d+)/3000", said)]
+    assert max(steps) < 3000 and took < 60, (max(steps), took)
+    assert "SIGTERM received at time" not in said
+    assert not any((store / "train").glob("*/params.safetensors"))
+
+
 # --- a store on a filesystem that fills up ------------------------------------------------------------
 
 @pytest.fixture
