@@ -66,7 +66,7 @@ def run_soup(ctx: StepContext) -> dict:
     models = [ModelConfig.model_validate_json((folder / "model.json").read_text()) for folder in folders]
     for name, folder, model in zip(names[1:], folders[1:], models[1:]):
         if model != models[0]:
-            differ = sorted(k for k, v in model.model_dump().items() if v != getattr(models[0], k))
+            differ = sorted(model.differences(models[0]))
             raise ValueError(f"a soup averages models of one architecture: {folder} differs from {folders[0]} in "
                              f"{', '.join(differ)}; average phases of one model")
     chosen, trace = list(range(len(folders))), None

@@ -227,6 +227,12 @@ class ModelConfig(ConfigModel):
         """How many of each head's first dimensions rotate: `rotary_width`, or the whole head."""
         return self.rotary_width or self.head_dim
 
+    def differences(self, other: "ModelConfig") -> dict[str, tuple]:
+        """Each field whose value differs from `other`'s: its name -> (this one's, the other's), in
+        field order (what a message says of two models that should be one)."""
+        return {name: (value, getattr(other, name)) for name, value in self.model_dump().items()
+                if value != getattr(other, name)}
+
     @model_validator(mode="after")
     def _check_shapes(self) -> "ModelConfig":
         if self.head_width is None and self.d_model % self.n_heads:
