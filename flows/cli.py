@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
+import types
 from pathlib import Path
 from typing import Sequence
 
@@ -43,11 +45,42 @@ def _prefect_defaults() -> None:
     from tasks.engine.reaper import watch_this_process
 
     watch_this_process()
+    _ephemeral_server_apart()
     # Prefect's console format before anything else logs: absl (imported by orbax) otherwise puts
     # Python's bare `INFO:name:` handler on the root logger first, and Prefect keeps it.
     from prefect.logging.configuration import setup_logging
 
     setup_logging()
+
+
+def _ephemeral_server_apart() -> None:
+    """Prefect's ephemeral API server, when this process starts one, in a session of its own.
+
+    Ctrl-C in a terminal goes to the whole foreground process group, and so does `kill -- -PGID`
+    (a batch scheduler's stop): the server, a child in kiln's group, stopped with kiln, the run
+    could no longer report its states, and Prefect's client retried for minutes before kiln exited
+    1 saying the API had stopped answering (142 s here) instead of 130 at once. Apart, it outlives
+    the signal and ends as before: at exit (Prefect's atexit), or by kiln's reaper after a SIGKILL.
+    Prefect looks its server up as `SubprocessASGIServer()` (one per process, keyed by port None):
+    the instance made here is the one it finds."""
+    from prefect.settings import PREFECT_API_URL
+
+    if PREFECT_API_URL.value():
+        return
+    from prefect.server.api import server
+
+    class ServerApart(server.SubprocessASGIServer):
+        def _run_uvicorn_command(self):
+            # Prefect's own command, its Popen in a new session; only its module sees the change
+            real = server.subprocess
+            server.subprocess = types.SimpleNamespace(Popen=functools.partial(real.Popen, start_new_session=True))
+            try:
+                return super()._run_uvicorn_command()
+            finally:
+                server.subprocess = real
+
+    if None not in server.SubprocessASGIServer._instances:  # else this process made (or started) it already
+        ServerApart()
 
 
 DTYPE_HELP = ("what the model computes in, its weights held in it (default: its compute_dtype; float32 for a "

@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 
@@ -83,9 +84,9 @@ def running_stage(store: Path) -> str | None:
     return None
 
 
-def start_run(config: Path, store: Path, log: Path, *more: str) -> subprocess.Popen:
+def start_run(config: Path, store: Path, log: Path, *more: str, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "flows.cli", "run", str(config), "--store", str(store), *more],
-                            cwd=REPO, stdout=open(log, "a"), stderr=subprocess.STDOUT, start_new_session=True)
+                            cwd=REPO, stdout=open(log, "a"), stderr=subprocess.STDOUT, start_new_session=True, env=env)
 
 
 @pytest.mark.slow  # one uninterrupted post-training pipeline, then one interrupted six times: ~15 min here
@@ -124,27 +125,46 @@ def test_sigkill_inside_each_stage_then_rerun_gives_the_same_bytes(tmp_path):
 
 # --- Ctrl-C and SIGTERM while a step trains ------------------------------------------------------------
 
-@pytest.mark.ray  # its kiln run starts a local Ray
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
-def test_a_signal_during_training_stops_the_run_at_once_and_the_rerun_resumes(tmp_path, sig):
-    """SIGTERM (a scheduler's stop, `docker stop`, a Prefect worker's cancellation) or Ctrl-C to
-    `kiln run` while it trains: the hosts are cancelled and the run exits within seconds (143 or
-    130) saying so, the train step unpublished; the rerun resumes from its last checkpoint.
-    Before, SIGTERM aborted the process through Ray's failure handler (exit 134, a stack dump),
-    and both waited for the training to run to its end first."""
+def long_training(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """A config whose training runs 3000 steps (tens of seconds here), its store and its log."""
     config = tiny_pipeline(tmp_path, posttrain=False)
     cfg = yaml.safe_load(config.read_text())
-    cfg["train"].update(steps=3000, log_every=50, checkpoint_every=100, eval_every=3000)  # minutes of training
+    cfg["train"].update(steps=3000, log_every=50, checkpoint_every=100, eval_every=3000)
     config.write_text(yaml.safe_dump(cfg))
-    store, log = tmp_path / "store", tmp_path / "run.log"
-    proc = start_run(config, store, log, "--until", "train")
+    return config, tmp_path / "store", tmp_path / "run.log"
+
+
+def past_first_checkpoint(proc: subprocess.Popen, log: Path) -> None:
+    wait_until(lambda: re.search(r"step [2-9][05]0/3000", log.read_text()) or proc.poll() is not None, 600,
+               "training past its first checkpoint", detail=lambda: log.read_text()[-3000:])
+    assert proc.poll() is None, log.read_text()[-3000:]
+
+
+@pytest.mark.ray  # its kiln run starts a local Ray
+@pytest.mark.parametrize("sig,to", [(signal.SIGTERM, "kiln"), (signal.SIGINT, "kiln"), (signal.SIGINT, "group")],
+                         ids=["SIGTERM", "Ctrl-C", "Ctrl-C-in-a-terminal"])
+def test_a_signal_during_training_stops_the_run_at_once_and_the_rerun_resumes_where_it_stopped(tmp_path, sig, to):
+    """SIGTERM (a scheduler's stop, `docker stop`, a Prefect worker's cancellation) or Ctrl-C to
+    `kiln run` while it trains: the hosts checkpoint the step they are at and stop, and the run
+    exits within seconds (143 or 130) saying so, the train step unpublished; the rerun resumes at
+    that step. Before, SIGTERM aborted the process through Ray's failure handler (exit 134, a
+    stack dump), both waited for the training to run to its end, and later the hosts were
+    cancelled where they were, the steps since the last checkpoint lost.
+
+    Ctrl-C in a terminal goes to the whole process group, Prefect's ephemeral API server (kiln
+    runs without PREFECT_API_URL) included: before, the server stopped with kiln, and the run
+    lingered 142 s retrying the dead API, then exited 1 saying the API had stopped answering."""
+    config, store, log = long_training(tmp_path)
+    env = None if to == "kiln" else {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+    proc = start_run(config, store, log, "--until", "train", env=env)
     try:
-        wait_until(lambda: re.search(r"step [2-9]00/3000", log.read_text()) or proc.poll() is not None, 600,
-                   "training past its first checkpoint", detail=lambda: log.read_text()[-3000:])
-        assert proc.poll() is None, log.read_text()[-3000:]
-        proc.send_signal(sig)  # to kiln alone, as `kill PID` sends it
+        past_first_checkpoint(proc, log)
+        if to == "kiln":
+            proc.send_signal(sig)  # to kiln alone, as `kill PID` sends it
+        else:
+            os.killpg(proc.pid, sig)  # as a terminal's Ctrl-C: kiln's whole process group
         t0 = time.monotonic()
-        code = proc.wait(timeout=120)
+        code = proc.wait(timeout=180)
         took = time.monotonic() - t0
     finally:
         stop_group(proc, grace_s=0)
@@ -152,21 +172,57 @@ def test_a_signal_during_training_stops_the_run_at_once_and_the_rerun_resumes(tm
     assert code == (143 if sig == signal.SIGTERM else 130), said[-3000:]
     assert ("terminated (SIGTERM)" if sig == signal.SIGTERM else "kiln: interrupted") in said
     assert "SIGTERM received at time" not in said  # Ray's failure handler's abort
+    assert "stopped answering" not in said  # the Prefect API went with the process group
     steps = [int(n) for n in re.findall(r"step (\d+)/3000", said)]
     assert max(steps) < 3000 and took < 60, (max(steps), took)  # it stopped, and did not train on
+    (stopped_at,) = {int(n) for n in re.findall(r"the training stopped at step (\d+), its checkpoint saved", said)}
+    assert 200 <= stopped_at < 3000 and stopped_at % 100, stopped_at  # between periodic checkpoints
     assert not any((store / "train").glob("*/params.safetensors"))
     rerun = kiln("run", str(config), "--store", str(store), "--until", "train", timeout=1200)
     (train,) = [line for line in rerun.stdout.splitlines() if line.startswith("train ")]
     assert " ran " in train
     (output,) = (store / "train").glob("*/lineage.json")
-    assert json.loads(output.read_text())["stats"]["resumed_from_step"] >= 100
+    assert json.loads(output.read_text())["stats"]["resumed_from_step"] == stopped_at
+
+
+@pytest.mark.ray  # its kiln run starts a local Ray
+def test_a_second_ctrl_c_stops_a_training_that_has_not_stopped_at_once(tmp_path):
+    """The first Ctrl-C asks the training to checkpoint and stop, which a host can take long to do
+    (a frozen one here: suspended); a second Ctrl-C cancels it where it is and the run exits at
+    once, and the rerun resumes from its last periodic checkpoint. Before, the run waited out the
+    hosts' whole grace (60 s)."""
+    config, store, log = long_training(tmp_path)
+    proc = start_run(config, store, log, "--until", "train")
+    try:
+        past_first_checkpoint(proc, log)
+        hosts = [p for p in psutil.process_iter(["cmdline"]) if "_host_main" in " ".join(p.info["cmdline"] or [])
+                 and any(m.path.startswith(str(store)) for m in p.memory_maps())]  # this run's: its tokens mapped
+        assert len(hosts) == 1, hosts
+        hosts[0].suspend()
+        proc.send_signal(signal.SIGINT)
+        with pytest.raises(subprocess.TimeoutExpired):  # it waits for the host to checkpoint
+            proc.wait(timeout=5)
+        proc.send_signal(signal.SIGINT)
+        t0 = time.monotonic()
+        code = proc.wait(timeout=120)
+        took = time.monotonic() - t0
+        assert not hosts[0].is_running() or hosts[0].status() == psutil.STATUS_ZOMBIE  # cancelled: its worker killed
+    finally:
+        stop_group(proc, grace_s=0)
+    said = log.read_text()
+    assert code == 130 and "kiln: interrupted" in said and took < 30, (code, took, said[-3000:])
+    rerun = kiln("run", str(config), "--store", str(store), "--until", "train", timeout=1200)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    (output,) = (store / "train").glob("*/lineage.json")
+    resumed = json.loads(output.read_text())["stats"]["resumed_from_step"]
+    assert resumed >= 100 and resumed % 100 == 0, resumed  # a periodic checkpoint: none was made at the stop
 
 
 @pytest.mark.ray  # its flow run's training starts a local Ray
 def test_cancelling_a_served_run_in_prefect_stops_its_training_at_once(tmp_path):
     """A pipeline run of `kiln serve`, cancelled from Prefect (the UI's Cancel, `prefect flow-run
-    cancel`) while it trains: Prefect's runner sends the flow run's process SIGTERM, its training's
-    hosts are cancelled within seconds, and the run ends Cancelled with nothing published. Before,
+    cancel`) while it trains: Prefect's runner sends the flow run's process SIGTERM, its training
+    checkpoints and stops within seconds, and the run ends Cancelled with nothing published. Before,
     the training ran on to its end (or Ray's failure handler aborted the process)."""
     from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
@@ -201,6 +257,7 @@ def test_cancelling_a_served_run_in_prefect_stops_its_training_at_once(tmp_path)
     assert state.is_cancelled(), f"{state}\n{said[-3000:]}"
     steps = [int(n) for n in re.findall(r"step (\d+)/3000", said)]
     assert max(steps) < 3000 and took < 60, (max(steps), took)
+    assert re.search(r"the training stopped at step \d+, its checkpoint saved there", said), said[-3000:]
     assert "SIGTERM received at time" not in said
     assert not any((store / "train").glob("*/params.safetensors"))
 

@@ -4,6 +4,8 @@ runtime, and a Ray cluster started with `ray start` and reached through RAY_ADDR
 from __future__ import annotations
 
 import functools
+import re
+import time
 from pathlib import Path
 
 import jax
@@ -142,6 +144,46 @@ def test_a_host_that_fails_mid_run_fails_the_launch_naming_it(tmp_path, host):
     # in step 4's collectives (cancelled while waiting there)
     logged = [r["step"] for r in read_metrics(tmp_path / "work" / "metrics.jsonl")]
     assert (logged == [1, 2]) if host == 0 else (logged in ([1, 2], [1, 2, 3]))
+
+
+def slowed(ctx: LoopContext) -> list[Hook]:
+    """A hook factory: each step takes 20 ms more, so a stop lands mid-run (the bits are the same)."""
+    return [Hook(lambda info: time.sleep(0.02), 1)]
+
+
+# Two hosts: two JAX processes again (slow, as above); the pipeline's one-host version is in
+# tests/test_faults.py (Ctrl-C and SIGTERM to kiln run)
+@pytest.mark.parametrize("hosts", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_a_stopping_run_checkpoints_its_hosts_where_they_are_and_the_relaunch_resumes_there(tmp_path, hosts):
+    """Ctrl-C or SIGTERM (local_ray.stopping) while the hosts train: host 0 is told, every host stops
+    at the same step (with two, host 0 decides at a log step and tells host 1) once its checkpoint
+    is whole, and the launch raises Stopped naming that step; launched again, it resumes there,
+    to the bits of a run never stopped. Before, the hosts were cancelled where they were."""
+    model, cfg = configs(steps=200)
+    cfg = cfg.model_copy(update={"checkpoint_every": 100, "log_every": 2})
+    resources = ResourcesConfig(hosts=hosts, cpus_per_host=1)
+    data = functools.partial(kjv_data, cfg.batch_size, model.seq_len)
+
+    def stop_at_10(record: dict) -> None:
+        if record["step"] == 10:
+            local_ray.stopping.set()
+
+    try:
+        with pytest.raises(local_ray.Stopped, match=r"stopped at step \d+, its checkpoint saved there") as stopped:
+            launch_training(model, cfg, resources, data, tmp_path / "work", tmp_path / "out", on_metrics=stop_at_10,
+                            hooks=(slowed,))
+    finally:
+        local_ray.stopping.clear()
+    at = int(re.search(r"stopped at step (\d+)", str(stopped.value)).group(1))
+    assert 10 <= at < 100, at  # before the first periodic checkpoint
+    assert hosts == 1 or at % cfg.log_every == 0, at  # several hosts stop together at a log step
+    assert sorted(p.name for p in (tmp_path / "work" / "checkpoints").iterdir()) == [str(at)]
+    assert not (tmp_path / "out" / "params.safetensors").exists()
+    stats = launch_training(model, cfg, resources, data, tmp_path / "work", tmp_path / "out")
+    assert stats["resumed_from_step"] == at and stats["processes"] == hosts
+    if hosts == 1:  # two processes sum the gradient in another order: not the same bits
+        assert stats["params_sha256"] == train(model, cfg, *data(), tmp_path / "again", tmp_path / "again-out")[
+            "params_sha256"]
 
 
 @pytest.mark.slow  # the pipeline's version of this runs in CI: tests/test_pipeline_ray.py

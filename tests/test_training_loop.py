@@ -183,3 +183,32 @@ def test_a_run_that_fails_after_a_checkpoint_finishes_it_and_a_rerun_in_the_same
     stats = run(tmp_path, model, cfg)
     assert stats["resumed_from_step"] == 10
     assert stats["params_sha256"] == uninterrupted["params_sha256"]
+
+
+def test_a_stop_request_checkpoints_the_step_it_is_at_and_the_rerun_resumes_there(tmp_path, uninterrupted):
+    """Ctrl-C or SIGTERM to a run reaches the loop as `stop_requested()` True (training/launch.py):
+    the loop stops at the step it is at, between its periodic checkpoints, once that step's
+    checkpoint is whole, and raises TrainingStopped; the rerun resumes there, nothing trained
+    lost, to the uninterrupted run's bits. Before, the hosts were cancelled where they were and
+    the rerun went back to the last periodic checkpoint."""
+    from training.hooks import TrainingStopped
+
+    model, cfg = tiny(kjv_tokens()[1])
+    tokens, _ = kjv_tokens()
+    data = WindowBatches(tokens, cfg.batch_size, model.seq_len, seed=cfg.seed)
+    asked = []
+
+    def stop_requested() -> bool:  # asked once per step: True from the 13th step on
+        asked.append(True)
+        return len(asked) >= 13
+
+    with pytest.raises(TrainingStopped) as stopped:
+        train(model, cfg, data.batch_at, data.val_batches(16), tmp_path / "work", tmp_path / "out",
+              stop_requested=stop_requested)
+    assert stopped.value.step == 13 and len(asked) == 13
+    assert sorted(p.name for p in (tmp_path / "work" / "checkpoints").iterdir()) == ["10", "13"]
+    assert not (tmp_path / "out" / "params.safetensors").exists()
+    stats = run(tmp_path, model, cfg)
+    assert stats["resumed_from_step"] == 13
+    assert stats["params_sha256"] == uninterrupted["params_sha256"]
+    assert stats["final_loss"] == uninterrupted["final_loss"]

@@ -135,6 +135,8 @@ class Checkpointing:
         self.ctx, self.checkpoints, self.identity = ctx, checkpoints, identity
         self.records, self.on_checkpoint = records, on_checkpoint
         self.saved_at = time.monotonic()  # the time cadence counts from the last save (or the start)
+        self.saved_step: int | None = None
+        self.closed = False
         cfg = ctx.train_cfg
         self.keep = set(cfg.kept_steps)
         self.hook = Hook(self, math.gcd(cfg.checkpoint_every, cfg.log_every, *self.keep))
@@ -143,15 +145,24 @@ class Checkpointing:
         cfg = self.ctx.train_cfg
         if (info.step % cfg.checkpoint_every == 0 or info.last or info.step in self.keep
                 or (info.step % cfg.log_every == 0 and _minutes_passed(self.saved_at, cfg.checkpoint_every_minutes))):
-            self._finished(self.checkpoints.wait())  # pushed before the next save starts to drop old steps
-            self.checkpoints.save(info.step, info.state, {
-                "step": info.step, "data_position": info.step, "loss": float(info.step_metrics["loss"]),
-                "identity": self.identity})
-            self.saved_at = time.monotonic()
+            self.save(info)
         self._finished(self.checkpoints.finished())
+
+    def save(self, info: StepInfo) -> None:
+        """Begin a checkpoint of `info.step` (once: a second call for the same step does nothing)."""
+        if self.saved_step == info.step:
+            return
+        self._finished(self.checkpoints.wait())  # pushed before the next save starts to drop old steps
+        self.checkpoints.save(info.step, info.state, {
+            "step": info.step, "data_position": info.step, "loss": float(info.step_metrics["loss"]),
+            "identity": self.identity})
+        self.saved_at, self.saved_step = time.monotonic(), info.step
 
     def close(self) -> None:
         """The last save is complete (and reported) before the model is published."""
+        if self.closed:
+            return
+        self.closed = True
         self._finished(self.checkpoints.wait())
         self.checkpoints.close()
 
@@ -167,6 +178,29 @@ class Checkpointing:
             plot_loss(self.records(), self.ctx.work_dir / "loss.png", title=f"step {max(steps)}")
             if self.on_checkpoint is not None:
                 self.on_checkpoint(steps)
+
+
+class TrainingStopped(Exception):
+    """The loop stopped on request (Ctrl-C or SIGTERM to the run) at `step`, its checkpoint saved
+    there: the rerun resumes from that step."""
+
+    def __init__(self, step: int):
+        super().__init__(f"training stopped on request at step {step}, its checkpoint saved there")
+        self.step = step
+
+    def __reduce__(self):  # through Ray's pickling, with its step
+        return TrainingStopped, (self.step,)
+
+
+def stop_agreed(stop_requested: Callable[[], bool], step: int, log_every: int) -> bool:
+    """Whether the loop stops after `step`. One process asks at every step; several stop together
+    (a checkpoint is collective), so they ask only at log steps, and process 0's answer, the only
+    one told of the stop, is every process's."""
+    if jax.process_count() == 1:
+        return stop_requested()
+    if step % log_every:
+        return False
+    return bool(multihost_utils.broadcast_one_to_all(np.int32(stop_requested())))
 
 
 def _minutes_passed(since: float, minutes: float | None) -> bool:

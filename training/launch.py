@@ -52,6 +52,9 @@ if TYPE_CHECKING:  # JAX: imported by the hosts, not by a driver that only plans
 DataSource = Callable[[], tuple[Callable[[int], np.ndarray], list[np.ndarray]]]
 
 CPU_DEVICES_FLAG = "--xla_force_host_platform_device_count"  # N CPU devices in one process
+# On Ctrl-C or SIGTERM, the seconds the hosts have to checkpoint the step they are at and stop,
+# before they are cancelled where they are (under the scheduler's wait for its running steps, 120 s)
+STOP_GRACE_S = 60
 
 
 def launch_training(model_cfg: ModelConfig, train_cfg: TrainConfig, resources: ResourcesConfig,
@@ -83,13 +86,15 @@ def launch_training(model_cfg: ModelConfig, train_cfg: TrainConfig, resources: R
     started_ray, address = _connect(resources)
     bundle = _bundle(resources)
     group = placement_group([bundle] * resources.hosts, strategy="SPREAD")
-    queue = None
+    queue = stop_requests = None
     try:
         _wait_placed(group, bundle, resources.hosts)
         # On the driver's own node: the relay must outlive any host's node (a node that dies
-        # is reported as its host's failure, not as the queue's).
-        queue = Queue(actor_options={"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(
-            ray.get_runtime_context().get_node_id(), soft=False)})
+        # is reported as its host's failure, not as the queue's). Metrics come back through
+        # `queue`; a stop (Ctrl-C, SIGTERM) goes to host 0 through `stop_requests`.
+        here = {"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(
+            ray.get_runtime_context().get_node_id(), soft=False)}
+        queue, stop_requests = Queue(actor_options=here), Queue(maxsize=1, actor_options=here)
         coordinator = None
         if resources.hosts > 1:  # a free port on host 0's node, for JAX's coordinator
             probe = ray.remote(_free_address).options(num_cpus=0, scheduling_strategy=_in(group, 0))
@@ -105,10 +110,12 @@ def launch_training(model_cfg: ModelConfig, train_cfg: TrainConfig, resources: R
                               scheduling_strategy=_in(group, host), runtime_env=env, max_retries=0)
             .remote(host, resources.hosts, coordinator, model_cfg, train_cfg, data, work,
                     None if work.remote else str(out_dir), queue if host == 0 else None, objective,
-                    init_model, driver, resources.connect_timeout_s, tuple(hooks), init_step, init_mode)
+                    init_model, driver, resources.connect_timeout_s, tuple(hooks), init_step, init_mode,
+                    stop_requests if host == 0 else None)
             for host in range(resources.hosts)
         ]
-        results = _wait_relaying(refs, queue, on_metrics, poll_s, functools.partial(_bundle_node, group))
+        results = _wait_relaying(refs, queue, on_metrics, poll_s, functools.partial(_bundle_node, group),
+                                 stop_requests)
         if work.remote:
             work.fetch_output(out_dir)
         # Where it ran (never identity), for the lineage: the cluster's address as given, or the
@@ -116,8 +123,9 @@ def launch_training(model_cfg: ModelConfig, train_cfg: TrainConfig, resources: R
         return {**{k: v for k, v in results[0].items() if k != "host"}, "hosts": [r["host"] for r in results],
                 "ray_cluster": address or _local_cluster()}
     finally:
-        if queue is not None:
-            queue.shutdown(force=True)
+        for actor in (queue, stop_requests):
+            if actor is not None:
+                actor.shutdown(force=True)
         remove_placement_group(group)
         if started_ray:
             local_ray.disconnect()
@@ -170,15 +178,18 @@ def _host_main(host: int, hosts: int, coordinator: str | None, model_cfg: ModelC
                train_cfg: TrainConfig, data: DataSource, work: Workspace, out_dir: str | None, queue,
                objective=None, init_model: Located | str | None = None, driver: tuple[str, int] | None = None,
                connect_timeout_s: float = 120, hooks: tuple = (), init_step: int | None = None,
-               init_mode: str = "weights") -> dict:
+               init_mode: str = "weights", stop_requests: Queue | None = None) -> dict:
     """The body of one host's Ray task: join the JAX runtime, open the data, run the loop.
 
     Everything it reads or writes it reaches through the store: the work folder is pulled into
     this node's cache (checkpoints included, so every host resumes from the same step), host 0
     pushes each checkpoint as it is saved, and with `out_dir` None (a remote store) writes the
-    model into the work folder's `output/` and pushes it for the driver to fetch."""
+    model into the work folder's `output/` and pushes it for the driver to fetch. Host 0 hears
+    of a stop through `stop_requests` (the loop then checkpoints and raises TrainingStopped)."""
     if driver is not None:
         _exit_with_driver(*driver)
+    # every host asks, as the loop's stop is collective; only host 0's answer counts (hooks.stop_agreed)
+    stop_requested = _listening(stop_requests).is_set if stop_requests is not None else lambda: False
     import jax
 
     node = {"host": host, "node_id": ray.get_runtime_context().get_node_id(),
@@ -210,6 +221,7 @@ def _host_main(host: int, hosts: int, coordinator: str | None, model_cfg: ModelC
     stats = train(model_cfg, train_cfg, batch_at, val_batches, local, out,
                   on_metrics=queue.put if queue is not None else None, objective=objective,
                   init_params=init_params, shared_work=not work.remote, hooks=hooks, start_from=start_from,
+                  stop_requested=stop_requested,
                   on_checkpoint=(lambda steps: work.push(checkpoint_steps=steps, host=0)) if pushing else None)
     if pushing:
         work.push(output=True, host=0)
@@ -220,6 +232,22 @@ def _host_main(host: int, hosts: int, coordinator: str | None, model_cfg: ModelC
     if hosts > 1:
         jax.distributed.shutdown()
     return {**stats, "host": {**node, "device_kind": jax.devices()[0].device_kind}}
+
+
+def _listening(stop_requests: Queue) -> threading.Event:
+    """An event set once the driver puts a stop request in `stop_requests`: a thread waits for it
+    (an actor call that returns when the request comes), so the loop pays nothing per step."""
+    requested = threading.Event()
+
+    def listen():
+        try:
+            stop_requests.get(block=True)
+        except ray.exceptions.RayActorError:  # the driver shut the queue down: the training is over
+            return
+        requested.set()
+
+    threading.Thread(target=listen, name="kiln-stop-listener", daemon=True).start()
+    return requested
 
 
 def _join_jax_runtime(host: int, hosts: int, coordinator: str, node_ip: str, timeout_s: float) -> None:
@@ -385,11 +413,20 @@ def _free_address() -> str:
         return f"{ip}:{s.getsockname()[1]}"
 
 
-def _wait_relaying(refs: list, queue, on_metrics, poll_s: float, where: Callable[[int], str]) -> list[dict]:
+def _wait_relaying(refs: list, queue, on_metrics, poll_s: float, where: Callable[[int], str],
+                   stop_requests: Queue | None = None, stop_grace_s: float = STOP_GRACE_S) -> list[dict]:
     """Wait for every host task, passing queued metrics on as they come. If one host fails, the
     others would wait forever in a collective: cancel them and raise the failure, naming the
-    host and its node (`where(host)`)."""
-    pending, results = list(refs), {}
+    host and its node (`where(host)`).
+
+    If the run is stopping (Ctrl-C, SIGTERM: local_ray.stopping), the hosts are asked to stop
+    where they are, their checkpoint saved there (the loop's TrainingStopped), and `Stopped` is
+    raised once they have; hosts that take longer than `stop_grace_s` are cancelled, and the
+    rerun resumes from their last periodic checkpoint instead."""
+    from training.hooks import TrainingStopped
+
+    pending, results, stopped_at = list(refs), {}, set()
+    asked_at = None
 
     def drain():
         while True:
@@ -403,10 +440,18 @@ def _wait_relaying(refs: list, queue, on_metrics, poll_s: float, where: Callable
     while pending:
         done, pending = ray.wait(pending, num_returns=1, timeout=poll_s)
         drain()
-        local_ray.cancel_if_stopping(pending)  # Ctrl-C or SIGTERM: the hosts stop, the checkpoints stay
+        if local_ray.stopping.is_set() and stop_requests is not None and asked_at is None:
+            stop_requests.put(True)
+            asked_at = time.monotonic()
+            print(f"stopping: the training checkpoints the step it is at and stops (cancelled after {stop_grace_s:.0f} "
+                  "s; Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
+        if asked_at is None or local_ray.stopping_now.is_set() or time.monotonic() - asked_at > stop_grace_s:
+            local_ray.cancel_if_stopping(pending)  # the hosts stop, the checkpoints they finished stay
         for ref in done:
             try:
                 results[ref] = ray.get(ref)
+            except TrainingStopped as e:
+                stopped_at.add(e.step)
             except Exception as e:
                 for other in pending:
                     ray.cancel(other, force=True)
@@ -414,6 +459,9 @@ def _wait_relaying(refs: list, queue, on_metrics, poll_s: float, where: Callable
                 raise RuntimeError(f"training host {host} of {len(refs)} failed, on node {where(host)}: "
                                    f"{type(e).__name__}: {e}") from e
     drain()
+    if stopped_at:
+        raise local_ray.Stopped(f"the run is stopping (Ctrl-C or SIGTERM): the training stopped at step "
+                                f"{max(stopped_at)}, its checkpoint saved there, where the rerun resumes")
     return [results[r] for r in refs]
 
 

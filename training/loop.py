@@ -52,7 +52,8 @@ from training import compile_cache
 from training.checkpoint import Checkpoints
 from tasks.engine.config import is_identity, left_out_at_default
 from training.config import DETERMINISTIC_GPU_FLAG, KEPT_DIR, KEPT_STATE, ModelConfig, TrainConfig, flops_per_token
-from training.hooks import Checkpointing, Hook, HookFactory, LoopContext, StepInfo, Validation, writers
+from training.hooks import (Checkpointing, Hook, HookFactory, LoopContext, StepInfo, TrainingStopped, Validation,
+                            stop_agreed, writers)
 from training.metrics import MetricsLog, device_peak_flops, plot_loss
 from training.model import param_count
 from training.optim import make_optimizer
@@ -68,7 +69,8 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, batch_at: Callable[[in
           val_batches: list[np.ndarray], work_dir: Path, out_dir: Path,
           on_metrics: Callable[[dict], None] | None = None, objective=None, init_params: dict | None = None,
           hooks: Sequence[Hook | HookFactory] = (), on_checkpoint: Callable[[list[int]], None] | None = None,
-          shared_work: bool = True, start_from: StartFrom | None = None) -> dict:
+          shared_work: bool = True, start_from: StartFrom | None = None,
+          stop_requested: Callable[[], bool] | None = None) -> dict:
     """Train to `train_cfg.steps`, resuming from the latest checkpoint in `work_dir`; write the
     model to `out_dir` and return stats (losses, params_sha256, tokens, seconds, MFU, ...).
 
@@ -81,7 +83,10 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, batch_at: Callable[[in
     process 0 once a checkpoint's write has finished, with the steps kept, every one complete
     on disk (training/launch.py pushes them to the store).
     `shared_work` False: each process has its own `work_dir` (a remote store's hosts), so every
-    process writes whole checkpoints there (training/checkpoint.py, "gathered")."""
+    process writes whole checkpoints there (training/checkpoint.py, "gathered").
+    `stop_requested()` True (process 0's: the run was told Ctrl-C or SIGTERM) ends the loop at
+    the step it is at (at a log step with several processes), once that step's checkpoint is
+    whole: it raises `TrainingStopped`, and a rerun resumes there, nothing trained lost."""
     t_start = time.perf_counter()
     compile_cache.enable()
     read_before, saved_before = compile_cache.programs_read()
@@ -142,8 +147,9 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, batch_at: Callable[[in
             clock.stepped(metrics)
             done = step + 1
             last = done == train_cfg.steps
+            stop = stop_requested is not None and not last and stop_agreed(stop_requested, done, train_cfg.log_every)
             due = [h for h in hooks if h.due(done, last)]
-            if not due:
+            if not due and not stop:
                 continue
             record = clock.record(done) if done % train_cfg.log_every == 0 or last else clock.wait(metrics)
             info = StepInfo(done, last, state, metrics, record, train_cfg.lora)
@@ -153,6 +159,9 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, batch_at: Callable[[in
             if record is not None:
                 log.info("step %d loss %.4f lr %.2e %.0f tok/s", done, record["loss"], record["lr"],
                          record["tokens_per_s"])
+            if stop:
+                checkpointing.save(info)  # finished (and pushed) on the way out, below
+                raise TrainingStopped(done)
     except BaseException as failure:
         # A checkpoint begun before the failure is finished first, so that it is whole on disk for the
         # rerun and no writer thread outlives this call (a rerun in the same process, as a Ray worker

@@ -93,13 +93,17 @@ class Terminated(KeyboardInterrupt):
 
 
 class Stopped(RuntimeError):
-    """A step's Ray work cancelled because the run is stopping (Ctrl-C, SIGTERM)."""
+    """A step's Ray work stopped because the run is stopping (Ctrl-C, SIGTERM): cancelled, or a
+    training stopped at a checkpoint (training/launch.py)."""
 
 
-stopping = threading.Event()  # set by Ctrl-C or SIGTERM in a run: its steps' Ray work is cancelled
+stopping = threading.Event()  # set by Ctrl-C or SIGTERM in a run: its steps' Ray work stops (a training checkpoints)
+stopping_now = threading.Event()  # set by a second one: all of it is cancelled where it is
 
 
 def _stop(signum, frame) -> None:
+    if stopping.is_set():
+        stopping_now.set()
     stopping.set()
     if signum == signal.SIGTERM:
         raise Terminated(f"signal {signum}")
@@ -108,8 +112,9 @@ def _stop(signum, frame) -> None:
 
 def stop_on_signals() -> None:
     """Ctrl-C and SIGTERM (a scheduler's stop, `docker stop`, systemd, `kill`) end this run
-    promptly: `stopping` is set, so the steps waiting on Ray cancel their work (`cancel_if_stopping`:
-    a train step's hosts stop where they are, their checkpoints kept for the rerun), and a
+    promptly: `stopping` is set, so the steps waiting on Ray cancel their work (`cancel_if_stopping`;
+    a train step's hosts first checkpoint the step they are at, training/launch.py; a second
+    signal sets `stopping_now`, and they too are cancelled where they are), and a
     KeyboardInterrupt (`Terminated` for SIGTERM) unwinds the flow in the main thread, so Prefect
     and Ray shut down as after Ctrl-C. Call it from the main thread. While a flow runs, Prefect's
     own SIGTERM handler raises its TerminationSignal instead, which the scheduler takes as the

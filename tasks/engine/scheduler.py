@@ -119,8 +119,12 @@ def _stopping_waits_for(running: dict, grace_s: float = 120.0):
             get_run_logger().warning("stopping: waiting up to %.0f s for the running steps (%s) to end", grace_s,
                                      names)
             deadline = time.monotonic() + grace_s
-            for future in running:
-                future.wait(timeout=max(0.0, deadline - time.monotonic()))
+            try:
+                for future in running:
+                    future.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except (KeyboardInterrupt, ExternalSignal):  # a second one: no checkpoint first
+                local_ray.stopping_now.set()
+                raise
         raise
 
 
