@@ -147,8 +147,8 @@ def parser() -> argparse.ArgumentParser:
     co.add_argument("--store")
     co.add_argument("--json", action="store_true", help="the rows as a JSON list (null: not run yet)")
     co.add_argument("--over", choices=["variants", "steps"], default="variants",
-                    help="steps: one row per evaluated training step of each variant (eval.checkpoints), "
-                    "each metric against the step (default: one row per variant)")
+                    help="steps: one row per evaluated training step of each variant (eval.checkpoints, then "
+                    "the final model at the last step), each metric against the step (default: one row per variant)")
     sets(co)
 
     fo = command("forecast", "A scaling sweep's fitted law at other budgets: the compute-optimal N and D "

@@ -80,15 +80,22 @@ def _evaluations_of(train: Step, steps: list[Step]) -> list[Step]:
 
 def over_steps(experiment: Experiment, store: Store) -> list[dict]:
     """`kiln compare --over steps`: one row per evaluated training step (eval.checkpoints) of each
-    variant, with every metric of its evaluate step; `missing` where it has not run yet."""
+    variant, with every metric of its evaluate step; `missing` where it has not run yet. The
+    final model's evaluation ends each variant's rows, at the train step's last step, unless the
+    series has that step already (a kept step holds the model as published: the same scores)."""
     rows = []
     for variant in experiment.branches:
         steps = experiment.branch_steps(variant)
         for train in (s for s in steps if s.stage == "train"):
-            for evaluation in sorted((s for s in _evaluations_of(train, steps) if s.config.step is not None),
-                                     key=lambda s: s.config.step):
+            evaluations = _evaluations_of(train, steps)
+            series = sorted(((s.config.step, s) for s in evaluations if s.config.step is not None),
+                            key=lambda pair: pair[0])
+            last = train.config.train.steps
+            if series and series[-1][0] != last:
+                series += [(last, s) for s in evaluations if s.config.step is None]
+            for at, evaluation in series:
                 scored = store.is_done(evaluation.stage, evaluation.version)
-                row = {"variant": variant or experiment.name, "step": evaluation.config.step,
+                row = {"variant": variant or experiment.name, "step": at,
                        "status": "done" if scored else MISSING}
                 if scored:
                     scores = store.read_lineage(evaluation.stage, evaluation.version)["stats"]

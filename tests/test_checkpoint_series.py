@@ -64,6 +64,30 @@ def test_a_step_before_a_continue_phase_is_evaluated_where_it_was_trained():
     assert {steps[n].inputs["model"].name for n in steps if "/step-" in n} == {"train/cool"}
 
 
+def test_compare_over_steps_ends_with_the_final_models_evaluation_where_the_series_does_not(tmp_path):
+    """A series that stops before the last step ([100, 200] of 300) gets the plain evaluate step's
+    row at step 300, so the table runs to the model the run published; one that names the last
+    step already does not repeat it. Nothing has run: every row is missing, its evaluate step named.
+    Before, the final model's scores were left out of the table."""
+    from flows.compare import over_steps
+    from flows.experiment import from_config
+    from tasks.engine.store import Store
+
+    short = ExperimentConfig.model_validate({**SERIES, "eval": {**SERIES["eval"], "checkpoints": [100, 200]}})
+    steps = {s.name: s for s in recipe(short)}
+    rows = over_steps(from_config(short), Store(tmp_path))
+    assert [(r["step"], r["evaluate_version"]) for r in rows] == [
+        (100, steps["evaluate/step-100"].version), (200, steps["evaluate/step-200"].version),
+        (300, steps["evaluate"].version)]
+    assert {r["status"] for r in rows} == {"missing"}
+    whole = ExperimentConfig.model_validate(SERIES)
+    steps = {s.name: s for s in recipe(whole)}
+    assert [(r["step"], r["evaluate_version"]) for r in over_steps(from_config(whole), Store(tmp_path))] == [
+        (s, steps[f"evaluate/step-{s}"].version) for s in (100, 200, 300)]
+    assert over_steps(from_config(ExperimentConfig.model_validate({**SERIES, "eval": SMALL_ABLATION["eval"]})),
+                      Store(tmp_path)) == []  # no series: no rows (the CLI says to set eval.checkpoints)
+
+
 @pytest.mark.slow  # out of the fast suite (27 s alone, 61-75 s in it); CI runs it after it
 @pytest.mark.ci
 @pytest.mark.ray  # its training (or data workers) starts a local Ray: tests/conftest.py ray_lock
