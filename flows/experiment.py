@@ -101,8 +101,12 @@ def from_config(config: ExperimentConfig, source: str = "config") -> Experiment:
     """The experiment a config describes: one branch, or one per variant x grid point."""
     from flows.plan import recipe
 
-    branches = {name: Branch(recipe(cfg), overrides, cfg) for name, (overrides, cfg) in
-                branch_configs(config, source).items()}
+    branches = {}
+    for name, (overrides, cfg) in branch_configs(config, source).items():
+        try:
+            branches[name] = Branch(recipe(cfg), overrides, cfg)
+        except ValueError as e:  # a step refusing what the config asks of it, before anything runs
+            raise ConfigError(f"{source}: {f'variant {name!r}: ' if name else ''}{e}") from None
     return Experiment(config.name, branches, config.run, config)
 
 
@@ -194,7 +198,10 @@ def from_python(path: Path) -> Experiment:
     if not callable(build):
         raise ConfigError(f"{path}: a Python experiment defines `experiment()`, returning "
                           "{variant name: [steps]} or a list of steps")
-    built = build()
+    try:
+        built = build()
+    except ValueError as e:  # a step factory refusing its arguments (tasks/export.py's adapter chain, say)
+        raise ConfigError(f"{path}: experiment() failed: {e}") from e
     if isinstance(built, (list, tuple)):
         built = {"": list(built)}
     if not isinstance(built, dict) or not all(isinstance(s, Step) for ss in built.values() for s in ss):

@@ -121,7 +121,7 @@ def export_lora(ctx: StepContext, cfg, tokenizer, tokenizer_json: str, meta: dic
 def adapter_chain(model: Step) -> tuple[list[Step], Step | None]:
     """What `lora: adapter` exports for `model`: the steps whose LoRA updates it holds, first to last
     (it last), and the step whose model those updates apply to (None where that is a Hugging Face
-    folder, train.init.hf, or a random initialisation). SFT, DPO and a train step in mode weights
+    folder, train.init.hf; a random initialisation is refused: no export holds it). SFT, DPO and a train step in mode weights
     add their update to the model they start from, merged, which may hold one of its own (SFT with
     LoRA, then DPO with LoRA): the walk goes back while the model started from was trained with
     LoRA. A train step in mode continue or reset carries its parent's adapters on, so its update is
@@ -130,6 +130,11 @@ def adapter_chain(model: Step) -> tuple[list[Step], Step | None]:
     while (train := getattr(step.config, "train", None)) is not None and train.lora is not None:
         init = train.init if step.stage == "train" else None
         parent = step.inputs.get(INIT) if step.stage == "train" else step.inputs.get("model")
+        if parent is None and step.stage == "train" and init is None:
+            raise ValueError(f"export.lora: adapter: {step.name} trains its LoRA adapters on a random "
+                             "initialisation (no train.init), which no export holds, so a peft adapter would load "
+                             f"onto a base model that exists nowhere: start {step.name} from a model (train.init: "
+                             "from or hf) or leave export.lora at merged")
         parent_train = getattr(parent.config, "train", None) if parent is not None else None
         if parent_train is None or parent_train.lora is None:
             return chain, parent

@@ -259,14 +259,45 @@ def test_an_adapter_export_of_a_final_model_without_adapters_is_refused_when_the
         ExperimentConfig.model_validate(adapter_export_of(config))
 
 
+# LoRA on the pretrained model: a phase that starts from the pretraining's weights
+LORA_PHASE = {"lora": {"steps": 40, "mode": "weights", "train": {"lora": {"rank": 4}}}}
+
+
 @pytest.mark.parametrize("config,sections", [
-    ("tiny_cpu", {"train": {"lora": {"rank": 4}}}),
-    ("tiny_cpu", {"train": {"lora": {"rank": 4}}, "phases": {"more": {"steps": 10}}}),  # inherited by the phase
+    ("tiny_cpu", {"phases": LORA_PHASE}),
+    ("tiny_cpu", {"phases": {**LORA_PHASE, "more": {"steps": 10}}}),  # inherited by the continuing phase
     ("posttrain_cpu", {"posttrain": {"dpo": {"train": {"lora": {"rank": 4}}}}})])
 def test_an_adapter_export_of_a_final_model_trained_with_lora_is_accepted(config, sections):
     from flows.config import ExperimentConfig
+    from flows.experiment import from_config
 
-    ExperimentConfig.model_validate(adapter_export_of(config, **sections))
+    from_config(ExperimentConfig.model_validate(adapter_export_of(config, **sections)))
+
+
+@pytest.mark.parametrize("sections", [{"train": {"lora": {"rank": 4}}},
+                                      {"train": {"lora": {"rank": 4}}, "phases": {"more": {"steps": 10}}}])
+def test_an_adapter_export_of_lora_trained_on_a_random_initialisation_is_refused_before_anything_runs(tmp_path,
+                                                                                                     sections):
+    """Adapters trained on a random initialisation load onto a base model that no export holds:
+    refused when the plan is made (`kiln plan`, `kiln run`), from a YAML config or a Python
+    experiment, naming the step to start from a model. Before, the export wrote them, and no
+    base to use them with."""
+    import yaml
+
+    from flows.config import ConfigError, ExperimentConfig
+    from flows.experiment import from_config, load_experiment
+
+    said = r"export\.lora: adapter: train trains its LoRA adapters on a random initialisation .* start train from a model"
+    raw = adapter_export_of("tiny_cpu", **sections)
+    with pytest.raises(ConfigError, match=rf"^x\.yaml: {said}"):
+        from_config(ExperimentConfig.model_validate(raw), "x.yaml")
+    python = tmp_path / "random_lora.py"
+    python.write_text("from flows.config import ExperimentConfig\nfrom flows.plan import recipe\n\n"
+                      f"def experiment():\n    return recipe(ExperimentConfig.model_validate({raw!r}))\n")
+    with pytest.raises(ConfigError, match=rf"random_lora\.py: experiment\(\) failed: {said}"):
+        load_experiment(python)
+    (tmp_path / "merged.yaml").write_text(yaml.safe_dump({**raw, "export": {"lora": "merged"}}))
+    load_experiment(tmp_path / "merged.yaml")  # the merged export of the same training is fine
 
 
 @pytest.mark.parametrize("config,sections,lora_steps,base", [
@@ -275,11 +306,10 @@ def test_an_adapter_export_of_a_final_model_trained_with_lora_is_accepted(config
      ["sft"], "train"),
     # DPO alone with LoRA: its adapters over the SFT model, exported as the base
     ("posttrain_cpu", {"posttrain": {"dpo": {"train": {"lora": {"rank": 2}}}}}, [], "sft"),
-    # a continue phase carries the adapters on: its own are the whole update, over the run's start
-    ("tiny_cpu", {"train": {"lora": {"rank": 4}}, "phases": {"more": {"steps": 10}}}, [], None),
-    # a weights phase trains new adapters on the merged model: both, over the run's start
-    ("tiny_cpu", {"train": {"lora": {"rank": 4}}, "phases": {"more": {"steps": 40, "mode": "weights"}}},
-     ["train"], None)])
+    # a continue phase carries the adapters on: its own are the whole update, over the pretraining
+    ("tiny_cpu", {"phases": {**LORA_PHASE, "more": {"steps": 10}}}, [], "train"),
+    # a weights phase trains new adapters on the merged model: both, over the pretraining
+    ("tiny_cpu", {"phases": {**LORA_PHASE, "more": {"steps": 80, "mode": "weights"}}}, ["train/lora"], "train")])
 def test_the_adapter_export_takes_the_lora_steps_under_the_final_model_and_their_base(config, sections,
                                                                                    lora_steps, base):
     from flows.config import ExperimentConfig
