@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import re
+import threading
 import time
 from pathlib import Path
 
@@ -144,6 +145,47 @@ def test_a_host_that_fails_mid_run_fails_the_launch_naming_it(tmp_path, host):
     # in step 4's collectives (cancelled while waiting there)
     logged = [r["step"] for r in read_metrics(tmp_path / "work" / "metrics.jsonl")]
     assert (logged == [1, 2]) if host == 0 else (logged in ([1, 2], [1, 2, 3]))
+
+
+def test_a_stop_while_waiting_for_ray_to_place_the_hosts_ends_the_wait_at_once():
+    """A train step waiting for the local Ray's CPUs (another run's training holds them: here a
+    placement group of all of them) when the run is stopped: the wait ends within a second or
+    two with Stopped. Before, it checked for a stop never, and the run waited out the
+    scheduler's grace (120 s) before it could exit."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from training.launch import _wait_placed
+
+    outcome: list[BaseException | None] = []
+
+    def wait(group) -> None:
+        try:
+            _wait_placed(group, {"CPU": 1}, 1)
+            outcome.append(None)
+        except BaseException as e:
+            outcome.append(e)
+
+    with ray_lock():  # every CPU of the local Ray held for a few seconds: no other test's training beside it
+        local_ray.connect()
+        held = waiting = None
+        try:
+            held = placement_group([{"CPU": ray.cluster_resources()["CPU"]}])
+            ray.get(held.ready(), timeout=120)
+            waiting = placement_group([{"CPU": 1}])
+            waiter = threading.Thread(target=wait, args=(waiting,), daemon=True)
+            waiter.start()
+            time.sleep(3)
+            assert waiter.is_alive() and not outcome  # it waits: the CPUs are held
+            local_ray.stopping.set()
+            waiter.join(timeout=10)
+            assert not waiter.is_alive(), "the wait went on after the stop"
+        finally:
+            local_ray.stopping.clear()
+            for group in (waiting, held):
+                if group is not None:
+                    remove_placement_group(group)
+            local_ray.disconnect()
+    assert isinstance(outcome[0], local_ray.Stopped), outcome
 
 
 def slowed(ctx: LoopContext) -> list[Hook]:

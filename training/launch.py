@@ -350,7 +350,8 @@ def _wait_placed(group, bundle: dict, hosts: int, unplaceable_s: float = 120, re
     Ray is shared by the machine's runs, so a train step waits for another run's to end). What
     exceeds the whole cluster fails: at once on kiln's local Ray, after `unplaceable_s` on a
     cluster (which may be adding nodes). The cluster is asked again every round, since a node may
-    leave while the step waits (and a step that waited for it would wait forever)."""
+    leave while the step waits (and a step that waited for it would wait forever). A stop of the
+    run (Ctrl-C, SIGTERM) ends the wait within a second."""
     total, fits = _cluster_holds(bundle, hosts)
     if not fits and local_ray.connected():
         raise RuntimeError(
@@ -358,11 +359,14 @@ def _wait_placed(group, bundle: dict, hosts: int, unplaceable_s: float = 120, re
             f"has ({ {k: v for k, v in total.items() if k in bundle} }): lower resources.cpus_per_host (or hosts), "
             f"or give the local Ray more logical CPUs than cores with {local_ray.CPUS_ENV} (it takes effect when "
             "the local Ray next starts: `python -m tasks.engine.local_ray stop` once no run uses it)")
-    ready, start, timeout_s = group.ready(), time.monotonic(), min(5.0, report_s)
-    too_small_since = None if fits else start
-    while not ray.wait([ready], timeout=timeout_s)[0]:
-        timeout_s = report_s
+    ready, start = group.ready(), time.monotonic()
+    report_at, too_small_since = start + min(5.0, report_s), None if fits else start
+    while not ray.wait([ready], timeout=1.0)[0]:
+        local_ray.cancel_if_stopping([])  # Ctrl-C or SIGTERM while waiting: nothing started to stop
         now = time.monotonic()
+        if now < report_at:
+            continue
+        report_at = now + report_s
         total, fits = _cluster_holds(bundle, hosts)
         too_small_since = None if fits else (too_small_since or now)
         if too_small_since is not None and now - too_small_since >= unplaceable_s:
