@@ -6,12 +6,14 @@ limit are errors that say what to change."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -171,3 +173,48 @@ def test_redis_limits_hold_their_size(redis_url):
     assert a.release() == 0
     assert b.take(2)
     b.release()
+
+
+@pytest.mark.parametrize("backend", ["files", "redis"])
+@pytest.mark.parametrize("what", ["step lock", "slot"])
+def test_a_stop_ends_a_wait_for_what_another_run_holds(backend, what, tmp_path, request):
+    """A step waiting for another run (its lock on the same step version, or a slot limit it
+    holds) when this run is stopped (Ctrl-C, SIGTERM: local_ray.stopping): the wait ends within a
+    second with Stopped. Before, it waited on until the other run let go, and the stopped run sat
+    out the scheduler's grace (120 s) before it exited."""
+    from tasks.engine import local_ray
+    from tasks.engine.caching import StaleAwareLockManager
+    from tasks.engine.redis_lock import RedisLockManager
+
+    url = request.getfixturevalue("redis_url") if backend == "redis" else None
+    if what == "step lock":
+        locks = RedisLockManager(url) if url else StaleAwareLockManager(tmp_path / "locks")
+        assert locks.acquire_lock("step-x", holder="the other run")
+        wait = functools.partial(locks.acquire_lock, "step-x", holder="this run")
+        let_go = functools.partial(locks.release_lock, "step-x", "the other run")
+    else:
+        others = held("gpu", 1, {"gpu": 1}, url, 30.0, LOG)
+        others.__enter__()
+        wait = held("gpu", 1, {"gpu": 1}, url, 30.0, LOG).__enter__
+        let_go = functools.partial(others.__exit__, None, None, None)
+    outcome: list = []
+
+    def waiting() -> None:
+        try:
+            outcome.append(wait())
+        except BaseException as e:
+            outcome.append(e)
+
+    waiter = threading.Thread(target=waiting, daemon=True)
+    try:
+        waiter.start()
+        time.sleep(1.5)
+        assert waiter.is_alive() and not outcome  # it waits: the other run holds it
+        local_ray.stopping.set()
+        waiter.join(timeout=5)
+        assert not waiter.is_alive(), "the wait went on after the stop"
+    finally:
+        local_ray.stopping.clear()
+        let_go()
+        waiter.join(timeout=10)
+    assert isinstance(outcome[0], local_ray.Stopped) and "waits no longer for" in str(outcome[0]), outcome

@@ -23,6 +23,7 @@ from prefect.locking.filesystem import FileSystemLockManager
 from prefect.transactions import IsolationLevel
 from prefect.types._datetime import now, parse_datetime
 
+from tasks.engine import local_ray
 from tasks.engine.daemons import process_start
 
 if TYPE_CHECKING:
@@ -131,6 +132,16 @@ class StaleAwareLockManager(FileSystemLockManager):
 
     async def aacquire_lock(self, key, holder, acquire_timeout=None, hold_timeout=None) -> bool:
         return self.acquire_lock(key, holder, acquire_timeout, hold_timeout)
+
+    def wait_for_lock(self, key: str, timeout: float | None = None) -> bool:
+        """Prefect's wait (None or 0: without end), which a stop of this run (Ctrl-C, SIGTERM) ends."""
+        deadline = time.monotonic() + timeout if timeout else None
+        while self.is_locked(key):
+            local_ray.raise_if_stopping(f"another run's {key}")
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(0.1)
+        return True
 
     def is_locked(self, key: str, use_cache: bool = False) -> bool:
         """Whether a live holder has the lock. A stale lock counts as free but is left in place:

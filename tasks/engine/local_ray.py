@@ -134,6 +134,13 @@ def cancel_if_stopping(refs: list) -> None:
         raise Stopped("the run is stopping (Ctrl-C or SIGTERM): its Ray work was cancelled")
 
 
+def raise_if_stopping(waiting_for: str) -> None:
+    """Raise `Stopped` if the run is stopping; called between their waits by the loops that wait
+    for another run (its step lock, a slot limit it holds), which would otherwise wait on."""
+    if stopping.is_set():
+        raise Stopped(f"the run is stopping (Ctrl-C or SIGTERM): it waits no longer for {waiting_for}")
+
+
 @contextlib.contextmanager
 def _keeping_our_handlers():
     """Around ray.init in a driver: Ray's driver would install a failure handler over the

@@ -25,6 +25,8 @@ from functools import lru_cache
 import redis
 from prefect.locking.protocol import LockManager
 
+from tasks.engine import local_ray
+
 log = logging.getLogger("kiln.locks")
 PREFIX = "kiln:lock:"
 POLL_S = 0.2
@@ -60,6 +62,7 @@ class RedisLockManager(LockManager):
                 return True
             if deadline is not None and time.monotonic() >= deadline:
                 return False
+            local_ray.raise_if_stopping(f"another run's {key}")
             time.sleep(POLL_S)
 
     async def aacquire_lock(self, key: str, holder: str, acquire_timeout: float | None = None,
@@ -83,6 +86,7 @@ class RedisLockManager(LockManager):
     def wait_for_lock(self, key: str, timeout: float | None = None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.is_locked(key):
+            local_ray.raise_if_stopping(f"another run's {key}")
             if deadline is not None and time.monotonic() >= deadline:
                 return False
             time.sleep(POLL_S)

@@ -36,6 +36,8 @@ from typing import Callable, Iterator
 
 from pydantic import BaseModel
 
+from tasks.engine import local_ray
+
 DIR_ENV = "KILN_SLOTS_DIR"  # the file back end's folder (default: one per user in the temp folder)
 REPORT_S = 30.0  # how often a waiting step says it still waits
 POLL_S = 0.5
@@ -84,6 +86,7 @@ def held(name: str, count: int, limits: dict[str, int], lock_url: str | None, le
     pool = RedisSlots(lock_url, name, size, lease_s) if lock_url else FileSlots(name, size)
     start, reported, waiting = time.monotonic(), None, False
     while not pool.take(count):
+        local_ray.raise_if_stopping(f"{count} slot(s) of {name!r}, which other steps hold")
         now = time.monotonic()
         if reported is None or now - reported >= REPORT_S:
             log.info("waiting for %d slot(s) of %r (limit %d, %s): other steps hold them; waited %.0f s",
