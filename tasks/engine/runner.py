@@ -18,7 +18,6 @@ import shutil
 import time
 import traceback
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Protocol
 
 from prefect import get_run_logger, task
