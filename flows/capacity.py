@@ -43,15 +43,19 @@ def default_devices(resources) -> int:
 
 def capacity(config_path: str, devices: int | None = None, targets: list[str] | None = None, mfu: float = 0.4,
              memory_fraction: float = DEFAULT_MEMORY_FRACTION, remat: str | None = None,
-             strategy: str | None = None, sets: Sequence[str] = ()) -> dict:
-    """The report for an experiment config on `devices` simulated devices (None: as many as its
-    resources ask for); `remat` and `strategy` override its train section, `sets` any field
-    (`--set`: flows.config.load_config)."""
+             strategy: str | None = None, sets: Sequence[str] = (), step: str = "train") -> dict:
+    """The report for an experiment config's train step `step` (`train`, or a phase's,
+    `train/<phase>`, whose train section may change the batch or the mesh) on `devices` simulated
+    devices (None: as many as its resources ask for); `remat` and `strategy` override its train
+    section, `sets` any field (`--set`: flows.config.load_config)."""
     from flows.config import load_config
     from flows.plan import model_of
 
     config = load_config(config_path, sets)
-    train = config.train
+    trains = config.phase_trains()
+    if step not in trains:
+        raise ValueError(f"{config_path} has no train step {step!r}; its train steps: {', '.join(trains)}")
+    train = trains[step][0]
     if remat is not None:
         train = train.model_copy(update={"remat": remat})
     if strategy is not None:
@@ -60,12 +64,15 @@ def capacity(config_path: str, devices: int | None = None, targets: list[str] | 
         train = train.model_copy(update={"eos_id": 0})
     train = type(train).model_validate(train.model_dump(by_alias=True))  # re-checked with the overrides
     model = model_of(config)  # a preset's own vocab_size (Llama 3's) as it gives it: a padded vocabulary
-    return report(planned(model, train, devices or default_devices(config.resources)), targets or list(DEVICES), mfu,
-                  memory_fraction)
+    r = report(planned(model, train, devices or default_devices(config.resources)), targets or list(DEVICES), mfu,
+               memory_fraction)
+    return {"step": step, "train_steps": list(trains), **r}
 
 
 def print_report(r: dict, config_path: str, as_json: bool) -> None:
     if as_json:
         print(json.dumps({"config": config_path, **r}, indent=2))
-    else:
-        print(f"{config_path}:\n{table(r)}")
+        return
+    others = [s for s in r["train_steps"] if s != r["step"]]
+    print(f"{config_path}, {r['step']}" + (f" (also: {', '.join(others)}; --step NAME)" if others else "")
+          + f":\n{table(r)}")

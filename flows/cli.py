@@ -137,6 +137,8 @@ def parser() -> argparse.ArgumentParser:
                     "(XLA_PYTHON_CLIENT_MEM_FRACTION; default 0.75, JAX's preallocation)")
     ca.add_argument("--remat", choices=["none", "full", "dots_saveable", "offload"], help="override train.remat")
     ca.add_argument("--strategy", choices=["dp", "fsdp"], help="override train.mesh.strategy")
+    ca.add_argument("--step", default="train", metavar="NAME", help="the train step to plan: train (default) or "
+                    "a phase's, train/<phase>, whose train section may change the batch, the mesh or remat")
     ca.add_argument("--json", action="store_true", help="the numbers as JSON (bytes per device)")
     sets(ca)
 
@@ -399,7 +401,7 @@ def cmd_capacity(args) -> int:
 
     try:
         r = capacity(args.config, args.devices, args.device, args.mfu, args.memory_fraction, args.remat, args.strategy,
-                     args.sets)
+                     args.sets, args.step)
     except (ValueError, RuntimeError) as e:  # a config the mesh cannot take, an unknown device, a failed compile
         raise KilnUserError(str(e)) from None
     print_report(r, args.config, args.json)

@@ -113,3 +113,26 @@ def test_a_batch_the_devices_cannot_split_names_the_devices_flag():
 
     with pytest.raises(RuntimeError, match=r"does not split .* over 3 data-parallel devices.*--devices N"):
         planned(MODEL, TRAIN.model_copy(update={"mesh": TRAIN.mesh.model_copy(update={"strategy": "dp"})}), devices=3)
+
+
+def test_kiln_capacity_plans_a_phase_whose_train_section_changes_the_batch(tmp_path):
+    """A phase (a cooldown, say) may train with another batch, mesh or remat than `train`: `--step
+    train/<phase>` plans it, and says which step it planned and which others there are. Before,
+    only `train` could be planned."""
+    import yaml
+
+    from flows.capacity import capacity, print_report
+
+    raw = yaml.safe_load((REPO / "configs" / "tiny_cpu.yaml").read_text())
+    raw["phases"] = {"wide": {"steps": 10, "train": {"batch_size": 64}}}
+    config = tmp_path / "phased.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    base = capacity(str(config), devices=1, targets=["h100-80gb"])
+    wide = capacity(str(config), devices=1, targets=["h100-80gb"], step="train/wide")
+    assert base["step"] == "train" and wide["step"] == "train/wide" and wide["train_steps"] == ["train", "train/wide"]
+    assert wide["flops_per_step"] == 4 * base["flops_per_step"]  # a batch of 64 against tiny_cpu's 16
+    assert wide["temp_bytes"] > base["temp_bytes"]  # the activations of four times the sequences
+    assert wide["param_bytes"] == base["param_bytes"]
+    print_report(wide, "phased.yaml", as_json=False)
+    with pytest.raises(ValueError, match=r"has no train step 'train/cool'; its train steps: train, train/wide"):
+        capacity(str(config), devices=1, step="train/cool")
