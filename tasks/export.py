@@ -121,11 +121,11 @@ def export_lora(ctx: StepContext, cfg, tokenizer, tokenizer_json: str, meta: dic
 def adapter_chain(model: Step) -> tuple[list[Step], Step | None]:
     """What `lora: adapter` exports for `model`: the steps whose LoRA updates it holds, first to last
     (it last), and the step whose model those updates apply to (None where that is a Hugging Face
-    folder, train.init.hf; a random initialisation is refused: no export holds it). SFT, DPO and a train step in mode weights
-    add their update to the model they start from, merged, which may hold one of its own (SFT with
-    LoRA, then DPO with LoRA): the walk goes back while the model started from was trained with
-    LoRA. A train step in mode continue or reset carries its parent's adapters on, so its update is
-    already the parent's too: the walk passes the parent without counting it."""
+    folder, train.init.hf; a random initialisation is refused: no export holds it). SFT, DPO and a
+    train step in mode weights add their update to the model they start from, merged, which may hold
+    one of its own (SFT with LoRA, then DPO with LoRA): the walk goes back while the model started
+    from was trained with LoRA. A train step in mode continue or reset carries its parent's adapters
+    on, so its update is already the parent's too: the walk passes the parent without counting it."""
     chain, step = [model], model
     while (train := getattr(step.config, "train", None)) is not None and train.lora is not None:
         init = train.init if step.stage == "train" else None

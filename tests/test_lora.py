@@ -287,7 +287,8 @@ def test_an_adapter_export_of_lora_trained_on_a_random_initialisation_is_refused
     from flows.config import ConfigError, ExperimentConfig
     from flows.experiment import from_config, load_experiment
 
-    said = r"export\.lora: adapter: train trains its LoRA adapters on a random initialisation .* start train from a model"
+    said = (r"export\.lora: adapter: train trains its LoRA adapters on a random initialisation .* "
+            r"start train from a model")
     raw = adapter_export_of("tiny_cpu", **sections)
     with pytest.raises(ConfigError, match=rf"^x\.yaml: {said}"):
         from_config(ExperimentConfig.model_validate(raw), "x.yaml")

@@ -362,7 +362,7 @@ def _wait_placed(group, bundle: dict, hosts: int, unplaceable_s: float = 120, re
     ready, start = group.ready(), time.monotonic()
     report_at, too_small_since = start + min(5.0, report_s), None if fits else start
     while not ray.wait([ready], timeout=1.0)[0]:
-        local_ray.cancel_if_stopping([])  # Ctrl-C or SIGTERM while waiting: nothing started to stop
+        local_ray.raise_if_stopping(f"Ray to place {hosts} host task(s)")  # nothing started yet to cancel
         now = time.monotonic()
         if now < report_at:
             continue
@@ -418,7 +418,7 @@ def _free_address() -> str:
 
 
 def _wait_relaying(refs: list, queue, on_metrics, poll_s: float, where: Callable[[int], str],
-                   stop_requests: Queue | None = None, stop_grace_s: float = STOP_GRACE_S) -> list[dict]:
+                   stop_requests: Queue, stop_grace_s: float = STOP_GRACE_S) -> list[dict]:
     """Wait for every host task, passing queued metrics on as they come. If one host fails, the
     others would wait forever in a collective: cancel them and raise the failure, naming the
     host and its node (`where(host)`).
@@ -444,7 +444,7 @@ def _wait_relaying(refs: list, queue, on_metrics, poll_s: float, where: Callable
     while pending:
         done, pending = ray.wait(pending, num_returns=1, timeout=poll_s)
         drain()
-        if local_ray.stopping.is_set() and stop_requests is not None and asked_at is None:
+        if local_ray.stopping.is_set() and asked_at is None:
             stop_requests.put(True)
             asked_at = time.monotonic()
             print(f"stopping: the training checkpoints the step it is at and stops (cancelled after {stop_grace_s:.0f} "

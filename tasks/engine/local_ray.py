@@ -136,7 +136,7 @@ def cancel_if_stopping(refs: list) -> None:
 
 def raise_if_stopping(waiting_for: str) -> None:
     """Raise `Stopped` if the run is stopping; called between their waits by the loops that wait
-    for another run (its step lock, a slot limit it holds), which would otherwise wait on."""
+    for another run (its step lock, a slot limit or Ray's CPUs it holds), which would otherwise wait on."""
     if stopping.is_set():
         raise Stopped(f"the run is stopping (Ctrl-C or SIGTERM): it waits no longer for {waiting_for}")
 

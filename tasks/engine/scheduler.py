@@ -108,9 +108,10 @@ def _next_done(done: queue.Queue):
 def _stopping_waits_for(running: dict, grace_s: float = 120.0):
     """On Ctrl-C or SIGTERM (KeyboardInterrupt, or the TerminationSignal that Prefect's own SIGTERM
     handler raises while a flow runs), tell the running steps to stop (local_ray.stopping: they
-    cancel their Ray work) and wait for them, up to `grace_s`, before Ray is left and the
-    interrupt goes on: Prefect would otherwise wait for a training to finish before it let the
-    process end."""
+    cancel their Ray work, a training first checkpoints where it is) and wait for them, up to
+    `grace_s`, before Ray is left and the interrupt goes on: Prefect would otherwise wait for a
+    training to finish before it let the process end. A second one meanwhile sets
+    local_ray.stopping_now: nothing more is checkpointed."""
     try:
         yield
     except (KeyboardInterrupt, ExternalSignal):
