@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import sys
@@ -54,13 +53,16 @@ def _prefect_defaults() -> None:
 
 
 def _ephemeral_server_apart() -> None:
-    """Prefect's ephemeral API server, when this process starts one, in a session of its own.
+    """Prefect's ephemeral API server, when this process starts one, in a session of its own and
+    deaf to a stop meant for the whole job until this process is done with it.
 
-    Ctrl-C in a terminal goes to the whole foreground process group, and so does `kill -- -PGID`
-    (a batch scheduler's stop): the server, a child in kiln's group, stopped with kiln, the run
-    could no longer report its states, and Prefect's client retried for minutes before kiln exited
-    1 saying the API had stopped answering (142 s here) instead of 130 at once. Apart, it outlives
-    the signal and ends as before: at exit (Prefect's atexit), or by kiln's reaper after a SIGKILL.
+    Ctrl-C in a terminal goes to the whole foreground process group, and so does `kill -- -PGID`;
+    systemd's stop and Slurm's `scancel` send SIGTERM to every process of the job. The server
+    stopped with kiln, the run could no longer report its states, and Prefect's client retried for
+    minutes before kiln exited 1 saying the API had stopped answering (142 s here) instead of 130
+    at once. Apart, and run by `flows/ephemeral_api.py` (which holds SIGINT and SIGTERM until its
+    stdin closes), it outlives the signal and ends as before: at exit (Prefect's atexit, which
+    stops it here), or when this process dies (its stdin closes; kiln's reaper too).
     Prefect looks its server up as `SubprocessASGIServer()` (one per process, keyed by port None):
     the instance made here is the one it finds."""
     from prefect.settings import PREFECT_API_URL
@@ -69,15 +71,25 @@ def _ephemeral_server_apart() -> None:
         return
     from prefect.server.api import server
 
+    def popen(args, **kwargs):
+        at = args.index("uvicorn")  # Prefect's `python -m uvicorn ...`, run by kiln's module
+        return real.Popen([*args[:at], "flows.ephemeral_api", *args[at + 1:]], stdin=real.PIPE,
+                          start_new_session=True, **kwargs)
+
+    real = server.subprocess
+
     class ServerApart(server.SubprocessASGIServer):
         def _run_uvicorn_command(self):
-            # Prefect's own command, its Popen in a new session; only its module sees the change
-            real = server.subprocess
-            server.subprocess = types.SimpleNamespace(Popen=functools.partial(real.Popen, start_new_session=True))
+            server.subprocess = types.SimpleNamespace(Popen=popen)  # only Prefect's module sees it
             try:
                 return super()._run_uvicorn_command()
             finally:
                 server.subprocess = real
+
+        def stop(self):
+            if self.server_process is not None:
+                self.server_process.stdin.close()  # the server takes its SIGTERM again
+            super().stop()
 
     if None not in server.SubprocessASGIServer._instances:  # else this process made (or started) it already
         ServerApart()

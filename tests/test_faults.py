@@ -25,8 +25,10 @@ import psutil
 import pytest
 import yaml
 
+from tasks.engine import local_ray
 from tasks.engine.store import LINEAGE, Store, published
-from tests.conftest import REPO, kiln, prefect_server_process, stop_group, wait_until
+from tests.conftest import REPO, kiln, prefect_server_process, ray_lock, stop_group, wait_until
+from tests.test_local_ray import alive
 
 # Files whose bytes record when or how fast, not what: compared by presence only.
 TIMING_FILES = ("metrics.jsonl", "loss.png")
@@ -141,8 +143,9 @@ def past_first_checkpoint(proc: subprocess.Popen, log: Path) -> None:
 
 
 @pytest.mark.ray  # its kiln run starts a local Ray
-@pytest.mark.parametrize("sig,to", [(signal.SIGTERM, "kiln"), (signal.SIGINT, "kiln"), (signal.SIGINT, "group")],
-                         ids=["SIGTERM", "Ctrl-C", "Ctrl-C-in-a-terminal"])
+@pytest.mark.parametrize("sig,to", [(signal.SIGTERM, "kiln"), (signal.SIGINT, "kiln"), (signal.SIGINT, "group"),
+                                    (signal.SIGTERM, "every process")],
+                         ids=["SIGTERM", "Ctrl-C", "Ctrl-C-in-a-terminal", "SIGTERM-to-every-process"])
 def test_a_signal_during_training_stops_the_run_at_once_and_the_rerun_resumes_where_it_stopped(tmp_path, sig, to):
     """SIGTERM (a scheduler's stop, `docker stop`, a Prefect worker's cancellation) or Ctrl-C to
     `kiln run` while it trains: the hosts checkpoint the step they are at and stop, and the run
@@ -153,21 +156,34 @@ def test_a_signal_during_training_stops_the_run_at_once_and_the_rerun_resumes_wh
 
     Ctrl-C in a terminal goes to the whole process group, Prefect's ephemeral API server (kiln
     runs without PREFECT_API_URL) included: before, the server stopped with kiln, and the run
-    lingered 142 s retrying the dead API, then exited 1 saying the API had stopped answering."""
+    lingered 142 s retrying the dead API, then exited 1 saying the API had stopped answering.
+
+    systemd's stop and Slurm's `scancel` send SIGTERM to every process of the job, the local Ray's
+    keeper and node included: before, the node and the server stopped at once, the hosts with the
+    node, and kiln exited 1 after 60 s, Ray saying its GCS had gone, the steps since the last
+    periodic checkpoint lost."""
     config, store, log = long_training(tmp_path)
     env = None if to == "kiln" else {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
-    proc = start_run(config, store, log, "--until", "train", env=env)
-    try:
-        past_first_checkpoint(proc, log)
-        if to == "kiln":
-            proc.send_signal(sig)  # to kiln alone, as `kill PID` sends it
-        else:
-            os.killpg(proc.pid, sig)  # as a terminal's Ctrl-C: kiln's whole process group
-        t0 = time.monotonic()
-        code = proc.wait(timeout=180)
-        took = time.monotonic() - t0
-    finally:
-        stop_group(proc, grace_s=0)
+    with ray_lock(exclusive=to == "every process"):  # that signal reaches the keeper other tests' runs share
+        proc = start_run(config, store, log, "--until", "train", env=env)
+        try:
+            past_first_checkpoint(proc, log)
+            if to == "kiln":
+                proc.send_signal(sig)  # to kiln alone, as `kill PID` sends it
+            elif to == "group":
+                os.killpg(proc.pid, sig)  # as a terminal's Ctrl-C: kiln's whole process group
+            else:
+                job = every_process_of_the_run(proc)
+                for p in job:
+                    p.send_signal(sig)
+            t0 = time.monotonic()
+            code = proc.wait(timeout=180)
+            took = time.monotonic() - t0
+            if to == "every process":  # the keeper too, once no run uses it; the server at kiln's exit
+                wait_until(lambda: not any(map(alive, job)), 60, "the run's processes to end",
+                           detail=lambda: [p for p in job if alive(p)])
+        finally:
+            stop_group(proc, grace_s=0)
     said = log.read_text()
     assert code == (143 if sig == signal.SIGTERM else 130), said[-3000:]
     assert ("terminated (SIGTERM)" if sig == signal.SIGTERM else "kiln: interrupted") in said
@@ -183,6 +199,15 @@ def test_a_signal_during_training_stops_the_run_at_once_and_the_rerun_resumes_wh
     assert " ran " in train
     (output,) = (store / "train").glob("*/lineage.json")
     assert json.loads(output.read_text())["stats"]["resumed_from_step"] == stopped_at
+
+
+def every_process_of_the_run(proc: subprocess.Popen) -> list[psutil.Process]:
+    """kiln, the processes it started, and the local Ray's keeper and node, as a cgroup holds them
+    (the keeper is kiln's child only when this run started it)."""
+    keeper = local_ray.read_head(local_ray.ray_dir())
+    assert keeper is not None, "the run's training has joined the local Ray by now"
+    tops = {psutil.Process(proc.pid), psutil.Process(keeper["pid"])}
+    return list({p for top in tops for p in [top, *top.children(recursive=True)]})
 
 
 @pytest.mark.ray  # its kiln run starts a local Ray

@@ -305,14 +305,30 @@ def _start_keeper(folder: Path) -> dict:
 
 def keep() -> None:
     """Start the node, say where it is, and end it once nobody has held users.lock for the idle
-    time (or on SIGTERM/SIGINT)."""
+    time; on SIGTERM or SIGINT once nobody holds it, on SIGUSR1 (`stop`) at once.
+
+    A stop meant for a whole job (systemd's `systemctl stop`, Slurm's `scancel` or time limit:
+    SIGTERM to every process of it) reaches the keeper and its node too, while the runs on it are
+    checkpointing their trainings to stop: the node's processes start with SIGINT and SIGTERM
+    blocked (Ray ends them with SIGKILL a second after its SIGTERM), and the keeper waits for the
+    runs to let go. Before, the node stopped at once, the hosts with it, and a run lost the steps
+    since its last checkpoint, then exited 1 a minute later, Ray saying its GCS had gone."""
     import ray
 
     folder, idle_s, cpus = ray_dir(), idle_seconds(), logical_cpus()
-    stopping = []
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stopping.append(True))
-    start_local_ray(num_cpus=cpus, attempts=8)  # once per machine: worth a few more on a loaded one
+    signalled: list[str] = []
+
+    def stop(signum, frame):
+        signalled.append("now" if signum == signal.SIGUSR1 else "once unused")
+        print(f"kiln local Ray: {signal.Signals(signum).name}, stopping {signalled[-1]}", flush=True)
+
+    unblock = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})  # for the node's processes
+    try:
+        start_local_ray(num_cpus=cpus, attempts=8)  # once per machine: worth a few more on a loaded one
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+            signal.signal(sig, stop)  # after ray.init, which puts Ray's failure handler (an abort) on SIGTERM
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, unblock)
     head = {"address": ray.get_runtime_context().gcs_address, "pid": os.getpid(),
             "started": process_start(os.getpid()), "cpus": cpus}
     tmp = folder / f"head.json.{os.getpid()}"
@@ -321,7 +337,7 @@ def keep() -> None:
     print(f"kiln local Ray up: {head}", flush=True)
     users = os.open(folder / "users.lock", os.O_RDWR | os.O_CREAT, 0o600)
     idle_since = None
-    while not stopping:
+    while "now" not in signalled:
         time.sleep(0.5)
         try:
             fcntl.flock(users, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -329,12 +345,12 @@ def keep() -> None:
             idle_since = None
             continue
         idle_since = idle_since or time.monotonic()
-        if time.monotonic() - idle_since >= idle_s:
+        if signalled or time.monotonic() - idle_since >= idle_s:
             break  # ends holding the lock: a run that comes now waits, then starts a new keeper
         fcntl.flock(users, fcntl.LOCK_UN)
     (folder / "head.json").unlink(missing_ok=True)
     ray.shutdown()
-    print("kiln local Ray stopped: " + ("signalled" if stopping else f"unused for {idle_s:g} s"), flush=True)
+    print("kiln local Ray stopped: " + ("signalled" if signalled else f"unused for {idle_s:g} s"), flush=True)
 
 
 @contextlib.contextmanager
@@ -418,7 +434,7 @@ def main(argv: list[str]) -> int:
         return 0
     if command == "stop":
         if head:
-            os.kill(head["pid"], signal.SIGTERM)
+            os.kill(head["pid"], signal.SIGUSR1)  # at once, with the runs using it
             while process_start(head["pid"]) == head["started"]:
                 time.sleep(0.2)
         return 0
