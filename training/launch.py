@@ -464,7 +464,7 @@ def _wait_relaying(refs: list, queue, on_metrics, poll_s: float, where: Callable
                                    f"{type(e).__name__}: {e}") from e
     drain()
     if stopped_at:
-        raise local_ray.Stopped(f"the run is stopping (Ctrl-C or SIGTERM): the training stopped at step "
+        raise local_ray.Stopped(f"{local_ray.STOPPING}: the training stopped at step "
                                 f"{max(stopped_at)}, its checkpoint saved there, where the rerun resumes")
     return [results[r] for r in refs]
 

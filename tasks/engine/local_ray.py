@@ -92,9 +92,12 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM, ending a run as Ctrl-C does (`stop_on_signals`)."""
 
 
+STOPPING = "the run is stopping (Ctrl-C or SIGTERM)"  # what every Stopped says first
+
+
 class Stopped(RuntimeError):
     """A step's Ray work stopped because the run is stopping (Ctrl-C, SIGTERM): cancelled, or a
-    training stopped at a checkpoint (training/launch.py)."""
+    training stopped at a checkpoint (training/launch.py). Its message starts with STOPPING."""
 
 
 stopping = threading.Event()  # set by Ctrl-C or SIGTERM in a run: its steps' Ray work stops (a training checkpoints)
@@ -131,14 +134,14 @@ def cancel_if_stopping(refs: list) -> None:
     if stopping.is_set():
         for ref in refs:
             ray.cancel(ref, force=True)
-        raise Stopped("the run is stopping (Ctrl-C or SIGTERM): its Ray work was cancelled")
+        raise Stopped(f"{STOPPING}: its Ray work was cancelled")
 
 
 def raise_if_stopping(waiting_for: str) -> None:
     """Raise `Stopped` if the run is stopping; called between their waits by the loops that wait
     for another run (its step lock, a slot limit or Ray's CPUs it holds), which would otherwise wait on."""
     if stopping.is_set():
-        raise Stopped(f"the run is stopping (Ctrl-C or SIGTERM): it waits no longer for {waiting_for}")
+        raise Stopped(f"{STOPPING}: it waits no longer for {waiting_for}")
 
 
 @contextlib.contextmanager

@@ -23,6 +23,7 @@ from typing import Protocol
 from prefect import get_run_logger, task
 from prefect.context import get_run_context
 
+from tasks.engine import local_ray
 from tasks.engine.caching import result_storage, step_cache_policy
 from tasks.engine.lineage import build_lineage, now, publish_to_prefect
 from tasks.engine.step import Shown, Step, StepContext
@@ -31,6 +32,22 @@ from tasks.engine.store import Store, check_output, verify_output
 
 class StepFailed(RuntimeError):
     """A stage body raised; the message names the stage, its version and the cause."""
+
+
+class _StopsSaidBriefly(logging.Filter):
+    """Prefect logs a task that raised at ERROR with its tracebacks: for a step that stopped because
+    the run is stopping (`local_ray.Stopped`, its message starting with STOPPING) that was 33 lines
+    for one Ctrl-C, read as a crash. The user asked for the stop: its lines are warnings, without
+    the traceback (the step's failure record in the store keeps it)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if local_ray.STOPPING in record.getMessage():
+            record.exc_info = record.exc_text = None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+logging.getLogger("prefect.task_runs").addFilter(_StopsSaidBriefly())  # the logger of every task run's lines
 
 
 @dataclass(frozen=True)
