@@ -71,9 +71,11 @@ def _ephemeral_server_apart() -> None:
         return
     from prefect.server.api import server
 
-    def popen(args, **kwargs):
+    def popen(args, env, **kwargs):
         at = args.index("uvicorn")  # Prefect's `python -m uvicorn ...`, run by kiln's module
-        return real.Popen([*args[:at], "flows.ephemeral_api", *args[at + 1:]], stdin=real.PIPE,
+        kiln = str(Path(__file__).resolve().parents[1])  # importable there however this process found it
+        env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [kiln, env.get("PYTHONPATH")]))}
+        return real.Popen([*args[:at], "flows.ephemeral_api", *args[at + 1:]], env=env, stdin=real.PIPE,
                           start_new_session=True, **kwargs)
 
     real = server.subprocess
