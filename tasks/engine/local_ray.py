@@ -101,11 +101,11 @@ class Stopped(RuntimeError):
 
 
 stopping = threading.Event()  # set by Ctrl-C or SIGTERM in a run: its steps' Ray work stops (a training checkpoints)
-stopping_now = threading.Event()  # set by a second one: all of it is cancelled where it is
+stopping_now = threading.Event()  # set by a Ctrl-C after either: all of it is cancelled where it is
 
 
 def _stop(signum, frame) -> None:
-    if stopping.is_set():
+    if stopping.is_set() and signum == signal.SIGINT:
         stopping_now.set()
     stopping.set()
     if signum == signal.SIGTERM:
@@ -116,8 +116,9 @@ def _stop(signum, frame) -> None:
 def stop_on_signals() -> None:
     """Ctrl-C and SIGTERM (a scheduler's stop, `docker stop`, systemd, `kill`) end this run
     promptly: `stopping` is set, so the steps waiting on Ray cancel their work (`cancel_if_stopping`;
-    a train step's hosts first checkpoint the step they are at, training/launch.py; a second
-    signal sets `stopping_now`, and they too are cancelled where they are), and a
+    a train step's hosts first checkpoint the step they are at, training/launch.py; a Ctrl-C
+    after the first signal sets `stopping_now`, and they too are cancelled where they are; a
+    SIGTERM after it changes nothing: supervisors send it more than once), and a
     KeyboardInterrupt (`Terminated` for SIGTERM) unwinds the flow in the main thread, so Prefect
     and Ray shut down as after Ctrl-C. Call it from the main thread. While a flow runs, Prefect's
     own SIGTERM handler raises its TerminationSignal instead, which the scheduler takes as the

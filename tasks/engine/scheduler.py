@@ -15,7 +15,7 @@ import queue
 import time
 
 from prefect import get_run_logger
-from prefect.exceptions import ExternalSignal
+from prefect.exceptions import ExternalSignal, TerminationSignal
 from prefect.utilities.annotations import quote
 
 from tasks.engine import local_ray
@@ -110,21 +110,27 @@ def _stopping_waits_for(running: dict, grace_s: float = 120.0):
     handler raises while a flow runs), tell the running steps to stop (local_ray.stopping: they
     cancel their Ray work, a training first checkpoints where it is) and wait for them, up to
     `grace_s`, before Ray is left and the interrupt goes on: Prefect would otherwise wait for a
-    training to finish before it let the process end. A second one meanwhile sets
-    local_ray.stopping_now: nothing more is checkpointed."""
+    training to finish before it let the process end. A Ctrl-C meanwhile sets
+    local_ray.stopping_now: nothing more is checkpointed. A SIGTERM meanwhile does not: a
+    supervisor and the job's scheduler often both send one (systemd or Slurm, and a Prefect
+    runner cancelling its flow runs as it shuts down), and the stop goes on as it was."""
     try:
         yield
     except (KeyboardInterrupt, ExternalSignal):
         local_ray.stopping.set()
-        names = ", ".join(step.name for step, _ in running.values())
-        if names:
-            get_run_logger().warning("stopping: waiting up to %.0f s for the running steps (%s) to end", grace_s,
-                                     names)
-            deadline = time.monotonic() + grace_s
+        deadline, waiting, said = time.monotonic() + grace_s, list(running), False
+        while waiting:  # another signal may come at any moment: all that follows is under the try
             try:
-                for future in running:
-                    future.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except (KeyboardInterrupt, ExternalSignal):  # a second one: no checkpoint first
+                if not said:
+                    said = True
+                    get_run_logger().warning("stopping: waiting up to %.0f s for the running steps (%s) to end",
+                                             grace_s, ", ".join(step.name for step, _ in running.values()))
+                waiting[0].wait(timeout=max(0.0, deadline - time.monotonic()))
+                waiting.pop(0)
+            except (local_ray.Terminated, TerminationSignal):
+                get_run_logger().warning("SIGTERM again: still waiting for the running steps (Ctrl-C stops them "
+                                         "at once)")
+            except (KeyboardInterrupt, ExternalSignal):  # no checkpoint first
                 local_ray.stopping_now.set()
                 raise
         raise
