@@ -26,6 +26,7 @@ import pytest
 import yaml
 
 from tasks.engine import local_ray
+from tasks.engine.reaper import kept_apart
 from tasks.engine.store import LINEAGE, Store, published
 from tests.conftest import REPO, kiln, prefect_server_process, ray_lock, stop_group, wait_until
 from tests.test_local_ray import alive
@@ -177,6 +178,7 @@ def test_a_signal_during_training_stops_the_run_at_once_and_the_rerun_resumes_wh
                 os.killpg(proc.pid, sig)  # as a terminal's Ctrl-C: kiln's whole process group
             else:
                 job = every_process_of_the_run(proc)
+                own = [p for p in job if not kept_apart(p)]  # the keeper's stay while other runs use them
                 for p in job:
                     p.send_signal(sig)
                 time.sleep(0.2)
@@ -184,9 +186,9 @@ def test_a_signal_during_training_stops_the_run_at_once_and_the_rerun_resumes_wh
             t0 = time.monotonic()
             code = proc.wait(timeout=180)
             took = time.monotonic() - t0
-            if to == "every process":  # the keeper too, once no run uses it; the server at kiln's exit
-                wait_until(lambda: not any(map(alive, job)), 60, "the run's processes to end",
-                           detail=lambda: [p for p in job if alive(p)])
+            if to == "every process":  # the Prefect server among them, once kiln is done with it
+                wait_until(lambda: not any(map(alive, own)), 60, "the run's processes to end",
+                           detail=lambda: [p for p in own if alive(p)])
         finally:
             stop_group(proc, grace_s=0)
     said = log.read_text()
@@ -288,6 +290,7 @@ def test_cancelling_a_served_run_in_prefect_stops_its_training_at_once(tmp_path,
                         client.set_flow_run_state(run.id, Cancelling())
                     else:
                         job = every_process_of_the_run(serve)
+                        own = [p for p in job if not kept_apart(p)]  # the keeper's stay while other runs use them
                         for p in job:
                             p.send_signal(signal.SIGTERM)
                     t0 = time.monotonic()
@@ -296,8 +299,8 @@ def test_cancelling_a_served_run_in_prefect_stops_its_training_at_once(tmp_path,
                     took, state = time.monotonic() - t0, client.read_flow_run(run.id).state
                     if how != "cancel":
                         assert serve.wait(timeout=60) == 0, log.read_text()[-3000:]
-                        wait_until(lambda: not any(map(alive, job)), 60, "kiln serve's processes to end",
-                                   detail=lambda: [p for p in job if alive(p)])
+                        wait_until(lambda: not any(map(alive, own)), 60, "kiln serve's processes to end",
+                                   detail=lambda: [p for p in own if alive(p)])
         finally:
             stop_group(serve)
     said = log.read_text()
