@@ -60,12 +60,15 @@ _auth_mode_before: str | None = None  # RAY_AUTH_MODE before `connect` (Ray sets
 
 
 def ray_dir() -> Path:
-    """The keeper's folder: one per user and interpreter prefix, or `KILN_RAY_DIR` (tests give
-    each their own). Short, for Ray's unix sockets under it (paths under 108 bytes)."""
+    """The keeper's folder: one per user and interpreter prefix, and per Slurm job, or
+    `KILN_RAY_DIR` (tests give each their own). Short, for Ray's unix sockets under it (paths under
+    108 bytes). Slurm ends every process of a job when it ends, a keeper the job started included:
+    another job's runs on that node must not be using it."""
     if os.environ.get(DIR_ENV):
         return Path(os.environ[DIR_ENV])
-    env = hashlib.sha256(os.path.realpath(sys.prefix).encode()).hexdigest()[:8]
-    return Path(tempfile.gettempdir()) / f"kiln-ray-{os.getuid()}-{env}"
+    job = os.environ.get("SLURM_JOB_ID")
+    key = os.path.realpath(sys.prefix) + (f"\0slurm job {job}" if job else "")
+    return Path(tempfile.gettempdir()) / f"kiln-ray-{os.getuid()}-{hashlib.sha256(key.encode()).hexdigest()[:8]}"
 
 
 def logical_cpus() -> int:
