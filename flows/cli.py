@@ -71,14 +71,14 @@ def _ephemeral_server_apart() -> None:
         return
     from prefect.server.api import server
 
+    real = server.subprocess
+
     def popen(args, env, **kwargs):
         at = args.index("uvicorn")  # Prefect's `python -m uvicorn ...`, run by kiln's module
         kiln = str(Path(__file__).resolve().parents[1])  # importable there however this process found it
         env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [kiln, env.get("PYTHONPATH")]))}
         return real.Popen([*args[:at], "flows.ephemeral_api", *args[at + 1:]], env=env, stdin=real.PIPE,
                           start_new_session=True, **kwargs)
-
-    real = server.subprocess
 
     class ServerApart(server.SubprocessASGIServer):
         def _run_uvicorn_command(self):

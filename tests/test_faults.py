@@ -11,6 +11,7 @@ Config errors (every field, wrong type and out of range) are tests/test_config_r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -177,10 +178,7 @@ def test_a_signal_during_training_stops_the_run_at_once_and_the_rerun_resumes_wh
             elif to == "group":
                 os.killpg(proc.pid, sig)  # as a terminal's Ctrl-C: kiln's whole process group
             else:
-                job = every_process_of_the_run(proc)
-                own = [p for p in job if not kept_apart(p)]  # the keeper's stay while other runs use them
-                for p in job:
-                    p.send_signal(sig)
+                own = sigterm_every_process_of_the_run(proc)
                 time.sleep(0.2)
                 proc.send_signal(sig)  # and again, as `srun` passes Slurm's on: the stop goes on as it was
             t0 = time.monotonic()
@@ -210,13 +208,20 @@ def test_a_signal_during_training_stops_the_run_at_once_and_the_rerun_resumes_wh
     assert json.loads(output.read_text())["stats"]["resumed_from_step"] == stopped_at
 
 
-def every_process_of_the_run(proc: subprocess.Popen) -> list[psutil.Process]:
-    """kiln, the processes it started, and the local Ray's keeper and node, as a cgroup holds them
-    (the keeper is kiln's child only when this run started it)."""
+def sigterm_every_process_of_the_run(proc: subprocess.Popen) -> list[psutil.Process]:
+    """SIGTERM to kiln, the processes it started, and the local Ray's keeper and node, as systemd or
+    Slurm sends it to every process of a cgroup (the keeper is kiln's child only when this run
+    started it); returns the run's own processes, which should all end (the keeper's stay while
+    other runs use them)."""
     keeper = local_ray.read_head(local_ray.ray_dir())
     assert keeper is not None, "the run's training has joined the local Ray by now"
     tops = {psutil.Process(proc.pid), psutil.Process(keeper["pid"])}
-    return list({p for top in tops for p in [top, *top.children(recursive=True)]})
+    job = {p for top in tops for p in [top, *top.children(recursive=True)]}
+    own = [p for p in job if not kept_apart(p)]
+    for p in job:
+        with contextlib.suppress(psutil.NoSuchProcess):  # one that ended meanwhile
+            p.send_signal(signal.SIGTERM)
+    return own
 
 
 @pytest.mark.ray  # its kiln run starts a local Ray
@@ -289,10 +294,7 @@ def test_cancelling_a_served_run_in_prefect_stops_its_training_at_once(tmp_path,
                     if how == "cancel":
                         client.set_flow_run_state(run.id, Cancelling())
                     else:
-                        job = every_process_of_the_run(serve)
-                        own = [p for p in job if not kept_apart(p)]  # the keeper's stay while other runs use them
-                        for p in job:
-                            p.send_signal(signal.SIGTERM)
+                        own = sigterm_every_process_of_the_run(serve)
                     t0 = time.monotonic()
                     wait_until(lambda: client.read_flow_run(run.id).state.is_final(), 120, "the run to end",
                                detail=lambda: log.read_text()[-3000:])
