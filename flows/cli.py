@@ -309,14 +309,16 @@ def main(argv: list[str] | None = None) -> int:
     except KilnUserError as e:
         print(f"kiln: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM during run and canary (stop_on_signals)
+    except KeyboardInterrupt as e:  # Ctrl-C, or another stop signal during run and canary (stop_on_signals)
+        import signal
+
         from tasks.engine.local_ray import Terminated
 
-        terminated = isinstance(e, Terminated)
-        print(f"kiln: {'terminated (SIGTERM)' if terminated else 'interrupted'}"
+        signum = e.signal if isinstance(e, Terminated) else signal.SIGINT
+        print(f"kiln: {'interrupted' if signum == signal.SIGINT else f'terminated ({signal.Signals(signum).name})'}"
               + (": the steps that finished are published, and a train step goes on from its last checkpoint "
                  "when the same command runs again" if args.command in ("run", "canary") else ""), file=sys.stderr)
-        return 143 if terminated else 130
+        return 128 + signum  # as the shell reports a process a signal ended: 130 for Ctrl-C, 143 for SIGTERM
     except BrokenPipeError:
         if not _stdout_reader_gone():  # a socket's broken pipe, not the reader of our output: an error
             raise

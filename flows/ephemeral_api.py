@@ -5,7 +5,9 @@ KillMode) and Slurm's `scancel` or time limit send SIGTERM to every process of t
 The server stopped at once, and the run could no longer record how it ended: Prefect's client
 retried the dead API for minutes. So here SIGINT and SIGTERM wait, blocked, for as long as kiln
 holds its end of this process's stdin open; when kiln closes it (at exit, `flows/cli.py`) or dies,
-the server takes them again and stops as uvicorn stops on SIGTERM. Run as Prefect runs uvicorn:
+the server takes them again and stops as uvicorn stops on SIGTERM. The other signals that stop a
+run (SIGUSR1 and SIGUSR2: a batch scheduler's warning that the job's time is nearly up) are
+kiln's to act on, and ignored here. Run as Prefect runs uvicorn:
 `python -m flows.ephemeral_api <uvicorn's arguments>`.
 """
 
@@ -18,7 +20,9 @@ import threading
 
 import uvicorn.main
 
-STOPS = {signal.SIGINT, signal.SIGTERM}
+from tasks.engine.local_ray import STOP_SIGNALS
+
+STOPS = {signal.SIGINT, signal.SIGTERM}  # uvicorn stops on them: once kiln is done with the server
 
 
 def _stop_when_kiln_is_done() -> None:
@@ -28,6 +32,8 @@ def _stop_when_kiln_is_done() -> None:
 
 
 def main() -> None:
+    for sig in set(STOP_SIGNALS) - STOPS:
+        signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_BLOCK, STOPS)  # and in every thread started from here on
     threading.Thread(target=_stop_when_kiln_is_done, name="stop-when-kiln-is-done", daemon=True).start()
     try:

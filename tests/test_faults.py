@@ -146,8 +146,9 @@ def past_first_checkpoint(proc: subprocess.Popen, log: Path) -> None:
 
 @pytest.mark.ray  # its kiln run starts a local Ray
 @pytest.mark.parametrize("sig,to", [(signal.SIGTERM, "kiln"), (signal.SIGINT, "kiln"), (signal.SIGINT, "group"),
-                                    (signal.SIGTERM, "every process")],
-                         ids=["SIGTERM", "Ctrl-C", "Ctrl-C-in-a-terminal", "SIGTERM-to-every-process"])
+                                    (signal.SIGTERM, "every process"), (signal.SIGUSR1, "every process")],
+                         ids=["SIGTERM", "Ctrl-C", "Ctrl-C-in-a-terminal", "SIGTERM-to-every-process",
+                              "Slurm-warning-then-time-limit"])
 def test_a_signal_during_training_stops_the_run_at_once_and_the_rerun_resumes_where_it_stopped(tmp_path, sig, to):
     """SIGTERM (a scheduler's stop, `docker stop`, a Prefect worker's cancellation) or Ctrl-C to
     `kiln run` while it trains: the hosts checkpoint the step they are at and stop, and the run
@@ -165,6 +166,10 @@ def test_a_signal_during_training_stops_the_run_at_once_and_the_rerun_resumes_wh
     node, and kiln exited 1 after 60 s, Ray saying its GCS had gone, the steps since the last
     periodic checkpoint lost.
 
+    Slurm's warning that a job's time is nearly up (`--signal=USR1@120`, the usual way to checkpoint
+    before it), SIGUSR1 to every process of the job, then its time limit, SIGTERM to every process:
+    before, SIGUSR1 ended kiln, the server and the node at once (exit -10), nothing said or saved.
+
     The step that stopped is said in a warning, without the traceback Prefect logs for a failed
     task."""
     config, store, log = long_training(tmp_path)
@@ -178,9 +183,14 @@ def test_a_signal_during_training_stops_the_run_at_once_and_the_rerun_resumes_wh
             elif to == "group":
                 os.killpg(proc.pid, sig)  # as a terminal's Ctrl-C: kiln's whole process group
             else:
-                own = sigterm_every_process_of_the_run(proc)
+                own = signal_every_process_of_the_run(proc, sig)
                 time.sleep(0.2)
-                proc.send_signal(sig)  # and again, as `srun` passes Slurm's on: the stop goes on as it was
+                if sig == signal.SIGTERM:
+                    proc.send_signal(sig)  # and again, as `srun` passes Slurm's on: the stop goes on as it was
+                else:  # the time limit, while the run checkpoints: it goes on as it was
+                    assert proc.poll() is None and local_ray.read_head(local_ray.ray_dir()), \
+                        f"{sig.name} ended kiln (exit {proc.returncode}) or its local Ray at once"
+                    signal_every_process_of_the_run(proc, signal.SIGTERM)
             t0 = time.monotonic()
             code = proc.wait(timeout=180)
             took = time.monotonic() - t0
@@ -190,8 +200,8 @@ def test_a_signal_during_training_stops_the_run_at_once_and_the_rerun_resumes_wh
         finally:
             stop_group(proc, grace_s=0)
     said = log.read_text()
-    assert code == (143 if sig == signal.SIGTERM else 130), said[-3000:]
-    assert ("terminated (SIGTERM)" if sig == signal.SIGTERM else "kiln: interrupted") in said
+    assert code == 128 + sig, said[-3000:]  # 143 for SIGTERM, 130 for Ctrl-C, as the shell says a signal's end
+    assert ("kiln: interrupted" if sig == signal.SIGINT else f"terminated ({signal.Signals(sig).name})") in said
     assert "SIGTERM received at time" not in said  # Ray's failure handler's abort
     assert "stopped answering" not in said  # the Prefect API went with the process group
     assert "Traceback" not in said  # the stop asked for: before, Prefect logged the step's, 33 lines, at ERROR
@@ -208,8 +218,8 @@ def test_a_signal_during_training_stops_the_run_at_once_and_the_rerun_resumes_wh
     assert json.loads(output.read_text())["stats"]["resumed_from_step"] == stopped_at
 
 
-def sigterm_every_process_of_the_run(proc: subprocess.Popen) -> list[psutil.Process]:
-    """SIGTERM to kiln, the processes it started, and the local Ray's keeper and node, as systemd or
+def signal_every_process_of_the_run(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> list[psutil.Process]:
+    """`sig` to kiln, the processes it started, and the local Ray's keeper and node, as systemd or
     Slurm sends it to every process of a cgroup (the keeper is kiln's child only when this run
     started it); returns the run's own processes, which should all end (the keeper's stay while
     other runs use them)."""
@@ -220,7 +230,7 @@ def sigterm_every_process_of_the_run(proc: subprocess.Popen) -> list[psutil.Proc
     own = [p for p in job if not kept_apart(p)]
     for p in job:
         with contextlib.suppress(psutil.NoSuchProcess):  # one that ended meanwhile
-            p.send_signal(signal.SIGTERM)
+            p.send_signal(sig)
     return own
 
 
@@ -294,7 +304,7 @@ def test_cancelling_a_served_run_in_prefect_stops_its_training_at_once(tmp_path,
                     if how == "cancel":
                         client.set_flow_run_state(run.id, Cancelling())
                     else:
-                        own = sigterm_every_process_of_the_run(serve)
+                        own = signal_every_process_of_the_run(serve)
                     t0 = time.monotonic()
                     wait_until(lambda: client.read_flow_run(run.id).state.is_final(), 120, "the run to end",
                                detail=lambda: log.read_text()[-3000:])

@@ -163,6 +163,9 @@ def test_the_run_that_started_the_local_ray_leaves_its_node_whole_when_it_exits(
             probe = subprocess.run([sys.executable, "-c", PROBE], cwd=REPO, env=env, capture_output=True, text=True,
                                    timeout=300)
             assert probe.returncode == 0 and probe.stdout.split()[-1] == "42", probe.stderr[-3000:]
+            # `stop` ends it at once (asked through a file: any signal may come from a batch scheduler)
+            subprocess.run([sys.executable, "-m", "tasks.engine.local_ray", "stop"], cwd=REPO, env=env, timeout=60)
+            assert not alive(keeper), log_tail(folder / "ray" / "keeper.log")
         finally:
             stop_group(starter, 5)
             starter.stdin.close()

@@ -91,11 +91,23 @@ def idle_seconds() -> float:
     return seconds
 
 
+# What stops a run, its Prefect API server and kiln's local Ray: Ctrl-C, SIGTERM (a scheduler's
+# or supervisor's stop), and SIGUSR1 or SIGUSR2, which batch schedulers send as the warning that a
+# job's time is nearly up (Slurm's `--signal=USR1@120`, the usual way to checkpoint before it).
+# Their default action ends a process at once: kiln, the server and the node went with them, and
+# the training lost the steps since its last checkpoint.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+
+
 class Terminated(KeyboardInterrupt):
-    """SIGTERM, ending a run as Ctrl-C does (`stop_on_signals`)."""
+    """SIGTERM, SIGUSR1 or SIGUSR2, ending a run as Ctrl-C does (`stop_on_signals`)."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"signal {signum}")
+        self.signal = signum  # as Prefect's TerminationSignal names it
 
 
-STOPPING = "the run is stopping (Ctrl-C or SIGTERM)"  # what every Stopped says first
+STOPPING = "the run is stopping (Ctrl-C or a stop signal)"  # what every Stopped says first
 
 
 class Stopped(RuntimeError):
@@ -111,22 +123,23 @@ def _stop(signum, frame) -> None:
     if stopping.is_set() and signum == signal.SIGINT:
         stopping_now.set()
     stopping.set()
-    if signum == signal.SIGTERM:
-        raise Terminated(f"signal {signum}")
+    if signum != signal.SIGINT:
+        raise Terminated(signum)
     raise KeyboardInterrupt
 
 
 def stop_on_signals() -> None:
-    """Ctrl-C and SIGTERM (a scheduler's stop, `docker stop`, systemd, `kill`) end this run
+    """Ctrl-C and SIGTERM (a scheduler's stop, `docker stop`, systemd, `kill`), and SIGUSR1 and
+    SIGUSR2 as SIGTERM (a batch scheduler's warning that the job's time is nearly up), end this run
     promptly: `stopping` is set, so the steps waiting on Ray cancel their work (`cancel_if_stopping`;
     a train step's hosts first checkpoint the step they are at, training/launch.py; a Ctrl-C
     after the first signal sets `stopping_now`, and they too are cancelled where they are; a
     SIGTERM after it changes nothing: supervisors send it more than once), and a
-    KeyboardInterrupt (`Terminated` for SIGTERM) unwinds the flow in the main thread, so Prefect
+    KeyboardInterrupt (`Terminated` for the others) unwinds the flow in the main thread, so Prefect
     and Ray shut down as after Ctrl-C. Call it from the main thread. While a flow runs, Prefect's
     own SIGTERM handler raises its TerminationSignal instead, which the scheduler takes as the
     same (tasks/engine/scheduler.py `_stopping_waits_for`)."""
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in STOP_SIGNALS:
         signal.signal(sig, _stop)
 
 
@@ -310,29 +323,38 @@ def _start_keeper(folder: Path) -> dict:
 
 # --- the keeper --------------------------------------------------------------------------------
 
+def stop_request(folder: Path, keeper_pid: int) -> Path:
+    """The file `stop` writes to have that keeper end its node at once, runs using it or not: a
+    file, not a signal, since a batch scheduler may send any signal to every process of a job."""
+    return folder / f"stop-{keeper_pid}"
+
+
 def keep() -> None:
     """Start the node, say where it is, and end it once nobody has held users.lock for the idle
-    time; on SIGTERM or SIGINT once nobody holds it, on SIGUSR1 (`stop`) at once.
+    time; on a stop signal once nobody holds it, on `stop` (its `stop_request`) at once.
 
-    A stop meant for a whole job (systemd's `systemctl stop`, Slurm's `scancel` or time limit:
-    SIGTERM to every process of it) reaches the keeper and its node too, while the runs on it are
-    checkpointing their trainings to stop: the node's processes start with SIGINT and SIGTERM
-    blocked (Ray ends them with SIGKILL a second after its SIGTERM), and the keeper waits for the
-    runs to let go. Before, the node stopped at once, the hosts with it, and a run lost the steps
-    since its last checkpoint, then exited 1 a minute later, Ray saying its GCS had gone."""
+    A stop meant for a whole job (systemd's `systemctl stop`, Slurm's `scancel`, time limit or its
+    warning before: a signal to every process of it) reaches the keeper and its node too, while the
+    runs on it are checkpointing their trainings to stop: the node's processes start with the
+    STOP_SIGNALS blocked (Ray ends them with SIGKILL a second after its SIGTERM), and the keeper
+    waits for the runs to let go. Before, the node stopped at once, the hosts with it, and a run
+    lost the steps since its last checkpoint, then exited 1 a minute later, Ray saying its GCS had
+    gone."""
     import ray
 
     folder, idle_s, cpus = ray_dir(), idle_seconds(), logical_cpus()
     signalled: list[str] = []
+    stop_now = stop_request(folder, os.getpid())
+    stop_now.unlink(missing_ok=True)  # left by an earlier keeper of this pid that was killed
 
     def stop(signum, frame):
-        signalled.append("now" if signum == signal.SIGUSR1 else "once unused")
-        print(f"kiln local Ray: {signal.Signals(signum).name}, stopping {signalled[-1]}", flush=True)
+        signalled.append(signal.Signals(signum).name)
+        print(f"kiln local Ray: {signalled[-1]}, stopping once no run uses it", flush=True)
 
-    unblock = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})  # for the node's processes
+    unblock = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # for the node's processes
     try:
         start_local_ray(num_cpus=cpus, attempts=8)  # once per machine: worth a few more on a loaded one
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        for sig in STOP_SIGNALS:
             signal.signal(sig, stop)  # after ray.init, which puts Ray's failure handler (an abort) on SIGTERM
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, unblock)
@@ -344,7 +366,7 @@ def keep() -> None:
     print(f"kiln local Ray up: {head}", flush=True)
     users = os.open(folder / "users.lock", os.O_RDWR | os.O_CREAT, 0o600)
     idle_since = None
-    while "now" not in signalled:
+    while not stop_now.exists():
         time.sleep(0.5)
         try:
             fcntl.flock(users, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -357,7 +379,9 @@ def keep() -> None:
         fcntl.flock(users, fcntl.LOCK_UN)
     (folder / "head.json").unlink(missing_ok=True)
     ray.shutdown()
-    print("kiln local Ray stopped: " + ("signalled" if signalled else f"unused for {idle_s:g} s"), flush=True)
+    asked = "`stop`" if stop_now.exists() else signalled[0] if signalled else f"unused for {idle_s:g} s"
+    stop_now.unlink(missing_ok=True)
+    print(f"kiln local Ray stopped: {asked}", flush=True)
 
 
 @contextlib.contextmanager
@@ -441,7 +465,7 @@ def main(argv: list[str]) -> int:
         return 0
     if command == "stop":
         if head:
-            os.kill(head["pid"], signal.SIGUSR1)  # at once, with the runs using it
+            stop_request(folder, head["pid"]).touch()  # at once, with the runs using it
             while process_start(head["pid"]) == head["started"]:
                 time.sleep(0.2)
         return 0

@@ -97,6 +97,10 @@ def watch(pid: int, poll_s: float = 0.5) -> None:
 
 
 if __name__ == "__main__":
+    from tasks.engine.local_ray import STOP_SIGNALS
+
+    for sig in STOP_SIGNALS:  # a stop sent to every process of a job: this one ends when its process has
+        signal.signal(sig, signal.SIG_IGN)
     try:
         watch(int(sys.argv[1]))
     except psutil.NoSuchProcess:  # the watched process was gone before the watch began

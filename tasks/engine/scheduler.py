@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import queue
+import signal
 import time
 
 from prefect import get_run_logger
@@ -106,14 +107,15 @@ def _next_done(done: queue.Queue):
 
 @contextlib.contextmanager
 def _stopping_waits_for(running: dict, grace_s: float = 120.0):
-    """On Ctrl-C or SIGTERM (KeyboardInterrupt, or the TerminationSignal that Prefect's own SIGTERM
-    handler raises while a flow runs), tell the running steps to stop (local_ray.stopping: they
-    cancel their Ray work, a training first checkpoints where it is) and wait for them, up to
-    `grace_s`, before Ray is left and the interrupt goes on: Prefect would otherwise wait for a
-    training to finish before it let the process end. A Ctrl-C meanwhile sets
-    local_ray.stopping_now: nothing more is checkpointed. A SIGTERM meanwhile does not: a
-    supervisor and the job's scheduler often both send one (systemd or Slurm, and a Prefect
-    runner cancelling its flow runs as it shuts down), and the stop goes on as it was."""
+    """On Ctrl-C or another stop signal (KeyboardInterrupt, `local_ray.Terminated`, or the
+    TerminationSignal that Prefect's own SIGTERM handler raises while a flow runs), tell the running
+    steps to stop (local_ray.stopping: they cancel their Ray work, a training first checkpoints
+    where it is) and wait for them, up to `grace_s`, before Ray is left and the interrupt goes on:
+    Prefect would otherwise wait for a training to finish before it let the process end. A Ctrl-C
+    meanwhile sets local_ray.stopping_now: nothing more is checkpointed. A SIGTERM (or SIGUSR1,
+    SIGUSR2) meanwhile does not: a supervisor and the job's scheduler often both send one (systemd
+    or Slurm, and a Prefect runner cancelling its flow runs as it shuts down), and the stop goes
+    on as it was."""
     try:
         yield
     except (KeyboardInterrupt, ExternalSignal):
@@ -127,9 +129,9 @@ def _stopping_waits_for(running: dict, grace_s: float = 120.0):
                                              grace_s, ", ".join(step.name for step, _ in running.values()))
                 waiting[0].wait(timeout=max(0.0, deadline - time.monotonic()))
                 waiting.pop(0)
-            except (local_ray.Terminated, TerminationSignal):
-                get_run_logger().warning("SIGTERM again: still waiting for the running steps (Ctrl-C stops them "
-                                         "at once)")
+            except (local_ray.Terminated, TerminationSignal) as again:
+                get_run_logger().warning("%s again: still waiting for the running steps (Ctrl-C stops them "
+                                         "at once)", signal.Signals(again.signal).name)
             except (KeyboardInterrupt, ExternalSignal):  # no checkpoint first
                 local_ray.stopping_now.set()
                 raise
