@@ -9,6 +9,7 @@ whether it fits each named device, and the step time at an assumed MFU. docs/cap
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -21,13 +22,15 @@ from training.capacity import DEFAULT_MEMORY_FRACTION, DEVICES, report, table
 REPO = Path(__file__).resolve().parents[1]
 
 
-def planned(model_cfg, train_cfg, devices: int, timeout_s: float = 1800) -> dict:
-    """training/capacity.py's plan of one config on `devices` simulated devices, in a subprocess."""
+def planned(model_cfg, train_cfg, devices: int, objective=None, timeout_s: float = 1800) -> dict:
+    """training/capacity.py's plan of one config on `devices` simulated devices, in a subprocess;
+    `objective` a post-training one (training/posttrain.py), or None: pretraining's."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     env["PYTHONPATH"] = f"{REPO}{os.pathsep}{env['PYTHONPATH']}" if env.get("PYTHONPATH") else str(REPO)
+    objective_args = [] if objective is None else ["--objective", json.dumps(dataclasses.asdict(objective))]
     done = subprocess.run([sys.executable, "-m", "training.capacity", "--model", model_cfg.model_dump_json(),
-                           "--train", train_cfg.model_dump_json(by_alias=True), "--devices", str(devices)],
-                          capture_output=True, text=True, env=env, timeout=timeout_s)
+                           "--train", train_cfg.model_dump_json(by_alias=True), "--devices", str(devices),
+                           *objective_args], capture_output=True, text=True, env=env, timeout=timeout_s)
     if done.returncode != 0:
         lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
         raise RuntimeError(f"planning on {devices} simulated devices failed: {lines[-1] if lines else done.returncode} "
@@ -45,17 +48,19 @@ def capacity(config_path: str, devices: int | None = None, targets: list[str] | 
              memory_fraction: float = DEFAULT_MEMORY_FRACTION, remat: str | None = None,
              strategy: str | None = None, sets: Sequence[str] = (), step: str = "train") -> dict:
     """The report for an experiment config's train step `step` (`train`, or a phase's,
-    `train/<phase>`, whose train section may change the batch or the mesh) on `devices` simulated
-    devices (None: as many as its resources ask for); `remat` and `strategy` override its train
-    section, `sets` any field (`--set`: flows.config.load_config)."""
+    `train/<phase>`, whose train section may change the batch or the mesh; or post-training's `sft`
+    or `dpo`, of the same model with their own train and resources sections) on `devices`
+    simulated devices (None: as many as its resources ask for); `remat` and `strategy` override
+    its train section, `sets` any field (`--set`: flows.config.load_config)."""
     from flows.config import load_config
     from flows.plan import model_of
 
     config = load_config(config_path, sets)
-    trains = config.phase_trains()
+    trains = {name: (train, config.resources, None) for name, (train, _) in config.phase_trains().items()}
+    trains.update(posttraining(config))
     if step not in trains:
         raise ValueError(f"{config_path} has no train step {step!r}; its train steps: {', '.join(trains)}")
-    train = trains[step][0]
+    train, resources, objective = trains[step]
     if remat is not None:
         train = train.model_copy(update={"remat": remat})
     if strategy is not None:
@@ -64,9 +69,23 @@ def capacity(config_path: str, devices: int | None = None, targets: list[str] | 
         train = train.model_copy(update={"eos_id": 0})
     train = type(train).model_validate(train.model_dump(by_alias=True))  # re-checked with the overrides
     model = model_of(config)  # a preset's own vocab_size (Llama 3's) as it gives it: a padded vocabulary
-    r = report(planned(model, train, devices or default_devices(config.resources)), targets or list(DEVICES), mfu,
+    r = report(planned(model, train, devices or default_devices(resources), objective), targets or list(DEVICES), mfu,
                memory_fraction)
     return {"step": step, "train_steps": list(trains), **r}
+
+
+def posttraining(config) -> dict:
+    """The post-training steps that train, by name: each its train and resources sections and its
+    objective. They train the final model (the last train step's, or a soup's) as it is."""
+    from training.posttrain import DPOObjective, SFTObjective
+
+    pt = config.posttrain
+    if pt is None:
+        return {}
+    steps = {"sft": (pt.sft.train, pt.sft.resources, SFTObjective())}
+    if pt.dpo is not None:
+        steps["dpo"] = (pt.dpo.train, pt.dpo.resources, DPOObjective(pt.dpo.beta, pt.dpo.sft_weight))
+    return steps
 
 
 def print_report(r: dict, config_path: str, as_json: bool) -> None:

@@ -151,8 +151,9 @@ def parser() -> argparse.ArgumentParser:
                     "(XLA_PYTHON_CLIENT_MEM_FRACTION; default 0.75, JAX's preallocation)")
     ca.add_argument("--remat", choices=["none", "full", "dots_saveable", "offload"], help="override train.remat")
     ca.add_argument("--strategy", choices=["dp", "fsdp"], help="override train.mesh.strategy")
-    ca.add_argument("--step", default="train", metavar="NAME", help="the train step to plan: train (default) or "
-                    "a phase's, train/<phase>, whose train section may change the batch, the mesh or remat")
+    ca.add_argument("--step", default="train", metavar="NAME", help="the train step to plan: train (default), "
+                    "a phase's, train/<phase>, whose train section may change the batch, the mesh or remat, or "
+                    "post-training's sft or dpo (their own train and resources sections, the same model)")
     ca.add_argument("--json", action="store_true", help="the numbers as JSON (bytes per device)")
     sets(ca)
 

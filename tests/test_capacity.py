@@ -136,3 +136,28 @@ def test_kiln_capacity_plans_a_phase_whose_train_section_changes_the_batch(tmp_p
     print_report(wide, "phased.yaml", as_json=False)
     with pytest.raises(ValueError, match=r"has no train step 'train/cool'; its train steps: train, train/wide"):
         capacity(str(config), devices=1, step="train/cool")
+
+
+def test_kiln_capacity_plans_the_sft_and_dpo_steps(tmp_path):
+    """`--step sft` and `--step dpo` plan post-training's steps: the same model with their own
+    train sections and objectives, DPO's rows a chosen and a rejected sequence each, so at the same
+    batch its step computes on twice SFT's tokens, by the compiled program's own count too. Before,
+    only pretraining's steps could be planned, though an 8B SFT or DPO is where the memory runs out."""
+    from flows.capacity import capacity, print_report
+
+    sets = ["posttrain.sft.train.batch_size=8", "posttrain.dpo.train.batch_size=8"]
+    config = str(REPO / "configs" / "posttrain_cpu.yaml")
+    base, sft, dpo = (capacity(config, devices=1, targets=["h100-80gb"], sets=sets, step=s)
+                      for s in ("train", "sft", "dpo"))
+    assert [sft["objective"], dpo["objective"], base["objective"]] == ["sft", "dpo", "next_token"]
+    assert dpo["train_steps"] == ["train", "sft", "dpo"]
+    assert sft["param_bytes"] == dpo["param_bytes"] == base["param_bytes"]  # the final model, trained on
+    assert dpo["tokens_per_step"] == 2 * sft["tokens_per_step"] == 2 * 8 * sft["seq_len"]
+    assert 1.8 < dpo["compiler_flops"] / sft["compiler_flops"] < 2.2, (dpo["compiler_flops"], sft["compiler_flops"])
+    assert dpo["temp_bytes"] > sft["temp_bytes"]  # the activations of both sequences of each pair
+    lora = capacity(config, devices=1, targets=["h100-80gb"], sets=[*sets, "posttrain.sft.train.lora={rank: 4}"],
+                    step="sft")
+    assert lora["optimizer_bytes"] < sft["optimizer_bytes"] / 10  # only the adapters' moments
+    print_report(dpo, "posttrain_cpu.yaml", as_json=False)
+    with pytest.raises(ValueError, match=r"has no train step 'dpo'; its train steps: train, sft$"):
+        capacity(config, devices=1, sets=["posttrain.dpo=null"], step="dpo")

@@ -47,15 +47,16 @@ DEVICES = {
 DEFAULT_MEMORY_FRACTION = 0.75
 
 
-def plan(model_cfg, train_cfg, devices=None) -> dict:
-    """The per-device numbers of one config's train step on `devices` (default: all of JAX's)."""
+def plan(model_cfg, train_cfg, devices=None, objective=None) -> dict:
+    """The per-device numbers of one config's train step on `devices` (default: all of JAX's);
+    `objective` (training/posttrain.py: SFT's, DPO's) as the post-training steps train, or None:
+    pretraining's."""
     import jax
-    import numpy as np
 
     from training.config import flops_per_token
     from training.model import param_count
     from training.optim import make_optimizer
-    from training.sharding import batch_sharding, make_mesh, state_shardings
+    from training.sharding import abstract_batch, make_mesh, state_shardings
     from training.step import compiler_options, how_it_runs, init_state, make_train_step, trained_key
 
     mesh = make_mesh(train_cfg.mesh, devices)
@@ -69,10 +70,9 @@ def plan(model_cfg, train_cfg, devices=None) -> dict:
     abstract = jax.eval_shape(lambda key: init_state(model_cfg, optimizer, key, train_cfg.lora, ema),
                               jax.random.PRNGKey(0))
     shardings = state_shardings(abstract, mesh, train_cfg.mesh.strategy)
-    data = batch_sharding(mesh)
     placed = jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
-    batch = jax.ShapeDtypeStruct((train_cfg.batch_size, model_cfg.seq_len + 1), np.int32, sharding=data)
-    step = jax.jit(make_train_step(model_cfg, train_cfg, optimizer), donate_argnums=0,
+    batch, data = abstract_batch(train_cfg.batch_size, model_cfg.seq_len, mesh, objective)
+    step = jax.jit(make_train_step(model_cfg, train_cfg, optimizer, objective), donate_argnums=0,
                    in_shardings=(shardings, data), out_shardings=(shardings, None))
     # The plan never runs the program, so LLVM's optimisations are skipped: the same buffers, a
     # faster compile (the HLO passes, which decide the buffers, still run)
@@ -96,9 +96,10 @@ def plan(model_cfg, train_cfg, devices=None) -> dict:
         return int(sum(jax.tree_util.tree_leaves(sizes)))
 
     params = shard_bytes(abstract["params"], shardings["params"])
-    tokens = train_cfg.batch_size * model_cfg.seq_len
+    tokens = train_cfg.batch_size * model_cfg.seq_len * (objective.sequences_per_row() if objective else 1)
     step_flops = flops_per_token(model_cfg) * tokens
     return {
+        "objective": objective.name if objective else "next_token",
         "devices": n, "mesh": dict(mesh.shape), "strategy": train_cfg.mesh.strategy,
         "param_count": param_count(abstract["params"]), **how_it_runs(model_cfg, train_cfg),
         "optimizer": train_cfg.optimizer, "compute_dtype": model_cfg.compute_dtype,
@@ -167,8 +168,11 @@ def how_many(count: int) -> str:
 def table(r: dict) -> str:
     """The report as the lines `kiln capacity` prints."""
     mesh = " x ".join(f"{k} {v}" for k, v in r["mesh"].items())
+    batch = {"next_token": f"batch {r['batch_size']} x {r['seq_len']}",
+             "sft": f"SFT, batch {r['batch_size']} packed rows x {r['seq_len']}",
+             "dpo": f"DPO, batch {r['batch_size']} pairs x 2 x {r['seq_len']} (chosen, rejected)"}[r["objective"]]
     lines = [
-        f"{how_many(r['param_count'])} parameters, {r['compute_dtype']}, batch {r['batch_size']} x {r['seq_len']} "
+        f"{how_many(r['param_count'])} parameters, {r['compute_dtype']}, {batch} "
         f"({r['microbatches']} microbatches), {r['strategy']} over {r['devices']} devices (mesh {mesh}), "
         f"attention {r['attention']}, remat {r['remat']}, optimizer {r['optimizer']}",
         "per device:",
@@ -197,6 +201,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", required=True, help="ModelConfig as JSON")
     p.add_argument("--train", required=True, help="TrainConfig as JSON")
     p.add_argument("--devices", type=int, default=8)
+    p.add_argument("--objective", help="a post-training objective as JSON, its name and fields "
+                   '(training/posttrain.py: {"name": "sft"}, {"name": "dpo", "beta": 0.1, "sft_weight": 0.0}); '
+                   "default pretraining's")
     args = p.parse_args(argv)
     if "jax" in sys.modules:
         raise RuntimeError("training.capacity.main must run before JAX starts (it sets the device count)")
@@ -206,6 +213,12 @@ def main(argv: list[str] | None = None) -> None:
 
     model_cfg = ModelConfig.model_validate_json(args.model)
     train_cfg = TrainConfig.model_validate_json(args.train)
+    objective = None
+    if args.objective:
+        from training.posttrain import OBJECTIVES
+
+        fields = json.loads(args.objective)
+        objective = OBJECTIVES[fields.pop("name")](**fields)
     import jax
 
     from training import compile_cache
@@ -213,7 +226,8 @@ def main(argv: list[str] | None = None) -> None:
     if jax.device_count() != args.devices:
         raise RuntimeError(f"asked for {args.devices} simulated devices, JAX has {jax.device_count()}")
     compile_cache.enable()  # a plan asked again (another --device, --mfu or --json) reads its step back
-    print(json.dumps({**plan(model_cfg, train_cfg), "compiled_programs_read": compile_cache.programs_read()[0]}))
+    print(json.dumps({**plan(model_cfg, train_cfg, objective=objective),
+                      "compiled_programs_read": compile_cache.programs_read()[0]}))
 
 
 if __name__ == "__main__":

@@ -57,7 +57,7 @@ from training.hooks import (Checkpointing, Hook, HookFactory, LoopContext, StepI
 from training.metrics import MetricsLog, device_peak_flops, plot_loss
 from training.model import param_count
 from training.optim import make_optimizer
-from training.sharding import batch_sharding, make_mesh, put_batch, state_shardings
+from training.sharding import abstract_batch, make_mesh, put_batch, state_shardings
 from training.step import (compiler_options, how_it_runs, init_state, make_eval_step, make_split_step,
                            make_train_step, published_params, xla_gpu_deterministic)
 from training.tracking import TENSORBOARD_DIR, TensorBoardLog
@@ -383,13 +383,7 @@ def compiled_program(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: jax.s
     make_state = lambda key: init_state(model_cfg, optimizer, key, train_cfg.lora, ema)  # noqa: E731
     abstract = jax.eval_shape(make_state, jax.random.PRNGKey(0))
     shardings = state_shardings(abstract, mesh, train_cfg.mesh.strategy)
-    if objective is None:
-        data_sharding = batch_sharding(mesh)
-        batch = jax.ShapeDtypeStruct((train_cfg.batch_size, model_cfg.seq_len + 1), np.int32, sharding=data_sharding)
-    else:  # a dict batch: every array split on `data` along its first (batch) axis
-        spec = objective.batch_spec(train_cfg.batch_size, model_cfg.seq_len)
-        data_sharding = {k: NamedSharding(mesh, P("data", *[None] * (len(shape) - 1))) for k, (shape, _) in spec.items()}
-        batch = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=data_sharding[k]) for k, (shape, dtype) in spec.items()}
+    batch, data_sharding = abstract_batch(train_cfg.batch_size, model_cfg.seq_len, mesh, objective)
     if train_cfg.split_parts:
         train_step = _split_step(model_cfg, train_cfg, optimizer, objective, mesh, abstract, shardings, batch)
     else:

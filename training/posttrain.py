@@ -214,6 +214,9 @@ class DPOObjective:
         return 2
 
 
+OBJECTIVES = {"sft": SFTObjective, "dpo": DPOObjective}  # by name: what `kiln capacity` plans
+
+
 # --- data sources for training.launch (picklable; opened on each host) -----------------------
 
 

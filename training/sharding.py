@@ -76,6 +76,18 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P("data", None))
 
 
+def abstract_batch(batch_size: int, seq_len: int, mesh: Mesh, objective=None):
+    """The train step's batch as shapes with their shardings, and the shardings: pretraining's
+    int32 [B, T+1] tokens, or an objective's dict (training/posttrain.py `batch_spec`: SFT's rows,
+    DPO's pairs), every array split on `data` along its first (batch) axis."""
+    if objective is None:
+        sharding = batch_sharding(mesh)
+        return jax.ShapeDtypeStruct((batch_size, seq_len + 1), np.int32, sharding=sharding), sharding
+    spec = objective.batch_spec(batch_size, seq_len)
+    sharding = {k: NamedSharding(mesh, P("data", *[None] * (len(shape) - 1))) for k, (shape, _) in spec.items()}
+    return {k: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding[k]) for k, (shape, dtype) in spec.items()}, sharding
+
+
 def put_batch(batch: np.ndarray, sharding: NamedSharding) -> jax.Array:
     """The global batch [B, T+1] as one array sharded on `data`. Every process passes the same
     global batch and contributes the rows its own devices hold (for one process: all of them)."""
