@@ -161,6 +161,15 @@ class PosttrainConfig(ConfigModel):
                              "shows the exported model's own; false: neither, and the card says it was not "
                              "evaluated.")
 
+    @model_validator(mode="after")
+    def _check_objectives(self) -> "PosttrainConfig":
+        """Refused as the config is read, not when the step starts to train, after pretraining."""
+        for name, section in (("sft", self.sft), ("dpo", self.dpo)):
+            if section is not None and section.train.pretraining_only():
+                raise ValueError(f"posttrain.{name}.train: {', '.join(section.train.pretraining_only())}: only "
+                                 f"pretraining's next-token objective takes that, not {name.upper()}'s: leave it out")
+        return self
+
 
 class RunSettings(ConfigModel):
     """Where and how fast, never what: none of these enter a version."""

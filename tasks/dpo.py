@@ -128,7 +128,8 @@ def run_dpo(ctx: StepContext) -> dict:
             raise ValueError(f"no training pair of {pairs_dir} fits in seq_len {model_cfg.seq_len}")
         save_rows(ctx.work_dir / f"pairs_{split}.npz", rows)
     data = functools.partial(open_rows, ctx.workspace, "pairs_train.npz", "pairs_eval.npz",
-                             cfg.train.batch_size, cfg.train.seed, cfg.train.eval_batches, ctx.located("model"))
+                             cfg.train.batch_size, cfg.train.seed, cfg.train.eval_batches, ctx.located("model"),
+                             attention=cfg.train.attention)
     with tracked(relay_to(ctx, cfg.train.steps), cfg.tracking, f"dpo-{ctx.step.version}",
                  cfg.model_dump(mode="json")) as on_metrics:
         stats = launch_training(model_cfg, cfg.train, cfg.resources, data, ctx.workspace, ctx.out,

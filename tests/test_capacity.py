@@ -155,6 +155,9 @@ def test_kiln_capacity_plans_the_sft_and_dpo_steps(tmp_path):
     assert dpo["tokens_per_step"] == 2 * sft["tokens_per_step"] == 2 * 8 * sft["seq_len"]
     assert 1.8 < dpo["compiler_flops"] / sft["compiler_flops"] < 2.2, (dpo["compiler_flops"], sft["compiler_flops"])
     assert dpo["temp_bytes"] > sft["temp_bytes"]  # the activations of both sequences of each pair
+    remat = capacity(config, devices=1, targets=["h100-80gb"], sets=[*sets, "posttrain.dpo.train.remat=full"],
+                     step="dpo")
+    assert remat["remat"] == "full" and remat["temp_bytes"] < 0.5 * dpo["temp_bytes"]  # before, refused
     lora = capacity(config, devices=1, targets=["h100-80gb"], sets=[*sets, "posttrain.sft.train.lora={rank: 4}"],
                     step="sft")
     assert lora["optimizer_bytes"] < sft["optimizer_bytes"] / 10  # only the adapters' moments

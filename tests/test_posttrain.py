@@ -31,6 +31,17 @@ def test_posttraining_without_the_chat_tokens_is_refused_before_anything_trains(
     ExperimentConfig.model_validate({k: v for k, v in base.items() if k != "posttrain"})  # no post-training
 
 
+def test_pretraining_only_options_in_posttraining_are_refused_before_anything_trains():
+    """Document masking and z-loss are pretraining's: SFT or DPO refused them only when it started,
+    after pretraining. Remat and the attention form are anyone's."""
+    from flows.config import PosttrainConfig
+
+    with pytest.raises(ValueError, match=r"posttrain.dpo.train: z_loss=0.0001: only pretraining's next-token "
+                                         r"objective takes that, not DPO's"):
+        PosttrainConfig.model_validate({"dpo": {"train": {"z_loss": 1e-4}}})
+    PosttrainConfig.model_validate({"sft": {"train": {"remat": "full", "attention": "fused"}}})
+
+
 def test_posttraining_from_a_hugging_face_tokenizer_without_a_chat_template_is_refused_before_anything_trains(
         tmp_path):
     """A base checkpoint's folder with no chat template and no kiln chat tokens cannot be
@@ -176,6 +187,42 @@ def test_dpo_loss_is_log2_against_itself_and_rewards_the_chosen_answer():
     np.testing.assert_allclose(float(with_sft), float(loss) + 0.5 * nll, rtol=1e-5)
     spec = DPOObjective(0.1).batch_spec(2, cfg.seq_len)
     assert {k: (v.shape, v.dtype) for k, v in arrays.items()} == {k: (s, np.dtype(d)) for k, (s, d) in spec.items()}
+
+
+def test_dpo_trains_with_remat_and_its_parameters_keep_their_bits(tmp_path):
+    """SFT and DPO take `train.remat` as pretraining does: it changes what the step keeps for the
+    backward pass, not what it computes (on a CPU in float32, the same bits). Before, they refused
+    it, so the activations of an 8B post-training could only shrink with microbatches."""
+    from training.config import TrainConfig
+    from training.loop import train
+    from training.posttrain import fixed_batches
+
+    cfg, params = tiny_model()
+    chat = ChatTemplate(tokenizer())
+    prompt = CONVERSATION[1:2]
+    pairs = [(chat.encode(prompt + [{"role": "assistant", "content": c}]),
+              chat.encode(prompt + [{"role": "assistant", "content": r}]))
+             for c, r in [(" the heaven and the earth.", " a fish."), (" light.", " dark, dark dark."),
+                          (" the waters.", " the dry land."), (" good.", " not good at all.")]]
+    rows, _ = pad_pairs(pairs, cfg.seq_len, tokenizer().token_to_id(GPT2_EOS))
+    rows["ref_logp"] = reference_logprobs(params, rows, cfg, batch_size=2)
+    stats = {}
+    for remat in ("none", "full"):
+        train_cfg = TrainConfig(batch_size=2, steps=4, lr=1e-2, warmup=1, remat=remat, checkpoint_every=4,
+                                eval_every=4, eval_batches=1)
+        stats[remat] = train(cfg, train_cfg, RowBatches(rows, 2, seed=0).batch_at, fixed_batches(rows, 2, 1),
+                             tmp_path / remat / "work", tmp_path / remat / "out", objective=DPOObjective(0.1),
+                             init_params=params)
+    assert stats["full"]["remat"] == "full" and stats["none"]["remat"] == "none"
+    assert stats["full"]["params_sha256"] == stats["none"]["params_sha256"]
+    assert stats["full"]["final_loss"] < np.log(2)  # it trained: the pairs' chosen answers gained on the rejected
+    from training.optim import make_optimizer
+    from training.step import make_train_step
+
+    masked = TrainConfig(batch_size=2, steps=4, warmup=1, document_mask=True, eos_id=0)  # packed documents: not pairs
+    with pytest.raises(ValueError, match=r"train: document_mask=True: only pretraining's next-token objective "
+                                         r"takes that, not the dpo objective"):
+        make_train_step(cfg, masked, make_optimizer(masked), DPOObjective(0.1))
 
 
 def test_row_batches_are_a_pure_function_of_the_step():

@@ -543,6 +543,14 @@ class TrainConfig(ConfigModel):
         "tokens' tokenizer (whose version is already in this step's), so leave it out; a value that differs "
         "from the tokens' is an error.")
 
+    def pretraining_only(self) -> list[str]:
+        """The options set here that only pretraining's next-token objective has, as `name=value`:
+        post-training's rows are packed conversations or padded pairs (training/step.py
+        `check_objective_options`, and the posttrain section when it is read)."""
+        return [f"{name}={getattr(self, name)!r}" for name, plain in
+                (("document_mask", False), ("z_loss", 0.0), ("batch_parts", 1), ("split_parts", False))
+                if getattr(self, name) != plain]
+
     @property
     def kept_steps(self) -> tuple[int, ...]:
         """Every step the output keeps: `keep_checkpoints` and the multiples of `keep_every`."""

@@ -197,7 +197,7 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, batch_at: Callable[[in
         "devices": jax.device_count(),
         "processes": jax.process_count(),
         "platform": jax.devices()[0].platform,
-        **how_it_runs(model_cfg, train_cfg, objective),  # attention form, remat: where and how, not what
+        **how_it_runs(model_cfg, train_cfg),  # attention form, remat: where and how, not what
     }
     if primary:
         save_model(out_dir, model_cfg, flat)

@@ -23,6 +23,7 @@ resume, Ray) is the pretraining machinery unchanged. No Prefect, no Ray here.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import jax
@@ -120,38 +121,41 @@ def fixed_batches(arrays: dict[str, np.ndarray], batch_size: int, max_batches: i
 # --- losses ----------------------------------------------------------------------------------
 
 
-def token_logprobs(params, inputs, targets, cfg: ModelConfig):
-    """log p(target) at every position: inputs, targets [..., T] -> float32 [..., T]."""
+def token_logprobs(params, inputs, targets, cfg: ModelConfig, *, attention: str = "query_blocks",
+                   remat: str = "none"):
+    """log p(target) at every position: inputs, targets [..., T] -> float32 [..., T]. `attention`
+    and `remat` are the forward's (training/model.py): how it runs, not what it computes."""
     lead = inputs.shape[:-1]
-    logits = forward(params, inputs.reshape(-1, inputs.shape[-1]), cfg)
+    logits = forward(params, inputs.reshape(-1, inputs.shape[-1]), cfg, attention=attention, remat=remat)
     logp = -optax.softmax_cross_entropy_with_integer_labels(logits, targets.reshape(-1, targets.shape[-1]))
     return logp.reshape(*lead, -1)
 
 
-def sft_loss(params, batch: dict, cfg: ModelConfig):
-    """Mean cross-entropy over the target tokens with loss_mask 1 (the assistant's), and their count.
+def sft_loss(params, batch: dict, cfg: ModelConfig, **how):
+    """Mean cross-entropy over the target tokens with loss_mask 1 (the assistant's), and their count
+    (`how`: the forward's attention and remat, `token_logprobs`).
 
     `where`, not a product: a masked position contributes an exact zero and no gradient whatever
     its label, even if its log-probability were -inf."""
     mask = batch["loss_mask"] > 0
-    logp = token_logprobs(params, batch["inputs"], batch["targets"], cfg)
+    logp = token_logprobs(params, batch["inputs"], batch["targets"], cfg, **how)
     n = jnp.maximum(mask.sum(), 1)
     return -jnp.where(mask, logp, 0.0).sum() / n, {"loss_tokens": mask.sum().astype(jnp.float32)}
 
 
-def sequence_logprobs(params, batch: dict, cfg: ModelConfig):
+def sequence_logprobs(params, batch: dict, cfg: ModelConfig, **how):
     """Sum of log p over the masked (answer) tokens of each sequence: [..., T] -> [...]."""
-    logp = token_logprobs(params, batch["inputs"], batch["targets"], cfg)
+    logp = token_logprobs(params, batch["inputs"], batch["targets"], cfg, **how)
     return jnp.where(batch["loss_mask"] > 0, logp, 0.0).sum(-1)
 
 
-def dpo_loss(params, batch: dict, cfg: ModelConfig, beta: float, sft_weight: float = 0.0):
+def dpo_loss(params, batch: dict, cfg: ModelConfig, beta: float, sft_weight: float = 0.0, **how):
     """The DPO loss over [B, 2] (chosen, rejected) sequences against the reference log-probs in
     the batch; metrics: the reward margin beta * (chosen - rejected log-ratio) and accuracy.
 
     `sft_weight` > 0 adds that times the chosen answers' mean token NLL (RPO, Pang et al. 2024):
     DPO alone may lower the chosen answers' likelihood too, as long as the rejected fall faster."""
-    logp = sequence_logprobs(params, batch, cfg)  # [B, 2]
+    logp = sequence_logprobs(params, batch, cfg, **how)  # [B, 2]
     ratio = logp - batch["ref_logp"]
     margin = beta * (ratio[:, 0] - ratio[:, 1])
     chosen_nll = -logp[:, 0].sum() / jnp.maximum((batch["loss_mask"][:, 0] > 0).sum(), 1)
@@ -161,9 +165,12 @@ def dpo_loss(params, batch: dict, cfg: ModelConfig, beta: float, sft_weight: flo
                   "chosen_nll": chosen_nll}
 
 
-def reference_logprobs(params, pairs: dict, cfg: ModelConfig, batch_size: int) -> np.ndarray:
-    """[N, 2] float32 sequence log-probs of every pair under the frozen reference `params`."""
-    score = jax.jit(sequence_logprobs, static_argnums=2)
+def reference_logprobs(params, pairs: dict, cfg: ModelConfig, batch_size: int,
+                       attention: str = "query_blocks") -> np.ndarray:
+    """[N, 2] float32 sequence log-probs of every pair under the frozen reference `params`, in
+    the attention form the policy trains with: at the first step the two are the same model, and
+    their log-ratio exactly 0 (on a deterministic platform)."""
+    score = jax.jit(functools.partial(sequence_logprobs, attention=attention), static_argnums=2)
     n = len(pairs["inputs"])
     out = []
     for start in range(0, n, batch_size):
@@ -187,8 +194,8 @@ class SFTObjective:
     def batch_spec(self, batch_size: int, seq_len: int) -> dict:
         return {k: ((batch_size, seq_len), np.int32) for k in ("inputs", "targets", "loss_mask")}
 
-    def loss(self, params, batch, cfg: ModelConfig):
-        return sft_loss(params, batch, cfg)
+    def loss(self, params, batch, cfg: ModelConfig, **how):
+        return sft_loss(params, batch, cfg, **how)
 
     def sequences_per_row(self) -> int:
         return 1
@@ -207,8 +214,8 @@ class DPOObjective:
         spec = {k: ((batch_size, 2, seq_len), np.int32) for k in ("inputs", "targets", "loss_mask")}
         return {**spec, "ref_logp": ((batch_size, 2), np.float32)}
 
-    def loss(self, params, batch, cfg: ModelConfig):
-        return dpo_loss(params, batch, cfg, self.beta, self.sft_weight)
+    def loss(self, params, batch, cfg: ModelConfig, **how):
+        return dpo_loss(params, batch, cfg, self.beta, self.sft_weight, **how)
 
     def sequences_per_row(self) -> int:
         return 2
@@ -227,19 +234,22 @@ def save_rows(path, arrays: dict[str, np.ndarray]) -> None:
 
 
 def open_rows(work, train_name: str, eval_name: str, batch_size: int, seed: int, eval_batches: int,
-              reference_model=None):
+              reference_model=None, attention: str = "auto"):
     """A `training.launch.DataSource` body: (batch_at, val_batches) over rows the step saved in
     its work folder (`work`, a tasks.engine.store.Workspace, already pulled on this host). With
     `reference_model` (a `Located` training output; DPO), the frozen model's log-probs of every
-    pair are computed here, once, and added to the rows as "ref_logp"."""
+    pair are computed here, once, and added to the rows as "ref_logp", in the attention form
+    train.attention (`attention`) resolves to on this host, as the policy's."""
     from training.loop import load_model  # here: training.loop imports this module's users
+    from training.step import attention_form
 
     train, held = (dict(np.load(work.local() / name)) for name in (train_name, eval_name))
     if reference_model is not None:
         cfg, params = load_model(reference_model.local())
         for rows in (train, held):
             if len(rows["inputs"]):
-                rows["ref_logp"] = reference_logprobs(params, rows, cfg, batch_size)
+                rows["ref_logp"] = reference_logprobs(params, rows, cfg, batch_size,
+                                                      attention_form(attention, cfg, jax.default_backend()))
             else:
                 rows["ref_logp"] = np.zeros((0, 2), np.float32)
     return RowBatches(train, batch_size, seed).batch_at, fixed_batches(held, batch_size, eval_batches)

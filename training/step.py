@@ -219,27 +219,53 @@ def compiler_options(train_cfg: TrainConfig, platform: str | None = None) -> dic
     return None
 
 
-def how_it_runs(model_cfg: ModelConfig, train_cfg: TrainConfig, objective=None) -> dict:
-    """The attention form and remat a run used, for its stats and lineage (never its version)."""
-    if objective is not None and not isinstance(objective, NextToken):
-        return {"attention": "query_blocks", "remat": "none"}
+def how_it_runs(model_cfg: ModelConfig, train_cfg: TrainConfig) -> dict:
+    """The attention form and remat a run used, for its stats and lineage (never its version):
+    pretraining's and post-training's alike (`step_objective`)."""
     return {"attention": attention_form(train_cfg.attention, model_cfg, jax.default_backend()),
             "remat": train_cfg.remat}
 
 
 def check_objective_options(train_cfg: TrainConfig, objective) -> None:
-    """Post-training objectives run the plain forward: refuse the options only pretraining has."""
+    """Refuse for post-training's objectives (their rows packed conversations, or padded pairs)
+    the options only pretraining's next-token objective has."""
     if objective is None or isinstance(objective, NextToken):
         return
-    set_here = [f"{name}={getattr(train_cfg, name)!r}" for name, plain in
-                (("remat", "none"), ("document_mask", False), ("z_loss", 0.0), ("batch_parts", 1),
-                 ("split_parts", False))
-                if getattr(train_cfg, name) != plain]
-    if train_cfg.attention == "fused":
-        set_here.append("attention='fused'")
+    set_here = train_cfg.pretraining_only()
     if set_here:
-        raise ValueError(f"train.{', train.'.join(set_here)} apply to pretraining's next-token objective; the "
-                         f"{objective.name} objective computes with the plain forward: leave them out")
+        raise ValueError(f"train: {', '.join(set_here)}: only pretraining's next-token objective takes that, not "
+                         f"the {objective.name} objective: leave it out")
+
+
+@dataclasses.dataclass(frozen=True)
+class PostTraining:
+    """A post-training objective (training/posttrain.py: SFT's, DPO's) computed with the forward
+    `train` configures (its attention form and remat), which changes how it runs, not what: so
+    an 8B SFT or DPO can rematerialise its activations as pretraining does. The objective alone
+    is what a checkpoint's identity records."""
+
+    objective: object
+    attention: str
+    remat: str
+
+    @property
+    def name(self) -> str:
+        return self.objective.name
+
+    def loss(self, params, batch, model_cfg: ModelConfig):
+        return self.objective.loss(params, batch, model_cfg, attention=self.attention, remat=self.remat)
+
+
+def step_objective(model_cfg: ModelConfig, train_cfg: TrainConfig, objective=None, platform: str | None = None):
+    """What a train step computes: pretraining's objective as `train` configures it (None), one
+    given as it is (a NextToken), or a post-training objective with train's forward options."""
+    check_objective_options(train_cfg, objective)
+    if objective is None:
+        return next_token(model_cfg, train_cfg, platform)
+    if isinstance(objective, NextToken):
+        return objective
+    return PostTraining(objective, attention_form(train_cfg.attention, model_cfg, platform or jax.default_backend()),
+                        train_cfg.remat)
 
 
 def interleaved(batch, n: int):
@@ -261,8 +287,7 @@ def make_train_step(model_cfg: ModelConfig, train_cfg: TrainConfig,
     document masking, z-loss) for JAX's default platform. The gradient is the mean over
     `train.microbatches` accumulated one after another, each the mean over `train.batch_parts`
     computed side by side."""
-    check_objective_options(train_cfg, objective)
-    objective = objective or next_token(model_cfg, train_cfg)
+    objective = step_objective(model_cfg, train_cfg, objective)
     lora = train_cfg.lora
     trained = trained_key(lora)
 
@@ -336,8 +361,7 @@ def make_split_step(model_cfg: ModelConfig, train_cfg: TrainConfig, optimizer: o
     runtime runs each on its own thread, where one program's ops ran on one thread for stretches
     (benchmarks/RESULTS.md, session 18's profile). Pretraining, no LoRA, one microbatch: another
     objective is refused as make_train_step refuses it (`check_objective_options`)."""
-    check_objective_options(train_cfg, objective)
-    objective = objective or next_token(model_cfg, train_cfg)
+    objective = step_objective(model_cfg, train_cfg, objective)
     value_and_grad = jax.value_and_grad(lambda params, batch: objective.loss(params, batch, model_cfg), has_aux=True)
     update = make_update(train_cfg, optimizer)
     P = train_cfg.batch_parts
@@ -357,6 +381,10 @@ def make_eval_step(model_cfg: ModelConfig, objective=None, train_cfg: TrainConfi
     """params, batch -> mean validation loss (the objective's, when given); wrap in `jax.jit`.
     With `train_cfg` and no objective, pretraining's as `next_token` configures it, the z term
     left out: the validation loss is the cross-entropy, with or without z-loss."""
-    if objective is None:
-        objective = NEXT_TOKEN if train_cfg is None else dataclasses.replace(next_token(model_cfg, train_cfg), z_loss=0.0)
+    if train_cfg is None:
+        objective = objective or NEXT_TOKEN
+    elif objective is None:
+        objective = dataclasses.replace(next_token(model_cfg, train_cfg), z_loss=0.0)
+    else:
+        objective = step_objective(model_cfg, train_cfg, objective)
     return lambda params, batch: objective.loss(params, batch, model_cfg)[0]
