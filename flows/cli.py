@@ -447,10 +447,10 @@ def cmd_run(args) -> int:
 
     stop_on_signals()  # Ctrl-C and SIGTERM stop the steps' Ray work and unwind the flow; the rerun resumes
     experiment, store = _experiment(args.config, args.sets), _store(args.store)
-    from flows.plan import select
+    from flows.plan import check_starting_points, select
 
     try:
-        select(experiment.steps, args.until)
+        check_starting_points(select(experiment.steps, args.until), store)  # the flow checks too: for deployments
     except (ValueError, FileNotFoundError) as e:
         raise KilnUserError(str(e)) from None
     from flows.pipeline import StepsFailed, experiment_flow, pipeline

@@ -13,7 +13,7 @@ from flows.compare import comparison, final_model, metric_plot, over_steps, step
 from flows.config import ExperimentConfig
 from flows.experiment import Experiment, from_config, load_experiment
 from flows.notify import notify_failure
-from flows.plan import select, with_followups
+from flows.plan import check_starting_points, select, with_followups
 from tasks.engine.runner import StepRun
 from tasks.engine.scheduler import execute, failures
 from tasks.engine.store import Store
@@ -37,7 +37,9 @@ def run_experiment(experiment: Experiment, store: Store, until: str | None = Non
     how = dict(max_concurrent=settings.max_concurrent, workers=settings.workers, force=frozenset(force),
                lock_url=settings.lock_url, lease_s=settings.lock_lease_s, verify=settings.verify,
                slot_limits=settings.slot_limits)
-    runs = execute(select(experiment.steps, until), store, announce=final_models(experiment), **how)
+    steps = select(experiment.steps, until)
+    check_starting_points(steps, store)  # before any step runs, not when a train step starts
+    runs = execute(steps, store, announce=final_models(experiment), **how)
     if until is None and not failures(runs):
         seen = {(r.stage, r.version) for r in runs}
         more = [s for s in with_followups(experiment, store).steps if (s.stage, s.version) not in seen]

@@ -36,7 +36,7 @@ from tasks.engine.step import Step, upstream_order
 from tasks.engine.store import Store
 from tasks.engine.caching import lock_manager
 from tasks.engine.config import ConfigModel
-from training.config import KEPT_DIR, InitConfig, ModelConfig
+from training.config import KEPT_DIR, InitConfig, ModelConfig, model_mismatch
 
 if TYPE_CHECKING:
     from flows.experiment import Experiment
@@ -327,6 +327,30 @@ def _not_kept(step: Step, parent: Step, needed: int | None, store: Store) -> str
             "to train it again (kiln then keeps the step), or name a step it kept")
 
 
+def starting_point_mismatch(step: Step, store: Store) -> str | None:
+    """Why a train step cannot start from another experiment's model that its train.init.from
+    names and the store holds: the model fields that differ from this step's, each with both
+    values (training/config.py `model_mismatch`). Found as the run is planned; before, when the
+    step started to train, after every data stage before it."""
+    if step.stage != "train" or not isinstance(getattr(step.inputs.get("init"), "config", None), PublishedConfig):
+        return None
+    parent = step.inputs["init"]
+    if not store.is_done(parent.stage, parent.version):
+        return None  # the step that stands for it says so
+    theirs = ModelConfig.model_validate_json(store.read_text(parent.stage, parent.version, "model.json"))
+    if theirs == step.config.model:
+        return None
+    return f"{step.name}: {model_mismatch(f'{parent.stage}/{parent.version}', theirs, step.config.model)}"
+
+
+def check_starting_points(steps: list[Step], store: Store) -> None:
+    """Refuse a run whose train step starts from a published model of another config
+    (`starting_point_mismatch`), before any step runs."""
+    wrong = [why for why in (starting_point_mismatch(s, store) for s in steps) if why]
+    if wrong:
+        raise ValueError("; ".join(wrong))
+
+
 def plan(experiment: Experiment, store: Store, until: str | None = None) -> list[PlannedStep]:
     """Every step of the experiment once, with its status; the scaling forecast's steps too once
     the fit they depend on is in the store."""
@@ -337,7 +361,8 @@ def plan(experiment: Experiment, store: Store, until: str | None = None) -> list
         steps = experiment.steps
     for s in steps:
         status = step_status(s, store, experiment.run.lock_url)
-        warning = code_drift(s, store) if status == "done" else missing_kept_step(s, store)
+        warning = code_drift(s, store) if status == "done" else (missing_kept_step(s, store)
+                                                                  or starting_point_mismatch(s, store))
         planned.append(PlannedStep(s.stage, s.name, s.version, store.output(s.stage, s.version), status,
                                    [v for v in experiment.variants_of[s.key] if v], warning))
     return planned

@@ -164,3 +164,16 @@ def test_starting_from_a_published_version_and_a_step_it_did_not_keep(tmp_path, 
     assert f"needs step 4 of init/train-{parent}" in capsys.readouterr().err
     failed = kiln("run", str(child_path), "--store", str(store), "--until", "train", check=False)
     assert failed.returncode == 1 and "kept no state of step 4" in failed.stderr
+
+    # a model section other than the parent's: said by the plan, and the run refused before any
+    # step runs (before, when the train step started, after the data stages)
+    wider = {**child, "model": {**child["model"], "n_layers": child["model"]["n_layers"] + 1}}
+    child_path.write_text(yaml.safe_dump(wider, sort_keys=False))
+    assert main(["plan", str(child_path), "--store", str(store)]) == 0
+    n_layers = child["model"]["n_layers"]
+    said = (f"train: train/{parent} holds a model of another config than this step's "
+            f"(n_layers: {n_layers + 1} here, {n_layers} there)")
+    assert said in capsys.readouterr().err
+    refused = kiln("run", str(child_path), "--store", str(store), check=False)
+    assert refused.returncode == 2 and said in refused.stderr and "Traceback" not in refused.stderr, refused.stderr
+    assert "ran/cached" not in refused.stdout  # no step, not even a cache check: before, exit 1 at the train step

@@ -98,8 +98,7 @@ def test_a_padded_vocabulary_is_kept_and_a_model_of_another_config_is_named_fiel
     from flows.experiment import from_config
     from flows.plan import model_of
     from tests.conftest import REPO
-    from training.config import ModelConfig
-    from training.launch import model_mismatch
+    from training.config import ModelConfig, model_mismatch
 
     raw = yaml.safe_load((REPO / "configs" / "tiny_cpu.yaml").read_text())  # a BPE of 4096 tokens
     plain = ExperimentConfig.model_validate(raw)

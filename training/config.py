@@ -412,6 +412,15 @@ class InitConfig(ConfigModel):
         return self
 
 
+def model_mismatch(named: str, theirs: ModelConfig, ours: ModelConfig) -> str:
+    """Why a step cannot start from `named`'s parameters: the model fields that differ, each with
+    both values, so that the `model` section to write is in the message (only they differ)."""
+    fields = ", ".join(f"{name}: {mine!r} here, {its!r} there"
+                       for name, (its, mine) in theirs.differences(ours).items())
+    return (f"{named} holds a model of another config than this step's ({fields}): give `model` its values to start "
+            "from it (model.vocab_size may be more than the tokenizer's tokens: a padded vocabulary's rows)")
+
+
 class TrainConfig(ConfigModel):
     """The optimisation recipe. `batch_size` is global (sequences per step, over all hosts)."""
 

@@ -38,7 +38,8 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.queue import Empty, Queue
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from training.config import DETERMINISTIC_GPU_FLAG, ModelConfig, ResourcesConfig, TrainConfig, check_cpu_devices
+from training.config import (DETERMINISTIC_GPU_FLAG, ModelConfig, ResourcesConfig, TrainConfig, check_cpu_devices,
+                             model_mismatch)
 from training.data import MixtureData, MixtureInput, open_mixture, read_meta
 from tasks.engine import local_ray
 from tasks.engine.daemons import process_start
@@ -467,12 +468,3 @@ def _wait_relaying(refs: list, queue, on_metrics, poll_s: float, where: Callable
         raise local_ray.Stopped(f"{local_ray.STOPPING}: the training stopped at step "
                                 f"{max(stopped_at)}, its checkpoint saved there, where the rerun resumes")
     return [results[r] for r in refs]
-
-
-def model_mismatch(named: str, theirs: ModelConfig, ours: ModelConfig) -> str:
-    """Why a step cannot start from `named`'s parameters: the model fields that differ, each with
-    both values, so that the `model` section to write is in the message (only they differ)."""
-    fields = ", ".join(f"{name}: {mine!r} here, {its!r} there"
-                       for name, (its, mine) in theirs.differences(ours).items())
-    return (f"{named} holds a model of another config than this step's ({fields}): give `model` its values to start "
-            "from it (model.vocab_size may be more than the tokenizer's tokens: a padded vocabulary's rows)")

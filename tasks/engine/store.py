@@ -94,8 +94,12 @@ class Store:
         return self.fs.exists(self._fs_path(stage, version) + "/" + LINEAGE)
 
     def read_lineage(self, stage: str, version: str) -> dict:
-        with self.fs.open(self._fs_path(stage, version) + "/" + LINEAGE, "r") as f:
-            return json.load(f)
+        return json.loads(self.read_text(stage, version, LINEAGE))
+
+    def read_text(self, stage: str, version: str, name: str) -> str:
+        """A small file of a published output (its lineage, a model's model.json), local or remote."""
+        with self.fs.open(self._fs_path(stage, version) + "/" + name, "r") as f:
+            return f.read()
 
     def _fs_path(self, stage: str, version: str) -> str:
         return f"{self.root if self.is_local else self._remote_path}/{stage}/{version}"
