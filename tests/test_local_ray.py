@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import psutil
@@ -173,3 +174,31 @@ def test_the_run_that_started_the_local_ray_leaves_its_node_whole_when_it_exits(
             subprocess.run([sys.executable, "-m", "tasks.engine.local_ray", "stop"], cwd=REPO, env=env, timeout=120)
             if keeper is not None and alive(keeper):
                 keeper.kill()
+
+
+def test_a_stopping_run_waits_as_long_as_its_trainings_stop_grace_asks():
+    """The scheduler's wait for its running steps at a stop (120 s) is extended while a training
+    of this process has a longer resources.stop_grace_s (its hosts' checkpoint), and is itself
+    again once that training is done: before, a grace beyond it would be cut short by the wait."""
+    from tasks.engine import local_ray
+
+    assert local_ray.stop_wait_s(120.0) == 120.0
+    with local_ray.stop_takes(30):
+        assert local_ray.stop_wait_s(120.0) == 120.0  # 30 s and a minute to end: within the 120
+    done = threading.Event()
+
+    def long_training():
+        with local_ray.stop_takes(600):
+            started.set()
+            done.wait(timeout=30)
+
+    started = threading.Event()
+    beside = threading.Thread(target=long_training)
+    beside.start()
+    try:
+        started.wait(timeout=30)
+        assert local_ray.stop_wait_s(120.0) == 660.0  # a training in another thread: its 600 s and a minute
+    finally:
+        done.set()
+        beside.join()
+    assert local_ray.stop_wait_s(120.0) == 120.0

@@ -53,9 +53,6 @@ if TYPE_CHECKING:  # JAX: imported by the hosts, not by a driver that only plans
 DataSource = Callable[[], tuple[Callable[[int], np.ndarray], list[np.ndarray]]]
 
 CPU_DEVICES_FLAG = "--xla_force_host_platform_device_count"  # N CPU devices in one process
-# On Ctrl-C or SIGTERM, the seconds the hosts have to checkpoint the step they are at and stop,
-# before they are cancelled where they are (under the scheduler's wait for its running steps, 120 s)
-STOP_GRACE_S = 60
 
 
 def launch_training(model_cfg: ModelConfig, train_cfg: TrainConfig, resources: ResourcesConfig,
@@ -115,8 +112,9 @@ def launch_training(model_cfg: ModelConfig, train_cfg: TrainConfig, resources: R
                     stop_requests if host == 0 else None)
             for host in range(resources.hosts)
         ]
-        results = _wait_relaying(refs, queue, on_metrics, poll_s, functools.partial(_bundle_node, group),
-                                 stop_requests)
+        with local_ray.stop_takes(resources.stop_grace_s):  # the scheduler's wait at a stop is at least as long
+            results = _wait_relaying(refs, queue, on_metrics, poll_s, functools.partial(_bundle_node, group),
+                                     stop_requests, resources.stop_grace_s)
         if work.remote:
             work.fetch_output(out_dir)
         # Where it ran (never identity), for the lineage: the cluster's address as given, or the
@@ -419,7 +417,7 @@ def _free_address() -> str:
 
 
 def _wait_relaying(refs: list, queue, on_metrics, poll_s: float, where: Callable[[int], str],
-                   stop_requests: Queue, stop_grace_s: float = STOP_GRACE_S) -> list[dict]:
+                   stop_requests: Queue, stop_grace_s: float) -> list[dict]:
     """Wait for every host task, passing queued metrics on as they come. If one host fails, the
     others would wait forever in a collective: cancel them and raise the failure, naming the
     host and its node (`where(host)`).
@@ -449,7 +447,7 @@ def _wait_relaying(refs: list, queue, on_metrics, poll_s: float, where: Callable
             stop_requests.put(True)
             asked_at = time.monotonic()
             print(f"stopping: the training checkpoints the step it is at and stops (cancelled after {stop_grace_s:.0f} "
-                  "s; Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
+                  "s: resources.stop_grace_s; Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
         if asked_at is None or local_ray.stopping_now.is_set() or time.monotonic() - asked_at > stop_grace_s:
             local_ray.cancel_if_stopping(pending)  # the hosts stop, the checkpoints they finished stay
         for ref in done:

@@ -143,6 +143,27 @@ def stop_on_signals() -> None:
         signal.signal(sig, _stop)
 
 
+_stop_graces: dict[int, float] = {}  # what each running training's hosts get to checkpoint at a stop, by thread
+
+
+@contextlib.contextmanager
+def stop_takes(seconds: float):
+    """While a step of this process trains, a stop may take it `seconds` to checkpoint
+    (resources.stop_grace_s): the scheduler's wait for its running steps is at least that, and
+    some more (`stop_wait_s`)."""
+    _stop_graces[threading.get_ident()] = seconds
+    try:
+        yield
+    finally:
+        _stop_graces.pop(threading.get_ident(), None)
+
+
+def stop_wait_s(least: float) -> float:
+    """How long a stopping run waits for its running steps: `least`, or a minute more than the
+    longest grace a training of this process asked for (its checkpoint, then its Ray work's end)."""
+    return max([least, *(grace + 60.0 for grace in list(_stop_graces.values()))])
+
+
 def cancel_if_stopping(refs: list) -> None:
     """Cancel `refs` (Ray tasks, their workers killed) and raise `Stopped` if the run is
     stopping; called by the loops that wait on Ray, between their waits."""

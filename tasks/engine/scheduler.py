@@ -110,7 +110,8 @@ def _stopping_waits_for(running: dict, grace_s: float = 120.0):
     """On Ctrl-C or another stop signal (KeyboardInterrupt, `local_ray.Terminated`, or the
     TerminationSignal that Prefect's own SIGTERM handler raises while a flow runs), tell the running
     steps to stop (local_ray.stopping: they cancel their Ray work, a training first checkpoints
-    where it is) and wait for them, up to `grace_s`, before Ray is left and the interrupt goes on:
+    where it is) and wait for them, up to `grace_s` (or longer where a training's
+    resources.stop_grace_s asks: local_ray.stop_wait_s), before Ray is left and the interrupt goes on:
     Prefect would otherwise wait for a training to finish before it let the process end. A Ctrl-C
     meanwhile sets local_ray.stopping_now: nothing more is checkpointed. A SIGTERM (or SIGUSR1,
     SIGUSR2) meanwhile does not: a supervisor and the job's scheduler often both send one (systemd
@@ -120,6 +121,7 @@ def _stopping_waits_for(running: dict, grace_s: float = 120.0):
         yield
     except (KeyboardInterrupt, ExternalSignal):
         local_ray.stopping.set()
+        grace_s = local_ray.stop_wait_s(grace_s)  # a training's resources.stop_grace_s may ask for longer
         deadline, waiting, said = time.monotonic() + grace_s, list(running), False
         while waiting:  # another signal may come at any moment: all that follows is under the try
             try:
