@@ -77,14 +77,14 @@ def capacity(config_path: str, devices: int | None = None, targets: list[str] | 
 def posttraining(config) -> dict:
     """The post-training steps that train, by name: each its train and resources sections and its
     objective. They train the final model (the last train step's, or a soup's) as it is."""
-    from training.posttrain import DPOObjective, SFTObjective
+    from training.posttrain import SFTObjective
 
     pt = config.posttrain
     if pt is None:
         return {}
     steps = {"sft": (pt.sft.train, pt.sft.resources, SFTObjective())}
     if pt.dpo is not None:
-        steps["dpo"] = (pt.dpo.train, pt.dpo.resources, DPOObjective(pt.dpo.beta, pt.dpo.sft_weight))
+        steps["dpo"] = (pt.dpo.train, pt.dpo.resources, pt.dpo.objective())
     return steps
 
 

@@ -165,8 +165,8 @@ class PosttrainConfig(ConfigModel):
     def _check_objectives(self) -> "PosttrainConfig":
         """Refused as the config is read, not when the step starts to train, after pretraining."""
         for name, section in (("sft", self.sft), ("dpo", self.dpo)):
-            if section is not None and section.train.pretraining_only():
-                raise ValueError(f"posttrain.{name}.train: {', '.join(section.train.pretraining_only())}: only "
+            if section is not None and (set_here := section.train.pretraining_only()):
+                raise ValueError(f"posttrain.{name}.train: {', '.join(set_here)}: only "
                                  f"pretraining's next-token objective takes that, not {name.upper()}'s: leave it out")
         return self
 

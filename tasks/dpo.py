@@ -71,6 +71,13 @@ class DPOConfig(ConfigModel):
                                          "the top-level `resources`.")
     tracking: TrackingConfig = setting(TrackingConfig(), description="Set from the experiment's `tracking`.")
 
+    def objective(self):
+        """The DPO objective this section trains with (training/posttrain.py): the step's and
+        `kiln capacity`'s."""
+        from training.posttrain import DPOObjective
+
+        return DPOObjective(self.beta, self.sft_weight)
+
 
 def encode_pairs(pairs: list[dict], template: ChatTemplate | CheckpointTemplate) -> list:
     def side(p, answer):
@@ -109,7 +116,7 @@ def generated_pairs(model_dir: Path, tokenizer_dir: Path, chat_dir: Path, out: P
 def run_dpo(ctx: StepContext) -> dict:
     from training.launch import launch_training
     from training.chat_template import TEMPLATE_FILE
-    from training.posttrain import DPOObjective, open_rows, pad_pairs, save_rows
+    from training.posttrain import open_rows, pad_pairs, save_rows
 
     cfg: DPOConfig = ctx.config
     model_dir, tokenizer_dir, pairs_dir = ctx.inputs["model"], ctx.inputs["tokenizer"], ctx.inputs["pairs"]
@@ -133,7 +140,7 @@ def run_dpo(ctx: StepContext) -> dict:
     with tracked(relay_to(ctx, cfg.train.steps), cfg.tracking, f"dpo-{ctx.step.version}",
                  cfg.model_dump(mode="json")) as on_metrics:
         stats = launch_training(model_cfg, cfg.train, cfg.resources, data, ctx.workspace, ctx.out,
-                                on_metrics=on_metrics, objective=DPOObjective(cfg.beta, cfg.sft_weight),
+                                on_metrics=on_metrics, objective=cfg.objective(),
                                 init_model=ctx.located("model"))
     (ctx.out / TEMPLATE_FILE).write_text(template.source, encoding="utf-8")
     last = read_metrics(ctx.out / "metrics.jsonl")[-1]

@@ -185,14 +185,13 @@ def test_a_stopping_run_waits_as_long_as_its_trainings_stop_grace_asks():
     assert local_ray.stop_wait_s(120.0) == 120.0
     with local_ray.stop_takes(30):
         assert local_ray.stop_wait_s(120.0) == 120.0  # 30 s and a minute to end: within the 120
-    done = threading.Event()
+    started, done = threading.Event(), threading.Event()
 
     def long_training():
         with local_ray.stop_takes(600):
             started.set()
             done.wait(timeout=30)
 
-    started = threading.Event()
     beside = threading.Thread(target=long_training)
     beside.start()
     try:

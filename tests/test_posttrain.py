@@ -158,13 +158,17 @@ def test_changing_a_prompt_label_leaves_sft_loss_and_gradient_unchanged():
         assert not all(jax.tree_util.tree_leaves(jax.tree_util.tree_map(jnp.array_equal, grads, grads2)))
 
 
-def test_dpo_loss_is_log2_against_itself_and_rewards_the_chosen_answer():
-    cfg, params = tiny_model()
+def encoded_pairs(answers: list[tuple[str, str]]) -> list:
+    """(chosen, rejected) answers to one prompt of CONVERSATION, each as the chat template encodes it."""
     chat = ChatTemplate(tokenizer())
     prompt = CONVERSATION[1:2]
-    pairs = [(chat.encode(prompt + [{"role": "assistant", "content": c}]),
-              chat.encode(prompt + [{"role": "assistant", "content": r}]))
-             for c, r in [(" the heaven and the earth.", " a fish of the sea."), (" light.", " dark, dark dark.")]]
+    return [(chat.encode(prompt + [{"role": "assistant", "content": c}]),
+             chat.encode(prompt + [{"role": "assistant", "content": r}])) for c, r in answers]
+
+
+def test_dpo_loss_is_log2_against_itself_and_rewards_the_chosen_answer():
+    cfg, params = tiny_model()
+    pairs = encoded_pairs([(" the heaven and the earth.", " a fish of the sea."), (" light.", " dark, dark dark.")])
     arrays, dropped = pad_pairs(pairs, cfg.seq_len, tokenizer().token_to_id(GPT2_EOS))
     assert dropped == 0 and arrays["inputs"].shape == (2, 2, cfg.seq_len)
     arrays["ref_logp"] = reference_logprobs(params, arrays, cfg, batch_size=2)
@@ -198,12 +202,8 @@ def test_dpo_trains_with_remat_and_its_parameters_keep_their_bits(tmp_path):
     from training.posttrain import fixed_batches
 
     cfg, params = tiny_model()
-    chat = ChatTemplate(tokenizer())
-    prompt = CONVERSATION[1:2]
-    pairs = [(chat.encode(prompt + [{"role": "assistant", "content": c}]),
-              chat.encode(prompt + [{"role": "assistant", "content": r}]))
-             for c, r in [(" the heaven and the earth.", " a fish."), (" light.", " dark, dark dark."),
-                          (" the waters.", " the dry land."), (" good.", " not good at all.")]]
+    pairs = encoded_pairs([(" the heaven and the earth.", " a fish."), (" light.", " dark, dark dark."),
+                           (" the waters.", " the dry land."), (" good.", " not good at all.")])
     rows, _ = pad_pairs(pairs, cfg.seq_len, tokenizer().token_to_id(GPT2_EOS))
     rows["ref_logp"] = reference_logprobs(params, rows, cfg, batch_size=2)
     stats = {}

@@ -57,7 +57,8 @@ def plan(model_cfg, train_cfg, devices=None, objective=None) -> dict:
     from training.model import param_count
     from training.optim import make_optimizer
     from training.sharding import abstract_batch, make_mesh, state_shardings
-    from training.step import compiler_options, how_it_runs, init_state, make_train_step, trained_key
+    from training.step import (compiler_options, how_it_runs, init_state, make_train_step, tokens_per_step,
+                               trained_key)
 
     mesh = make_mesh(train_cfg.mesh, devices)
     n = mesh.size
@@ -96,7 +97,7 @@ def plan(model_cfg, train_cfg, devices=None, objective=None) -> dict:
         return int(sum(jax.tree_util.tree_leaves(sizes)))
 
     params = shard_bytes(abstract["params"], shardings["params"])
-    tokens = train_cfg.batch_size * model_cfg.seq_len * (objective.sequences_per_row() if objective else 1)
+    tokens = tokens_per_step(model_cfg, train_cfg, objective)
     step_flops = flops_per_token(model_cfg) * tokens
     return {
         "objective": objective.name if objective else "next_token",

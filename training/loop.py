@@ -59,7 +59,7 @@ from training.model import param_count
 from training.optim import make_optimizer
 from training.sharding import abstract_batch, make_mesh, put_batch, state_shardings
 from training.step import (compiler_options, how_it_runs, init_state, make_eval_step, make_split_step,
-                           make_train_step, published_params, xla_gpu_deterministic)
+                           make_train_step, published_params, tokens_per_step, xla_gpu_deterministic)
 from training.tracking import TENSORBOARD_DIR, TensorBoardLog
 
 log = logging.getLogger("kiln.training")
@@ -307,9 +307,7 @@ class _Clock:
     evaluating hook logs its own seconds (training/evals.py)."""
 
     def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, objective, last_loss: float | None):
-        self.tokens_per_step = train_cfg.batch_size * model_cfg.seq_len
-        if objective is not None:
-            self.tokens_per_step *= objective.sequences_per_row()
+        self.tokens_per_step = tokens_per_step(model_cfg, train_cfg, objective)
         self.step_flops = flops_per_token(model_cfg) * self.tokens_per_step
         self.peak, self.peak_source = device_peak_flops(train_cfg.peak_flops)
         self.pending, self.interval_steps, self.train_seconds = [], 0, 0.0

@@ -256,6 +256,12 @@ class PostTraining:
         return self.objective.loss(params, batch, model_cfg, attention=self.attention, remat=self.remat)
 
 
+def tokens_per_step(model_cfg: ModelConfig, train_cfg: TrainConfig, objective=None) -> int:
+    """The tokens one optimizer step computes on: batch_size rows of seq_len, each holding the
+    objective's sequences (DPO's two: chosen and rejected)."""
+    return train_cfg.batch_size * model_cfg.seq_len * (objective.sequences_per_row() if objective is not None else 1)
+
+
 def step_objective(model_cfg: ModelConfig, train_cfg: TrainConfig, objective=None, platform: str | None = None):
     """What a train step computes: pretraining's objective as `train` configures it (None), one
     given as it is (a NextToken), or a post-training objective with train's forward options."""
