@@ -124,7 +124,8 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("config", help="experiment YAML, or a Python experiment file (.py)")
     run.add_argument("--store", help="artefact store: path or fsspec URL (default ./kiln_store or $KILN_STORE)")
     run.add_argument("--until", metavar="STAGE", help="stop after this stage (and what it needs)")
-    run.add_argument("--force", metavar="STAGE", nargs="+", default=[], help="recompute these stages even if cached")
+    run.add_argument("--force", metavar="STAGE", nargs="+", action="extend", default=[],
+                     help="recompute these stages even if cached")
     sets(run)
 
     pl = command("plan", "List every step once with its version, output path, status and the variants "
@@ -144,8 +145,9 @@ def parser() -> argparse.ArgumentParser:
     ca.add_argument("config", help="experiment YAML")
     ca.add_argument("--devices", type=int, help="simulated devices the mesh spans (default: the config's "
                     "resources, hosts x gpus_per_host or TPU chips; 8 for a CPU config)")
-    ca.add_argument("--device", nargs="+", metavar="KIND", help="devices to check the fit against (default: "
-                    "h100-80gb h200-141gb a100-40gb a100-80gb tpu-v4 tpu-v5e)")
+    ca.add_argument("--device", nargs="+", action="extend", metavar="KIND",
+                    help="devices to check the fit against, one or more, the option given once or more "
+                    "(default: h100-80gb h200-141gb a100-40gb a100-80gb tpu-v4 tpu-v5e)")
     ca.add_argument("--mfu", type=float, default=0.4, help="assumed MFU for the step time (default 0.4)")
     ca.add_argument("--memory-fraction", type=float, default=0.75, help="share of a GPU's memory JAX may use "
                     "(XLA_PYTHON_CLIENT_MEM_FRACTION; default 0.75, JAX's preallocation)")
@@ -173,7 +175,7 @@ def parser() -> argparse.ArgumentParser:
                  "and how far each budget lies beyond the sweep (docs/scaling_laws.md).",
                  "kiln forecast kiln_store/scaling_fit/<version> --budget 1e19 1e21 --json")
     fo.add_argument("law", help="a scaling_fit output folder (`kiln plan CONFIG` lists them) or its law.json")
-    fo.add_argument("--budget", type=float, nargs="+", required=True, metavar="FLOPS",
+    fo.add_argument("--budget", type=float, nargs="+", action="extend", required=True, metavar="FLOPS",
                     help="training budgets C in FLOPs (6N + attention per token, as the sweep counted them)")
     fo.add_argument("--json", action="store_true", help="one object per budget")
 

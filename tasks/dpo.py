@@ -3,7 +3,8 @@
 Inputs: `model` (an sft step output: it is both the starting point and the frozen reference),
 `tokenizer`, `pairs` (a chat_data step output). Each pair becomes two rows, prompt + chosen and
 prompt + rejected, with the loss mask on the answer; the reference's log-probabilities are
-computed once on the training host (training.posttrain.open_rows). Training is the pretraining
+computed once on the training's hosts and mesh, a microbatch at a time (training.posttrain.open_rows),
+before the first step. Training is the pretraining
 loop with the DPO objective (beta from the config): same step, checkpoints, resume, Ray launch
 and output layout. Its metrics add the reward margin (beta times the chosen-minus-rejected log
 ratio) and the accuracy (margin > 0) per log interval.
@@ -47,8 +48,9 @@ if TYPE_CHECKING:  # JAX, orbax and Ray load when the step runs, not for `kiln p
 # 2: rejected answers may be generated; 3: the shared training step's attention in query blocks changes the
 # last bits of the parameters; 4: so does its rotary in one fused pass; 5: and its rotary tables computed once
 # per forward, and SwiGLU's hand-written backward; 6: and a sliding-window layer's query blocks skipping the keys
-# outside the window
-STAGE_VERSION = 6
+# outside the window; 7: the reference's log-probs computed on the training's mesh, a microbatch's pairs at a time
+# (the same bits on one CPU device; on several devices the last bits may differ)
+STAGE_VERSION = 7
 
 
 class DPOConfig(ConfigModel):
@@ -134,9 +136,8 @@ def run_dpo(ctx: StepContext) -> dict:
         if split == "train" and not len(rows["inputs"]):
             raise ValueError(f"no training pair of {pairs_dir} fits in seq_len {model_cfg.seq_len}")
         save_rows(ctx.work_dir / f"pairs_{split}.npz", rows)
-    data = functools.partial(open_rows, ctx.workspace, "pairs_train.npz", "pairs_eval.npz",
-                             cfg.train.batch_size, cfg.train.seed, cfg.train.eval_batches, ctx.located("model"),
-                             attention=cfg.train.attention)
+    data = functools.partial(open_rows, ctx.workspace, "pairs_train.npz", "pairs_eval.npz", cfg.train,
+                             ctx.located("model"))
     with tracked(relay_to(ctx, cfg.train.steps), cfg.tracking, f"dpo-{ctx.step.version}",
                  cfg.model_dump(mode="json")) as on_metrics:
         stats = launch_training(model_cfg, cfg.train, cfg.resources, data, ctx.workspace, ctx.out,

@@ -113,8 +113,7 @@ def run_sft(ctx: StepContext) -> dict:
                  dropped["train"])
 
     base = evaluate_model(model_dir, tokenizer_dir, chat_dir, ctx.out / EVAL_DIR / "base", cfg.evaluation)
-    data = functools.partial(open_rows, ctx.workspace, "sft_train.npz", "sft_eval.npz",
-                             cfg.train.batch_size, cfg.train.seed, cfg.train.eval_batches)
+    data = functools.partial(open_rows, ctx.workspace, "sft_train.npz", "sft_eval.npz", cfg.train)
     with tracked(relay_to(ctx, cfg.train.steps), cfg.tracking, f"sft-{ctx.step.version}",
                  cfg.model_dump(mode="json")) as on_metrics:
         stats = launch_training(model_cfg, cfg.train, cfg.resources, data, ctx.workspace, ctx.out,

@@ -158,6 +158,11 @@ def test_kiln_capacity_plans_the_sft_and_dpo_steps(tmp_path):
     remat = capacity(config, devices=1, targets=["h100-80gb"], sets=[*sets, "posttrain.dpo.train.remat=full"],
                      step="dpo")
     assert remat["remat"] == "full" and remat["temp_bytes"] < 0.5 * dpo["temp_bytes"]  # before, refused
+    # DPO's reference scores the pairs before the first step, a microbatch at a time
+    assert sft["reference_bytes"] == base["reference_bytes"] == 0 < dpo["reference_bytes"] <= dpo["total_bytes"]
+    micro = capacity(config, devices=1, targets=["h100-80gb"], sets=[*sets, "posttrain.dpo.train.microbatches=4"],
+                     step="dpo")
+    assert micro["reference_bytes"] < 0.5 * dpo["reference_bytes"], (micro["reference_bytes"], dpo["reference_bytes"])
     lora = capacity(config, devices=1, targets=["h100-80gb"], sets=[*sets, "posttrain.sft.train.lora={rank: 4}"],
                     step="sft")
     assert lora["optimizer_bytes"] < sft["optimizer_bytes"] / 10  # only the adapters' moments

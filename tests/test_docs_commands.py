@@ -63,3 +63,14 @@ def test_a_command_the_docs_show_parses_and_its_config_loads(where, command):
             _experiment(str(REPO / config), getattr(args, "sets", []))
         except KilnUserError as e:
             pytest.fail(f"{where} shows `{command}`, whose config does not load: {e}")
+
+
+def test_an_option_of_several_values_given_twice_keeps_them_all():
+    """`--device h100-80gb --device h200-141gb` checked the fit against the H200 only (argparse's
+    nargs="+" keeps the last list), silently; the same for `kiln run --force` and `kiln forecast
+    --budget`. Each now adds to the list."""
+    args = parser().parse_args(["capacity", "c.yaml", "--device", "h100-80gb", "--device", "h200-141gb", "a100-40gb"])
+    assert args.device == ["h100-80gb", "h200-141gb", "a100-40gb"]
+    assert parser().parse_args(["run", "c.yaml", "--force", "train", "--force", "sft"]).force == ["train", "sft"]
+    assert parser().parse_args(["run", "c.yaml"]).force == []
+    assert parser().parse_args(["forecast", "law.json", "--budget", "1e19", "--budget", "1e21"]).budget == [1e19, 1e21]

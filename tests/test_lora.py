@@ -80,7 +80,7 @@ def test_dpo_with_lora_scores_against_the_base(base, tmp_path):
     arrays = {"inputs": inputs, "targets": np.roll(inputs, -1, axis=2),
               "loss_mask": np.ones((rows, 2, model.seq_len), np.float32)}
     arrays["loss_mask"][:, :, : model.seq_len // 2] = 0
-    arrays["ref_logp"] = reference_logprobs(start, arrays, model, batch_size=4)
+    arrays["ref_logp"] = reference_logprobs(start, arrays, model, pairs_per_call=4)
     objective = DPOObjective(0.1)
     cfg = TrainConfig(batch_size=4, steps=6, lr=1e-2, warmup=1, log_every=1, eval_every=6, checkpoint_every=6,
                       weight_decay=0.0, peak_flops=1e11, lora=LORA)

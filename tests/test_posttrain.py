@@ -171,7 +171,7 @@ def test_dpo_loss_is_log2_against_itself_and_rewards_the_chosen_answer():
     pairs = encoded_pairs([(" the heaven and the earth.", " a fish of the sea."), (" light.", " dark, dark dark.")])
     arrays, dropped = pad_pairs(pairs, cfg.seq_len, tokenizer().token_to_id(GPT2_EOS))
     assert dropped == 0 and arrays["inputs"].shape == (2, 2, cfg.seq_len)
-    arrays["ref_logp"] = reference_logprobs(params, arrays, cfg, batch_size=2)
+    arrays["ref_logp"] = reference_logprobs(params, arrays, cfg, pairs_per_call=2)
     assert arrays["ref_logp"].shape == (2, 2) and (arrays["ref_logp"] < 0).all()
     batch = {k: jnp.asarray(v) for k, v in arrays.items()}
     loss_fn = jax.jit(dpo_loss, static_argnums=(2, 3))
@@ -205,7 +205,7 @@ def test_dpo_trains_with_remat_and_its_parameters_keep_their_bits(tmp_path):
     pairs = encoded_pairs([(" the heaven and the earth.", " a fish."), (" light.", " dark, dark dark."),
                            (" the waters.", " the dry land."), (" good.", " not good at all.")])
     rows, _ = pad_pairs(pairs, cfg.seq_len, tokenizer().token_to_id(GPT2_EOS))
-    rows["ref_logp"] = reference_logprobs(params, rows, cfg, batch_size=2)
+    rows["ref_logp"] = reference_logprobs(params, rows, cfg, pairs_per_call=2)
     stats = {}
     for remat in ("none", "full"):
         train_cfg = TrainConfig(batch_size=2, steps=4, lr=1e-2, warmup=1, remat=remat, checkpoint_every=4,
@@ -223,6 +223,66 @@ def test_dpo_trains_with_remat_and_its_parameters_keep_their_bits(tmp_path):
     with pytest.raises(ValueError, match=r"train: document_mask=True: only pretraining's next-token objective "
                                          r"takes that, not the dpo objective"):
         make_train_step(cfg, masked, make_optimizer(masked), DPOObjective(0.1))
+
+
+# Runs in a process with 4 CPU devices (XLA_FLAGS must be set before JAX starts).
+REFERENCE_ON_A_MESH = """
+import json, sys
+from pathlib import Path
+import jax, numpy as np
+from training.config import MeshConfig, ModelConfig, TrainConfig
+from training.loop import train
+from training.model import init_params
+from training.posttrain import (DPOObjective, RowBatches, fixed_batches, reference_logprobs,
+                                reference_pairs_per_call, reference_program)
+from training.sharding import make_mesh
+
+cfg = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, seq_len=32)
+params = init_params(cfg, jax.random.PRNGKey(3))
+inputs = np.random.default_rng(0).integers(0, 256, size=(14, 2, 32)).astype(np.int32)
+rows = {"inputs": inputs, "targets": np.roll(inputs, -1, 2), "loss_mask": np.ones((14, 2, 32), np.int32)}
+rows["loss_mask"][:, :, :16] = 0  # the answers: the second half
+fsdp = MeshConfig(strategy="fsdp")
+train_cfg = TrainConfig(batch_size=8, microbatches=2, steps=2, warmup=1, log_every=1, eval_every=2,
+                        checkpoint_every=2, mesh=fsdp, peak_flops=1e11)
+mesh = make_mesh(fsdp)
+per_call = reference_pairs_per_call(train_cfg, mesh)
+whole = reference_logprobs(params, rows, cfg, 8, make_mesh(MeshConfig(), jax.devices()[:1]))
+rows["ref_logp"] = reference_logprobs(params, rows, cfg, per_call, mesh, "fsdp")
+seen = []
+train(cfg, train_cfg, RowBatches(rows, 8, 0).batch_at, fixed_batches(rows, 8, 1), Path(sys.argv[1]) / "work",
+      Path(sys.argv[1]) / "out", seen.append, objective=DPOObjective(0.1), init_params=params)
+up = reference_program(cfg, per_call, mesh, "fsdp", "query_blocks")[1]["layers_0"]["mlp"]["up_proj"]["kernel"]
+print(json.dumps({"devices": jax.device_count(), "per_call": per_call, "whole": whole.tolist(),
+                  "sharded": rows["ref_logp"].tolist(), "first_loss": seen[0]["loss"],
+                  "up_proj": [up.shape, up.sharding.shard_shape(up.shape)]}))
+"""
+
+
+def test_the_reference_pass_runs_on_the_training_mesh_a_microbatch_at_a_time(tmp_path):
+    """DPO's frozen reference scores the pairs as the policy trains: parameters under FSDP over
+    the devices and a microbatch's pairs per call, split on `data`. Before, it held the whole
+    model on one device and scored a whole batch at once: for the 1B preset's DPO at 64 pairs x
+    4096, 308 GiB on one device before the first step, whose own plan fits an H100 (8.1 GiB per
+    device now; benchmarks/RESULTS.md). The log-probs are those of the one-device pass (the same
+    bits on a CPU), and the policy's first step against them is DPO's log 2: a log-ratio of 0."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, "-c", REFERENCE_ON_A_MESH, str(tmp_path)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["devices"] == 4 and out["per_call"] == 4  # 8 pairs in 2 microbatches: 4, one per device
+    assert out["up_proj"] == [[64, 128], [64, 32]]  # the reference's parameters spread as the policy's
+    sharded, whole = np.array(out["sharded"]), np.array(out["whole"])
+    assert sharded.shape == (14, 2) and (sharded < 0).all()  # 14 pairs: the last call padded
+    np.testing.assert_array_equal(sharded, whole)
+    assert out["first_loss"] == pytest.approx(np.log(2), abs=1e-6)
 
 
 def test_row_batches_are_a_pure_function_of_the_step():

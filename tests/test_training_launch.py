@@ -131,6 +131,49 @@ def test_two_hosts_join_one_jax_runtime_and_match_one_host(one_host, tmp_path):
         "loss.png", "metrics.jsonl", "model.json", "params.safetensors", "tensorboard"]
 
 
+def dpo_pairs(model: ModelConfig, train_cfg: TrainConfig, out: str):
+    """A DPO data source (runs on each host): random pairs scored by the frozen reference (the
+    start's parameters) on the training's mesh, every host's log-probs saved to `out`/<host>.npy."""
+    from training.model import init_params
+    from training.posttrain import RowBatches, fixed_batches, reference_logprobs, reference_pairs_per_call
+    from training.sharding import make_mesh
+
+    inputs = np.random.default_rng(0).integers(0, model.vocab_size, size=(10, 2, model.seq_len)).astype(np.int32)
+    rows = {"inputs": inputs, "targets": np.roll(inputs, -1, 2), "loss_mask": np.ones(inputs.shape, np.int32)}
+    mesh = make_mesh(train_cfg.mesh)
+    rows["ref_logp"] = reference_logprobs(init_params(model, jax.random.PRNGKey(3)), rows, model,
+                                          reference_pairs_per_call(train_cfg, mesh), mesh, train_cfg.mesh.strategy)
+    np.save(Path(out) / f"{jax.process_index()}.npy", rows["ref_logp"])
+    return RowBatches(rows, train_cfg.batch_size, 0).batch_at, fixed_batches(rows, train_cfg.batch_size, 1)
+
+
+# Two JAX processes (~40 s here).
+@pytest.mark.slow
+def test_dpo_reference_pass_spans_the_hosts_and_matches_one_process(tmp_path):
+    """DPO's reference pass runs on the training's mesh, its parameters under FSDP over both hosts'
+    devices (a collective: both hosts score every pair): each host gets every pair's log-probs,
+    those of a one-process pass, and the first step against them is DPO's log 2."""
+    from training.loop import flatten_params, save_model
+    from training.model import init_params
+    from training.posttrain import DPOObjective, reference_logprobs
+
+    model, cfg = configs()
+    cfg = cfg.model_copy(update={"batch_size": 4, "microbatches": 2, "steps": 2, "warmup": 1, "eval_every": 2,
+                                 "checkpoint_every": 2, "mesh": MeshConfig(strategy="fsdp")})
+    (tmp_path / "ref").mkdir()
+    save_model(tmp_path / "work" / "start", model, flatten_params(init_params(model, jax.random.PRNGKey(3))))
+    seen: list[dict] = []
+    launch_training(model, cfg, ResourcesConfig(hosts=2, cpus_per_host=1),
+                    functools.partial(dpo_pairs, model, cfg, str(tmp_path / "ref")), tmp_path / "work",
+                    tmp_path / "out", on_metrics=seen.append, objective=DPOObjective(0.1), init_model="start")
+    inputs = np.random.default_rng(0).integers(0, model.vocab_size, size=(10, 2, model.seq_len)).astype(np.int32)
+    rows = {"inputs": inputs, "targets": np.roll(inputs, -1, 2), "loss_mask": np.ones(inputs.shape, np.int32)}
+    alone = reference_logprobs(init_params(model, jax.random.PRNGKey(3)), rows, model, 4)
+    for host in (0, 1):
+        np.testing.assert_allclose(np.load(tmp_path / "ref" / f"{host}.npy"), alone, rtol=1e-6)
+    assert [r["step"] for r in seen] == [1, 2] and seen[0]["loss"] == pytest.approx(np.log(2), abs=1e-6)
+
+
 # Two JAX processes again, as above (~15 s each here). Before, a failed host first waited in JAX's
 # shutdown barrier (its timeout: 300 s) for a peer that was itself waiting in the step's collectives
 # for it: host 0's case was still waiting when this test's 240 s timeout failed it.

@@ -97,6 +97,8 @@ def plan(model_cfg, train_cfg, devices=None, objective=None) -> dict:
         return int(sum(jax.tree_util.tree_leaves(sizes)))
 
     params = shard_bytes(abstract["params"], shardings["params"])
+    dpo = getattr(objective, "name", None) == "dpo"
+    reference = _reference_bytes(model_cfg, train_cfg, mesh, options) if dpo else 0
     tokens = tokens_per_step(model_cfg, train_cfg, objective)
     step_flops = flops_per_token(model_cfg) * tokens
     return {
@@ -113,15 +115,33 @@ def plan(model_cfg, train_cfg, devices=None, objective=None) -> dict:
         "argument_bytes": int(memory.argument_size_in_bytes),  # the state and the batch, donated
         "temp_bytes": int(memory.temp_size_in_bytes),
         "output_bytes": int(memory.output_size_in_bytes - memory.alias_size_in_bytes),  # beyond the donated state
+        "reference_bytes": reference,  # DPO's reference pass, before the first step (`_reference_bytes`)
         "flops_per_step": step_flops / n,  # per device, kiln's count (PaLM's 6N + attention)
         "compiler_flops": flops,  # per device, the compiled program's count (`_flops`, the loop's trip count)
     }
 
 
+def _reference_bytes(model_cfg, train_cfg, mesh, options: dict) -> int:
+    """What one device holds while DPO's frozen reference scores the pairs, before the first step
+    and before the train state exists (training/posttrain.py `reference_program`, compiled as the
+    step runs it): its parameters' shard, a call's pairs, the compiler's temporaries, the output."""
+    import jax
+
+    from training.posttrain import reference_pairs_per_call, reference_program
+    from training.step import attention_form
+
+    attention = attention_form(train_cfg.attention, model_cfg, jax.default_backend())
+    score, params, pairs = reference_program(model_cfg, reference_pairs_per_call(train_cfg, mesh), mesh,
+                                             train_cfg.mesh.strategy, attention)
+    memory = score.lower(params, pairs).compile(compiler_options=options).memory_analysis()
+    return int(memory.argument_size_in_bytes + memory.temp_size_in_bytes + memory.output_size_in_bytes)
+
+
 def total_bytes(p: dict) -> int:
-    """What one device holds at the step's peak: its arguments (state and batch), the compiler's
-    temporaries, and outputs that do not reuse a donated buffer."""
-    return p["argument_bytes"] + p["temp_bytes"] + p["output_bytes"]
+    """What one device holds at the peak: the step's arguments (state and batch), the compiler's
+    temporaries and outputs that do not reuse a donated buffer, or DPO's reference pass before the
+    first step where that holds more."""
+    return max(p["argument_bytes"] + p["temp_bytes"] + p["output_bytes"], p.get("reference_bytes", 0))
 
 
 def fits(p: dict, device: str, memory_fraction: float = DEFAULT_MEMORY_FRACTION) -> dict:
@@ -182,8 +202,10 @@ def table(r: dict) -> str:
         *([f"  moving average  {gib(r['ema_bytes'])}  (train.ema)"] if r.get("ema_bytes") else []),
         f"  gradients       {gib(r['gradient_bytes'])}  (inside the temporaries)",
         f"  temporaries     {gib(r['temp_bytes'])}  (activations, gradients: the compiler's)",
+        *([f"  reference pass  {gib(r['reference_bytes'])}  (DPO's frozen model scoring the pairs, before the "
+           "first step)"] if r.get("reference_bytes") else []),
         f"  total           {gib(r['total_bytes'])}  (arguments {gib(r['argument_bytes'])} + temporaries"
-        f" + outputs {gib(r['output_bytes'])})",
+        f" + outputs {gib(r['output_bytes'])}" + (", or the reference pass" if r.get("reference_bytes") else "") + ")",
         f"  FLOPs per step  {r['flops_per_step']:.3e} (kiln's 6N + attention); compiler's count "
         + (f"{r['compiler_flops']:.3e}" if r["compiler_flops"] else "n/a"),
         f"fit (usable memory: JAX preallocates {r['memory_fraction']:.0%} of a GPU's; TPUs all), step time at "

@@ -13,7 +13,8 @@ DPO (Rafailov et al. 2023) compares a chosen and a rejected answer to the same p
     loss = -log sigmoid(beta * ((log pi(c) - log ref(c)) - (log pi(r) - log ref(r))))
 
 The reference model is frozen, so its log-probabilities are a property of the data: they are
-computed once, before training (`reference_logprobs`), and travel in the batch. The jitted step
+computed once, before training (`reference_logprobs`, on the training's mesh a microbatch at a
+time, so an 8B reference fits where its policy does), and travel in the batch. The jitted step
 therefore stays `train_step(state, batch)`, the same one pretraining uses.
 
 The objectives are small frozen dataclasses that `training.loop.train` takes as `objective`:
@@ -31,8 +32,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from training.config import ModelConfig
-from training.model import forward
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from training.config import MeshConfig, ModelConfig, TrainConfig
+from training.model import forward, init_params
+from training.sharding import make_mesh, put_batch, state_shardings
+
+ROW_KEYS = ("inputs", "targets", "loss_mask")  # the arrays of a row (SFT) or of a pair's two rows (DPO)
 
 
 # --- packing ---------------------------------------------------------------------------------
@@ -165,20 +171,50 @@ def dpo_loss(params, batch: dict, cfg: ModelConfig, beta: float, sft_weight: flo
                   "chosen_nll": chosen_nll}
 
 
-def reference_logprobs(params, pairs: dict, cfg: ModelConfig, batch_size: int,
+def reference_pairs_per_call(train_cfg: TrainConfig, mesh) -> int:
+    """The pairs the reference scores at once: a microbatch's, as the policy's forward takes them
+    (so the two hold the same activations and logits), rounded up to split over `data`."""
+    data = mesh.shape["data"]
+    return -(-(train_cfg.batch_size // train_cfg.microbatches) // data) * data
+
+
+def reference_program(cfg: ModelConfig, pairs_per_call: int, mesh, strategy: str, attention: str):
+    """The frozen reference's scoring, jitted for the training's mesh: its parameters laid out as
+    the policy's (train.mesh.strategy: FSDP spreads an 8B model over the devices), `pairs_per_call`
+    pairs split on `data`, their [pairs, 2] log-probs replicated on every device (every host reads
+    them whole). Returns the jitted function and its arguments, the parameters and the pairs, as
+    abstract arrays with their shardings: `reference_logprobs` runs it, `kiln capacity` compiles
+    it (training/capacity.py)."""
+    abstract = jax.eval_shape(lambda key: init_params(cfg, key), jax.random.PRNGKey(0))
+    param_shardings = state_shardings({"params": abstract}, mesh, strategy)["params"]
+    params = jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract,
+                                    param_shardings)
+    rows = NamedSharding(mesh, P("data", None, None))
+    pairs = {k: jax.ShapeDtypeStruct((pairs_per_call, 2, cfg.seq_len), np.int32, sharding=rows) for k in ROW_KEYS}
+    score = jax.jit(functools.partial(sequence_logprobs, cfg=cfg, attention=attention),
+                    in_shardings=(param_shardings, rows), out_shardings=NamedSharding(mesh, P()))
+    return score, params, pairs
+
+
+def reference_logprobs(params, pairs: dict, cfg: ModelConfig, pairs_per_call: int, mesh=None, strategy: str = "dp",
                        attention: str = "query_blocks") -> np.ndarray:
-    """[N, 2] float32 sequence log-probs of every pair under the frozen reference `params`, in
-    the attention form the policy trains with: at the first step the two are the same model, and
-    their log-ratio exactly 0 (on a deterministic platform)."""
-    score = jax.jit(functools.partial(sequence_logprobs, attention=attention), static_argnums=2)
+    """[N, 2] float32 sequence log-probs of every pair under the frozen reference `params`, on
+    `mesh` (default: every device, parameters replicated), `pairs_per_call` at a time, in the
+    attention form the policy trains with: at the first step the two are the same model, and
+    their log-ratio exactly 0 (on a deterministic platform). With several processes, every one
+    calls it with the same pairs."""
+    mesh = make_mesh(MeshConfig()) if mesh is None else mesh
+    score, abstract, spec = reference_program(cfg, pairs_per_call, mesh, strategy, attention)
+    placed = jax.tree_util.tree_map(lambda a, s: jax.device_put(np.asarray(a), s.sharding), params, abstract)
     n = len(pairs["inputs"])
     out = []
-    for start in range(0, n, batch_size):
-        chunk = {k: pairs[k][start:start + batch_size] for k in ("inputs", "targets", "loss_mask")}
-        short = batch_size - len(chunk["inputs"])
+    for start in range(0, n, pairs_per_call):
+        chunk = {k: pairs[k][start:start + pairs_per_call] for k in ROW_KEYS}
+        short = pairs_per_call - len(chunk["inputs"])
         if short:  # pad the last chunk so one compiled shape serves every call
             chunk = {k: np.concatenate([v, np.repeat(v[-1:], short, 0)]) for k, v in chunk.items()}
-        out.append(np.asarray(score(params, chunk, cfg))[:batch_size - short])
+        chunk = {k: put_batch(v, spec[k].sharding) for k, v in chunk.items()}
+        out.append(np.asarray(score(placed, chunk))[:pairs_per_call - short])
     return np.concatenate(out).astype(np.float32)
 
 
@@ -192,7 +228,7 @@ class SFTObjective:
     name: str = "sft"
 
     def batch_spec(self, batch_size: int, seq_len: int) -> dict:
-        return {k: ((batch_size, seq_len), np.int32) for k in ("inputs", "targets", "loss_mask")}
+        return {k: ((batch_size, seq_len), np.int32) for k in ROW_KEYS}
 
     def loss(self, params, batch, cfg: ModelConfig, **how):
         return sft_loss(params, batch, cfg, **how)
@@ -211,7 +247,7 @@ class DPOObjective:
     name: str = "dpo"
 
     def batch_spec(self, batch_size: int, seq_len: int) -> dict:
-        spec = {k: ((batch_size, 2, seq_len), np.int32) for k in ("inputs", "targets", "loss_mask")}
+        spec = {k: ((batch_size, 2, seq_len), np.int32) for k in ROW_KEYS}
         return {**spec, "ref_logp": ((batch_size, 2), np.float32)}
 
     def loss(self, params, batch, cfg: ModelConfig, **how):
@@ -233,23 +269,26 @@ def save_rows(path, arrays: dict[str, np.ndarray]) -> None:
         np.savez(f, **arrays)
 
 
-def open_rows(work, train_name: str, eval_name: str, batch_size: int, seed: int, eval_batches: int,
-              reference_model=None, attention: str = "auto"):
+def open_rows(work, train_name: str, eval_name: str, train_cfg: TrainConfig, reference_model=None):
     """A `training.launch.DataSource` body: (batch_at, val_batches) over rows the step saved in
-    its work folder (`work`, a tasks.engine.store.Workspace, already pulled on this host). With
-    `reference_model` (a `Located` training output; DPO), the frozen model's log-probs of every
-    pair are computed here, once, and added to the rows as "ref_logp", in the attention form
-    train.attention (`attention`) resolves to on this host, as the policy's."""
+    its work folder (`work`, a tasks.engine.store.Workspace, already pulled on this host), in
+    batches of train.batch_size. With `reference_model` (a `Located` training output; DPO), the
+    frozen model's log-probs of every pair are computed here, once, and added to the rows as
+    "ref_logp": on the training's mesh, a microbatch's pairs at a time, in the attention form
+    train.attention resolves to on this host, as the policy's (`reference_logprobs`)."""
     from training.loop import load_model  # here: training.loop imports this module's users
     from training.step import attention_form
 
     train, held = (dict(np.load(work.local() / name)) for name in (train_name, eval_name))
     if reference_model is not None:
         cfg, params = load_model(reference_model.local())
+        mesh = make_mesh(train_cfg.mesh)
+        attention = attention_form(train_cfg.attention, cfg, jax.default_backend())
         for rows in (train, held):
             if len(rows["inputs"]):
-                rows["ref_logp"] = reference_logprobs(params, rows, cfg, batch_size,
-                                                      attention_form(attention, cfg, jax.default_backend()))
+                rows["ref_logp"] = reference_logprobs(params, rows, cfg, reference_pairs_per_call(train_cfg, mesh),
+                                                      mesh, train_cfg.mesh.strategy, attention)
             else:
                 rows["ref_logp"] = np.zeros((0, 2), np.float32)
-    return RowBatches(train, batch_size, seed).batch_at, fixed_batches(held, batch_size, eval_batches)
+    return (RowBatches(train, train_cfg.batch_size, train_cfg.seed).batch_at,
+            fixed_batches(held, train_cfg.batch_size, train_cfg.eval_batches))
