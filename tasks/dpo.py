@@ -142,7 +142,7 @@ def run_dpo(ctx: StepContext) -> dict:
                  cfg.model_dump(mode="json")) as on_metrics:
         stats = launch_training(model_cfg, cfg.train, cfg.resources, data, ctx.workspace, ctx.out,
                                 on_metrics=on_metrics, objective=cfg.objective(),
-                                init_model=ctx.located("model"))
+                                init_model=ctx.located("model"), on_note=ctx.log.info)
     (ctx.out / TEMPLATE_FILE).write_text(template.source, encoding="utf-8")
     last = read_metrics(ctx.out / "metrics.jsonl")[-1]
 

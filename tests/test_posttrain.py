@@ -225,6 +225,28 @@ def test_dpo_trains_with_remat_and_its_parameters_keep_their_bits(tmp_path):
         make_train_step(cfg, masked, make_optimizer(masked), DPOObjective(0.1))
 
 
+def test_the_reference_pass_says_how_far_it_is(caplog):
+    """An 8B reference over a preference set runs for a good part of an hour before DPO's first
+    step: it says how far it is (every `report_s`) and how long it took, to the notes a training
+    host passes on to its user (training.config.NOTES_LOGGER)."""
+    import logging
+    import re
+
+    from training.config import NOTES_LOGGER
+
+    cfg, params = tiny_model()
+    pairs = encoded_pairs([(" light.", " dark."), (" the waters.", " the land."), (" good.", " not good.")])
+    rows, _ = pad_pairs(pairs, cfg.seq_len, tokenizer().token_to_id(GPT2_EOS))
+    with caplog.at_level(logging.INFO, logger=NOTES_LOGGER):
+        reference_logprobs(params, rows, cfg, pairs_per_call=1, what="training pairs", report_s=0)
+    said = [r.getMessage() for r in caplog.records if r.name == NOTES_LOGGER]
+    assert len(said) == 3, said
+    for line, done in zip(said, (1, 2)):
+        assert re.fullmatch(rf"the reference model scored {done} of 3 training pairs in \d+ s \(about \d+ s left\)",
+                            line), line
+    assert re.fullmatch(r"the reference model scored 3 training pairs in [\d.]+ s", said[2]), said[2]
+
+
 # Runs in a process with 4 CPU devices (XLA_FLAGS must be set before JAX starts).
 REFERENCE_ON_A_MESH = """
 import json, sys

@@ -152,7 +152,8 @@ def dpo_pairs(model: ModelConfig, train_cfg: TrainConfig, out: str):
 def test_dpo_reference_pass_spans_the_hosts_and_matches_one_process(tmp_path):
     """DPO's reference pass runs on the training's mesh, its parameters under FSDP over both hosts'
     devices (a collective: both hosts score every pair): each host gets every pair's log-probs,
-    those of a one-process pass, and the first step against them is DPO's log 2."""
+    those of a one-process pass, and the first step against them is DPO's log 2. What host 0 says
+    of the pass reaches the driver (`on_note`; the DPO step's log)."""
     from training.loop import flatten_params, save_model
     from training.model import init_params
     from training.posttrain import DPOObjective, reference_logprobs
@@ -162,16 +163,19 @@ def test_dpo_reference_pass_spans_the_hosts_and_matches_one_process(tmp_path):
                                  "checkpoint_every": 2, "mesh": MeshConfig(strategy="fsdp")})
     (tmp_path / "ref").mkdir()
     save_model(tmp_path / "work" / "start", model, flatten_params(init_params(model, jax.random.PRNGKey(3))))
-    seen: list[dict] = []
+    seen, notes = [], []
     launch_training(model, cfg, ResourcesConfig(hosts=2, cpus_per_host=1),
                     functools.partial(dpo_pairs, model, cfg, str(tmp_path / "ref")), tmp_path / "work",
-                    tmp_path / "out", on_metrics=seen.append, objective=DPOObjective(0.1), init_model="start")
+                    tmp_path / "out", on_metrics=seen.append, objective=DPOObjective(0.1), init_model="start",
+                    on_note=notes.append)
     inputs = np.random.default_rng(0).integers(0, model.vocab_size, size=(10, 2, model.seq_len)).astype(np.int32)
     rows = {"inputs": inputs, "targets": np.roll(inputs, -1, 2), "loss_mask": np.ones(inputs.shape, np.int32)}
     alone = reference_logprobs(init_params(model, jax.random.PRNGKey(3)), rows, model, 4)
     for host in (0, 1):
         np.testing.assert_allclose(np.load(tmp_path / "ref" / f"{host}.npy"), alone, rtol=1e-6)
     assert [r["step"] for r in seen] == [1, 2] and seen[0]["loss"] == pytest.approx(np.log(2), abs=1e-6)
+    assert len(notes) == 1, notes  # host 0's
+    assert re.fullmatch(r"the reference model scored 10 pairs in [\d.]+ s", notes[0]), notes
 
 
 # Two JAX processes again, as above (~15 s each here). Before, a failed host first waited in JAX's

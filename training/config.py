@@ -22,6 +22,10 @@ KEPT_STATE = "checkpoint"
 # config on the same GPU type gives the same bits (training/launch.py sets it when
 # resources.deterministic_gpu; training/step.py's attention_form reads it)
 DETERMINISTIC_GPU_FLAG = "--xla_gpu_deterministic_ops=true"
+# What a training host says before its first step that its user should see (DPO's reference pass
+# as it goes): host 0's records of this logger at INFO go to the driver (training/launch.py), which
+# passes them to its caller (the step's log)
+NOTES_LOGGER = "kiln.training.notes"
 
 
 # --- model, training and resources -------------------------------------------------------------

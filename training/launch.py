@@ -24,6 +24,7 @@ step on one thread; N devices run N at once (benchmarks/RESULTS.md, "CPU devices
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import socket
 import sys
@@ -38,8 +39,8 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.queue import Empty, Queue
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from training.config import (DETERMINISTIC_GPU_FLAG, ModelConfig, ResourcesConfig, TrainConfig, check_cpu_devices,
-                             model_mismatch)
+from training.config import (DETERMINISTIC_GPU_FLAG, NOTES_LOGGER, ModelConfig, ResourcesConfig, TrainConfig,
+                             check_cpu_devices, model_mismatch)
 from training.data import MixtureData, MixtureInput, open_mixture, read_meta
 from tasks.engine import local_ray
 from tasks.engine.daemons import process_start
@@ -49,7 +50,8 @@ if TYPE_CHECKING:  # JAX: imported by the hosts, not by a driver that only plans
     from training.hooks import HookFactory
 
 # A picklable, zero-argument callable run on each host: returns (batch_at, val_batches). The
-# data is opened where it is used (a memory map does not travel well through pickle).
+# data is opened where it is used (a memory map does not travel well through pickle). What it
+# says to training.config.NOTES_LOGGER on host 0 reaches the driver's `on_note`.
 DataSource = Callable[[], tuple[Callable[[int], np.ndarray], list[np.ndarray]]]
 
 CPU_DEVICES_FLAG = "--xla_force_host_platform_device_count"  # N CPU devices in one process
@@ -59,7 +61,8 @@ def launch_training(model_cfg: ModelConfig, train_cfg: TrainConfig, resources: R
                     data: DataSource, work: Workspace | Path, out_dir: Path,
                     on_metrics: Callable[[dict], None] | None = None, poll_s: float = 0.5,
                     objective=None, init_model: Located | Path | str | None = None,
-                    hooks: Sequence[HookFactory] = (), init_step: int | None = None, init_mode: str = "weights") -> dict:
+                    hooks: Sequence[HookFactory] = (), init_step: int | None = None, init_mode: str = "weights",
+                    on_note: Callable[[str], None] | None = None) -> dict:
     """Train in Ray task(s) with the resources asked for; relay metrics; return host 0's stats,
     with `hosts`: where each host ran (Ray node id, node IP, device kind).
 
@@ -74,7 +77,9 @@ def launch_training(model_cfg: ModelConfig, train_cfg: TrainConfig, resources: R
     folder, which the hosts pull: an imported Hugging Face model); with `init_step`, the state that
     output kept at that step (`steps/<step>/`), taken as `init_mode` says (train.init: weights,
     continue or reset; training/config.py InitConfig). `hooks` are hook factories
-    (training/hooks.py): pickled to every host, each builds its hooks there (in-loop evals)."""
+    (training/hooks.py): pickled to every host, each builds its hooks there (in-loop evals).
+    `on_note` takes what host 0 says before its first step (training.config.NOTES_LOGGER: DPO's
+    reference pass as it goes); by default it is printed to stderr."""
     check_cpu_devices(train_cfg, resources)
     if not isinstance(work, Workspace):
         work = Workspace(None, "", "", str(work))
@@ -114,7 +119,7 @@ def launch_training(model_cfg: ModelConfig, train_cfg: TrainConfig, resources: R
         ]
         with local_ray.stop_takes(resources.stop_grace_s):  # the scheduler's wait at a stop is at least as long
             results = _wait_relaying(refs, queue, on_metrics, poll_s, functools.partial(_bundle_node, group),
-                                     stop_requests, resources.stop_grace_s)
+                                     stop_requests, resources.stop_grace_s, on_note or _print_note)
         if work.remote:
             work.fetch_output(out_dir)
         # Where it ran (never identity), for the lineage: the cluster's address as given, or the
@@ -200,7 +205,15 @@ def _host_main(host: int, hosts: int, coordinator: str | None, model_cfg: ModelC
 
     local = work.pull(host)
     out = Path(out_dir) if out_dir is not None else local / "output"
-    batch_at, val_batches = data()
+    notes, to_driver = logging.getLogger(NOTES_LOGGER), _NotesToDriver(queue) if queue is not None else None
+    if to_driver is not None:
+        notes.setLevel(logging.INFO)
+        notes.addHandler(to_driver)
+    try:
+        batch_at, val_batches = data()
+    finally:
+        if to_driver is not None:
+            notes.removeHandler(to_driver)
     init_params, start_from = None, None
     if init_model is not None:
         named = init_model if isinstance(init_model, str) else f"{init_model.stage}/{init_model.version or init_model.path}"
@@ -416,9 +429,24 @@ def _free_address() -> str:
         return f"{ip}:{s.getsockname()[1]}"
 
 
+def _print_note(note: str) -> None:
+    print(f"kiln: {note}", file=sys.stderr, flush=True)
+
+
+class _NotesToDriver(logging.Handler):
+    """Host 0's notes (training.config.NOTES_LOGGER) into the relay's queue, for the driver."""
+
+    def __init__(self, queue):
+        super().__init__(logging.INFO)
+        self.queue = queue
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.queue.put({"note": record.getMessage()})
+
+
 def _wait_relaying(refs: list, queue, on_metrics, poll_s: float, where: Callable[[int], str],
-                   stop_requests: Queue, stop_grace_s: float) -> list[dict]:
-    """Wait for every host task, passing queued metrics on as they come. If one host fails, the
+                   stop_requests: Queue, stop_grace_s: float, on_note: Callable[[str], None]) -> list[dict]:
+    """Wait for every host task, passing queued metrics and notes on as they come. If one host fails, the
     others would wait forever in a collective: cancel them and raise the failure, naming the
     host and its node (`where(host)`).
 
@@ -437,7 +465,9 @@ def _wait_relaying(refs: list, queue, on_metrics, poll_s: float, where: Callable
                 record = queue.get(block=False)
             except Empty:
                 return
-            if on_metrics is not None:
+            if "note" in record:
+                on_note(record["note"])
+            elif on_metrics is not None:
                 on_metrics(record)
 
     while pending:

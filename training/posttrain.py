@@ -25,6 +25,8 @@ resume, Ray) is the pretraining machinery unchanged. No Prefect, no Ray here.
 from __future__ import annotations
 
 import functools
+import logging
+import time
 from dataclasses import dataclass
 
 import jax
@@ -34,11 +36,12 @@ import optax
 
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from training.config import MeshConfig, ModelConfig, TrainConfig
+from training.config import NOTES_LOGGER, MeshConfig, ModelConfig, TrainConfig
 from training.model import forward, init_params
 from training.sharding import make_mesh, put_batch, state_shardings
 
 ROW_KEYS = ("inputs", "targets", "loss_mask")  # the arrays of a row (SFT) or of a pair's two rows (DPO)
+notes = logging.getLogger(NOTES_LOGGER)  # the user sees these (training/config.py)
 
 
 # --- packing ---------------------------------------------------------------------------------
@@ -197,17 +200,20 @@ def reference_program(cfg: ModelConfig, pairs_per_call: int, mesh, strategy: str
 
 
 def reference_logprobs(params, pairs: dict, cfg: ModelConfig, pairs_per_call: int, mesh=None, strategy: str = "dp",
-                       attention: str = "query_blocks") -> np.ndarray:
+                       attention: str = "query_blocks", what: str = "pairs", report_s: float = 30.0) -> np.ndarray:
     """[N, 2] float32 sequence log-probs of every pair under the frozen reference `params`, on
     `mesh` (default: every device, parameters replicated), `pairs_per_call` at a time, in the
     attention form the policy trains with: at the first step the two are the same model, and
     their log-ratio exactly 0 (on a deterministic platform). With several processes, every one
-    calls it with the same pairs."""
+    calls it with the same pairs. An 8B reference over a preference set takes a good part of an
+    hour: how far it is goes to `notes` every `report_s` seconds, and how long it took at the end
+    (`what`: the pairs' name there)."""
     mesh = make_mesh(MeshConfig()) if mesh is None else mesh
     score, abstract, spec = reference_program(cfg, pairs_per_call, mesh, strategy, attention)
     placed = jax.tree_util.tree_map(lambda a, s: jax.device_put(np.asarray(a), s.sharding), params, abstract)
     n = len(pairs["inputs"])
     out = []
+    began = said = time.monotonic()
     for start in range(0, n, pairs_per_call):
         chunk = {k: pairs[k][start:start + pairs_per_call] for k in ROW_KEYS}
         short = pairs_per_call - len(chunk["inputs"])
@@ -215,6 +221,12 @@ def reference_logprobs(params, pairs: dict, cfg: ModelConfig, pairs_per_call: in
             chunk = {k: np.concatenate([v, np.repeat(v[-1:], short, 0)]) for k, v in chunk.items()}
         chunk = {k: put_batch(v, spec[k].sharding) for k, v in chunk.items()}
         out.append(np.asarray(score(placed, chunk))[:pairs_per_call - short])
+        done, now = start + len(out[-1]), time.monotonic()
+        if now - said >= report_s and done < n:
+            said = now
+            notes.info("the reference model scored %d of %d %s in %.0f s (about %.0f s left)", done, n, what,
+                       now - began, (now - began) / done * (n - done))
+    notes.info("the reference model scored %d %s in %.1f s", n, what, time.monotonic() - began)
     return np.concatenate(out).astype(np.float32)
 
 
@@ -284,10 +296,10 @@ def open_rows(work, train_name: str, eval_name: str, train_cfg: TrainConfig, ref
         cfg, params = load_model(reference_model.local())
         mesh = make_mesh(train_cfg.mesh)
         attention = attention_form(train_cfg.attention, cfg, jax.default_backend())
-        for rows in (train, held):
+        for rows, what in ((train, "training pairs"), (held, "held-out pairs")):
             if len(rows["inputs"]):
                 rows["ref_logp"] = reference_logprobs(params, rows, cfg, reference_pairs_per_call(train_cfg, mesh),
-                                                      mesh, train_cfg.mesh.strategy, attention)
+                                                      mesh, train_cfg.mesh.strategy, attention, what)
             else:
                 rows["ref_logp"] = np.zeros((0, 2), np.float32)
     return (RowBatches(train, train_cfg.batch_size, train_cfg.seed).batch_at,
