@@ -52,6 +52,9 @@ def _prefect_defaults() -> None:
     setup_logging()
 
 
+TRIGGERS_ENABLED = "PREFECT_SERVER_SERVICES_TRIGGERS_ENABLED"  # Prefect's automations (triggers and their actions)
+
+
 def _ephemeral_server_apart() -> None:
     """Prefect's ephemeral API server, when this process starts one, in a session of its own and
     deaf to a stop meant for the whole job until this process is done with it.
@@ -64,7 +67,12 @@ def _ephemeral_server_apart() -> None:
     stdin closes), it outlives the signal and ends as before: at exit (Prefect's atexit, which
     stops it here), or when this process dies (its stdin closes; kiln's reaper too).
     Prefect looks its server up as `SubprocessASGIServer()` (one per process, keyed by port None):
-    the instance made here is the one it finds."""
+    the instance made here is the one it finds.
+
+    It runs no automations: Prefect's ephemeral server keeps the database `prefect server start`
+    keeps (PREFECT_HOME's), so a team's server there with `kiln serve`'s automation had it fired
+    by every laptop run, each train step's completion making an `evaluate` flow run for the
+    team's workers, on this run's store."""
     from prefect.settings import PREFECT_API_URL
 
     if PREFECT_API_URL.value():
@@ -76,7 +84,9 @@ def _ephemeral_server_apart() -> None:
     def popen(args, env, **kwargs):
         at = args.index("uvicorn")  # Prefect's `python -m uvicorn ...`, run by kiln's module
         kiln = str(Path(__file__).resolve().parents[1])  # importable there however this process found it
-        env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [kiln, env.get("PYTHONPATH")]))}
+        env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [kiln, env.get("PYTHONPATH")])),
+               # automations are a server's: this one shares their database by default, and ran them
+               TRIGGERS_ENABLED: "false"}
         return real.Popen([*args[:at], "flows.ephemeral_api", *args[at + 1:]], env=env, stdin=real.PIPE,
                           start_new_session=True, **kwargs)
 

@@ -220,9 +220,10 @@ def run_captured(args: list[str], timeout: float, **kwargs) -> subprocess.Comple
 
 
 def kiln(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: int = 540,
-         check: bool = True) -> subprocess.CompletedProcess:
-    """Run the `kiln` CLI in a fresh process, as a user would."""
-    full_env = {**os.environ, **(env or {})}
+         check: bool = True, ephemeral: bool = False) -> subprocess.CompletedProcess:
+    """Run the `kiln` CLI in a fresh process, as a user would: in os.environ with `env` added, and
+    with `ephemeral` on Prefect's ephemeral API (`ephemeral_env`), not the session's server."""
+    full_env = ephemeral_env(**(env or {})) if ephemeral else {**os.environ, **(env or {})}
     proc = run_captured([sys.executable, "-m", "flows.cli", *args], timeout, cwd=cwd or REPO, env=full_env)
     if check and proc.returncode != 0:
         raise AssertionError(f"kiln {' '.join(args)} exited {proc.returncode}\n"

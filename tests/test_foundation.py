@@ -182,13 +182,68 @@ def test_second_run_is_all_cached_and_concurrent_runs_compute_once(tmp_path):
     mtimes = {p: p.stat().st_mtime_ns for p in store.glob("*/*/lineage.json")}
     # on Prefect's ephemeral API, as on a laptop with nothing set up (the suite's other kiln runs use
     # the session's Prefect server: tests/conftest.py)
-    again = kiln("run", str(config), "--store", str(store), "--until", "tokenize", env=ephemeral_env())
+    again = kiln("run", str(config), "--store", str(store), "--until", "tokenize", ephemeral=True)
     assert set(summary_rows(again.stdout).values()) == {"cached"}
     assert {p: p.stat().st_mtime_ns for p in store.glob("*/*/lineage.json")} == mtimes
     plan = json.loads(kiln("plan", str(config), "--store", str(store), "--until", "tokenize", "--json").stdout)
     assert {s["status"] for s in plan} == {"done"} and len(plan) == len(rows[0])
     tree = kiln("lineage", plan[-1]["path"], "--json")
     assert json.loads(tree.stdout)["version"] == plan[-1]["version"]
+
+
+# A team's deployment and an automation that runs it on every kiln step completed, as `kiln serve`
+# registers its own (deployments/serve.py), in the Prefect database of PREFECT_HOME; then the count
+# of that deployment's flow runs. Each in a process of its own, on Prefect's ephemeral API there.
+TEAM_AUTOMATION = textwrap.dedent("""
+    import asyncio
+    from prefect.client.orchestration import get_client
+    from prefect.events.actions import RunDeployment
+    from prefect.events.schemas.automations import AutomationCore, EventTrigger, Posture
+
+    async def main():
+        async with get_client() as client:
+            flow_id = await client.create_flow_from_name("team-flow")
+            deployment_id = await client.create_deployment(flow_id=flow_id, name="team-deployment")
+            trigger = EventTrigger(expect={"kiln.step.completed"}, posture=Posture.Reactive, threshold=1)
+            await client.create_automation(AutomationCore(
+                name="team: run on each kiln step", trigger=trigger,
+                actions=[RunDeployment(source="selected", deployment_id=deployment_id, parameters={})]))
+            print(deployment_id)
+    asyncio.run(main())
+""")
+DEPLOYMENT_RUNS = textwrap.dedent("""
+    import sys
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import DeploymentFilter
+    with get_client(sync_client=True) as client:
+        print(len(client.read_flow_runs(deployment_filter=DeploymentFilter(id={"any_": [sys.argv[1]]}))))
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.ci  # ~50 s: three processes on Prefect's ephemeral API, one of them a short training
+def test_a_laptop_run_never_fires_the_automations_of_a_server_sharing_its_database(tmp_path):
+    """`prefect server start` and Prefect's ephemeral API keep the same database by default
+    (PREFECT_HOME/prefect.db). A server there with `kiln serve`'s deployments had its automations
+    fired by every `kiln run` on the laptop default: the ephemeral server ran Prefect's triggers,
+    so each train step's completion made an `evaluate` flow run in that database, for the team's
+    workers to run on this laptop's store, or, as seen on this machine after kiln's config had
+    grown a field, a WARNING of a failed action in the run's output. kiln's ephemeral server runs
+    no triggers: the runs it makes are the ones asked for."""
+    home = {"PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    env = ephemeral_env(**home)
+    made = subprocess.run([sys.executable, "-c", TEAM_AUTOMATION], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert made.returncode == 0, made.stderr[-3000:]
+    deployment_id = made.stdout.strip().splitlines()[-1]
+    # on to a short training: Prefect's actions take a second or two, and the server lives as long as the run
+    run = kiln("run", "configs/tiny_cpu.yaml", "--store", str(tmp_path / "store"), "--until", "train",
+               "--set", "train.steps=20", "--set", "train.warmup=2", env=home, ephemeral=True)
+    assert summary_rows(run.stdout)["train"] == "ran"  # each step completed is an event the trigger expects
+    counted = subprocess.run([sys.executable, "-c", DEPLOYMENT_RUNS, deployment_id], cwd=REPO, env=env,
+                             capture_output=True, text=True, timeout=300)
+    assert counted.returncode == 0, counted.stderr[-3000:]
+    assert counted.stdout.strip().splitlines()[-1] == "0", run.stderr[-3000:]
 
 
 KILL_SCRIPT = textwrap.dedent("""
