@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import json
 import shutil
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -88,8 +89,9 @@ def encode_pairs(pairs: list[dict], template: ChatTemplate | CheckpointTemplate)
 
 
 def generated_pairs(model_dir: Path, tokenizer_dir: Path, chat_dir: Path, out: Path, max_gen_toks: int,
-                    batch_size: int, log) -> tuple[Path, dict]:
-    """A copy of the chat data's pairs whose rejected answers are the model's greedy answers."""
+                    batch_size: int, log, report_s: float = 30.0) -> tuple[Path, dict]:
+    """A copy of the chat data's pairs whose rejected answers are the model's greedy answers;
+    how far it is goes to `log` every `report_s` seconds and at the end of each split."""
     from evaluation.adapter import KilnLM
     from training.loop import load_model
 
@@ -105,9 +107,14 @@ def generated_pairs(model_dir: Path, tokenizer_dir: Path, chat_dir: Path, out: P
         pairs = read_records(Path(chat_dir) / f"pairs_{split}.jsonl")
         prompts = [lm.tok_encode(template.render(p["prompt"], add_generation_prompt=True)) for p in pairs]
         answers = []
+        began = said = time.monotonic()
         for start in range(0, len(prompts), batch_size):
             answers += lm.generate(prompts[start:start + batch_size], max_gen_toks, [template.end_text])
-            log.info("generating rejected answers (%s): %d/%d", split, len(answers), len(prompts))
+            now = time.monotonic()
+            if now - said >= report_s or len(answers) == len(prompts):  # not a line per batch: 60k pairs
+                said = now
+                log.info("generating rejected answers (%s): %d/%d in %.0f s", split, len(answers), len(prompts),
+                         now - began)
         kept = [{**p, "rejected": a.strip()} for p, a in zip(pairs, answers) if a.strip() != p["chosen"].strip()]
         with open(out / f"pairs_{split}.jsonl", "w", encoding="utf-8") as f:
             f.writelines(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n" for r in kept)

@@ -38,7 +38,7 @@ def _ctx(step: Step, root, inputs: dict, input_stats: dict | None = None) -> Ste
 
 
 @pytest.mark.ray  # its training (or data workers) starts a local Ray: tests/conftest.py ray_lock
-def test_chat_data_sft_dpo_export(tmp_path):
+def test_chat_data_sft_dpo_export(tmp_path, caplog):
     documents = Step(name="documents", stage="documents", stage_version=1, config=ChatDataConfig(), run=None)
     with ShardWriter(tmp_path / "documents", 100) as writer:
         for doc in kjv_chapters()[:40]:
@@ -87,10 +87,16 @@ def test_chat_data_sft_dpo_export(tmp_path):
     root.mkdir()
     for name in ("sft", "tokenizer", "chat_data"):
         (root / name).symlink_to(tmp_path / name)
-    spin_stats = run_dpo(_ctx(spin, root, {"model": sft, "tokenizer": tokenizer, "pairs": chat}, {"model": sft_stats}))
+    with caplog.at_level(logging.INFO, logger="dpo"):
+        spin_stats = run_dpo(_ctx(spin, root, {"model": sft, "tokenizer": tokenizer, "pairs": chat},
+                                  {"model": sft_stats}))
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("generating rejected answers")]
     made = [json.loads(line) for line in (root / "dpo" / "pairs" / "pairs_train.jsonl").read_text().splitlines()]
     given = [json.loads(line) for line in (tmp_path / "chat_data" / "pairs_train.jsonl").read_text().splitlines()]
     assert made and {p["id"] for p in made} <= {p["id"] for p in given}
+    # how far the generation is, every 30 s and at each split's end: not a line per batch of 16
+    assert len(said) < 6 and said[-2].startswith(f"generating rejected answers (train): {len(given)}/{len(given)} in ")
+    assert said[-1].startswith("generating rejected answers (eval): ")
     by_id = {p["id"]: p for p in given}
     assert all(p["chosen"] == by_id[p["id"]]["chosen"] and p["rejected"] != p["chosen"] for p in made)
     counts = spin_stats["generated_rejected"]

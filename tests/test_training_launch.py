@@ -147,8 +147,9 @@ def dpo_pairs(model: ModelConfig, train_cfg: TrainConfig, out: str):
     return RowBatches(rows, train_cfg.batch_size, 0).batch_at, fixed_batches(rows, train_cfg.batch_size, 1)
 
 
-# Two JAX processes (~40 s here).
+# Two JAX processes (~30 s here): CI runs it after the fast suite.
 @pytest.mark.slow
+@pytest.mark.ci
 def test_dpo_reference_pass_spans_the_hosts_and_matches_one_process(tmp_path):
     """DPO's reference pass runs on the training's mesh, its parameters under FSDP over both hosts'
     devices (a collective: both hosts score every pair): each host gets every pair's log-probs,
