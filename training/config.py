@@ -669,7 +669,8 @@ class ResourcesConfig(ConfigModel):
                                       "runs on the same GPU type.")
     stop_grace_s: Count = setting(60, description="Seconds the hosts get, once the run is told to stop (Ctrl-C, "
                                   "SIGTERM, a batch scheduler's warning), to checkpoint the step they are at (with "
-                                  "several hosts, the next log step: give at least train.log_every steps' time) before "
+                                  "several hosts, agreed within about 10 s: give at least one step's time and 10 s "
+                                  "more) before "
                                   "they are cancelled where they are and the rerun resumes from the last periodic "
                                   "checkpoint. Raise it for a large model's checkpoint; keep it below what the job is "
                                   "given after its stop signal (Slurm's KillWait or the seconds of --signal=USR1@N, "

@@ -192,15 +192,32 @@ class TrainingStopped(Exception):
         return TrainingStopped, (self.step,)
 
 
-def stop_agreed(stop_requested: Callable[[], bool], step: int, log_every: int) -> bool:
-    """Whether the loop stops after `step`. One process asks at every step; several stop together
-    (a checkpoint is collective), so they ask only at log steps, and process 0's answer, the only
-    one told of the stop, is every process's."""
-    if jax.process_count() == 1:
-        return stop_requested()
-    if step % log_every:
-        return False
-    return bool(multihost_utils.broadcast_one_to_all(np.int32(stop_requested())))
+class StopAgreement:
+    """Whether the loop stops after a step: `agreement(step)`. One process asks at every step.
+    Several stop together (a checkpoint is collective), so process 0, the only one told of the
+    stop, tells the others at agreed steps, and at each names the next: `within_s` seconds of its
+    steps ahead, at least the next step and at most `log_every` steps. A stop is then agreed
+    within about `within_s` however long the steps are; at the next log step before, which at 8B
+    (20 s steps, log_every 10) outlasted the stop's grace, so the hosts were cancelled without
+    their checkpoint. Each agreement waits for the step's devices (a collective), so fast steps
+    are not asked every time: that would cost them the overlap of host and devices."""
+
+    def __init__(self, stop_requested: Callable[[], bool], start: int, log_every: int, within_s: float = 10.0):
+        self.stop_requested, self.log_every, self.within_s = stop_requested, log_every, within_s
+        self.next = start + 1  # the first step's time holds the compile: the next is then asked too
+        self.asked = (start, time.monotonic())
+
+    def __call__(self, step: int) -> bool:
+        if jax.process_count() == 1:
+            return self.stop_requested()
+        if step < self.next:
+            return False
+        now = time.monotonic()
+        per_step = (now - self.asked[1]) / max(step - self.asked[0], 1)  # process 0's is the one that counts
+        ahead = int(min(self.log_every, max(1, self.within_s // per_step)))
+        stop, ahead = multihost_utils.broadcast_one_to_all(np.array([self.stop_requested(), ahead], np.int32))
+        self.next, self.asked = step + int(ahead), (step, now)
+        return bool(stop)
 
 
 def _minutes_passed(since: float, minutes: float | None) -> bool:

@@ -192,7 +192,7 @@ def _host_main(host: int, hosts: int, coordinator: str | None, model_cfg: ModelC
     of a stop through `stop_requests` (the loop then checkpoints and raises TrainingStopped)."""
     if driver is not None:
         _exit_with_driver(*driver)
-    # every host asks, as the loop's stop is collective; only host 0's answer counts (hooks.stop_agreed)
+    # every host asks, as the loop's stop is collective; only host 0's answer counts (hooks.StopAgreement)
     stop_requested = _listening(stop_requests).is_set if stop_requests is not None else lambda: False
     import jax
 

@@ -52,8 +52,8 @@ from training import compile_cache
 from training.checkpoint import Checkpoints
 from tasks.engine.config import is_identity, left_out_at_default
 from training.config import DETERMINISTIC_GPU_FLAG, KEPT_DIR, KEPT_STATE, ModelConfig, TrainConfig, flops_per_token
-from training.hooks import (Checkpointing, Hook, HookFactory, LoopContext, StepInfo, TrainingStopped, Validation,
-                            stop_agreed, writers)
+from training.hooks import (Checkpointing, Hook, HookFactory, LoopContext, StepInfo, StopAgreement, TrainingStopped,
+                            Validation, writers)
 from training.metrics import MetricsLog, device_peak_flops, plot_loss
 from training.model import param_count
 from training.optim import make_optimizer
@@ -85,8 +85,9 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, batch_at: Callable[[in
     `shared_work` False: each process has its own `work_dir` (a remote store's hosts), so every
     process writes whole checkpoints there (training/checkpoint.py, "gathered").
     `stop_requested()` True (process 0's: the run was told Ctrl-C or SIGTERM) ends the loop at
-    the step it is at (at a log step with several processes), once that step's checkpoint is
-    whole: it raises `TrainingStopped`, and a rerun resumes there, nothing trained lost."""
+    the step it is at (with several processes, within about 10 s: hooks.StopAgreement), once
+    that step's checkpoint is whole: it raises `TrainingStopped`, and a rerun resumes there,
+    nothing trained lost."""
     t_start = time.perf_counter()
     compile_cache.enable()
     read_before, saved_before = compile_cache.programs_read()
@@ -139,6 +140,7 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, batch_at: Callable[[in
     hooks = [*validating.hooks, *caller, *writers(ctx, metrics_log, tensorboard, on_metrics),
              *_kept_params(ctx), checkpointing.hook]
     clock = _Clock(model_cfg, train_cfg, objective, resumed_loss)
+    stop_agreement = StopAgreement(stop_requested, start, train_cfg.log_every) if stop_requested is not None else None
 
     try:
         for step in range(start, train_cfg.steps):
@@ -147,7 +149,7 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, batch_at: Callable[[in
             clock.stepped(metrics)
             done = step + 1
             last = done == train_cfg.steps
-            stop = stop_requested is not None and not last and stop_agreed(stop_requested, done, train_cfg.log_every)
+            stop = stop_agreement is not None and not last and stop_agreement(done)
             due = [h for h in hooks if h.due(done, last)]
             if not due and not stop:
                 continue
