@@ -31,6 +31,7 @@ import sys
 import threading
 
 from flows.config import ExperimentConfig
+from tasks.engine import local_ray
 
 DEFAULT_CRON = "0 3 * * *"  # daily at 03:00
 CANARY_CRON = "0 5 * * *"  # daily at 05:00, after the data refresh
@@ -118,8 +119,11 @@ def serve(config: ExperimentConfig, store: str, cron: str = DEFAULT_CRON, refres
     in_main_thread = threading.current_thread() is threading.main_thread()
     if in_main_thread:
         # SIGTERM before Prefect's runner has put in its own handler (it does once it starts) must
-        # stop serving the same way, not kill the process before the schedules are paused.
+        # stop serving the same way, not kill the process before the schedules are paused; and a
+        # batch scheduler's warning (SIGUSR1, SIGUSR2) does what SIGTERM does
         previous_handler = signal.signal(signal.SIGTERM, _interrupt)
+        previous_warnings = {sig: signal.getsignal(sig) for sig in local_ray.WARNING_SIGNALS}
+        local_ray.warnings_as_sigterm()
     names = [d.full_name for d in served]
     try:  # from the first registration on: a signal from here on ends in the pause below
         runner = Runner(limit=limit, pause_on_shutdown=False)
@@ -137,6 +141,8 @@ def serve(config: ExperimentConfig, store: str, cron: str = DEFAULT_CRON, refres
         pause(names, url, pause_timeout_s)
         if in_main_thread:
             signal.signal(signal.SIGTERM, previous_handler)
+            for sig, handler in previous_warnings.items():
+                signal.signal(sig, handler)
 
 
 async def _start_saying_so(runner, serving: str) -> None:

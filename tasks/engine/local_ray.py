@@ -96,7 +96,8 @@ def idle_seconds() -> float:
 # job's time is nearly up (Slurm's `--signal=USR1@120`, the usual way to checkpoint before it).
 # Their default action ends a process at once: kiln, the server and the node went with them, and
 # the training lost the steps since its last checkpoint.
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+WARNING_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, *WARNING_SIGNALS)
 
 
 class Terminated(KeyboardInterrupt):
@@ -141,6 +142,19 @@ def stop_on_signals() -> None:
     same (tasks/engine/scheduler.py `_stopping_waits_for`)."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, _stop)
+
+
+def warnings_as_sigterm() -> None:
+    """SIGUSR1 and SIGUSR2 (a batch scheduler's warning that the job's time is nearly up) do in
+    this process what SIGTERM does when they arrive: in `kiln serve` and its flow runs' processes,
+    whose SIGTERM handlers are Prefect's (its runner's stop; a flow run's TerminationSignal, on
+    which the training checkpoints), their default action ended the process at once. Where this
+    process already takes them (`stop_on_signals`: kiln run), or off the main thread, nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in WARNING_SIGNALS:
+        if signal.getsignal(sig) == signal.SIG_DFL:
+            signal.signal(sig, lambda signum, frame: signal.raise_signal(signal.SIGTERM))
 
 
 _stop_graces: dict[int, float] = {}  # what each running training's hosts get to checkpoint at a stop, by thread

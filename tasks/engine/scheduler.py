@@ -48,6 +48,7 @@ def execute(steps: list[Step], store: Store, *, max_concurrent: int = 1, workers
     serialize_ast_parse()  # steps run in threads; CPython 3.11's ast.parse is not thread-safe
     local_ray.stopping.clear()  # a new run in this process: an earlier one's Ctrl-C is not this one's
     local_ray.stopping_now.clear()
+    local_ray.warnings_as_sigterm()  # a flow run's process of `kiln serve`: a scheduler's warning stops it as SIGTERM
     locks = {"lock_url": lock_url, "lease_s": lease_s}
     slots = {"limits": dict(slot_limits or {}), "lock_url": lock_url, "lease_s": lease_s}
     graph = {s.key: s for s in steps}  # one step per version, whichever variant named it first
