@@ -26,8 +26,9 @@ from tasks.tokenizer import TOKENIZER_FILE, load_tokenizer, read_tokenizer_meta
 from tasks.engine.config import ConfigModel, identity_when_set
 from training.config import LoraConfig
 
-# 2: a post-trained model's generation_config.json lists its end-of-turn token beside EOS
-STAGE_VERSION = 2
+# 2: a post-trained model's generation_config.json lists its end-of-turn token beside EOS; 3: the card's data
+# lineage lists an artefact's inputs once
+STAGE_VERSION = 3
 
 
 class ExportConfig(ConfigModel):

@@ -60,9 +60,11 @@ def test_lineage_of_a_memory_store_url(capsys, tmp_path):
 
 
 def test_an_artefact_met_again_in_the_tree_is_written_out_once(tmp_path):
-    """A diamond: `final` reads `tokens` and `other`, both made from `docs`. The text and the
-    markdown list docs' source once; the second time docs says its inputs are above."""
+    """A diamond: `final` reads `tokens` and `other`, both made from `docs`. The text, the
+    markdown and the exported model card list docs' source once; the second time docs says its
+    inputs are above (the card listed a DPO model's data steps 14 times over before)."""
     from tasks.engine.lineage import SHOWN_ABOVE, format_tree, tree_markdown
+    from training.export import lineage_lines
 
     store = Store(tmp_path / "store")
     docs, tokens = publish_chain(store)
@@ -75,7 +77,7 @@ def test_an_artefact_met_again_in_the_tree_is_written_out_once(tmp_path):
                       build_lineage(step, store, {}, now(), now(), {}, {}))
     tree = lineage_tree(tmp_path / "store" / "final" / final.version)
     assert [c["inputs"][0]["stage"] for c in tree["inputs"]] == ["docs", "docs"]  # --json: the whole tree
-    for text in (format_tree(tree), tree_markdown(tree)):
+    for text in (format_tree(tree), tree_markdown(tree), "\n".join(lineage_lines(tree))):
         docs_lines = [line for line in text.splitlines() if docs.version in line]
         assert len(docs_lines) == 2 and SHOWN_ABOVE not in docs_lines[0] and SHOWN_ABOVE in docs_lines[1], text
         assert text.count("notes.jsonl") == 1 and text.count(SHOWN_ABOVE) == 1

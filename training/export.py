@@ -442,16 +442,23 @@ def _stats_brief(stats: dict) -> str:
                      for k in keys if stats.get(k) is not None)
 
 
-def lineage_lines(node: dict, indent: str = "") -> list[str]:
-    """A lineage tree (tasks.engine.lineage.lineage_tree's nodes) as markdown bullets."""
+def lineage_lines(node: dict, indent: str = "", shown: set | None = None) -> list[str]:
+    """A lineage tree (tasks.engine.lineage.lineage_tree's nodes) as markdown bullets. An artefact
+    met again lists its inputs once: a post-trained model's steps share the data steps, which the
+    card of a DPO model listed 14 times over (170 lines for 15 artefacts)."""
+    shown = set() if shown is None else shown
     if node.get("missing"):
         return [f"{indent}- {node['stage']} `{node['version']}` (not in this store)"]
     brief = _stats_brief(node.get("stats", {}))
-    lines = [f"{indent}- **{node['name']}** `{node['version']}`" + (f": {brief}" if brief else "")]
+    line = f"{indent}- **{node['name']}** `{node['version']}`" + (f": {brief}" if brief else "")
+    if (node["stage"], node["version"]) in shown:
+        return [line + (" (its inputs as above)" if node["inputs"] or node.get("sources") else "")]
+    shown.add((node["stage"], node["version"]))
+    lines = [line]
     for src in node.get("sources", []):
         lines.append(f"{indent}  - source **{src.get('name')}** ({src.get('kind')}): `{src.get('origin', '')}`")
     for child in node["inputs"]:
-        lines += lineage_lines(child, indent + "  ")
+        lines += lineage_lines(child, indent + "  ", shown)
     return lines
 
 
