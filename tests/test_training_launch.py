@@ -236,9 +236,27 @@ def test_a_stop_while_waiting_for_ray_to_place_the_hosts_ends_the_wait_at_once()
     assert isinstance(outcome[0], local_ray.Stopped), outcome
 
 
-def slowed(ctx: LoopContext) -> list[Hook]:
-    """A hook factory: each step takes 20 ms more, so a stop lands mid-run (the bits are the same)."""
-    return [Hook(lambda info: time.sleep(0.02), 1)]
+def slowed(seconds: float, ctx: LoopContext) -> list[Hook]:
+    """A hook factory (with `seconds` bound): each step takes that much more, so a stop lands
+    mid-run (the bits are the same), or a step takes as long as a large model's."""
+    return [Hook(lambda info: time.sleep(seconds), 1)]
+
+
+def stopped_at(tmp: Path, model: ModelConfig, cfg: TrainConfig, resources: ResourcesConfig, data, step: int,
+               seconds: float) -> int:
+    """Launch with each step `seconds` slower, stop the run (local_ray.stopping: Ctrl-C, SIGTERM)
+    once step `step` is logged, and return the step the hosts stopped at."""
+    def stop(record: dict) -> None:
+        if record["step"] == step:
+            local_ray.stopping.set()
+
+    try:
+        with pytest.raises(local_ray.Stopped, match=r"stopped at step \d+, its checkpoint saved there") as stopped:
+            launch_training(model, cfg, resources, data, tmp / "work", tmp / "out", on_metrics=stop,
+                            hooks=(functools.partial(slowed, seconds),))
+    finally:
+        local_ray.stopping.clear()
+    return int(re.search(r"stopped at step (\d+)", str(stopped.value)).group(1))
 
 
 # Two hosts: two JAX processes again (slow, as above); the pipeline's one-host version is in
@@ -254,18 +272,7 @@ def test_a_stopping_run_checkpoints_its_hosts_where_they_are_and_the_relaunch_re
     cfg = cfg.model_copy(update={"checkpoint_every": 100, "log_every": 2})
     resources = ResourcesConfig(hosts=hosts, cpus_per_host=1)
     data = functools.partial(kjv_data, cfg.batch_size, model.seq_len)
-
-    def stop_at_10(record: dict) -> None:
-        if record["step"] == 10:
-            local_ray.stopping.set()
-
-    try:
-        with pytest.raises(local_ray.Stopped, match=r"stopped at step \d+, its checkpoint saved there") as stopped:
-            launch_training(model, cfg, resources, data, tmp_path / "work", tmp_path / "out", on_metrics=stop_at_10,
-                            hooks=(slowed,))
-    finally:
-        local_ray.stopping.clear()
-    at = int(re.search(r"stopped at step (\d+)", str(stopped.value)).group(1))
+    at = stopped_at(tmp_path, model, cfg, resources, data, 10, 0.02)
     assert 10 <= at < 100, at  # before the first periodic checkpoint
     assert sorted(p.name for p in (tmp_path / "work" / "checkpoints").iterdir()) == [str(at)]
     assert not (tmp_path / "out" / "params.safetensors").exists()
@@ -274,11 +281,6 @@ def test_a_stopping_run_checkpoints_its_hosts_where_they_are_and_the_relaunch_re
     if hosts == 1:  # two processes sum the gradient in another order: not the same bits
         assert stats["params_sha256"] == train(model, cfg, *data(), tmp_path / "again", tmp_path / "again-out")[
             "params_sha256"]
-
-
-def slowed_more(ctx: LoopContext) -> list[Hook]:
-    """A hook factory: each step takes 0.4 s more, as a large model's step takes seconds."""
-    return [Hook(lambda info: time.sleep(0.4), 1)]
 
 
 # Two JAX processes, ~50 s here: CI runs it after the fast suite.
@@ -292,19 +294,8 @@ def test_two_hosts_agree_on_a_stop_within_seconds_not_at_the_next_log_step(tmp_p
     model, cfg = configs(steps=200)
     cfg = cfg.model_copy(update={"checkpoint_every": 150, "log_every": 50, "eval_every": 200})
     resources = ResourcesConfig(hosts=2, cpus_per_host=1)
-    data = functools.partial(kjv_data, cfg.batch_size, model.seq_len)
-
-    def stop_at_50(record: dict) -> None:
-        if record["step"] == 50:
-            local_ray.stopping.set()
-
-    try:
-        with pytest.raises(local_ray.Stopped, match=r"stopped at step \d+, its checkpoint saved there") as stopped:
-            launch_training(model, cfg, resources, data, tmp_path / "work", tmp_path / "out", on_metrics=stop_at_50,
-                            hooks=(slowed_more,))
-    finally:
-        local_ray.stopping.clear()
-    at = int(re.search(r"stopped at step (\d+)", str(stopped.value)).group(1))
+    at = stopped_at(tmp_path, model, cfg, resources, functools.partial(kjv_data, cfg.batch_size, model.seq_len),
+                    50, 0.4)
     assert 50 < at < 100, at  # agreed between log steps
     assert sorted(p.name for p in (tmp_path / "work" / "checkpoints").iterdir()) == [str(at)]
 

@@ -213,7 +213,7 @@ class StopAgreement:
         if step < self.next:
             return False
         now = time.monotonic()
-        per_step = (now - self.asked[1]) / max(step - self.asked[0], 1)  # process 0's is the one that counts
+        per_step = max(now - self.asked[1], 1e-6) / max(step - self.asked[0], 1)  # process 0's is the one that counts
         ahead = int(min(self.log_every, max(1, self.within_s // per_step)))
         stop, ahead = multihost_utils.broadcast_one_to_all(np.array([self.stop_requested(), ahead], np.int32))
         self.next, self.asked = step + int(ahead), (step, now)
