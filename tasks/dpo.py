@@ -3,11 +3,11 @@
 Inputs: `model` (an sft step output: it is both the starting point and the frozen reference),
 `tokenizer`, `pairs` (a chat_data step output). Each pair becomes two rows, prompt + chosen and
 prompt + rejected, with the loss mask on the answer; the reference's log-probabilities are
-computed once on the training's hosts and mesh, a microbatch at a time (training.posttrain.open_rows),
-before the first step. Training is the pretraining
-loop with the DPO objective (beta from the config): same step, checkpoints, resume, Ray launch
-and output layout. Its metrics add the reward margin (beta times the chosen-minus-rejected log
-ratio) and the accuracy (margin > 0) per log interval.
+computed once, before the first step, on the training's hosts and mesh a microbatch at a time
+(training.posttrain.open_rows). Training is the pretraining loop with the DPO objective (beta
+from the config): same step, checkpoints, resume, Ray launch and output layout. Its metrics add
+the reward margin (beta times the chosen-minus-rejected log ratio) and the accuracy (margin > 0)
+per log interval.
 
 Rejected answers: `rejected: pairs` takes the chat data's pairs as they are (the default run's:
 a continuation from another held-out document). `rejected: generated` keeps their prompts and

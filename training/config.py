@@ -670,11 +670,10 @@ class ResourcesConfig(ConfigModel):
     stop_grace_s: Count = setting(60, description="Seconds the hosts get, once the run is told to stop (Ctrl-C, "
                                   "SIGTERM, a batch scheduler's warning), to checkpoint the step they are at (with "
                                   "several hosts, agreed within about 10 s: give at least one step's time and 10 s "
-                                  "more) before "
-                                  "they are cancelled where they are and the rerun resumes from the last periodic "
-                                  "checkpoint. Raise it for a large model's checkpoint; keep it below what the job is "
-                                  "given after its stop signal (Slurm's KillWait or the seconds of --signal=USR1@N, "
-                                  "systemd's TimeoutStopSec).")
+                                  "more) before they are cancelled where they are and the rerun resumes from the last "
+                                  "periodic checkpoint. Raise it for a large model's checkpoint; keep it below what "
+                                  "the job is given after its stop signal (Slurm's KillWait or the seconds of "
+                                  "--signal=USR1@N, systemd's TimeoutStopSec).")
     connect_timeout_s: Count = setting(120, description="Seconds a host waits to join the others (JAX's "
                                        "coordinator on host 0's node) before the step fails with an error naming the "
                                        "host and the address it tried.")
